@@ -1,0 +1,1 @@
+"""Kernels: Triton on CUDA tensors, the torch reference elsewhere, behind one set of calls."""

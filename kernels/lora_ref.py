@@ -1,0 +1,131 @@
+"""Torch reference of the multi-LoRA kernels, reading adapters in place from the page pool.
+
+It is the numerical reference for the Triton kernels in tests (call it on float64 inputs) and the
+CPU serving path (float32). Geometry: kernels/lora_layout.py. The calls, shared with the Triton
+launchers in kernels/lora.py:
+
+    h = lora_shrink(x, pool_layer, index, tokens, modules, max_rank)
+    lora_expand(y, h, pool_layer, index, tokens, modules, out_widths)
+
+``modules`` lists module ids (lora_layout.Q ...) that share the input ``x``: (Q, K, V) for the
+attention input, (GATE, UP) for the MLP input, (O,) and (DOWN,) alone. ``h[:, s]`` is slice s's
+shrunk activation; ``y`` holds the slices' outputs side by side, widths ``out_widths``, and gets
+``scale * h[:, s, :rank] @ Bᵀ`` added in place.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from kernels.lora_layout import chunks
+
+
+class LoraIndex(NamedTuple):
+    """Resident adapters, one row each (the adapter's LoRA index row). Fixed capacity."""
+
+    slot_table: torch.Tensor  # [N, C] int32: pool slot of each slot-table position
+    ranks: torch.Tensor  # [N, 7] int32: module rank, 0 = module not targeted
+    a_offsets: torch.Tensor  # [N, 7] int32: slot-table position of the module's first A chunk
+    b_offsets: torch.Tensor  # [N, 7] int32: slot-table position of the module's first Bᵀ chunk
+    scales: torch.Tensor  # [N, 7] float32: lora_alpha / r (or / sqrt(r) with rslora)
+
+
+class LoraTokens(NamedTuple):
+    """Which adapter each token of a step uses. Tokens of one adapter may be scattered
+    (decode) or form runs (prefill); the segments describe the runs, in token order."""
+
+    token_lora: torch.Tensor  # [T] int32: LoraIndex row of each token, -1 = base model only
+    seg_starts: torch.Tensor  # [G + 1] int32: segment g covers tokens seg_starts[g]:seg_starts[g+1]
+    seg_lora: torch.Tensor  # [G] int32: LoraIndex row of segment g, -1 = base model only
+
+
+def make_lora_tokens(token_lora: torch.Tensor, capacity: int | None = None) -> LoraTokens:
+    """Build LoraTokens from per-token rows; pads to ``capacity`` segments with empty ones."""
+    t = token_lora.numel()
+    tl = token_lora.to(torch.int32)
+    if t == 0:
+        starts = [0]
+        rows: list[int] = []
+    else:
+        change = torch.nonzero(tl[1:] != tl[:-1]).flatten() + 1
+        starts = [0, *change.tolist()]
+        rows = tl[torch.tensor(starts, dtype=torch.long)].tolist()
+        starts.append(t)
+    g = len(rows)
+    if capacity is not None:
+        if g > capacity:
+            raise ValueError(f"{g} segments exceed the capacity {capacity}")
+        starts += [t] * (capacity - g)
+        rows += [-1] * (capacity - g)
+    dev = token_lora.device
+    return LoraTokens(
+        tl,
+        torch.tensor(starts, dtype=torch.int32, device=dev),
+        torch.tensor(rows, dtype=torch.int32, device=dev),
+    )
+
+
+def _gather(pool_layer: torch.Tensor, half: int, table: torch.Tensor, off: int, rank: int, dim: int):
+    width = pool_layer.shape[-1]
+    n = chunks(dim, width)
+    slots = table[off : off + rank * n].long()
+    rows = pool_layer[half, slots]  # [rank * n, W]
+    return rows.reshape(rank, n * width)[:, :dim]  # [rank, dim]
+
+
+def _adapters(tokens: LoraTokens) -> list[tuple[int, torch.Tensor]]:
+    rows = tokens.token_lora.long()
+    out = []
+    for a in torch.unique(rows).tolist():
+        if a >= 0:
+            out.append((a, torch.nonzero(rows == a).flatten()))
+    return out
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    pool_layer: torch.Tensor,
+    index: LoraIndex,
+    tokens: LoraTokens,
+    modules: tuple[int, ...],
+    max_rank: int,
+) -> torch.Tensor:
+    """h[t, s, :r] = x[t] · A_s(t)ᵀ for each slice s; zero elsewhere. x: [T, d_in]."""
+    t, d_in = x.shape
+    h = torch.zeros(t, len(modules), max_rank, dtype=x.dtype, device=x.device)
+    for a, idx in _adapters(tokens):
+        table = index.slot_table[a]
+        for s, m in enumerate(modules):
+            r = int(index.ranks[a, m])
+            if r == 0:
+                continue
+            w_a = _gather(pool_layer, 0, table, int(index.a_offsets[a, m]), r, d_in)
+            h[idx, s, :r] = x[idx] @ w_a.to(x.dtype).t()
+    return h
+
+
+def lora_expand(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    pool_layer: torch.Tensor,
+    index: LoraIndex,
+    tokens: LoraTokens,
+    modules: tuple[int, ...],
+    out_widths: tuple[int, ...],
+) -> None:
+    """y[t, slice s] += scale_s(t) · h[t, s, :r] · B_s(t)ᵀ, in place. y: [T, sum(out_widths)]."""
+    if y.shape[1] != sum(out_widths):
+        raise ValueError(f"y has {y.shape[1]} columns, slices need {sum(out_widths)}")
+    for a, idx in _adapters(tokens):
+        table = index.slot_table[a]
+        col = 0
+        for s, m in enumerate(modules):
+            d_out = out_widths[s]
+            r = int(index.ranks[a, m])
+            if r:
+                w_bt = _gather(pool_layer, 1, table, int(index.b_offsets[a, m]), r, d_out)
+                delta = (h[idx, s, :r] @ w_bt.to(h.dtype)) * index.scales[a, m].to(h.dtype)
+                y[idx, col : col + d_out] += delta.to(y.dtype)
+            col += d_out
