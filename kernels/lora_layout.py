@@ -81,7 +81,9 @@ def write_module(
     r_l, d_in = lora_a.shape
     d_out = lora_b.shape[0]
     if r_l > place.rank or lora_b.shape[1] != r_l:
-        raise ValueError(f"A {tuple(lora_a.shape)} and B {tuple(lora_b.shape)} do not fit rank {place.rank}")
+        raise ValueError(
+            f"A {tuple(lora_a.shape)} and B {tuple(lora_b.shape)} do not fit rank {place.rank}"
+        )
     a_pad = torch.zeros(place.rank, place.in_chunks * width, dtype=pool.dtype, device=pool.device)
     a_pad[:r_l, :d_in] = lora_a
     b_pad = torch.zeros(place.rank, place.out_chunks * width, dtype=pool.dtype, device=pool.device)
@@ -92,7 +94,12 @@ def write_module(
 
 
 def read_module(
-    pool: torch.Tensor, layer: int, slots: torch.Tensor, place: ModulePlacement, d_in: int, d_out: int
+    pool: torch.Tensor,
+    layer: int,
+    slots: torch.Tensor,
+    place: ModulePlacement,
+    d_in: int,
+    d_out: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of write_module: (A ``[rank, d_in]``, Bᵀ ``[rank, d_out]``) as views into a gather."""
     width = pool.shape[-1]

@@ -67,7 +67,9 @@ def make_lora_tokens(token_lora: torch.Tensor, capacity: int | None = None) -> L
     )
 
 
-def _gather(pool_layer: torch.Tensor, half: int, table: torch.Tensor, off: int, rank: int, dim: int):
+def _gather(
+    pool_layer: torch.Tensor, half: int, table: torch.Tensor, off: int, rank: int, dim: int
+):
     width = pool_layer.shape[-1]
     n = chunks(dim, width)
     slots = table[off : off + rank * n].long()
@@ -129,3 +131,18 @@ def lora_expand(
                 delta = (h[idx, s, :r] @ w_bt.to(h.dtype)) * index.scales[a, m].to(h.dtype)
                 y[idx, col : col + d_out] += delta.to(y.dtype)
             col += d_out
+
+
+def lora_apply(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    pool_layer: torch.Tensor,
+    index: LoraIndex,
+    tokens: LoraTokens,
+    modules: tuple[int, ...],
+    out_widths: tuple[int, ...],
+    max_rank: int,
+) -> None:
+    """The model's LoRA hook: y[:, slices] += scale · x · Aᵀ · Bᵀ for every token's adapter."""
+    h = lora_shrink(x, pool_layer, index, tokens, modules, max_rank)
+    lora_expand(y, h, pool_layer, index, tokens, modules, out_widths)
