@@ -11,8 +11,8 @@ in half 1. Row ``j``, chunk ``c`` of module ``m`` lives at
 
 with zeros past ``d_in`` / ``d_out`` in a module's last chunk. The A chunks of all modules follow
 each other in module order, and so do the Bᵀ chunks, so an adapter needs
-``max(sum r*chunks(d_in), sum r*chunks(d_out))`` slots. A module's rank is the largest rank it has in
-any layer; rows past a layer's own rank are zero, so they add nothing.
+``max(sum r*chunks(d_in), sum r*chunks(d_out))`` slots. A module's rank is the largest rank it has
+in any layer; rows past a layer's own rank are zero, so they add nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 # Module ids: the order of the LoRA index's columns and of an adapter's chunks.
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MODULE_ID = {name: i for i, name in enumerate(MODULES)}
-Q, K, V, O, GATE, UP, DOWN = range(7)
+Q, K, V, O, GATE, UP, DOWN = range(7)  # noqa: E741 (the projections' own names)
 NUM_MODULES = len(MODULES)
 
 
@@ -49,7 +49,7 @@ class AdapterPlan(NamedTuple):
 def plan_adapter(
     ranks: dict[int, int], dims: dict[int, tuple[int, int]], width: int
 ) -> AdapterPlan:
-    """Lay out an adapter's modules. ``ranks[m]`` is module m's rank, ``dims[m] = (d_in, d_out)``."""
+    """Lay out an adapter: ``ranks[m]`` is module m's rank, ``dims[m]`` its (d_in, d_out)."""
     placements: list[ModulePlacement | None] = [None] * NUM_MODULES
     a_total = b_total = 0
     for m in range(NUM_MODULES):
@@ -101,7 +101,7 @@ def read_module(
     d_in: int,
     d_out: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of write_module: (A ``[rank, d_in]``, Bᵀ ``[rank, d_out]``) as views into a gather."""
+    """Inverse of write_module: (A ``[rank, d_in]``, Bᵀ ``[rank, d_out]``), gathered."""
     width = pool.shape[-1]
     n_a, n_b = place.rank * place.in_chunks, place.rank * place.out_chunks
     a = pool[layer, 0, slots[place.a_offset : place.a_offset + n_a]]  # [rank*cin, W]
