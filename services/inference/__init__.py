@@ -1,0 +1,1 @@
+"""The inference service: continuous-batching engine, model runner and gRPC front end."""

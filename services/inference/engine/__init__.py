@@ -1,0 +1,1 @@
+"""Engine internals: scheduler, page pool, adapter manager, model runner, sampling."""
