@@ -1,0 +1,116 @@
+"""A reusable arena of host memory for adapter bytes, pinned when the engine runs on CUDA.
+
+One buffer is allocated (and pinned) once at start-up; adapters fetched from the store are
+written straight into contiguous blocks of it, and the engine copies from there to the page pool
+with asynchronous host-to-device copies, which need page-locked memory to overlap with compute.
+Pinning is slow (hundreds of milliseconds per GiB) and a pinned allocation per adapter would
+fragment the driver's page-locked memory, hence one arena with its own allocator.
+
+The allocator is pure host-side bookkeeping: a list of free ranges sorted by offset, first fit,
+neighbours coalesced on free. Every block starts on an ALIGN-byte boundary so that tensors of
+any supported dtype can be viewed in place.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import NamedTuple
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096  # block granularity: page-aligned for DMA, a multiple of every dtype's size
+
+
+class ArenaBlock(NamedTuple):
+    offset: int  # bytes from the start of the arena; a multiple of ALIGN
+    size: int  # bytes requested (the block reserves size rounded up to ALIGN)
+
+    @property
+    def reserved(self) -> int:
+        return _round_up(self.size)
+
+
+class ArenaStats(NamedTuple):
+    capacity: int
+    used: int
+    largest_free: int
+    blocks: int
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class HostArena:
+    """Contiguous blocks of one preallocated host buffer. Not thread-safe: one owner (the
+    service's event loop) allocates and frees; readers only view blocks they were given."""
+
+    def __init__(self, capacity: int, pin: bool) -> None:
+        if capacity <= 0:
+            raise ValueError(f"arena capacity must be positive, got {capacity} bytes")
+        capacity = _round_up(capacity)
+        self.pinned = pin
+        self.buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
+        # Free ranges (offset, size), sorted by offset, never adjacent (coalesced).
+        self._free: list[tuple[int, int]] = [(0, capacity)]
+        self._live: dict[int, int] = {}  # offset -> reserved size of each allocated block
+        log.info("host arena: %.1f MiB%s", capacity / 2**20, " pinned" if pin else "")
+
+    @property
+    def capacity(self) -> int:
+        return self.buffer.numel()
+
+    def alloc(self, size: int) -> ArenaBlock | None:
+        """First-fit block of ``size`` bytes, or None when no free range is large enough."""
+        if size <= 0:
+            raise ValueError(f"block size must be positive, got {size}")
+        need = _round_up(size)
+        for i, (off, free) in enumerate(self._free):
+            if free >= need:
+                if free == need:
+                    del self._free[i]
+                else:
+                    self._free[i] = (off + need, free - need)
+                self._live[off] = need
+                return ArenaBlock(off, size)
+        return None
+
+    def free(self, block: ArenaBlock) -> None:
+        need = self._live.pop(block.offset, None)
+        if need is None or need != block.reserved:
+            raise ValueError(f"block at offset {block.offset} is not allocated in this arena")
+        i = bisect.bisect_left(self._free, (block.offset, 0))
+        off, size = block.offset, need
+        if i < len(self._free) and self._free[i][0] == off + size:  # merge with the next range
+            size += self._free.pop(i)[1]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == off:  # and the previous one
+            prev_off, prev_size = self._free.pop(i - 1)
+            off, size, i = prev_off, prev_size + size, i - 1
+        self._free.insert(i, (off, size))
+
+    def tensor(self, block: ArenaBlock) -> torch.Tensor:
+        """The block's bytes as a uint8 tensor sharing the arena's (pinned) memory."""
+        return self.buffer[block.offset : block.offset + block.size]
+
+    def view(self, block: ArenaBlock) -> memoryview:
+        """A writable memoryview of the block (no copy)."""
+        return memoryview(self.tensor(block).numpy()).cast("B")
+
+    def stats(self) -> ArenaStats:
+        used = sum(self._live.values())
+        largest = max((s for _, s in self._free), default=0)
+        return ArenaStats(self.capacity, used, largest, len(self._live))
+
+    def check_integrity(self) -> None:
+        """Free and live ranges tile the buffer exactly once; raises AssertionError if not."""
+        ranges = sorted([*self._free, *self._live.items()])
+        pos = 0
+        for off, size in ranges:
+            assert off == pos, f"arena gap or overlap at offset {pos} (next range at {off})"
+            pos += size
+        assert pos == self.capacity, f"arena ranges cover {pos} of {self.capacity} bytes"
+        for (a, sa), (b, _) in zip(self._free, self._free[1:], strict=False):
+            assert a + sa < b, f"free ranges at {a} and {b} are not coalesced"

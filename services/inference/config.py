@@ -1,0 +1,170 @@
+"""ServiceConfig: every setting of the inference service, from flags and environment variables.
+
+This is the one place that reads the environment. Each flag has a variable,
+LORAFLEET_INFERENCE_<FLAG> (e.g. LORAFLEET_INFERENCE_ADAPTER_STORE for --adapter-store); a flag
+on the command line wins over its variable. The log level also honours LORAFLEET_LOG_LEVEL, which
+the whole stack shares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+ENV_PREFIX = "LORAFLEET_INFERENCE_"
+DEVICES = ("cpu", "cuda", "auto")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    model: Path
+    adapter_store: str | None = None  # HOST:PORT; None = base model only
+    host: str = "127.0.0.1"
+    port: int = 50052
+    device: str = "auto"
+    metrics_port: int | None = None  # None = no metrics endpoint
+    max_queue: int = 256  # requests waiting (for an adapter or a batch slot) before refusals
+    max_num_seqs: int = 64  # requests in the running batch at once
+    num_pages: int | None = None  # page pool size; None = derived from pool_memory_mb
+    pool_memory_mb: int | None = None  # page pool budget; None = the engine's default
+    max_loras: int = 32  # adapters resident in the page pool at once
+    max_lora_rank: int = 128
+    host_cache_mb: int = 1024  # host cache (pinned on CUDA) for adapters' bytes
+    store_timeout_s: float = 10.0  # deadline of a store lookup (GetAdapter)
+    fetch_timeout_s: float = 120.0  # deadline of one adapter fetch
+    shutdown_grace_s: float = 5.0  # in-flight streams may finish within this after SIGTERM
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not str(self.model):
+            raise ValueError("--model is required: a Hugging Face-format model directory")
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        object.__setattr__(self, "log_level", self.log_level.upper())
+        object.__setattr__(self, "model", Path(self.model))
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"--{_flag(name)} must be a TCP port (0..65535), got {value}")
+        if self.adapter_store is not None:
+            host, sep, port = self.adapter_store.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"--adapter-store must be HOST:PORT, got {self.adapter_store!r}")
+        for name in ("max_queue", "max_num_seqs", "max_loras", "max_lora_rank", "host_cache_mb"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
+        for name in ("num_pages", "pool_memory_mb"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{_flag(name)} must be at least 1, got {value}")
+        for name in ("store_timeout_s", "fetch_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"--shutdown-grace-s must be >= 0, got {self.shutdown_grace_s}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def host_cache_bytes(self) -> int:
+        return self.host_cache_mb * 2**20
+
+    @classmethod
+    def from_args(
+        cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+    ) -> ServiceConfig:
+        """Parses flags over environment defaults. Errors exit with argparse's usage message."""
+        env = os.environ if environ is None else environ
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        values = {}
+        for f in fields(cls):
+            flag_value = getattr(args, f.name)
+            if flag_value is not None:
+                values[f.name] = flag_value
+                continue
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is None and f.name == "log_level":
+                raw = env.get("LORAFLEET_LOG_LEVEL")
+            if raw is not None:
+                values[f.name] = _convert(f.name, raw, parser)
+        if "model" not in values:
+            parser.error(f"--model is required (or set {ENV_PREFIX}MODEL)")
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            parser.error(str(exc))
+            raise  # unreachable: parser.error exits
+
+
+_TYPES = {
+    "model": Path,
+    "port": int,
+    "metrics_port": int,
+    "max_queue": int,
+    "max_num_seqs": int,
+    "num_pages": int,
+    "pool_memory_mb": int,
+    "max_loras": int,
+    "max_lora_rank": int,
+    "host_cache_mb": int,
+    "store_timeout_s": float,
+    "fetch_timeout_s": float,
+    "shutdown_grace_s": float,
+}
+
+_HELP = {
+    "model": "Hugging Face-format model directory (config.json, safetensors, tokenizer.json)",
+    "adapter_store": "adapter store address HOST:PORT (without it, only the base model serves)",
+    "host": "address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)",
+    "port": "gRPC port (default 50052)",
+    "device": "cpu, cuda or auto (cuda when a GPU is visible)",
+    "metrics_port": "serve Prometheus metrics over HTTP on this port",
+    "max_queue": "requests allowed to wait before new ones get RESOURCE_EXHAUSTED (default 256)",
+    "max_num_seqs": "requests in the running batch at once (default 64)",
+    "num_pages": "pages in the unified KV/adapter pool (default: from --pool-memory-mb)",
+    "pool_memory_mb": "memory for the unified page pool in MiB (default: the engine's choice)",
+    "max_loras": "adapters resident in the page pool at once (default 32)",
+    "max_lora_rank": "largest adapter rank accepted (default 128)",
+    "host_cache_mb": "host cache for adapters in MiB, pinned on CUDA (default 1024)",
+    "store_timeout_s": "deadline in seconds of an adapter lookup in the store (default 10)",
+    "fetch_timeout_s": "deadline in seconds of one adapter download (default 120)",
+    "shutdown_grace_s": "seconds in-flight streams may finish after SIGTERM (default 5)",
+    "log_level": "DEBUG, INFO, WARNING or ERROR (also LORAFLEET_LOG_LEVEL)",
+}
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _convert(name: str, raw: str, parser: argparse.ArgumentParser):
+    kind = _TYPES.get(name, str)
+    try:
+        return kind(raw)
+    except ValueError:
+        parser.error(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {kind.__name__}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m services.inference",
+        description="lorafleet inference service: gRPC token streaming over one base model "
+        "and many LoRA adapters fetched from the adapter store.",
+        epilog=f"Every flag can also be set with {ENV_PREFIX}<FLAG>, e.g. "
+        f"{ENV_PREFIX}ADAPTER_STORE=localhost:50051.",
+    )
+    for f in fields(ServiceConfig):
+        kwargs: dict = {"default": None, "help": _HELP[f.name], "type": _TYPES.get(f.name, str)}
+        if f.name == "device":
+            kwargs["choices"] = DEVICES
+        parser.add_argument("--" + _flag(f.name), dest=f.name, **kwargs)
+    return parser

@@ -1,0 +1,125 @@
+"""Prometheus metrics of the inference service, served over HTTP on --metrics-port.
+
+Latencies are observed as they happen (histograms); levels and totals that the engine and the
+adapter registry already count are read from one StatsSnapshot at scrape time, so GetStats and
+the metrics endpoint never disagree.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from services.inference.service_stats import StatsSnapshot
+
+log = logging.getLogger(__name__)
+
+# Seconds: decode steps are milliseconds on a GPU and tens of milliseconds on a CPU.
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _SnapshotCollector(Collector):
+    def __init__(self, snapshot: Callable[[], StatsSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator:
+        s = self._snapshot()
+        yield GaugeMetricFamily(
+            "lorafleet_queue_depth",
+            "Requests waiting for a batch slot or an adapter",
+            value=s.queued + s.waiting_for_adapter,
+        )
+        yield GaugeMetricFamily(
+            "lorafleet_running_requests", "Requests in the running batch", value=s.running
+        )
+        yield GaugeMetricFamily(
+            "lorafleet_tokens_per_second",
+            "Generated tokens per second, recent window",
+            value=s.tokens_per_second,
+        )
+        yield CounterMetricFamily(
+            "lorafleet_generated_tokens", "Generated tokens since start", value=s.generated_tokens
+        )
+        pages = GaugeMetricFamily(
+            "lorafleet_pool_pages", "Pages of the unified pool by use", labels=["kind"]
+        )
+        pages.add_metric(["kv"], s.kv_pages)
+        pages.add_metric(["adapter"], s.adapter_pages)
+        pages.add_metric(["free"], s.free_pages)
+        yield pages
+        yield GaugeMetricFamily(
+            "lorafleet_adapters_in_pool",
+            "Adapters resident in the page pool",
+            value=s.adapters_in_pool,
+        )
+        host = GaugeMetricFamily(
+            "lorafleet_host_cache_bytes", "Host cache of adapter bytes", labels=["kind"]
+        )
+        host.add_metric(["used"], s.host_used_bytes)
+        host.add_metric(["capacity"], s.host_capacity_bytes)
+        yield host
+        evictions = CounterMetricFamily(
+            "lorafleet_adapter_evictions", "Adapter evictions by tier", labels=["tier"]
+        )
+        evictions.add_metric(["gpu"], s.evictions_gpu)
+        evictions.add_metric(["host"], s.evictions_host)
+        yield evictions
+
+
+class ServiceMetrics:
+    """The service's metrics in their own registry (several services may share a process)."""
+
+    def __init__(self, snapshot: Callable[[], StatsSnapshot]) -> None:
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram(
+            "lorafleet_time_to_first_token_seconds",
+            "Generate call to its first token",
+            buckets=_TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token = Histogram(
+            "lorafleet_inter_token_latency_seconds",
+            "Time between a request's tokens",
+            buckets=_TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.adapter_load = Histogram(
+            "lorafleet_adapter_load_seconds",
+            "Adapter load phases: fetch (store to host), copy (host to pool), total (request "
+            "to ready)",
+            labelnames=["phase"],
+            buckets=_LOAD_BUCKETS,
+            registry=self.registry,
+        )
+        self.adapter_loads = Counter(
+            "lorafleet_adapter_loads",
+            "Adapter loads by where the bytes came from",
+            labelnames=["source"],
+            registry=self.registry,
+        )
+        self.requests = Counter(
+            "lorafleet_requests",
+            "Finished Generate calls by status code",
+            labelnames=["code"],
+            registry=self.registry,
+        )
+        self.registry.register(_SnapshotCollector(snapshot))
+        self._server = None
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Starts the HTTP endpoint in a daemon thread; returns the bound port."""
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        bound = self._server.server_address[1]
+        log.info("metrics on http://%s:%d/metrics", host, bound)
+        return bound
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

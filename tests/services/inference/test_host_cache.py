@@ -1,0 +1,117 @@
+"""The host arena's allocator and the byte-bounded LRU host cache (pure host-side code)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.inference.arena import ALIGN, ArenaBlock, HostArena
+from services.inference.host_cache import HostCache, HostCacheFull
+
+
+def test_arena_first_fit_and_coalescing():
+    arena = HostArena(8 * ALIGN, pin=False)
+    a = arena.alloc(ALIGN)
+    b = arena.alloc(2 * ALIGN + 1)  # rounds up to three pages
+    c = arena.alloc(ALIGN)
+    assert (a.offset, b.offset, c.offset) == (0, ALIGN, 4 * ALIGN)
+    assert arena.alloc(4 * ALIGN) is None  # only three pages left
+    arena.free(b)
+    assert arena.alloc(4 * ALIGN) is None  # free ranges 3 + 3 pages, not contiguous
+    arena.free(c)  # coalesces with b's range and the tail: 7 pages
+    assert arena.stats().largest_free == 7 * ALIGN
+    big = arena.alloc(7 * ALIGN)
+    assert big.offset == ALIGN
+    arena.free(a)
+    arena.free(big)
+    arena.check_integrity()
+    assert arena.stats().used == 0 and arena.stats().largest_free == 8 * ALIGN
+
+
+def test_arena_rejects_bad_frees_and_sizes():
+    arena = HostArena(4 * ALIGN, pin=False)
+    block = arena.alloc(100)
+    arena.free(block)
+    with pytest.raises(ValueError, match="not allocated"):
+        arena.free(block)
+    with pytest.raises(ValueError, match="not allocated"):
+        arena.free(ArenaBlock(ALIGN, 10))
+    with pytest.raises(ValueError, match="positive"):
+        arena.alloc(0)
+    with pytest.raises(ValueError, match="positive"):
+        HostArena(0, pin=False)
+
+
+def test_arena_views_share_memory():
+    arena = HostArena(4 * ALIGN, pin=False)
+    block = arena.alloc(10)
+    arena.view(block)[:] = bytes(range(10))
+    assert arena.tensor(block).tolist() == list(range(10))
+    assert bytes(arena.buffer[block.offset : block.offset + 10].numpy()) == bytes(range(10))
+
+
+def test_arena_random_alloc_free_keeps_integrity():
+    rng = random.Random(7)
+    arena = HostArena(64 * ALIGN, pin=False)
+    live: list[ArenaBlock] = []
+    for _ in range(2000):
+        if live and rng.random() < 0.5:
+            arena.free(live.pop(rng.randrange(len(live))))
+        else:
+            block = arena.alloc(rng.randint(1, 6 * ALIGN))
+            if block is not None:
+                live.append(block)
+        arena.check_integrity()
+    spans = sorted((b.offset, b.offset + b.reserved) for b in live)
+    assert all(e <= s for (_, e), (s, _) in zip(spans, spans[1:], strict=False))
+    for block in live:
+        arena.free(block)
+    assert arena.stats() == (64 * ALIGN, 0, 64 * ALIGN, 0)
+
+
+def _fill(cache: HostCache, key: str, nbytes: int) -> None:
+    block = cache.reserve(nbytes)
+    cache.arena.view(block)[:] = bytes([len(key)]) * nbytes
+    cache.put(key, block, "{}")
+
+
+def test_cache_evicts_least_recently_used_first():
+    evicted: list[str] = []
+    cache = HostCache(HostArena(4 * ALIGN, pin=False), on_evict=evicted.append)
+    for key in ("a", "b", "c", "d"):
+        _fill(cache, key, ALIGN)
+    assert cache.get("a") is not None  # a becomes the most recent; b is now the oldest
+    _fill(cache, "e", 2 * ALIGN)
+    assert evicted == ["b", "c"]
+    assert set(cache.keys()) == {"a", "d", "e"}
+    assert cache.stats().used_bytes == 4 * ALIGN and cache.stats().evictions == 2
+    cache.arena.check_integrity()
+
+
+def test_cache_never_evicts_held_entries():
+    cache = HostCache(HostArena(3 * ALIGN, pin=False))
+    for key in ("a", "b", "c"):
+        _fill(cache, key, ALIGN)
+    cache.hold("a")
+    cache.hold("b")
+    _fill(cache, "d", ALIGN)  # evicts c, the only idle entry
+    assert set(cache.keys()) == {"a", "b", "d"}
+    cache.hold("d")
+    with pytest.raises(HostCacheFull, match="held"):
+        cache.reserve(ALIGN)
+    assert not cache.remove("a")  # held
+    cache.release("a")
+    assert cache.remove("a")
+    with pytest.raises(ValueError, match="not held"):
+        cache.release("a")
+    with pytest.raises(HostCacheFull, match="larger than the host cache"):
+        cache.reserve(4 * ALIGN)
+
+
+def test_cache_discard_returns_a_failed_fetch_block():
+    cache = HostCache(HostArena(2 * ALIGN, pin=False))
+    block = cache.reserve(2 * ALIGN)
+    cache.discard(block)
+    assert cache.stats().used_bytes == 0 and len(cache) == 0
+    cache.arena.check_integrity()
