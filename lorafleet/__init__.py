@@ -1,0 +1,1 @@
+"""lorafleet: multi-tenant LoRA serving."""

@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC code of the lorafleet.v1 API (make proto); do not edit."""
