@@ -45,7 +45,7 @@ LORA_MODULES = ATTN_MODULES + MLP_MODULES
 # Target std of the logits (lm_head std = LOGIT_SCALE / sqrt(hidden) on a unit-RMS input).
 LOGIT_SCALE = 4.0
 # A LoRA delta is drawn to be about this fraction of the base projection's output.
-LORA_STRENGTH = 0.5
+LORA_STRENGTH = 0.75
 
 # The tokenizer's training text: prose, code and multi-byte UTF-8 (accents, CJK, emoji), so
 # that merges cover common English and some characters span several byte-level tokens.

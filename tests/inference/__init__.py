@@ -1,0 +1,1 @@
+"""Tests of services.inference: tiny models, tokenizer, sampling, engine."""
