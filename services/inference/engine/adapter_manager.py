@@ -1,0 +1,278 @@
+"""AdapterManager: where each adapter lives (host, loading, in the pool) and its LoRA index row.
+
+States, one per adapter:
+    HOST     weights in host memory only (pinned on CUDA)
+    LOADING  pool pages and an index row taken; the host->pool copy was issued (on CUDA on a
+             side stream, completion marked by an event)
+    IN_POOL  the copy completed: requests using the adapter may join a step
+begin_load() moves HOST -> LOADING, poll_loads() LOADING -> IN_POOL once the copy is done (on CPU
+at once), evict moves IN_POOL -> HOST. The scheduler admits a request only when its adapter is
+IN_POOL, so a load never stalls the requests already running.
+
+Invariant: an adapter with refs > 0 (a request that uses it is queued or running) is never
+evicted by evict_idle(). Only evict_for_stall() may take one that queued requests are waiting
+for, and only when nothing runs and the head of the queue cannot start otherwise.
+
+Threads: add/remove/acquire/release/contains may be called from any thread (the engine's API);
+everything that touches the pool runs on the engine's step thread. One lock guards the table.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from kernels import LoraIndex
+from kernels.lora_layout import NUM_MODULES, write_module
+from services.inference.engine.errors import UnknownAdapter
+from services.inference.engine.host_adapter import HostAdapter
+from services.inference.engine.page_pool import PagePool, pages_needed
+
+log = logging.getLogger(__name__)
+
+
+class AdapterState(enum.Enum):
+    HOST = "host"
+    LOADING = "loading"
+    IN_POOL = "in_pool"
+
+
+@dataclass
+class AdapterEntry:
+    host: HostAdapter
+    state: AdapterState = AdapterState.HOST
+    refs: int = 0  # requests queued or running with this adapter
+    row: int | None = None  # LoRA index row while LOADING or IN_POOL
+    ready: torch.cuda.Event | None = None  # completion of the host->pool copy (CUDA only)
+    last_used: int = 0  # step clock of the latest step that used it (LRU)
+    removed: bool = False  # remove_adapter() was called; dropped once refs reach 0
+
+
+class AdapterManager:
+    def __init__(self, pool: PagePool, max_loras: int, slot_capacity: int) -> None:
+        self.pool = pool
+        dev = pool.tensor.device
+        self.index = LoraIndex(
+            slot_table=torch.zeros(max_loras, slot_capacity, dtype=torch.int32, device=dev),
+            ranks=torch.zeros(max_loras, NUM_MODULES, dtype=torch.int32, device=dev),
+            a_offsets=torch.zeros(max_loras, NUM_MODULES, dtype=torch.int32, device=dev),
+            b_offsets=torch.zeros(max_loras, NUM_MODULES, dtype=torch.int32, device=dev),
+            scales=torch.zeros(max_loras, NUM_MODULES, dtype=torch.float32, device=dev),
+        )
+        self.slot_capacity = slot_capacity
+        self._free_rows = list(range(max_loras - 1, -1, -1))
+        self._entries: dict[Hashable, AdapterEntry] = {}
+        self._lock = threading.Lock()
+        self._clock = 0
+        self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self.loads = self.evictions = 0
+
+    # --- any thread -------------------------------------------------------------------------
+
+    def pages_of(self, host: HostAdapter) -> int:
+        return pages_needed(host.plan.num_slots, self.pool.page_size)
+
+    def add(self, host: HostAdapter) -> bool:
+        """Register an adapter in host memory; False if the key is already registered."""
+        with self._lock:
+            if host.key in self._entries:
+                return False
+            self._entries[host.key] = AdapterEntry(host)
+            return True
+
+    def remove(self, key: Hashable) -> None:
+        """Forget the adapter: new requests cannot use it; its pages are freed by reap() once
+        the requests already using it are done."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.removed:
+                raise UnknownAdapter(f"adapter {key} is not loaded in this engine")
+            entry.removed = True
+            if entry.refs == 0 and entry.state is AdapterState.HOST:
+                del self._entries[key]
+
+    def acquire(self, key: Hashable) -> HostAdapter:
+        """Count one more request using ``key`` (UnknownAdapter if absent or removed)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.removed:
+                raise UnknownAdapter(f"adapter {key} is not loaded in this engine")
+            entry.refs += 1
+            return entry.host
+
+    def release(self, key: Hashable) -> None:
+        with self._lock:
+            entry = self._entries[key]
+            if entry.refs <= 0:
+                raise AssertionError(f"adapter {key} released more often than acquired")
+            entry.refs -= 1
+
+    def get(self, key: Hashable) -> HostAdapter | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            return None if entry is None or entry.removed else entry.host
+
+    def state_counts(self) -> dict[AdapterState, int]:
+        with self._lock:
+            counts = dict.fromkeys(AdapterState, 0)
+            for entry in self._entries.values():
+                counts[entry.state] += 1
+            return counts
+
+    # --- step thread ------------------------------------------------------------------------
+
+    def state(self, key: Hashable) -> AdapterState:
+        return self._entries[key].state
+
+    def row(self, key: Hashable) -> int:
+        row = self._entries[key].row
+        if row is None:
+            raise AssertionError(f"adapter {key} has no LoRA index row")
+        return row
+
+    def touch(self, keys: Iterable[Hashable]) -> None:
+        self._clock += 1
+        for key in keys:
+            self._entries[key].last_used = self._clock
+
+    def loads_in_flight(self) -> bool:
+        return any(e.state is AdapterState.LOADING for e in self._entries.values())
+
+    def begin_load(self, key: Hashable) -> bool:
+        """Take pages and a row (evicting idle adapters if that suffices) and issue the copy.
+        False when there is no room now; nothing is evicted then."""
+        with self._lock:
+            entry = self._entries[key]
+            if entry.state is not AdapterState.HOST:
+                return True
+            need = self.pages_of(entry.host)
+            idle = self._idle()
+            rows = len(self._free_rows) + len(idle)
+            if rows == 0 or self.pool.num_free + sum(self._pool_pages(k) for k in idle) < need:
+                return False
+            while not self._free_rows or self.pool.num_free < need:
+                self._evict(idle.pop(0))
+            entry.row = self._free_rows.pop()
+            slots = self.pool.allocate_adapter(key, entry.host.plan.num_slots)
+            entry.state = AdapterState.LOADING
+        self._write_row(entry.row, entry.host, slots)
+        entry.ready = self._copy_in(entry.host, slots)
+        self.loads += 1
+        return True
+
+    def poll_loads(self) -> None:
+        """LOADING -> IN_POOL for every load whose copy has completed (never blocks)."""
+        with self._lock:
+            for entry in self._entries.values():
+                if entry.state is AdapterState.LOADING and (
+                    entry.ready is None or entry.ready.query()
+                ):
+                    entry.state, entry.ready = AdapterState.IN_POOL, None
+
+    def evict_idle(self) -> bool:
+        """Evict the least recently used resident adapter that no request uses."""
+        with self._lock:
+            idle = self._idle()
+            if not idle:
+                return False
+            self._evict(idle[0])
+            return True
+
+    def evict_for_stall(self, keep: Hashable | None) -> bool:
+        """Evict the least recently used resident adapter other than ``keep`` even though queued
+        requests wait for it. Only for when nothing runs and the queue's head cannot start."""
+        with self._lock:
+            resident = sorted(
+                (k for k, e in self._entries.items() if e.state is AdapterState.IN_POOL),
+                key=lambda k: self._entries[k].last_used,
+            )
+            for key in resident:
+                if key != keep:
+                    log.warning("evicting adapter %s (queued requests wait for it) to unblock", key)
+                    self._evict(key)
+                    return True
+            return False
+
+    def reap(self) -> None:
+        """Drop removed adapters that no request uses any more, freeing their pages."""
+        with self._lock:
+            for key in [k for k, e in self._entries.items() if e.removed and e.refs == 0]:
+                entry = self._entries[key]
+                if entry.state is AdapterState.LOADING:
+                    continue  # the copy still reads the host tensors; next time
+                if entry.state is AdapterState.IN_POOL:
+                    self._evict(key)
+                del self._entries[key]
+
+    # --- internals (lock held, or step thread only) -----------------------------------------
+
+    def _idle(self) -> list[Hashable]:
+        """Resident adapters with no request, least recently used first."""
+        idle = [
+            k for k, e in self._entries.items() if e.state is AdapterState.IN_POOL and e.refs == 0
+        ]
+        return sorted(idle, key=lambda k: self._entries[k].last_used)
+
+    def _pool_pages(self, key: Hashable) -> int:
+        return self.pages_of(self._entries[key].host)
+
+    def _evict(self, key: Hashable) -> None:
+        entry = self._entries[key]
+        self.pool.free_adapter(key)
+        self.index.ranks[entry.row].zero_()  # a stale row must add nothing if it were read
+        self._free_rows.append(entry.row)
+        entry.state, entry.row = AdapterState.HOST, None
+        self.evictions += 1
+        log.debug("evicted adapter %s from the pool", key)
+
+    def _write_row(self, row: int, host: HostAdapter, slots: torch.Tensor) -> None:
+        idx = self.index
+        idx.slot_table[row].zero_()
+        idx.slot_table[row, : slots.numel()] = slots.to(torch.int32)
+        places = host.plan.placements
+        dev = idx.ranks.device
+        idx.ranks[row] = torch.tensor(host.ranks, dtype=torch.int32, device=dev)
+        idx.a_offsets[row] = torch.tensor(
+            [p.a_offset if p else 0 for p in places], dtype=torch.int32, device=dev
+        )
+        idx.b_offsets[row] = torch.tensor(
+            [p.b_offset if p else 0 for p in places], dtype=torch.int32, device=dev
+        )
+        idx.scales[row] = torch.tensor(host.scales, dtype=torch.float32, device=dev)
+
+    def _copy_in(self, host: HostAdapter, slots: torch.Tensor) -> torch.cuda.Event | None:
+        """Write every layer's A and B into the adapter's slots (zeros where a layer is not
+        targeted). On CUDA the copy runs on a side stream and returns its completion event."""
+        if self._stream is None:
+            self._write_all(host, slots)
+            return None
+        # The pages may have held KV that steps already queued on the main stream still read.
+        self._stream.wait_stream(torch.cuda.current_stream(slots.device))
+        slots.record_stream(self._stream)
+        with torch.cuda.stream(self._stream):
+            self._write_all(host, slots)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return event
+
+    def _write_all(self, host: HostAdapter, slots: torch.Tensor) -> None:
+        pool = self.pool.tensor
+        dev, dtype = pool.device, pool.dtype
+        for layer in range(self.pool.num_layers):
+            for m, place in enumerate(host.plan.placements):
+                if place is None:
+                    continue
+                pair = host.pairs.get((layer, m))
+                if pair is None:  # this layer is not transformed: write zero rows
+                    d_in, d_out = host.dims[m]
+                    a = torch.zeros(0, d_in, dtype=dtype, device=dev)
+                    b = torch.zeros(d_out, 0, dtype=dtype, device=dev)
+                else:
+                    a = pair.a.to(dev, non_blocking=True)
+                    b = pair.b.to(dev, non_blocking=True)
+                write_module(pool, layer, slots, place, a, b)

@@ -1,0 +1,82 @@
+"""The engine's public request and output types."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from services.inference.engine.sampling_params import SamplingParams
+
+
+class AdapterKey(NamedTuple):
+    """One immutable version of one adapter."""
+
+    adapter_id: str
+    version: int
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"  # max_new_tokens or the context window reached
+    STOP = "stop"  # a stop string or a stop token id
+    EOS = "eos"  # the model's end-of-sequence token
+    ABORT = "abort"  # abort(request_id) or the caller went away
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """Exactly one of ``prompt`` (text, tokenized by the engine) or ``prompt_token_ids``."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: Sequence[int] | None = None
+    adapter: AdapterKey | None = None  # None = the base model
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt and prompt_token_ids")
+        if self.prompt_token_ids is not None:
+            object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+        if self.adapter is not None and not isinstance(self.adapter, AdapterKey):
+            raise TypeError("adapter must be an AdapterKey or None")
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """One streamed update of one request: what is new since the previous update."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # tokens generated this step
+    text: str  # newly complete text (never a broken UTF-8 character, never a stop string)
+    finish_reason: FinishReason | None  # None while the request is still streaming
+    prompt_tokens: int
+    completion_tokens: int  # generated so far, this update included
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot taken after the latest step."""
+
+    num_running: int
+    num_waiting: int
+    num_pages: int
+    free_pages: int
+    kv_pages: int
+    adapter_pages: int
+    adapters_in_pool: int
+    adapters_loading: int
+    adapters_host: int
+    steps: int
+    computed_tokens: int  # tokens run through the model: prefill, decode and recomputation
+    generated_tokens: int
+    preemptions: int
+    adapter_loads: int
+    adapter_evictions: int

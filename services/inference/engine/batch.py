@@ -1,0 +1,171 @@
+"""StepBatch: all per-step metadata of one forward pass, in fixed-capacity tensors filled in place.
+
+The tensors are allocated once with the engine's limits (tokens, sequences, pages per sequence,
+LoRA segments) so that a later CUDA-graph capture sees stable addresses; each step writes the
+live prefix and the model reads views of it. On CUDA the host side is a pinned staging copy and
+the device side is filled with one non-blocking copy per tensor; the staging buffers are reused
+only after the step's sampled tokens came back to the host, which synchronizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from kernels import LoraTokens
+
+
+class BatchEntry(NamedTuple):
+    """One sequence's share of a step, as the scheduler decided it."""
+
+    token_ids: Sequence[int]  # the tokens computed this step (a prefill chunk or one decode)
+    start_pos: int  # position of token_ids[0] = tokens already in the KV cache
+    pages: Sequence[int]  # the sequence's KV pages, covering start_pos + len(token_ids)
+    lora_row: int | None  # LoRA index row of the sequence's adapter, None = base model
+    sample: bool  # True when this chunk ends the sequence: its last token's logits are sampled
+
+
+class StepBatch:
+    def __init__(
+        self,
+        max_tokens: int,
+        max_seqs: int,
+        max_pages_per_seq: int,
+        max_segments: int,
+        page_size: int,
+        device: torch.device,
+    ) -> None:
+        self.max_tokens, self.max_seqs = max_tokens, max_seqs
+        self.max_pages_per_seq, self.max_segments = max_pages_per_seq, max_segments
+        self.page_size, self.device = page_size, device
+        shapes = {
+            "input_ids": ((max_tokens,), torch.int64),
+            "positions": ((max_tokens,), torch.int64),
+            "slot_mapping": ((max_tokens,), torch.int64),
+            "token_lora": ((max_tokens,), torch.int32),
+            "block_tables": ((max_seqs, max_pages_per_seq), torch.int32),
+            "seq_lens": ((max_seqs,), torch.int32),
+            "query_starts": ((max_seqs + 1,), torch.int32),
+            "logits_indices": ((max_seqs,), torch.int64),
+            "seg_starts": ((max_segments + 1,), torch.int32),
+            "seg_lora": ((max_segments,), torch.int32),
+        }
+        pin = device.type == "cuda"
+        self._host = {k: torch.zeros(s, dtype=d, pin_memory=pin) for k, (s, d) in shapes.items()}
+        self._dev = (
+            {k: torch.zeros(s, dtype=d, device=device) for k, (s, d) in shapes.items()}
+            if pin
+            else self._host
+        )
+        self.num_tokens = self.num_seqs = self.num_logits = 0
+        self.has_lora = False
+
+    def fill(self, entries: Sequence[BatchEntry]) -> None:
+        """Write one step's metadata. Entries must be sorted by LoRA row (segments contiguous)."""
+        if not entries:
+            raise ValueError("a step needs at least one sequence")
+        if len(entries) > self.max_seqs:
+            raise ValueError(f"{len(entries)} sequences exceed max_seqs {self.max_seqs}")
+        ps = self.page_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        seq_lens: list[int] = []
+        starts = [0]
+        logits: list[int] = []
+        h = self._host
+        h["block_tables"][: len(entries)].zero_()
+        for b, e in enumerate(entries):
+            n = len(e.token_ids)
+            end = e.start_pos + n
+            if n == 0 or len(e.pages) * ps < end or len(e.pages) > self.max_pages_per_seq:
+                raise ValueError(f"entry {b}: {n} tokens at {e.start_pos} on {len(e.pages)} pages")
+            ids.extend(e.token_ids)
+            positions = range(e.start_pos, end)
+            pos.extend(positions)
+            slots.extend(e.pages[p // ps] * ps + p % ps for p in positions)
+            row = -1 if e.lora_row is None else e.lora_row
+            rows.extend([row] * n)
+            seq_lens.append(end)
+            starts.append(starts[-1] + n)
+            if e.sample:
+                logits.append(starts[-1] - 1)
+            h["block_tables"][b, : len(e.pages)] = torch.tensor(e.pages, dtype=torch.int32)
+        t = len(ids)
+        if t > self.max_tokens:
+            raise ValueError(f"{t} tokens exceed max_tokens {self.max_tokens}")
+        seg_starts, seg_rows = _segments(rows)
+        if len(seg_rows) > self.max_segments:
+            raise ValueError(f"{len(seg_rows)} LoRA segments exceed {self.max_segments}")
+        # Unused segments are empty (start = end = t) and base-only, like make_lora_tokens pads.
+        seg_starts += [t] * (self.max_segments + 1 - len(seg_starts))
+        seg_rows += [-1] * (self.max_segments - len(seg_rows))
+        for name, values in (
+            ("input_ids", ids),
+            ("positions", pos),
+            ("slot_mapping", slots),
+            ("token_lora", rows),
+            ("seq_lens", seq_lens),
+            ("query_starts", starts),
+            ("logits_indices", logits),
+            ("seg_starts", seg_starts),
+            ("seg_lora", seg_rows),
+        ):
+            if values:
+                h[name][: len(values)] = torch.tensor(values, dtype=h[name].dtype)
+        self.num_tokens, self.num_seqs, self.num_logits = t, len(entries), len(logits)
+        self.has_lora = any(r >= 0 for r in seg_rows)
+        if self._dev is not self._host:
+            for name, src in h.items():
+                self._dev[name].copy_(src, non_blocking=True)
+
+    # Live views for the model. [T] = this step's tokens, [S] = its sequences.
+    @property
+    def input_ids(self) -> torch.Tensor:  # [T]
+        return self._dev["input_ids"][: self.num_tokens]
+
+    @property
+    def positions(self) -> torch.Tensor:  # [T]
+        return self._dev["positions"][: self.num_tokens]
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:  # [T]
+        return self._dev["slot_mapping"][: self.num_tokens]
+
+    @property
+    def block_tables(self) -> torch.Tensor:  # [S, max_pages_per_seq]
+        return self._dev["block_tables"][: self.num_seqs]
+
+    @property
+    def seq_lens(self) -> torch.Tensor:  # [S]: context length including this step's tokens
+        return self._dev["seq_lens"][: self.num_seqs]
+
+    @property
+    def query_starts(self) -> torch.Tensor:  # [S + 1]
+        return self._dev["query_starts"][: self.num_seqs + 1]
+
+    @property
+    def logits_indices(self) -> torch.Tensor:  # [S_sample]: rows whose logits are sampled
+        return self._dev["logits_indices"][: self.num_logits]
+
+    @property
+    def lora_tokens(self) -> LoraTokens | None:
+        """The step's adapter addressing, or None when every token is base-model only."""
+        if not self.has_lora:
+            return None
+        d = self._dev
+        return LoraTokens(d["token_lora"][: self.num_tokens], d["seg_starts"], d["seg_lora"])
+
+
+def _segments(rows: list[int]) -> tuple[list[int], list[int]]:
+    starts: list[int] = []
+    seg_rows: list[int] = []
+    for t, r in enumerate(rows):
+        if not seg_rows or r != seg_rows[-1]:
+            starts.append(t)
+            seg_rows.append(r)
+    starts.append(len(rows))
+    return starts, seg_rows

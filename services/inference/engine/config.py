@@ -1,0 +1,73 @@
+"""EngineConfig: the one frozen configuration of an inference engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str | Path
+    device: str = "auto"  # "cpu" | "cuda" | "auto" (cuda when available)
+    dtype: str | None = None  # None: float32 on cpu, bfloat16 on cuda
+    page_size: int = 16  # tokens per KV block = slots per page
+    num_pages: int | None = None  # None: derived from the pool memory budget below
+    pool_memory_bytes: int | None = None  # None: cpu 128 MiB; cuda a share of free memory
+    gpu_memory_utilization: float = 0.85  # share of the GPU the engine may fill (cuda only)
+    max_num_seqs: int = 64  # requests in one step
+    max_num_batched_tokens: int = 2048  # tokens in one step (prefill chunks + decodes)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_lora_rank: int = 128
+    max_loras: int = 32  # rows of the LoRA index = adapters resident in the pool at once
+    max_queue: int = 1024  # requests waiting or running before generate() is refused
+
+    def __post_init__(self) -> None:
+        if not str(self.model_dir):
+            raise ValueError("model_dir must name a model directory")
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"device must be cpu, cuda or auto, got {self.device!r}")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or None, got {self.dtype!r}")
+        positive = {
+            "page_size": self.page_size,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_lora_rank": self.max_lora_rank,
+            "max_loras": self.max_loras,
+            "max_queue": self.max_queue,
+        }
+        for name, value in positive.items():
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("num_pages", "pool_memory_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs}): every running request decodes each step"
+            )
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device='cuda' but torch sees no CUDA device (CPU build of torch?)")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype is not None:
+            return _DTYPES[self.dtype]
+        return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32

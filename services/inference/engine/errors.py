@@ -1,0 +1,34 @@
+"""Exceptions the engine raises to its callers; each names what is wrong and what to fix."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class of the engine's own errors."""
+
+
+class InvalidRequest(EngineError, ValueError):
+    """The request cannot run as given (prompt too long, token ids out of vocabulary, ...)."""
+
+
+class UnknownAdapter(EngineError, LookupError):
+    """The request or call names an adapter that the engine does not hold."""
+
+    def __str__(self) -> str:  # LookupError would quote the message
+        return str(self.args[0]) if self.args else "unknown adapter"
+
+
+class DuplicateRequest(InvalidRequest):
+    """A request with the same request_id is still in flight."""
+
+
+class EngineOverloaded(EngineError):
+    """The queue is full; the caller should retry later."""
+
+
+class EngineStopped(EngineError):
+    """The engine is not running (never started, stopped, or its step loop failed)."""
+
+
+class ModelLoadError(EngineError):
+    """The model directory cannot be served: missing file, unsupported architecture, bad shape."""

@@ -1,0 +1,61 @@
+"""How long a context the engine serves and how many pages its pool gets."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from services.inference.engine.config import EngineConfig
+from services.inference.engine.page_pool import page_bytes
+from services.inference.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+CPU_POOL_BYTES = 128 * 2**20
+# Activations of one step are a few times the widest layer output per token; this many
+# float32 copies of it are kept out of the pool budget on CUDA.
+_ACTIVATION_COPIES = 8
+
+
+def context_window(mc: ModelConfig, max_model_len: int | None) -> int:
+    """The longest prompt + generation served: the config's limit within the model's own."""
+    limit = mc.max_position_embeddings
+    if mc.sliding_window is not None and mc.sliding_window < limit:
+        # Attention here is full attention; within the window it equals sliding attention.
+        limit = mc.sliding_window
+    if max_model_len is None:
+        return limit
+    if max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds what the model attends over ({limit})"
+        )
+    return max_model_len
+
+
+def pool_pages(
+    config: EngineConfig, mc: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> int:
+    """config.num_pages, or as many pages as the memory budget holds."""
+    if config.num_pages is not None:
+        return config.num_pages
+    per_page = page_bytes(mc.num_layers, mc.kv_dim, config.page_size, dtype)
+    if config.pool_memory_bytes is not None:
+        budget = config.pool_memory_bytes
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)  # after the weights were loaded
+        widest = max(mc.q_dim + 2 * mc.kv_dim, 2 * mc.intermediate_size, mc.hidden_size)
+        activations = (
+            config.max_num_batched_tokens * widest * 4 * _ACTIVATION_COPIES
+            + config.max_num_seqs * mc.vocab_size * 4 * 2
+        )
+        budget = free - int((1.0 - config.gpu_memory_utilization) * total) - activations
+    else:
+        budget = CPU_POOL_BYTES
+    pages = budget // per_page
+    if pages < 2:
+        raise ValueError(
+            f"the page pool budget of {budget} bytes holds {max(pages, 0)} pages of "
+            f"{per_page} bytes; give more memory or set num_pages"
+        )
+    return int(pages)

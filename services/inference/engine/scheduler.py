@@ -1,0 +1,161 @@
+"""Scheduler: which sequences run in the next step, and with how many tokens each.
+
+Continuous batching: sequences join and leave between steps; one step holds prefill chunks and
+single decode tokens of sequences for different adapters and for the base model, within
+max_num_seqs sequences and max_num_batched_tokens tokens.
+
+Order of each step:
+1. Running sequences, oldest first, each with its next tokens (one when decoding, a chunk when a
+   long prompt is prefilled piecewise). When the pool has no page for one: evict an idle adapter
+   (least recently used); failing that, preempt the newest running sequence not yet scheduled
+   (possibly this one): its pages are freed and it goes back to the head of the queue, to be
+   recomputed (prompt + generated tokens re-prefilled). Nothing is ever dropped.
+2. Loads start for the adapters of queued sequences, in queue order, without waiting for the
+   sequence to reach the head.
+3. Queued sequences join in arrival order once their adapter is in the pool; a sequence whose
+   adapter is still loading is passed over (the others keep running). One that lacks pages stops
+   admission (first come, first served), after idle adapters were evicted for it.
+The step's sequences are sorted by LoRA index row, so each adapter's tokens form one segment.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import NamedTuple
+
+from services.inference.engine.adapter_manager import AdapterManager, AdapterState
+from services.inference.engine.errors import InvalidRequest
+from services.inference.engine.page_allocator import OutOfPages
+from services.inference.engine.page_pool import PagePool
+from services.inference.engine.request import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+
+class ScheduledSeq(NamedTuple):
+    seq: Sequence
+    num_tokens: int  # tokens computed for it this step
+    lora_row: int | None
+    samples: bool  # the chunk reaches the sequence's end: its next token is sampled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: PagePool,
+        adapters: AdapterManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.pool, self.adapters = pool, adapters
+        self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        if seq.status is not SequenceStatus.WAITING:
+            raise InvalidRequest(f"request {seq.request_id} cannot be queued twice")
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or aborted) and free its pages now."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:  # not there when aborted before it was queued
+            self.waiting.remove(seq)
+        self.pool.free_kv(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED
+
+    def schedule(self) -> list[ScheduledSeq]:
+        self.adapters.poll_loads()
+        chosen: list[tuple[Sequence, int]] = []
+        budget = self.max_tokens
+
+        # 1. Running sequences, oldest first; preempt from the newest end when pages run out.
+        pending = list(self.running)
+        while pending and budget > 0:
+            seq = pending.pop(0)
+            n = min(seq.num_uncomputed, budget)
+            while not self._grow(seq, seq.num_computed + n):
+                victim = pending.pop() if pending else seq
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                chosen.append((seq, n))
+                budget -= n
+
+        # 2. Loads for queued sequences' adapters, in queue order.
+        for seq in self.waiting:
+            key = seq.adapter
+            if key is not None and self.adapters.state(key) is AdapterState.HOST:
+                if not self.adapters.begin_load(key):
+                    break
+        self.adapters.poll_loads()
+
+        # 3. Admission, first come first served among sequences whose adapter is ready.
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if (
+                seq.adapter is not None
+                and self.adapters.state(seq.adapter) is not AdapterState.IN_POOL
+            ):
+                continue
+            n = min(seq.num_uncomputed, budget)
+            if not self._grow(seq, seq.num_computed + n):
+                break
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chosen.append((seq, n))
+            budget -= n
+
+        if not chosen and self.waiting and not self.running and not self.adapters.loads_in_flight():
+            # Nothing can run: the pool is full of adapters that queued requests wait for.
+            if self.adapters.evict_for_stall(keep=self.waiting[0].adapter):
+                return self.schedule()
+
+        out = [
+            ScheduledSeq(
+                seq,
+                n,
+                None if seq.adapter is None else self.adapters.row(seq.adapter),
+                seq.num_computed + n == seq.num_tokens,
+            )
+            for seq, n in chosen
+        ]
+        self.adapters.touch({s.seq.adapter for s in out if s.seq.adapter is not None})
+        # Group by adapter: base-model rows (-1) first, then by row; stable within a row.
+        out.sort(key=lambda s: -1 if s.lora_row is None else s.lora_row)
+        return out
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give the sequence pages for ``num_tokens`` tokens, evicting idle adapters if needed."""
+        missing = self.pool.kv_pages_missing(seq.seq_id, num_tokens)
+        while self.pool.num_free < missing:
+            if not self.adapters.evict_idle():
+                return False
+        try:
+            self.pool.grow_kv(seq.seq_id, num_tokens)
+        except OutOfPages:  # cannot happen after the loop above; kept as a clear failure
+            return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.free_kv(seq.seq_id)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        # Preemption walks from the newest running sequence backwards, so pushing each to the
+        # front keeps the older ones ahead.
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+        log.debug("preempted %s (%d tokens) for recompute", seq.request_id, seq.num_tokens)

@@ -1,0 +1,206 @@
+"""Llama-family decoder: Llama (Llama 3 rope scaling), Mistral and Qwen2 (q/k/v bias).
+
+One forward pass serves a whole engine step: packed tokens of many sequences ([T] = the step's
+tokens), each sequence's K/V in pages of the unified pool, each token's adapter in the LoRA index.
+Every projection is one base GEMM for all tokens followed by the LoRA hook, kernels.lora_apply,
+which adds scale * x·Aᵀ·Bᵀ for the tokens whose request uses an adapter. q/k/v and gate/up are
+fused into one GEMM each, so their hooks cover several output slices in one call.
+
+Weights are buffers created on the meta device and filled by models/loader.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from kernels import LoraIndex
+from kernels.lora_layout import DOWN, GATE, UP, K, O, Q, V
+from services.inference.engine.batch import StepBatch
+from services.inference.models.config import ModelConfig, RopeConfig
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], float32 (computed as transformers does, for parity)."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponent)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        # Llama 3.1: wavelengths longer than the original context / low_freq_factor are divided
+        # by `factor`; shorter than context / high_freq_factor are kept; in between, blend.
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        blend = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        blended = (1 - blend) * scaled / rope.factor + blend * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of each head. x: [T, heads, head_dim]; cos, sin: [T, head_dim // 2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]  # [T, heads, half] each
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, half]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("weight", torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class LoraContext:
+    """What the LoRA hooks need besides the activations: the resident adapters' index rows,
+    the step's token -> row addressing, and the width of the shrunk activations."""
+
+    def __init__(self, index: LoraIndex, max_rank: int) -> None:
+        self.index, self.max_rank = index, max_rank
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_dim, self.kv_dim = cfg.q_dim, cfg.kv_dim
+        self.scale = cfg.head_dim**-0.5
+        self.register_buffer("wqkv", torch.empty(cfg.q_dim + 2 * cfg.kv_dim, cfg.hidden_size))
+        self.register_buffer(
+            "bqkv", torch.empty(cfg.q_dim + 2 * cfg.kv_dim) if cfg.qkv_bias else None
+        )
+        self.register_buffer("wo", torch.empty(cfg.hidden_size, cfg.q_dim))
+        self.register_buffer("bo", torch.empty(cfg.hidden_size) if cfg.o_bias else None)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, head_dim // 2]
+        sin: torch.Tensor,
+        batch: StepBatch,
+        pool_layer: torch.Tensor,  # [2, slots, W]: this layer's K/V pages and adapter rows
+        lora: LoraContext | None,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = F.linear(x, self.wqkv, self.bqkv)  # [T, q_dim + 2 * kv_dim]
+        if lora is not None:
+            kernels.lora_apply(
+                qkv, x, pool_layer, lora.index, batch.lora_tokens, (Q, K, V),
+                (self.q_dim, self.kv_dim, self.kv_dim), lora.max_rank,
+            )  # fmt: skip
+        q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
+        q = q.reshape(t, self.n_heads, self.head_dim)  # [T, n_heads, head_dim]
+        k = k.reshape(t, self.n_kv, self.head_dim)  # [T, n_kv, head_dim]
+        v = v.reshape(t, self.n_kv, self.head_dim)  # [T, n_kv, head_dim]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        kernels.write_kv(pool_layer, k, v, batch.slot_mapping)
+        o = kernels.paged_attention(
+            q, pool_layer, batch.block_tables, batch.seq_lens, batch.query_starts,
+            batch.page_size, self.scale,
+        )  # fmt: skip
+        o = o.reshape(t, self.q_dim)  # [T, n_heads * head_dim]
+
+        out = F.linear(o, self.wo, self.bo)  # [T, hidden]
+        if lora is not None:
+            kernels.lora_apply(
+                out, o, pool_layer, lora.index, batch.lora_tokens, (O,), (out.shape[1],),
+                lora.max_rank,
+            )  # fmt: skip
+        return out
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.register_buffer("w_gate_up", torch.empty(2 * self.inter, cfg.hidden_size))
+        self.register_buffer("b_gate_up", torch.empty(2 * self.inter) if cfg.mlp_bias else None)
+        self.register_buffer("w_down", torch.empty(cfg.hidden_size, self.inter))
+        self.register_buffer("b_down", torch.empty(cfg.hidden_size) if cfg.mlp_bias else None)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        batch: StepBatch,
+        pool_layer: torch.Tensor,
+        lora: LoraContext | None,
+    ) -> torch.Tensor:
+        gate_up = F.linear(x, self.w_gate_up, self.b_gate_up)  # [T, 2 * inter]
+        if lora is not None:
+            kernels.lora_apply(
+                gate_up, x, pool_layer, lora.index, batch.lora_tokens, (GATE, UP),
+                (self.inter, self.inter), lora.max_rank,
+            )  # fmt: skip
+        gate, up = gate_up.split([self.inter, self.inter], dim=-1)  # [T, inter] each
+        h = F.silu(gate) * up  # [T, inter]
+        out = F.linear(h, self.w_down, self.b_down)  # [T, hidden]
+        if lora is not None:
+            kernels.lora_apply(
+                out, h, pool_layer, lora.index, batch.lora_tokens, (DOWN,), (out.shape[1],),
+                lora.max_rank,
+            )  # fmt: skip
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, batch, pool_layer, lora) -> torch.Tensor:
+        x = x + self.attn(self.input_layernorm(x), cos, sin, batch, pool_layer, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), batch, pool_layer, lora)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+        super().__init__()
+        self.cfg, self.max_len = cfg, max_len
+        self.register_buffer("embed_tokens", torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.register_buffer("lm_head", torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.register_buffer("rope_cos", torch.empty(max_len, cfg.head_dim // 2))
+        self.register_buffer("rope_sin", torch.empty(max_len, cfg.head_dim // 2))
+
+    def init_rope(self, device: torch.device) -> None:
+        """Tables of cos/sin for positions [0, max_len), float32 like transformers computes them."""
+        inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim)  # [head_dim // 2]
+        angles = torch.outer(torch.arange(self.max_len, dtype=torch.float32), inv_freq)
+        self.rope_cos = angles.cos().to(device)  # [max_len, head_dim // 2]
+        self.rope_sin = angles.sin().to(device)
+
+    def forward(
+        self, batch: StepBatch, pool: torch.Tensor, lora: LoraContext | None
+    ) -> torch.Tensor:
+        """Float32 logits [S_sample, vocab] at the batch's logits_indices.
+
+        pool: [layers, 2, slots, W], the unified page pool."""
+        x = F.embedding(batch.input_ids, self.embed_tokens)  # [T, hidden]
+        cos = self.rope_cos[batch.positions].to(x.dtype)  # [T, head_dim // 2]
+        sin = self.rope_sin[batch.positions].to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch, pool[layer.layer_id], lora)
+        x = x[batch.logits_indices]  # [S_sample, hidden]: only sampled positions need logits
+        x = self.norm(x)
+        return F.linear(x, self.lm_head).float()  # [S_sample, vocab]
