@@ -1,0 +1,1 @@
+"""lorafleet's gRPC services: the adapter store and the inference service."""

@@ -1,0 +1,1 @@
+"""The adapter store gRPC service: python -m services.adapter_store."""

@@ -1,0 +1,34 @@
+"""python -m services.adapter_store --host H --port P --backend local --root DIR
+or --backend s3 --s3-endpoint URL --s3-bucket NAME (credentials from AWS_* variables)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from services.adapter_store.server import serve
+from store.config import StoreConfig
+from store.errors import StorageError
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = StoreConfig.from_args(argv)
+        config.base_shape  # noqa: B018 (read and check --base-model-config before serving)
+    except ValueError as exc:
+        print(f"adapter store: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        asyncio.run(serve(config))
+    except StorageError as exc:
+        logging.getLogger("services.adapter_store").error("cannot start: %s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

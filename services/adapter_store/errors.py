@@ -1,0 +1,103 @@
+"""Domain errors -> gRPC status codes, in one place."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+
+import grpc
+
+from store.errors import (
+    AdapterNotFound,
+    AdapterTooLarge,
+    DataCorruption,
+    InvalidRequest,
+    StorageError,
+    StorageUnavailable,
+    StoreError,
+    VersionConflict,
+    WatchOverflow,
+)
+from store.peft import AdapterFormatError, BaseModelMismatch
+
+log = logging.getLogger(__name__)
+
+# First match wins: subclasses before their bases.
+STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (BaseModelMismatch, grpc.StatusCode.FAILED_PRECONDITION),
+    (AdapterFormatError, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (AdapterNotFound, grpc.StatusCode.NOT_FOUND),
+    (AdapterTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (StorageUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (DataCorruption, grpc.StatusCode.DATA_LOSS),
+    (VersionConflict, grpc.StatusCode.ABORTED),
+    (WatchOverflow, grpc.StatusCode.ABORTED),
+    (StorageError, grpc.StatusCode.INTERNAL),
+    (StoreError, grpc.StatusCode.UNAVAILABLE),  # shutting down
+)
+
+
+def status_for(exc: Exception) -> grpc.StatusCode | None:
+    for error_type, code in STATUS_BY_ERROR:
+        if isinstance(exc, error_type):
+            return code
+    return None
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
+    code = status_for(exc)
+    if code is None:
+        log.exception("%s failed unexpectedly", method)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
+    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.DATA_LOSS):
+        log.error("%s: %s", method, exc)
+    else:
+        log.info("%s: %s: %s", method, code.name, exc)
+    await context.abort(code, str(exc))
+
+
+def map_errors(handler):
+    """Wrap a unary-response handler so that domain errors become status codes."""
+
+    @functools.wraps(handler)
+    async def wrapper(self, request, context):
+        try:
+            return await handler(self, request, context)
+        except (StoreError, AdapterFormatError) as exc:
+            await _abort(context, handler.__name__, exc)
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "storage did not answer before the call's deadline"
+            )
+
+    return wrapper
+
+
+def map_stream_errors(handler):
+    """The same for a response-streaming handler (an async generator)."""
+
+    @functools.wraps(handler)
+    async def wrapper(self, request, context):
+        try:
+            async for response in handler(self, request, context):
+                yield response
+        except (StoreError, AdapterFormatError) as exc:
+            await _abort(context, handler.__name__, exc)
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "storage did not answer before the call's deadline"
+            )
+
+    return wrapper
+
+
+async def within_deadline(context: grpc.aio.ServicerContext, awaitable):
+    """Await a storage operation, giving up (UNAVAILABLE) shortly before the RPC's deadline so
+    that the client gets a status that says why rather than DEADLINE_EXCEEDED."""
+    remaining = context.time_remaining()
+    if remaining is None:
+        return await awaitable
+    margin = min(0.25, remaining * 0.1)
+    return await asyncio.wait_for(awaitable, max(remaining - margin, 0.001))

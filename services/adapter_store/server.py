@@ -1,0 +1,86 @@
+"""The adapter store process: gRPC server, health, reflection, storage probe, clean stop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from lorafleet.v1 import adapter_store_pb2 as pb
+from lorafleet.v1 import adapter_store_pb2_grpc as pb_grpc
+from services.adapter_store.servicer import AdapterStoreServicer
+from store.adapter_store import AdapterStore
+from store.backends import open_backend
+from store.config import MAX_UPLOAD_CHUNK_BYTES, MIB, StoreConfig
+from store.errors import StorageError, StorageUnavailable
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdapterStore"].full_name
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# A request carries a chunk of up to 4 MiB, or a header with adapter_config.json (<= 1 MiB).
+MAX_MESSAGE_BYTES = MAX_UPLOAD_CHUNK_BYTES + 2 * MIB
+STOP_GRACE_S = 3.0
+
+
+async def _probe_storage(store: AdapterStore, status: health.aio.HealthServicer, every: float):
+    """Keep the AdapterStore service's health in step with the storage, and retry clean-up
+    that failed while the storage was down. The server itself ("") stays SERVING."""
+    while True:
+        try:
+            await store.probe()
+            await status.set(SERVICE_NAME, SERVING)
+            if store.leftovers:
+                await store.retry_cleanup()
+        except (StorageUnavailable, StorageError) as exc:
+            log.warning("storage check failed: %s", exc)
+            await status.set(SERVICE_NAME, NOT_SERVING)
+        await asyncio.sleep(every)
+
+
+async def serve(config: StoreConfig) -> None:
+    store = AdapterStore(open_backend(config), config)
+    try:
+        await store.probe()
+    except StorageUnavailable as exc:
+        # Not fatal: calls fail UNAVAILABLE until the storage answers, then work again.
+        log.warning("storage does not answer yet: %s", exc)
+    except StorageError:
+        await store.close()
+        raise
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
+    pb_grpc.add_AdapterStoreServicer_to_server(AdapterStoreServicer(store), server)
+    status = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(status, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    address = f"{config.host}:{config.port}"
+    port = server.add_insecure_port(address)
+    await server.start()
+    await status.set("", SERVING)
+    log.info("adapter store on %s:%d, backend %s", config.host, port, config.backend.value)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    prober = asyncio.create_task(_probe_storage(store, status, config.probe_interval_s))
+    await stop.wait()
+
+    log.info("stopping: aborting %d upload(s) in flight", store.abort_uploads())
+    await status.enter_graceful_shutdown()
+    await server.stop(STOP_GRACE_S)
+    prober.cancel()
+    await asyncio.gather(prober, return_exceptions=True)
+    await store.close()
+    log.info("stopped")

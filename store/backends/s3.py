@@ -1,0 +1,214 @@
+"""S3-compatible object storage (AWS S3, MinIO, SeaweedFS) through boto3.
+
+boto3 blocks, so every call runs on a dedicated thread pool (sized for parallel ranged reads)
+and the event loop never waits on the network. botocore retries refused connections, timeouts
+and 5xx answers with exponential backoff ("standard" mode) up to max_attempts; what still fails
+becomes StorageUnavailable, which the service reports as UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+from store.backends.base import MultipartWriter, ObjectNotFound, ObjectStore
+from store.config import StoreConfig
+from store.errors import StorageError, StorageUnavailable
+
+log = logging.getLogger(__name__)
+
+_NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
+_PRECONDITION = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
+_RETRYABLE = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling"}
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def _status(exc: ClientError) -> int:
+    return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+
+
+class S3ObjectStore(ObjectStore):
+    def __init__(self, config: StoreConfig) -> None:
+        self.bucket = config.s3_bucket
+        self._endpoint = config.s3_endpoint or f"s3.{config.s3_region}.amazonaws.com"
+        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="s3")
+        self.client = boto3.session.Session().client(
+            "s3",
+            endpoint_url=config.s3_endpoint,
+            region_name=config.s3_region,
+            aws_access_key_id=config.aws_access_key_id,
+            aws_secret_access_key=config.aws_secret_access_key,
+            aws_session_token=config.aws_session_token,
+            config=Config(
+                connect_timeout=config.connect_timeout_s,
+                read_timeout=config.read_timeout_s,
+                retries={"max_attempts": config.max_attempts, "mode": "standard"},
+                max_pool_connections=config.io_threads,
+                s3={"addressing_style": "path"},
+            ),
+        )
+
+    async def _call(self, fn, /, **kwargs):
+        """Run one boto3 call on the pool and translate its failure."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._pool, partial(fn, **kwargs))
+        except ClientError as exc:
+            code, status = _code(exc), _status(exc)
+            if code in _NOT_FOUND or status == 404 and code != "NoSuchBucket":
+                raise ObjectNotFound(kwargs.get("Key", "")) from exc
+            if code in _RETRYABLE or status >= 500:
+                raise StorageUnavailable(f"storage at {self._endpoint} failed: {exc}") from exc
+            raise StorageError(f"storage at {self._endpoint} refused the call: {exc}") from exc
+        except NoCredentialsError as exc:
+            raise StorageError(
+                "no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+            ) from exc
+        except BotoCoreError as exc:
+            # Connection refused or reset, DNS failure, timeouts: after botocore's retries.
+            raise StorageUnavailable(f"storage at {self._endpoint} is unreachable: {exc}") from exc
+
+    async def put(self, key: str, data: bytes) -> None:
+        await self._call(self.client.put_object, Bucket=self.bucket, Key=key, Body=data)
+
+    async def put_if_absent(self, key: str, data: bytes) -> bool:
+        try:
+            await self._call(
+                self.client.put_object, Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*"
+            )
+            return True
+        except StorageError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, ClientError) and (
+                _code(cause) in _PRECONDITION or _status(cause) in (409, 412)
+            ):
+                return False
+            raise
+
+    async def get(self, key: str) -> bytes:
+        response = await self._call(self.client.get_object, Bucket=self.bucket, Key=key)
+        return await self._read(response)
+
+    async def get_range(self, key: str, start: int, end: int) -> bytes:
+        try:
+            response = await self._call(
+                self.client.get_object,
+                Bucket=self.bucket,
+                Key=key,
+                Range=f"bytes={start}-{end - 1}",
+            )
+        except StorageError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, ClientError) and _code(cause) == "InvalidRange":
+                return b""  # the object is shorter than asked: the caller sees a short read
+            raise
+        return await self._read(response)
+
+    async def _read(self, response) -> bytes:
+        body = response["Body"]
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._pool, body.read)
+        except (BotoCoreError, OSError) as exc:
+            raise StorageUnavailable(f"reading from {self._endpoint} failed: {exc}") from exc
+        finally:
+            body.close()
+
+    async def delete(self, key: str) -> None:
+        await self._call(self.client.delete_object, Bucket=self.bucket, Key=key)
+
+    async def list_keys(self, prefix: str, start_after: str = "") -> AsyncIterator[str]:
+        token = None
+        while True:
+            kwargs = {"Bucket": self.bucket, "Prefix": prefix}
+            if token:
+                kwargs["ContinuationToken"] = token
+            elif start_after:
+                kwargs["StartAfter"] = start_after
+            page = await self._call(self.client.list_objects_v2, **kwargs)
+            for item in page.get("Contents", []):
+                yield item["Key"]
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+
+    async def begin_multipart(self, key: str) -> MultipartWriter:
+        response = await self._call(
+            self.client.create_multipart_upload, Bucket=self.bucket, Key=key
+        )
+        return _S3Multipart(self, key, response["UploadId"])
+
+    async def pending_uploads(self, prefix: str = "") -> list[str]:
+        keys: list[str] = []
+        kwargs = {"Bucket": self.bucket, "Prefix": prefix}
+        while True:
+            page = await self._call(self.client.list_multipart_uploads, **kwargs)
+            keys += [upload["Key"] for upload in page.get("Uploads", []) or []]
+            if not page.get("IsTruncated"):
+                return sorted(keys)
+            kwargs["KeyMarker"] = page["NextKeyMarker"]
+            kwargs["UploadIdMarker"] = page["NextUploadIdMarker"]
+
+    async def probe(self) -> None:
+        try:
+            await self._call(self.client.head_bucket, Bucket=self.bucket)
+        except ObjectNotFound as exc:
+            message = f"bucket {self.bucket!r} does not exist at {self._endpoint}"
+            raise StorageError(message) from exc
+
+    async def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.client.close()
+
+
+class _S3Multipart(MultipartWriter):
+    def __init__(self, store: S3ObjectStore, key: str, upload_id: str) -> None:
+        self.key = key
+        self._store = store
+        self._upload_id = upload_id
+        self._etags: dict[int, str] = {}
+
+    async def write_part(self, number: int, offset: int, data: bytes) -> None:
+        s = self._store
+        response = await s._call(
+            s.client.upload_part,
+            Bucket=s.bucket,
+            Key=self.key,
+            UploadId=self._upload_id,
+            PartNumber=number,
+            Body=data,
+        )
+        self._etags[number] = response["ETag"]
+
+    async def complete(self) -> None:
+        s = self._store
+        parts = [{"PartNumber": n, "ETag": tag} for n, tag in sorted(self._etags.items())]
+        await s._call(
+            s.client.complete_multipart_upload,
+            Bucket=s.bucket,
+            Key=self.key,
+            UploadId=self._upload_id,
+            MultipartUpload={"Parts": parts},
+        )
+
+    async def abort(self) -> None:
+        s = self._store
+        try:
+            await s._call(
+                s.client.abort_multipart_upload,
+                Bucket=s.bucket,
+                Key=self.key,
+                UploadId=self._upload_id,
+            )
+        except ObjectNotFound:
+            pass  # already completed or aborted (NoSuchUpload)

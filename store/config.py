@@ -1,0 +1,139 @@
+"""StoreConfig: every setting of one adapter-store process, read from flags and environment."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from functools import cached_property
+from pathlib import Path
+
+from store.base_model import BaseModelShape
+
+MIB = 1 << 20
+# gRPC's default message limit is 4 MiB; upload chunks must fit in one message.
+MAX_UPLOAD_CHUNK_BYTES = 4 * MIB
+# S3 refuses multipart parts under 5 MiB (except the last one).
+MIN_PART_BYTES = 5 * MIB
+
+
+class BackendKind(StrEnum):
+    LOCAL = "local"
+    S3 = "s3"
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    backend: BackendKind = BackendKind.LOCAL
+    root: Path = Path("data/adapters")  # local backend
+    s3_endpoint: str | None = None  # None = AWS's own endpoint for the region
+    s3_bucket: str | None = None
+    s3_region: str = "us-east-1"
+    aws_access_key_id: str | None = field(default=None, repr=False)
+    aws_secret_access_key: str | None = field(default=None, repr=False)
+    aws_session_token: str | None = field(default=None, repr=False)
+    max_adapter_bytes: int = 2048 * MIB
+    max_rank: int = 128
+    base_model_config: Path | None = None
+    log_level: str = "INFO"
+    # Storage calls: a refused or dropped connection is retried max_attempts times in all,
+    # with backoff; one attempt waits at most connect_timeout_s + read_timeout_s.
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 10.0
+    max_attempts: int = 3
+    io_threads: int = 16
+    part_bytes: int = 8 * MIB  # multipart part size, and ranged-read size on fetch
+    fetch_parallelism: int = 4  # ranged reads in flight per fetch
+    fetch_chunk_bytes: int = 1 * MIB  # bytes per FetchAdapter message
+    upload_parts_in_flight: int = 2
+    probe_interval_s: float = 5.0  # how often the service checks that storage answers
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.backend is BackendKind.S3 and not self.s3_bucket:
+            raise ValueError("the s3 backend needs --s3-bucket")
+        if self.max_adapter_bytes < 1:
+            raise ValueError("max_adapter_bytes must be positive")
+        if self.max_rank < 1:
+            raise ValueError("max_rank must be positive")
+        if self.part_bytes < MIN_PART_BYTES:
+            raise ValueError(f"part_bytes must be at least {MIN_PART_BYTES} (an S3 limit)")
+        if not 1 <= self.fetch_chunk_bytes <= MAX_UPLOAD_CHUNK_BYTES:
+            raise ValueError(f"fetch_chunk_bytes must be in [1, {MAX_UPLOAD_CHUNK_BYTES}]")
+        for name in ("io_threads", "fetch_parallelism", "upload_parts_in_flight", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        for name in ("connect_timeout_s", "read_timeout_s", "probe_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if logging.getLevelName(self.log_level.upper()) not in range(0, 100):
+            raise ValueError(f"unknown log level {self.log_level!r}")
+        if self.base_model_config is not None and not self.base_model_config.is_file():
+            raise ValueError(f"--base-model-config {self.base_model_config} is not a file")
+
+    @cached_property
+    def base_shape(self) -> BaseModelShape | None:
+        """The base model that uploads must fit, from --base-model-config (a config.json)."""
+        if self.base_model_config is None:
+            return None
+        try:
+            raw = json.loads(self.base_model_config.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read {self.base_model_config}: {exc}") from exc
+        return BaseModelShape.from_hf_config(raw)
+
+    @classmethod
+    def from_args(
+        cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+    ) -> StoreConfig:
+        """The only place that reads the environment: AWS_* credentials and region, and
+        LORAFLEET_LOG_LEVEL as the default of --log-level."""
+        env = os.environ if environ is None else environ
+        args = _parser(env).parse_args(argv)
+        return cls(
+            host=args.host,
+            port=args.port,
+            backend=BackendKind(args.backend),
+            root=Path(args.root),
+            s3_endpoint=args.s3_endpoint,
+            s3_bucket=args.s3_bucket,
+            s3_region=args.s3_region,
+            aws_access_key_id=env.get("AWS_ACCESS_KEY_ID"),
+            aws_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"),
+            aws_session_token=env.get("AWS_SESSION_TOKEN"),
+            max_adapter_bytes=args.max_adapter_bytes,
+            max_rank=args.max_rank,
+            base_model_config=Path(args.base_model_config) if args.base_model_config else None,
+            log_level=args.log_level.upper(),
+        )
+
+
+def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m services.adapter_store",
+        description="The lorafleet adapter store: a gRPC service keeping versioned LoRA adapters.",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--backend", choices=[k.value for k in BackendKind], default="local")
+    parser.add_argument("--root", default="data/adapters", help="local backend: directory")
+    parser.add_argument("--s3-endpoint", help="s3 backend: endpoint URL (MinIO, SeaweedFS)")
+    parser.add_argument("--s3-bucket", help="s3 backend: bucket name (must exist)")
+    parser.add_argument(
+        "--s3-region",
+        default=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
+    )
+    parser.add_argument("--max-adapter-bytes", type=int, default=2048 * MIB)
+    parser.add_argument("--max-rank", type=int, default=128)
+    parser.add_argument(
+        "--base-model-config", help="config.json of the base model that adapters must fit"
+    )
+    parser.add_argument("--log-level", default=env.get("LORAFLEET_LOG_LEVEL", "INFO"))
+    return parser
