@@ -24,5 +24,12 @@ proto: setup
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \
 		protos/lorafleet/v1/*.proto
 
+run: setup
+	$(PY) -m services.local_stack
+
+# GPU benchmarks need an NVIDIA GPU; bench/store.py runs anywhere.
+bench: setup
+	$(PY) bench/store.py
+
 clean:
 	rm -rf .venv .pytest_cache .ruff_cache

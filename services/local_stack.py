@@ -1,0 +1,186 @@
+"""`make run`: the local stack on embedded defaults, with no Docker.
+
+Generates the demo model and three demo adapters under ``data/`` when they are missing, starts the
+adapter store (local backend under ``data/store``) and the inference service (GPU when there is
+one, else the CPU), uploads the demo adapters that the store does not hold yet, prints how to call
+the stack, and stops both services cleanly on Ctrl-C or SIGTERM.
+
+    python -m services.local_stack [--data DIR] [--store-port P] [--inference-port P] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import grpc
+
+from lorafleet.cli.adapters import upload_requests
+from lorafleet.v1 import adapter_store_pb2 as pb
+from lorafleet.v1 import adapter_store_pb2_grpc as pb_grpc
+from services.healthcheck import check
+
+log = logging.getLogger("lorafleet.local_stack")
+
+
+class DemoAdapter(NamedTuple):
+    adapter_id: str
+    rank: int
+    targets: tuple[str, ...]
+    seed: int
+
+
+DEMO_ADAPTERS = (
+    DemoAdapter("demo/support", 8, ("q_proj", "v_proj"), 1),
+    DemoAdapter("demo/poet", 16, ("q_proj", "k_proj", "v_proj", "o_proj"), 2),
+    DemoAdapter(
+        "demo/coder",
+        32,
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        3,
+    ),
+)
+
+
+def prepare_demo(data: Path) -> tuple[Path, list[tuple[DemoAdapter, Path]]]:
+    """The demo model and adapters under ``data``, generated once and reused afterwards."""
+    from services.inference.tiny_model import make_adapter, make_model
+
+    model_dir = data / "models" / "demo"
+    if not (model_dir / "config.json").is_file():
+        log.info("generating the demo model in %s", model_dir)
+        make_model(model_dir, preset="demo", seed=0)
+    adapters = []
+    for spec in DEMO_ADAPTERS:
+        out = data / "adapters" / spec.adapter_id.replace("/", "-")
+        if not (out / "adapter_model.safetensors").is_file():
+            log.info("generating demo adapter %s in %s", spec.adapter_id, out)
+            make_adapter(
+                model_dir, out, rank=spec.rank, lora_alpha=2 * spec.rank,
+                target_modules=spec.targets, seed=spec.seed,
+            )  # fmt: skip
+        adapters.append((spec, out))
+    return model_dir, adapters
+
+
+def wait_serving(name: str, address: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Block until ``address`` reports SERVING; fail if the process dies or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with status {proc.returncode} before serving")
+        if check(address, timeout=1.0):
+            return
+        time.sleep(0.3)
+    raise RuntimeError(f"{name} did not report SERVING at {address} within {timeout_s:.0f} s")
+
+
+def upload_missing(store_address: str, adapters: list[tuple[DemoAdapter, Path]]) -> None:
+    with grpc.insecure_channel(store_address) as channel:
+        stub = pb_grpc.AdapterStoreStub(channel)
+        for spec, directory in adapters:
+            try:
+                info = stub.GetAdapter(pb.GetAdapterRequest(adapter_id=spec.adapter_id), timeout=10)
+                log.info("%s version %d is already in the store", spec.adapter_id, info.version)
+                continue
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+            info = stub.UploadAdapter(upload_requests(spec.adapter_id, directory), timeout=60)
+            log.info("uploaded %s as version %d", spec.adapter_id, info.version)
+
+
+def stop(procs: list[tuple[str, subprocess.Popen]], grace_s: float = 15.0) -> int:
+    """SIGTERM every child, newest first, then SIGKILL what is still alive after the grace."""
+    status = 0
+    for name, proc in reversed(procs):
+        if proc.poll() is None:
+            log.info("stopping %s", name)
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop within %.0f s: killing it", name, grace_s)
+            proc.kill()
+            proc.wait()
+        if proc.returncode not in (0, -signal.SIGTERM):
+            status = 1
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=Path("data"), help="state directory")
+    parser.add_argument("--host", default="127.0.0.1", help="address both services bind")
+    parser.add_argument("--store-port", type=int, default=50051)
+    parser.add_argument("--inference-port", type=int, default=50052)
+    parser.add_argument("--metrics-port", type=int, default=9400)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds per service")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+    stop_requested = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop_requested.set())
+
+    model_dir, adapters = prepare_demo(args.data)
+    store_address = f"{args.host}:{args.store_port}"
+    inference_address = f"{args.host}:{args.inference_port}"
+    # Children get their own process group: Ctrl-C reaches only this supervisor, which then
+    # stops them in order (inference first, so its streams end before the store goes).
+    spawn = {"start_new_session": True}
+    procs: list[tuple[str, subprocess.Popen]] = []
+    try:
+        store = subprocess.Popen(
+            [sys.executable, "-m", "services.adapter_store", "--host", args.host,
+             "--port", str(args.store_port), "--backend", "local",
+             "--root", str(args.data / "store")],
+            **spawn,
+        )  # fmt: skip
+        procs.append(("adapter store", store))
+        wait_serving("adapter store", store_address, store, args.ready_timeout)
+        upload_missing(store_address, adapters)
+        inference = subprocess.Popen(
+            [sys.executable, "-m", "services.inference", "--host", args.host,
+             "--port", str(args.inference_port), "--model", str(model_dir),
+             "--adapter-store", store_address, "--device", args.device,
+             "--metrics-port", str(args.metrics_port)],
+            **spawn,
+        )  # fmt: skip
+        procs.append(("inference service", inference))
+        wait_serving("inference service", inference_address, inference, args.ready_timeout)
+        ids = ", ".join(spec.adapter_id for spec, _ in adapters)
+        print(
+            f"\nlorafleet is up.\n"
+            f"  inference  {inference_address}   (metrics http://{args.host}:{args.metrics_port})\n"
+            f"  store      {store_address}   (adapters: {ids})\n\n"
+            f"Try:\n"
+            f"  .venv/bin/lorafleet generate --server {inference_address} "
+            f'--adapter demo/poet "Once upon a time"\n'
+            f"  .venv/bin/lorafleet adapters --store {store_address} list\n"
+            f"  .venv/bin/lorafleet stats --server {inference_address}\n\n"
+            f"Ctrl-C stops both services.\n",
+            flush=True,
+        )
+        while not stop_requested.wait(0.5):
+            for name, proc in procs:
+                if proc.poll() is not None:
+                    log.error("%s exited with status %d", name, proc.returncode)
+                    stop_requested.set()
+        return stop(procs)
+    except (RuntimeError, grpc.RpcError) as exc:
+        log.error("local stack failed: %s", exc)
+        stop(procs)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
