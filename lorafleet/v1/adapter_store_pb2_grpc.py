@@ -91,7 +91,7 @@ class AdapterStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListAdapters(self, request, context):
-        """The latest version of each adapter, ordered by adapter id.
+        """The latest version of each adapter, in the storage's key order (stable across pages).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -58,8 +58,10 @@ class ObjectStore(ABC):
 
     @abstractmethod
     def list_keys(self, prefix: str, start_after: str = "") -> AsyncIterator[str]:
-        """Keys that start with ``prefix`` and sort after ``start_after``, in the backend's
-        listing order (lexicographic for both backends here)."""
+        """Keys that start with ``prefix`` and come after ``start_after``, in the backend's
+        listing order (byte order for AWS S3 and the local backend; SeaweedFS walks its
+        directory tree, comparing one path segment at a time). ``start_after`` follows the
+        same order, so paging through a listing is stable on every backend."""
 
     @abstractmethod
     async def begin_multipart(self, key: str) -> MultipartWriter: ...

@@ -1,0 +1,16 @@
+"""Fixtures shared across the test suite."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.s3server import SeaweedServer
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory):
+    """One SeaweedFS server for the whole session (tests use their own buckets or prefixes)."""
+    server = SeaweedServer(tmp_path_factory.mktemp("seaweed"), bucket="lorafleet-test")
+    server.start()
+    yield server
+    server.stop()

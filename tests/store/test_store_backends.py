@@ -1,0 +1,158 @@
+"""The object-storage contract, run against both backends (local directory, SeaweedFS)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from store.backends import ObjectNotFound, open_backend
+from store.backends.local import LocalObjectStore
+from store.config import MIB, BackendKind, StoreConfig
+from store.errors import StorageError, StorageUnavailable
+from tests.s3server import ACCESS_KEY, SECRET_KEY
+
+
+def s3_config(seaweed, bucket: str | None = None, **extra) -> StoreConfig:
+    return StoreConfig(
+        backend=BackendKind.S3,
+        s3_endpoint=seaweed.endpoint,
+        s3_bucket=bucket or seaweed.bucket,
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
+        **extra,
+    )
+
+
+@pytest.fixture(params=["local", "s3"])
+async def backend(request, tmp_path):
+    if request.param == "local":
+        store = LocalObjectStore(tmp_path / "root")
+    else:
+        store = open_backend(s3_config(request.getfixturevalue("seaweed")))
+    yield store
+    await store.close()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t{uuid.uuid4().hex[:12]}/"
+
+
+async def keys(backend, prefix, start_after=""):
+    return [k async for k in backend.list_keys(prefix, start_after)]
+
+
+async def test_put_get_range_delete(backend, prefix):
+    key = prefix + "a/b.bin"
+    data = bytes(range(256)) * 10
+    await backend.put(key, data)
+    assert await backend.get(key) == data
+    assert await backend.get_range(key, 5, 300) == data[5:300]
+    await backend.put(key, b"new")  # replaces
+    assert await backend.get(key) == b"new"
+    await backend.delete(key)
+    await backend.delete(key)  # idempotent
+    with pytest.raises(ObjectNotFound):
+        await backend.get(key)
+    with pytest.raises(ObjectNotFound):
+        await backend.get_range(key, 0, 1)
+
+
+async def test_put_if_absent_is_create_only(backend, prefix):
+    key = prefix + "manifest.json"
+    assert await backend.put_if_absent(key, b"first")
+    assert not await backend.put_if_absent(key, b"second")
+    assert await backend.get(key) == b"first"
+    results = await asyncio.gather(
+        *(backend.put_if_absent(prefix + "race", b"%d" % i) for i in range(8))
+    )
+    assert sum(results) == 1
+
+
+async def test_listing_is_sorted_and_resumable(backend, prefix):
+    names = ["m/a/@v/2", "m/a/@v/1", "m/a-x/@v/1", "m/a/b/@v/1", "m/b/@v/1", "other/x"]
+    for name in names:
+        await backend.put(prefix + name, b"")
+    listed = await keys(backend, prefix + "m/")
+    assert sorted(listed) == sorted(prefix + n for n in names if n.startswith("m/"))
+    # One adapter's version keys come together (store.layout relies on it).
+    a_positions = [i for i, k in enumerate(listed) if k.startswith(prefix + "m/a/@v/")]
+    assert a_positions == list(range(a_positions[0], a_positions[0] + 2))
+    after = await keys(backend, prefix + "m/", start_after=prefix + "m/a/@v/~")
+    assert prefix + "m/a/@v/1" not in after and prefix + "m/b/@v/1" in after
+    assert await keys(backend, prefix + "m/a/@") == [prefix + "m/a/@v/1", prefix + "m/a/@v/2"]
+    assert await keys(backend, prefix + "nothing/") == []
+
+
+async def test_multipart_complete_and_abort(backend, prefix):
+    part = bytes([7]) * (5 * MIB)
+    writer = await backend.begin_multipart(prefix + "blob")
+    assert prefix + "blob" in await backend.pending_uploads(prefix)
+    # Parts may finish out of order.
+    await asyncio.gather(writer.write_part(2, len(part), b"tail"), writer.write_part(1, 0, part))
+    with pytest.raises(ObjectNotFound):
+        await backend.get(prefix + "blob")  # invisible until complete
+    await writer.complete()
+    assert await backend.get(prefix + "blob") == part + b"tail"
+    assert await backend.pending_uploads(prefix) == []
+
+    aborted = await backend.begin_multipart(prefix + "gone")
+    await aborted.write_part(1, 0, b"x" * 100)
+    await aborted.abort()
+    await aborted.abort()  # idempotent
+    assert await backend.pending_uploads(prefix) == []
+    with pytest.raises(ObjectNotFound):
+        await backend.get(prefix + "gone")
+
+
+async def test_probe(backend):
+    await backend.probe()
+
+
+async def test_local_keys_cannot_escape_the_root(tmp_path):
+    store = LocalObjectStore(tmp_path)
+    for key in ("../x", "/etc/passwd", "a//b", "a/./b"):
+        with pytest.raises(ValueError, match="invalid object key"):
+            await store.put(key, b"")
+
+
+async def test_s3_missing_bucket_and_bad_credentials(seaweed):
+    missing = open_backend(s3_config(seaweed, bucket="no-such-bucket"))
+    with pytest.raises(StorageError, match="does not exist"):
+        await missing.probe()
+    await missing.close()
+    config = s3_config(seaweed)
+    bad = open_backend(
+        StoreConfig(
+            backend=BackendKind.S3,
+            s3_endpoint=config.s3_endpoint,
+            s3_bucket=config.s3_bucket,
+            aws_access_key_id="nobody",
+            aws_secret_access_key="wrong",
+        )
+    )
+    with pytest.raises(StorageError):
+        await bad.get("anything")
+    await bad.close()
+
+
+async def test_s3_unreachable_is_unavailable_quickly():
+    from tests.s3server import free_ports
+
+    (port,) = free_ports(1)
+    config = StoreConfig(
+        backend=BackendKind.S3,
+        s3_endpoint=f"http://127.0.0.1:{port}",
+        s3_bucket="b",
+        aws_access_key_id="k",
+        aws_secret_access_key="s",
+    )
+    store = open_backend(config)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    with pytest.raises(StorageUnavailable, match="unreachable"):
+        await store.get("x")
+    assert loop.time() - start < 5.0
+    await store.close()
