@@ -143,9 +143,10 @@ class AdapterManager:
     def loads_in_flight(self) -> bool:
         return any(e.state is AdapterState.LOADING for e in self._entries.values())
 
-    def begin_load(self, key: Hashable) -> bool:
-        """Take pages and a row (evicting idle adapters if that suffices) and issue the copy.
-        False when there is no room now; nothing is evicted then."""
+    def begin_load(self, key: Hashable, reserve: int = 0) -> bool:
+        """Take pages and a row (evicting idle adapters if that suffices) and issue the copy,
+        leaving at least ``reserve`` pages free. False when there is no room now; nothing is
+        evicted then."""
         with self._lock:
             entry = self._entries[key]
             if entry.state is not AdapterState.HOST:
@@ -153,7 +154,8 @@ class AdapterManager:
             need = self.pages_of(entry.host)
             idle = self._idle()
             rows = len(self._free_rows) + len(idle)
-            if rows == 0 or self.pool.num_free + sum(self._pool_pages(k) for k in idle) < need:
+            room = self.pool.num_free + sum(self._pool_pages(k) for k in idle)
+            if rows == 0 or room < need + reserve:
                 return False
             while not self._free_rows or self.pool.num_free < need:
                 self._evict(idle.pop(0))

@@ -73,6 +73,30 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     def schedule(self) -> list[ScheduledSeq]:
+        chosen = self._choose(prefetch=True)
+        while not chosen and self.waiting and not self.running:
+            # Nothing can run: adapters that queued requests wait for fill the pool, so the
+            # head gets no pages. Make room for the head, without prefetching the others again.
+            if self.adapters.loads_in_flight():
+                break
+            if not self.adapters.evict_for_stall(keep=self.waiting[0].adapter):
+                break
+            chosen = self._choose(prefetch=False)
+        out = [
+            ScheduledSeq(
+                seq,
+                n,
+                None if seq.adapter is None else self.adapters.row(seq.adapter),
+                seq.num_computed + n == seq.num_tokens,
+            )
+            for seq, n in chosen
+        ]
+        self.adapters.touch({s.seq.adapter for s in out if s.seq.adapter is not None})
+        # Group by adapter: base-model rows (-1) first, then by row; stable within a row.
+        out.sort(key=lambda s: -1 if s.lora_row is None else s.lora_row)
+        return out
+
+    def _choose(self, prefetch: bool) -> list[tuple[Sequence, int]]:
         self.adapters.poll_loads()
         chosen: list[tuple[Sequence, int]] = []
         budget = self.max_tokens
@@ -91,11 +115,12 @@ class Scheduler:
                 chosen.append((seq, n))
                 budget -= n
 
-        # 2. Loads for queued sequences' adapters, in queue order.
-        for seq in self.waiting:
+        # 2. Loads for queued sequences' adapters, in queue order (only the head's when not
+        # prefetching), each leaving a page per running sequence for its next decode.
+        for seq in list(self.waiting) if prefetch else list(self.waiting)[:1]:
             key = seq.adapter
             if key is not None and self.adapters.state(key) is AdapterState.HOST:
-                if not self.adapters.begin_load(key):
+                if not self.adapters.begin_load(key, reserve=len(self.running)):
                     break
         self.adapters.poll_loads()
 
@@ -103,10 +128,8 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if (
-                seq.adapter is not None
-                and self.adapters.state(seq.adapter) is not AdapterState.IN_POOL
-            ):
+            key = seq.adapter
+            if key is not None and self.adapters.state(key) is not AdapterState.IN_POOL:
                 continue
             n = min(seq.num_uncomputed, budget)
             if not self._grow(seq, seq.num_computed + n):
@@ -116,25 +139,7 @@ class Scheduler:
             self.running.append(seq)
             chosen.append((seq, n))
             budget -= n
-
-        if not chosen and self.waiting and not self.running and not self.adapters.loads_in_flight():
-            # Nothing can run: the pool is full of adapters that queued requests wait for.
-            if self.adapters.evict_for_stall(keep=self.waiting[0].adapter):
-                return self.schedule()
-
-        out = [
-            ScheduledSeq(
-                seq,
-                n,
-                None if seq.adapter is None else self.adapters.row(seq.adapter),
-                seq.num_computed + n == seq.num_tokens,
-            )
-            for seq, n in chosen
-        ]
-        self.adapters.touch({s.seq.adapter for s in out if s.seq.adapter is not None})
-        # Group by adapter: base-model rows (-1) first, then by row; stable within a row.
-        out.sort(key=lambda s: -1 if s.lora_row is None else s.lora_row)
-        return out
+        return chosen
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Give the sequence pages for ``num_tokens`` tokens, evicting idle adapters if needed."""

@@ -1,0 +1,188 @@
+"""The unified pool under pressure: preemption and recompute, aborts, adapter eviction and reload.
+After every step the pool proves its integrity; at the end every page is free again."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.inference.engine.adapter_manager import AdapterState
+from services.inference.engine.api import AdapterKey, FinishReason, GenerationRequest
+from services.inference.engine.request import SequenceStatus
+from services.inference.engine.sampling_params import SamplingParams
+from tests.inference.engine_harness import Recorder, hf_greedy, make_core, run
+from tests.inference.models import AdapterSpec
+
+R4, R8 = AdapterKey("r4", 1), AdapterKey("r8", 1)
+
+
+def _req(rid, prompt, new, adapter=None):
+    return GenerationRequest(
+        rid, prompt_token_ids=prompt, adapter=adapter, sampling=SamplingParams(new, ignore_eos=True)
+    )
+
+
+def _forbid_busy_evictions(core) -> list:
+    """Fail if an adapter that a queued or running request uses is ever evicted."""
+    evicted = []
+    evict = core.adapters._evict
+
+    def checked(key):
+        entry = core.adapters._entries[key]
+        assert entry.refs == 0, f"adapter {key} evicted while {entry.refs} requests use it"
+        evicted.append(key)
+        evict(key)
+
+    core.adapters._evict = checked
+    return evicted
+
+
+def _check_step(core, step) -> None:
+    core.check_integrity()
+    for seq in core.scheduler.running:
+        if seq.adapter is not None:
+            assert core.adapters.state(seq.adapter) is AdapterState.IN_POOL
+
+
+def _with_adapters(core, tiny_models):
+    core.add_adapter_dir(R4, tiny_models.adapter("tiny-llama", "r4"))
+    core.add_adapter_dir(R8, tiny_models.adapter("tiny-llama", "r8"))
+    return core
+
+
+def test_preemption_recomputes_and_matches_hf(tiny_models):
+    model_dir = tiny_models.model("tiny-llama")
+    rng = random.Random(7)
+    reqs = []
+    for i in range(8):
+        adapter = (None, R4, R8)[i % 3]
+        prompt = [rng.randrange(3, 512) for _ in range(rng.randint(6, 14))]
+        reqs.append(_req(f"p{i}", prompt, 18, adapter))
+    # 48 pages of 4 tokens: 20 go to the two adapters, the rest cannot hold 8 sequences of
+    # ~30 tokens, and max_num_seqs keeps adapter requests queued while others run.
+    core = _with_adapters(make_core(model_dir, num_pages=48, max_num_seqs=4), tiny_models)
+    _forbid_busy_evictions(core)
+    results = run(core, {0: reqs[:5], 3: reqs[5:]}, after_step=_check_step)
+    stats = core.stats()
+    assert stats.preemptions > 0
+    assert stats.kv_pages == 0 and stats.num_running == stats.num_waiting == 0
+    for req in reqs:
+        name = None if req.adapter is None else req.adapter.adapter_id
+        adapter_dir = None if name is None else tiny_models.adapter("tiny-llama", name)
+        want, _ = hf_greedy(model_dir, adapter_dir, req.prompt_token_ids, 18)
+        assert results[req.request_id].token_ids == want, req.request_id
+        assert results[req.request_id].finish_reason is FinishReason.LENGTH
+
+
+def test_random_aborts_and_preemptions_leave_every_page_free(tiny_models):
+    model_dir = tiny_models.model("tiny-llama")
+    core = _with_adapters(
+        make_core(model_dir, num_pages=40, max_num_seqs=6, max_num_batched_tokens=24),
+        tiny_models,
+    )
+    _forbid_busy_evictions(core)
+    rng = random.Random(3)
+    live: list[str] = []
+    finished: set[str] = set()
+    aborted = 0
+    recorder = Recorder()
+    for step in range(120):
+        if step < 80 and rng.random() < 0.5:
+            rid = f"q{step}"
+            prompt = [rng.randrange(3, 512) for _ in range(rng.randint(1, 30))]
+            core.add_request(_req(rid, prompt, rng.randint(1, 20), rng.choice([None, R4, R8])))
+            live.append(rid)
+        if live and rng.random() < 0.2:
+            rid = live.pop(rng.randrange(len(live)))
+            out = core.abort(rid)
+            if out is not None:  # None: it had already finished
+                assert out.finish_reason is FinishReason.ABORT
+                recorder.take([out])
+                aborted += 1
+        assert core.abort("no-such-request") is None
+        recorder.take(core.step())
+        _check_step(core, step)
+        finished |= {r for r, res in recorder.results.items() if res.finish_reason is not None}
+        live = [r for r in live if r not in finished]
+    while core.has_work:
+        recorder.take(core.step())
+        _check_step(core, -1)
+    assert aborted > 0 and core.stats().preemptions > 0
+    assert all(r.finish_reason is not None for r in recorder.results.values())
+    stats = core.stats()
+    assert stats.kv_pages == 0
+    assert stats.free_pages + stats.adapter_pages == stats.num_pages
+    core.remove_adapter(R4)
+    core.remove_adapter(R8)
+    core.step()  # removal frees the pages at the next step
+    assert core.stats().free_pages == core.stats().num_pages
+    core.check_integrity()
+
+
+def test_idle_adapter_evicted_under_kv_pressure_and_reloaded_identically(tiny_models):
+    model_dir = tiny_models.model("tiny-llama")
+    recorder = Recorder()
+    # r8 takes 16 of the 40 pages; the long base request needs 30.
+    core = make_core(model_dir, recorder, num_pages=40)
+    core.add_adapter_dir(R8, tiny_models.adapter("tiny-llama", "r8"))
+    evicted = _forbid_busy_evictions(core)
+    prompt = list(range(40, 52))
+    first = run(core, {0: [_req("a1", prompt, 8, R8)]}, recorder)["a1"]
+    assert core.stats().adapters_in_pool == 1  # idle adapters stay resident
+    long = _req("base", list(range(3, 63)), 60)
+    run(core, {0: [long]}, recorder, after_step=_check_step)
+    assert evicted == [R8] and core.stats().adapters_in_pool == 0
+    again = run(core, {0: [_req("a2", prompt, 8, R8)]}, recorder)["a2"]
+    assert core.stats().adapter_loads == 2
+    assert again.token_ids == first.token_ids
+    for a, b in zip(again.logits, first.logits, strict=True):
+        assert torch.equal(a, b)
+    core.check_integrity()
+
+
+def test_full_pool_of_queued_adapters_does_not_stall(tiny_models):
+    """Adapters loaded for queued requests fill the pool so that the head cannot get KV pages;
+    with nothing running, one of them gives way and every request completes."""
+    model_dir = tiny_models.model("tiny-llama")
+    spec = AdapterSpec(rank=8, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"), seed=99)
+    other = tiny_models.adapter("tiny-llama", spec)
+    core = make_core(model_dir, num_pages=40)
+    core.add_adapter_dir(R8, tiny_models.adapter("tiny-llama", "r8"))
+    core.add_adapter_dir(AdapterKey("other", 1), other)
+    reqs = [
+        _req("x", list(range(3, 23)), 20, R8),  # 40 tokens = 10 pages; 8 free once both load
+        _req("y", list(range(5, 15)), 4, AdapterKey("other", 1)),
+    ]
+    results = run(core, {0: reqs}, after_step=_check_step)
+    assert core.stats().adapter_evictions >= 1  # "other" gave way to the head of the queue
+    assert {r.finish_reason for r in results.values()} == {FinishReason.LENGTH}
+    want, _ = hf_greedy(model_dir, tiny_models.adapter("tiny-llama", "r8"), range(3, 23), 20)
+    assert results["x"].token_ids == want
+    core.check_integrity()
+
+
+def test_abort_frees_pages_at_once(tiny_models):
+    core = make_core(tiny_models.model("tiny-llama"))
+    core.add_request(_req("a", list(range(3, 40)), 50))
+    core.step()
+    assert core.stats().kv_pages == 10  # 37 prompt tokens + the first generated one, pages of 4
+    out = core.abort("a")
+    assert out.finish_reason is FinishReason.ABORT and out.completion_tokens == 1
+    assert core.stats().kv_pages == 0 and not core.has_work
+    assert core.abort("a") is None
+    core.check_integrity()
+
+
+@pytest.mark.parametrize("where", ["queued", "prefilling"])
+def test_abort_before_or_during_prefill(tiny_models, where):
+    core = make_core(tiny_models.model("tiny-llama"), max_num_batched_tokens=16)
+    core.add_request(_req("a", list(range(3, 60)), 4))
+    if where == "prefilling":
+        core.step()  # 16 of 57 prompt tokens
+        seq = core.scheduler.running[0]
+        assert seq.status is SequenceStatus.RUNNING and seq.num_computed == 16
+    out = core.abort("a")
+    assert out.finish_reason is FinishReason.ABORT and out.completion_tokens == 0
+    assert core.stats().kv_pages == 0 and not core.has_work
