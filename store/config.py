@@ -112,6 +112,7 @@ class StoreConfig:
             max_rank=args.max_rank,
             base_model_config=Path(args.base_model_config) if args.base_model_config else None,
             log_level=args.log_level.upper(),
+            probe_interval_s=args.probe_interval_s,
         )
 
 
@@ -136,4 +137,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "--base-model-config", help="config.json of the base model that adapters must fit"
     )
     parser.add_argument("--log-level", default=env.get("LORAFLEET_LOG_LEVEL", "INFO"))
+    parser.add_argument(
+        "--probe-interval-s", type=float, default=5.0, help="seconds between storage checks"
+    )
     return parser

@@ -140,7 +140,8 @@ def _check_shapes(
             raise AdapterFormatError(f"the {group} differs between modules ({detail})")
     if base is None:
         return
-    for (module, side), (size, name) in sorted(seen.items()):
+    in_module_order = sorted(seen.items(), key=lambda kv: SUPPORTED_MODULES.index(kv[0][0]))
+    for (module, side), (size, name) in in_module_order:
         dims = base.module_dims(module)
         want = dims.d_in if side == "in" else dims.d_out
         if size != want:
