@@ -2,8 +2,8 @@
 
 This is the one place that reads the environment. Each flag has a variable,
 LORAFLEET_INFERENCE_<FLAG> (e.g. LORAFLEET_INFERENCE_ADAPTER_STORE for --adapter-store); a flag
-on the command line wins over its variable. The log level also honours LORAFLEET_LOG_LEVEL, which
-the whole stack shares.
+on the command line wins over its variable. Two settings also honour the variables the whole stack
+shares: LORAFLEET_LOG_LEVEL and LORAFLEET_ADAPTER_STORE.
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ class ServiceConfig:
                 values[f.name] = flag_value
                 continue
             raw = env.get(ENV_PREFIX + f.name.upper())
-            if raw is None and f.name == "log_level":
-                raw = env.get("LORAFLEET_LOG_LEVEL")
+            if raw is None and f.name in _SHARED_ENV:
+                raw = env.get(_SHARED_ENV[f.name])
             if raw is not None:
                 values[f.name] = _convert(f.name, raw, parser)
         if "model" not in values:
@@ -104,6 +104,9 @@ class ServiceConfig:
             parser.error(str(exc))
             raise  # unreachable: parser.error exits
 
+
+# Variables the whole stack shares (the CLI finds the store through LORAFLEET_ADAPTER_STORE too).
+_SHARED_ENV = {"log_level": "LORAFLEET_LOG_LEVEL", "adapter_store": "LORAFLEET_ADAPTER_STORE"}
 
 _TYPES = {
     "model": Path,
@@ -123,7 +126,8 @@ _TYPES = {
 
 _HELP = {
     "model": "Hugging Face-format model directory (config.json, safetensors, tokenizer.json)",
-    "adapter_store": "adapter store address HOST:PORT (without it, only the base model serves)",
+    "adapter_store": "adapter store address HOST:PORT (also LORAFLEET_ADAPTER_STORE; without "
+    "it, only the base model serves)",
     "host": "address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)",
     "port": "gRPC port (default 50052)",
     "device": "cpu, cuda or auto (cuda when a GPU is visible)",

@@ -49,7 +49,7 @@ class HostCache:
     ) -> None:
         self.arena = arena
         self._entries: OrderedDict[Hashable, HostEntry] = OrderedDict()  # LRU first
-        self._on_evict = on_evict
+        self.on_evict = on_evict  # called with the key of each evicted entry
         self.evictions = 0
 
     def __contains__(self, key: Hashable) -> bool:
@@ -131,8 +131,8 @@ class HostCache:
         log.info("host cache: evicting adapter %s (%d bytes)", entry.key, entry.size_bytes)
         self.evictions += 1
         self._drop(entry)
-        if self._on_evict is not None:
-            self._on_evict(entry.key)
+        if self.on_evict is not None:
+            self.on_evict(entry.key)
 
     def _drop(self, entry: HostEntry) -> None:
         del self._entries[entry.key]

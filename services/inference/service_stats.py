@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from typing import NamedTuple
 
 
@@ -29,19 +30,28 @@ class LatencyWindow:
             self._samples.append(seconds)
             self._count += 1
 
+    @property
+    def last(self) -> float:
+        with self._lock:
+            return self._samples[-1] if self._samples else 0.0
+
     def summary(self) -> LatencySummary:
         with self._lock:
-            samples = sorted(self._samples)
+            samples = list(self._samples)
             count = self._count
-        if not samples:
-            return LatencySummary(count, 0.0, 0.0, 0.0, 0.0)
+        return summarize(samples, count)
 
-        def rank(q: float) -> float:
-            return samples[min(len(samples) - 1, int(q * len(samples)))]
 
-        return LatencySummary(
-            count, sum(samples) / len(samples), rank(0.5), rank(0.99), samples[-1]
-        )
+def summarize(samples: Iterable[float], count: int) -> LatencySummary:
+    """Mean and nearest-rank percentiles of ``samples``; ``count`` is the all-time total."""
+    ordered = sorted(samples)
+    if not ordered:
+        return LatencySummary(count, 0.0, 0.0, 0.0, 0.0)
+
+    def rank(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return LatencySummary(count, sum(ordered) / len(ordered), rank(0.5), rank(0.99), ordered[-1])
 
 
 class RateWindow:

@@ -1,0 +1,244 @@
+"""AdapterRegistry: which adapter versions this server holds, and who uses them.
+
+It joins the three places an adapter lives: the store (fetched through StoreClient), the host
+cache (bytes in the pinned arena) and the engine (validated, then copied into pool pages when a
+request needs it). Invariants, all on the service's event loop:
+
+- an adapter version is in the engine exactly when its bytes are in the host cache: a host
+  eviction removes it from the engine (pages freed once its last request ends);
+- a version in use (a Generate call or a LoadAdapter holds a lease) or pinned is held in the
+  host cache, so it is never evicted there;
+- the latest version of each adapter is known from the store's watch; a request for version 0
+  takes the latest known one without asking the store, so held adapters keep serving while the
+  store is down. A version superseded or deleted is retired: requests already on it finish on
+  it, and it is dropped when its last one ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.inference.engine.api import AdapterKey
+from services.inference.engine.engine import Engine
+from services.inference.errors import BadArgument, StoreUnavailable
+from services.inference.host_cache import HostCache
+from services.inference.service_stats import LatencyWindow
+from services.inference.store_client import AdapterEvent, StoreClient
+from store.peft import AdapterFormatError
+
+log = logging.getLogger(__name__)
+
+_MAX_ID_LEN = 128
+_FETCH_ATTEMPTS = 3  # a fresh entry may be evicted by a concurrent fetch before it is held
+
+
+@dataclass
+class HeldAdapter:
+    key: AdapterKey
+    size_bytes: int
+    leases: int = 0  # Generate calls and LoadAdapter calls using it now
+    pinned: bool = False
+    retired: bool = False  # superseded, deleted or unloaded: dropped when no lease is left
+
+
+class AdapterRegistry:
+    def __init__(
+        self,
+        engine: Engine,
+        store: StoreClient | None,
+        cache: HostCache,
+        on_load: Callable[[str, float], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.store = store
+        self.cache = cache
+        cache.on_evict = self.on_host_evict
+        self._latest: dict[str, int] = {}
+        self._held: dict[AdapterKey, HeldAdapter] = {}
+        self._rejected: dict[AdapterKey, Exception] = {}  # versions are immutable: fail fast
+        self._fetch_waiters = 0
+        self._on_load = on_load  # (phase, seconds) for metrics
+        self.fetch_latency = LatencyWindow()
+        self.evictions = 0
+
+    # --- lookups --------------------------------------------------------------------------
+
+    @property
+    def fetch_waiters(self) -> int:
+        """Requests waiting for an adapter's bytes to arrive from the store."""
+        return self._fetch_waiters
+
+    def held(self) -> list[HeldAdapter]:
+        return list(self._held.values())
+
+    def get(self, key: AdapterKey) -> HeldAdapter | None:
+        return self._held.get(key)
+
+    def latest(self, adapter_id: str) -> int | None:
+        return self._latest.get(adapter_id)
+
+    async def resolve(self, adapter_id: str, version: int) -> AdapterKey:
+        """The concrete version a request names; 0 = the latest (known from the watch)."""
+        if not adapter_id or len(adapter_id) > _MAX_ID_LEN:
+            raise BadArgument(f"adapter_id must be 1..{_MAX_ID_LEN} characters")
+        if version:
+            return AdapterKey(adapter_id, version)
+        known = self._latest.get(adapter_id)
+        if known is not None:
+            return AdapterKey(adapter_id, known)
+        info = await self._store().lookup(adapter_id, 0)
+        self._note_latest(adapter_id, info.version)
+        return AdapterKey(adapter_id, self._latest[adapter_id])
+
+    # --- leases ---------------------------------------------------------------------------
+
+    async def acquire(self, adapter_id: str, version: int) -> AdapterKey:
+        """Resolve, fetch if needed and add to the engine; the caller must release(key)."""
+        key = await self.resolve(adapter_id, version)
+        rejected = self._rejected.get(key)
+        if rejected is not None:
+            raise rejected
+        held = self._held.get(key)
+        if held is not None and key in self.cache:
+            held.leases += 1
+            self.cache.hold(key)
+            self.cache.get(key)  # most recently used
+            return key
+        await self._fetch_and_add(key)
+        held = self._held[key]
+        held.leases += 1
+        return key
+
+    def release(self, key: AdapterKey) -> None:
+        held = self._held.get(key)
+        if held is None or held.leases == 0:
+            raise ValueError(f"adapter {key} released more often than acquired")
+        held.leases -= 1
+        self.cache.release(key)
+        self._maybe_drop(held)
+
+    def pin(self, key: AdapterKey, pinned: bool) -> None:
+        held = self._held[key]
+        if held.pinned != pinned:
+            held.pinned = pinned
+            if pinned:
+                self.cache.hold(key)
+            else:
+                self.cache.release(key)
+                self._maybe_drop(held)
+
+    def unload(self, adapter_id: str, version: int) -> list[HeldAdapter]:
+        """Unpin and retire the matching versions (0 = all); each is dropped once idle."""
+        out = []
+        for held in list(self._held.values()):
+            if held.key.adapter_id == adapter_id and version in (0, held.key.version):
+                held.retired = True
+                out.append(held)
+                if held.pinned:
+                    self.pin(held.key, False)
+                else:
+                    self._maybe_drop(held)
+        return out
+
+    # --- the store's watch ------------------------------------------------------------------
+
+    def on_event(self, event: AdapterEvent) -> None:
+        if event.created:
+            self._note_latest(event.adapter_id, event.version)
+            return
+        key = AdapterKey(event.adapter_id, event.version)
+        if self._latest.get(event.adapter_id) == event.version:
+            # The next request asks the store which version is the latest now.
+            del self._latest[event.adapter_id]
+        held = self._held.get(key)
+        if held is not None:
+            log.info("adapter %s was deleted from the store; retiring it", key)
+            held.retired = True
+            self._maybe_drop(held)
+
+    def on_host_evict(self, key: AdapterKey) -> None:
+        """The host cache dropped an idle adapter's bytes: the engine forgets it too."""
+        held = self._held.pop(key, None)
+        self.evictions += 1
+        if held is not None:
+            self.engine.remove_adapter(key)
+
+    # --- internals --------------------------------------------------------------------------
+
+    def _store(self) -> StoreClient:
+        if self.store is None:
+            raise StoreUnavailable(
+                "no adapter store is configured (--adapter-store); only the base model serves"
+            )
+        return self.store
+
+    def _note_latest(self, adapter_id: str, version: int) -> None:
+        old = self._latest.get(adapter_id)
+        if old is not None and version <= old:
+            return
+        self._latest[adapter_id] = version
+        log.info("adapter %s: version %d is the latest", adapter_id, version)
+        for held in list(self._held.values()):
+            if held.key.adapter_id == adapter_id and held.key.version < version:
+                held.retired = True
+                if held.pinned:
+                    # Hot reload: a pinned adapter's new version is loaded and pinned now.
+                    asyncio.get_running_loop().create_task(
+                        self._reload_pinned(AdapterKey(adapter_id, version))
+                    )
+                    self.pin(held.key, False)
+                else:
+                    self._maybe_drop(held)
+
+    async def _reload_pinned(self, key: AdapterKey) -> None:
+        try:
+            await self.acquire(key.adapter_id, key.version)
+        except Exception as exc:  # the old version is gone; requests will retry the fetch
+            log.warning("hot reload of pinned adapter %s failed: %s", key, exc)
+            return
+        self.pin(key, True)
+        self.release(key)
+
+    async def _fetch_and_add(self, key: AdapterKey) -> None:
+        """Brings ``key`` into the host cache and the engine, held once for the caller."""
+        store = self._store()
+        self._fetch_waiters += 1
+        try:
+            for _ in range(_FETCH_ATTEMPTS):
+                fetched = await store.fetch(key)
+                if self.cache.peek(key) is fetched.entry:
+                    break
+            else:
+                raise StoreUnavailable(f"adapter {key}: the host cache is too busy to keep it")
+        finally:
+            self._fetch_waiters -= 1
+        # No await from here on: nothing can evict the entry before it is held.
+        entry = self.cache.hold(key)
+        if fetched.from_store:
+            self.fetch_latency.add(fetched.seconds)
+            if self._on_load is not None:
+                self._on_load("fetch", fetched.seconds)
+        if key in self._held:
+            return
+        start = time.perf_counter()
+        try:
+            self.engine.add_adapter(key, entry.config_json, self.cache.arena.view(entry.block))
+        except Exception as exc:
+            self.cache.release(key)
+            self.cache.remove(key)
+            if isinstance(exc, AdapterFormatError):  # the bytes will not change
+                self._rejected[key] = exc
+            raise
+        log.debug("adapter %s validated in %.3f s", key, time.perf_counter() - start)
+        self._held[key] = HeldAdapter(key, entry.size_bytes)
+
+    def _maybe_drop(self, held: HeldAdapter) -> None:
+        if held.retired and held.leases == 0 and not held.pinned:
+            del self._held[held.key]
+            self.cache.remove(held.key)
+            self.engine.remove_adapter(held.key)
+            log.info("adapter %s dropped", held.key)

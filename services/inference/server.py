@@ -1,0 +1,172 @@
+"""InferenceServer: the gRPC server, its health and reflection services, and the lifecycle.
+
+Start-up order: the port is bound and health answers NOT_SERVING at once; the model loads on a
+worker thread; then the host arena, the store client and its watch follower, the metrics
+endpoint; health turns SERVING last. Until then Inference calls get UNAVAILABLE.
+Stop (SIGTERM): health NOT_SERVING, new calls refused, calls in flight may finish within the
+grace period and are then ended with UNAVAILABLE, then the engine stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from lorafleet.v1 import inference_pb2 as pb
+from lorafleet.v1 import inference_pb2_grpc as pb_grpc
+from services.inference.adapter_registry import AdapterRegistry
+from services.inference.arena import HostArena
+from services.inference.config import ServiceConfig
+from services.inference.engine.config import EngineConfig
+from services.inference.engine.engine import Engine
+from services.inference.host_cache import HostCache
+from services.inference.servicer import InferenceServicer
+from services.inference.store_client import StoreClient
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+
+
+def engine_config(config: ServiceConfig) -> EngineConfig:
+    return EngineConfig(
+        model_dir=config.model,
+        device=config.device,
+        num_pages=config.num_pages,
+        pool_memory_bytes=None if config.pool_memory_mb is None else config.pool_memory_mb << 20,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=max(2048, config.max_num_seqs),
+        max_lora_rank=config.max_lora_rank,
+        max_loras=config.max_loras,
+        max_queue=config.max_queue + config.max_num_seqs,
+    )
+
+
+class _Gate(pb_grpc.InferenceServicer):
+    """Registered before the server starts (grpc.aio takes no services later); answers
+    UNAVAILABLE until the model is loaded, then hands every call to the real servicer."""
+
+    def __init__(self) -> None:
+        self.target: InferenceServicer | None = None
+
+    async def _ready(self, context) -> InferenceServicer:
+        if self.target is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        return self.target
+
+    async def Generate(self, request, context):
+        target = await self._ready(context)
+        async for msg in target.Generate(request, context):
+            yield msg
+
+    async def LoadAdapter(self, request, context):
+        return await (await self._ready(context)).LoadAdapter(request, context)
+
+    async def UnloadAdapter(self, request, context):
+        return await (await self._ready(context)).UnloadAdapter(request, context)
+
+    async def ListAdapters(self, request, context):
+        return await (await self._ready(context)).ListAdapters(request, context)
+
+    async def GetStats(self, request, context):
+        return await (await self._ready(context)).GetStats(request, context)
+
+
+class InferenceServer:
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self.server = grpc.aio.server(
+            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 16 << 20)]
+        )
+        self._gate = _Gate()
+        pb_grpc.add_InferenceServicer_to_server(self._gate, self.server)
+        self._health = _add_health_and_reflection(self.server)
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self.engine: Engine | None = None
+        self.servicer: InferenceServicer | None = None
+        self._store: StoreClient | None = None
+        self._follower: asyncio.Task | None = None
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> None:
+        cfg = self.config
+        self.port = self.server.add_insecure_port(cfg.address)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {cfg.address}")
+        await self.server.start()
+        await self._set_serving(False)
+        log.info("listening on %s:%d; loading %s", cfg.host, self.port, cfg.model)
+        self.engine = await asyncio.to_thread(Engine, engine_config(cfg))
+        await self.engine.start()
+        device = self.engine.config.torch_device
+        cache = HostCache(HostArena(cfg.host_cache_bytes, pin=device.type == "cuda"))
+        if cfg.adapter_store is not None:
+            self._store = StoreClient(
+                cfg.adapter_store, cache, cfg.store_timeout_s, cfg.fetch_timeout_s
+            )
+        registry = AdapterRegistry(self.engine, self._store, cache)
+        if self._store is not None:
+            self._follower = asyncio.create_task(self._store.follow(registry.on_event))
+        self.servicer = InferenceServicer(
+            self.engine, registry, cfg.max_queue, cfg.model.name, str(device)
+        )
+        if cfg.metrics_port is not None:
+            self.metrics_port = self.servicer.metrics.serve(cfg.metrics_port, cfg.host)
+        self._gate.target = self.servicer
+        await self._set_serving(True)
+        log.info("serving %s on %s:%d (%s)", cfg.model, cfg.host, self.port, device)
+
+    async def stop(self) -> None:
+        """Idempotent; see the module docstring for the order."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        log.info("stopping")
+        await self._set_serving(False)
+        if self.servicer is not None:
+            await self.servicer.shutdown(self.config.shutdown_grace_s)
+        await self.server.stop(grace=1.0)
+        if self._follower is not None:
+            self._follower.cancel()
+        if self._store is not None:
+            await self._store.close()
+        if self.engine is not None:
+            await self.engine.stop()
+        if self.servicer is not None:
+            self.servicer.metrics.close()
+        log.info("stopped")
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    async def _set_serving(self, serving: bool) -> None:
+        if self._health is None:
+            return
+        from grpc_health.v1 import health_pb2
+
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, status)
+
+
+def _add_health_and_reflection(server: grpc.aio.Server):
+    """grpc.health.v1 and server reflection; optional packages, so a bare install (a benchmark
+    machine) still serves without them."""
+    try:
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+        from grpc_reflection.v1alpha import reflection
+    except ImportError as exc:
+        log.warning("health checking or reflection unavailable (%s); serving without", exc)
+        return None
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+    reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
+    return servicer

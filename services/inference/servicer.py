@@ -1,0 +1,228 @@
+"""lorafleet.v1.Inference over the engine and the adapter registry: thin translation only.
+
+Every domain error becomes a status through errors.status_for, here and nowhere else.
+A Generate call that the client cancels, or whose deadline passes, is cancelled by grpc.aio;
+leaving the engine's stream aborts the request, whose pages are free at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from lorafleet.v1 import inference_pb2 as pb
+from lorafleet.v1 import inference_pb2_grpc as pb_grpc
+from services.inference import convert
+from services.inference.adapter_registry import AdapterRegistry, HeldAdapter
+from services.inference.engine.api import AdapterKey, FinishReason, GenerationRequest
+from services.inference.engine.engine import Engine
+from services.inference.errors import BadArgument, QueueFull, ShuttingDown, status_for
+from services.inference.metrics import ServiceMetrics
+from services.inference.service_stats import LatencyWindow, RateWindow, StatsSnapshot
+
+log = logging.getLogger(__name__)
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    def __init__(
+        self,
+        engine: Engine,
+        registry: AdapterRegistry,
+        max_waiting: int,
+        model_name: str,
+        device: str,
+    ) -> None:
+        self.engine = engine
+        self.registry = registry
+        self.metrics = ServiceMetrics(self.snapshot)
+        self._max_calls = max_waiting + engine.config.max_num_seqs
+        self._model_name, self._device = model_name, device
+        self._calls: set[str] = set()  # request ids of Generate calls in progress
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._closing = False  # no new calls
+        self._aborting = False  # calls in flight are being ended by the server
+        self._rate = RateWindow()
+        self.cold_ttft = LatencyWindow()  # arrival -> first token, adapter not in the pool
+
+    # --- Generate ---------------------------------------------------------------------------
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        start = time.perf_counter()
+        rid = request.request_id or uuid.uuid4().hex
+        code = grpc.StatusCode.OK
+        admitted = False
+        try:
+            self._admit(rid)
+            admitted = True
+            sampling = convert.sampling_params(request.sampling)
+            prompt, ids = _prompt(request)
+            key = None
+            if request.adapter_id:
+                key = await self.registry.acquire(request.adapter_id, request.adapter_version)
+            try:
+                if self._aborting:
+                    raise ShuttingDown(f"request {rid} was ended: the server is shutting down")
+                cold = key is not None and not self.engine.adapter_in_pool(key)
+                gen = GenerationRequest(rid, prompt, ids, key, sampling)
+                last = None
+                async for out in self.engine.generate(gen):
+                    if out.finish_reason is FinishReason.ABORT:
+                        raise ShuttingDown(f"request {rid} was ended: the server is shutting down")
+                    now = time.perf_counter()
+                    if last is None:
+                        self.metrics.ttft.observe(now - start)
+                        if cold:
+                            self.cold_ttft.add(now - start)
+                    elif out.token_ids:
+                        self.metrics.inter_token.observe(now - last)
+                    last = now
+                    yield convert.response(out, rid, key)
+            finally:
+                if key is not None:
+                    self.registry.release(key)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:
+            status = status_for(exc)
+            code = status.code
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("Generate %s failed", rid)
+            await context.abort(status.code, status.message)
+        finally:
+            if admitted:
+                self._calls.discard(rid)
+                if not self._calls:
+                    self._idle.set()
+            self.metrics.requests.labels(code.name).inc()
+
+    def _admit(self, rid: str) -> None:
+        if self._closing:
+            raise ShuttingDown("the server is shutting down; retry on another replica")
+        if rid in self._calls:
+            raise BadArgument(f"request_id {rid!r} is already in flight")
+        if len(self._calls) >= self._max_calls:
+            raise QueueFull(
+                f"{len(self._calls)} requests in flight (running batch + --max-queue); retry later"
+            )
+        self._calls.add(rid)
+        self._idle.clear()
+
+    # --- adapters ---------------------------------------------------------------------------
+
+    async def LoadAdapter(self, request, context) -> pb.LoadAdapterResponse:
+        start = time.perf_counter()
+        try:
+            key = await self.registry.acquire(request.adapter_id, request.adapter_version)
+            try:
+                await self.engine.load_adapter(key, pin=request.pin)
+                self.registry.pin(key, request.pin)
+            finally:
+                self.registry.release(key)
+            return pb.LoadAdapterResponse(
+                adapter=self._resident(key, self.registry.get(key)),
+                load_seconds=time.perf_counter() - start,
+            )
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def UnloadAdapter(self, request, context) -> pb.UnloadAdapterResponse:
+        try:
+            if not request.adapter_id:
+                raise BadArgument("adapter_id is required")
+            out = []
+            for held in self.registry.unload(request.adapter_id, request.adapter_version):
+                self.engine.pin_adapter(held.key, False)
+                out.append(self._resident(held.key, held))
+            return pb.UnloadAdapterResponse(adapters=out)
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def ListAdapters(self, request, context) -> pb.ListResidentAdaptersResponse:
+        held = sorted(self.registry.held(), key=lambda h: h.key)
+        return pb.ListResidentAdaptersResponse(adapters=[self._resident(h.key, h) for h in held])
+
+    def _resident(self, key: AdapterKey, held: HeldAdapter | None) -> pb.ResidentAdapter:
+        status = self.engine.adapter_status(key)
+        residency = "loading" if status is None else status.residency
+        return pb.ResidentAdapter(
+            adapter_id=key.adapter_id,
+            version=key.version,
+            residency=convert.RESIDENCY[residency],
+            pinned=held is not None and held.pinned,
+            active_requests=0 if held is None else held.leases,
+            size_bytes=0 if held is None else held.size_bytes,
+            retired=held is not None and held.retired,
+        )
+
+    # --- stats ------------------------------------------------------------------------------
+
+    async def GetStats(self, request, context) -> pb.GetStatsResponse:
+        return convert.stats_response(self.snapshot(), self._model_name, self._device)
+
+    def snapshot(self) -> StatsSnapshot:
+        e = self.engine.stats()
+        c = self.registry.cache.stats()
+        return StatsSnapshot(
+            queued=e.num_waiting,
+            running=e.num_running,
+            waiting_for_adapter=self.registry.fetch_waiters + e.adapters_loading,
+            total_pages=e.num_pages,
+            free_pages=e.free_pages,
+            kv_pages=e.kv_pages,
+            adapter_pages=e.adapter_pages,
+            page_size=self.engine.config.page_size,
+            tokens_per_second=self._rate.rate(e.generated_tokens),
+            generated_tokens=e.generated_tokens,
+            adapters_in_pool=e.adapters_in_pool,
+            host_capacity_bytes=c.capacity_bytes,
+            host_used_bytes=c.used_bytes,
+            host_entries=c.entries,
+            host_pinned=c.pinned_memory,
+            adapter_fetch=self.registry.fetch_latency.summary(),
+            adapter_copy=self.engine.copy_latency.summary(),
+            adapter_load=self.cold_ttft.summary(),
+            evictions_gpu=e.adapter_evictions,
+            evictions_host=self.registry.evictions,
+        )
+
+    # --- shutdown ---------------------------------------------------------------------------
+
+    async def shutdown(self, grace: float) -> None:
+        """Refuse new calls, let calls in flight finish within ``grace`` seconds, then end the
+        rest with UNAVAILABLE."""
+        self._closing = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout=grace)
+        except TimeoutError:
+            log.info("ending %d streams still in flight", len(self._calls))
+            self._aborting = True
+            for rid in list(self._calls):
+                self.engine.abort(rid)
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout=5.0)
+            except TimeoutError:
+                log.warning("%d calls did not end after their abort", len(self._calls))
+
+
+def _prompt(request: pb.GenerateRequest) -> tuple[str | None, list[int] | None]:
+    if request.prompt_token_ids:
+        return None, list(request.prompt_token_ids)
+    if request.prompt:
+        return request.prompt, None
+    raise BadArgument("give a prompt or prompt_token_ids")
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    status = status_for(exc)
+    if status.code == grpc.StatusCode.INTERNAL:
+        log.error("call failed", exc_info=exc)
+    await context.abort(status.code, status.message)

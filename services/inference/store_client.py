@@ -1,0 +1,199 @@
+"""The inference service's client of the adapter store: lookups, fetches, and the watch follower.
+
+A fetch writes FetchAdapter's chunks straight into a block of the host cache's arena (pinned on
+CUDA), sized by the AdapterInfo that leads the stream; the bytes are never assembled anywhere
+else. Fetches are single-flight: concurrent callers for one adapter version share one stream,
+and the fetch runs to completion even if every caller went away (the bytes stay cached).
+The follower keeps a WatchAdapters stream open, reconnecting with backoff, and replays the
+latest version of every adapter after each (re)connect so that nothing missed while the store
+was away stays missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import grpc
+
+from lorafleet.v1 import adapter_store_pb2 as pb
+from lorafleet.v1 import adapter_store_pb2_grpc as pb_grpc
+from services.inference.engine.api import AdapterKey
+from services.inference.errors import AdapterNotFound, StoreUnavailable
+from services.inference.host_cache import HostCache, HostEntry
+
+log = logging.getLogger(__name__)
+
+_UNAVAILABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.CANCELLED,
+)
+
+
+class Fetched(NamedTuple):
+    entry: HostEntry  # the adapter's bytes in the host cache
+    seconds: float  # the fetch's duration; 0.0 for a host-cache hit
+    from_store: bool
+
+
+class AdapterEvent(NamedTuple):
+    created: bool  # False: deleted
+    adapter_id: str
+    version: int
+
+
+def _store_error(exc: grpc.aio.AioRpcError, what: str) -> Exception:
+    """A store status as the service's domain error."""
+    code = exc.code()
+    if code == grpc.StatusCode.NOT_FOUND:
+        return AdapterNotFound(f"{what}: {exc.details()}")
+    if code in _UNAVAILABLE:
+        return StoreUnavailable(
+            f"{what}: the adapter store is unavailable ({code.name}: {exc.details()}); "
+            f"the base model and adapters already held keep serving"
+        )
+    return StoreUnavailable(f"{what}: the adapter store answered {code.name}: {exc.details()}")
+
+
+class StoreClient:
+    def __init__(
+        self, target: str, cache: HostCache, lookup_timeout: float, fetch_timeout: float
+    ) -> None:
+        self.target = target
+        self._cache = cache
+        self._lookup_timeout = lookup_timeout
+        self._fetch_timeout = fetch_timeout
+        # Reconnects quickly when the store returns; calls fail fast while it is away.
+        self._channel = grpc.aio.insecure_channel(
+            target,
+            options=[
+                ("grpc.max_receive_message_length", 16 * 2**20),
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 2000),
+            ],
+        )
+        self._stub = pb_grpc.AdapterStoreStub(self._channel)
+        self._inflight: dict[AdapterKey, asyncio.Task[Fetched]] = {}
+
+    async def close(self) -> None:
+        for task in list(self._inflight.values()):
+            task.cancel()
+        await self._channel.close()
+
+    async def lookup(self, adapter_id: str, version: int = 0) -> pb.AdapterInfo:
+        """The store's AdapterInfo; version 0 = the latest."""
+        what = f"adapter {adapter_id!r}" + (f" version {version}" if version else "")
+        try:
+            return await self._stub.GetAdapter(
+                pb.GetAdapterRequest(adapter_id=adapter_id, version=version),
+                timeout=self._lookup_timeout,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise _store_error(exc, what) from None
+
+    async def fetch(self, key: AdapterKey) -> Fetched:
+        """The adapter's bytes in the host cache: a hit, a fetch in flight, or a new fetch."""
+        entry = self._cache.get(key)
+        if entry is not None:
+            return Fetched(entry, 0.0, from_store=False)
+        task = self._inflight.get(key)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._fetch(key))
+            self._inflight[key] = task
+            task.add_done_callback(lambda _t, k=key: self._inflight.pop(k, None))
+        # shield: one caller's cancellation must not cancel the fetch the others wait on.
+        return await asyncio.shield(task)
+
+    def fetching(self, key: AdapterKey) -> bool:
+        return key in self._inflight
+
+    async def _fetch(self, key: AdapterKey) -> Fetched:
+        what = f"adapter {key.adapter_id!r} version {key.version}"
+        start = time.perf_counter()
+        block = None
+        try:
+            call = self._stub.FetchAdapter(
+                pb.FetchAdapterRequest(adapter_id=key.adapter_id, version=key.version),
+                timeout=self._fetch_timeout,
+            )
+            info = None
+            view = None
+            pos = 0
+            async for msg in call:
+                if msg.WhichOneof("payload") == "info":
+                    if info is not None:
+                        raise StoreUnavailable(f"{what}: the store sent AdapterInfo twice")
+                    info = msg.info
+                    if info.size_bytes == 0:
+                        raise StoreUnavailable(f"{what}: the store reports an empty adapter")
+                    block = self._cache.reserve(info.size_bytes)
+                    view = self._cache.arena.view(block)
+                    continue
+                if view is None:
+                    raise StoreUnavailable(f"{what}: the store sent bytes before AdapterInfo")
+                chunk = msg.chunk
+                end = pos + len(chunk)
+                if end > info.size_bytes:
+                    raise StoreUnavailable(
+                        f"{what}: the store sent more than the announced {info.size_bytes} bytes"
+                    )
+                view[pos:end] = chunk
+                pos = end
+            if info is None or pos != info.size_bytes:
+                expected = info.size_bytes if info is not None else "?"
+                raise StoreUnavailable(f"{what}: stream ended after {pos} of {expected} bytes")
+            entry = self._cache.put(key, block, info.adapter_config_json)
+            block = None  # owned by the cache now
+        except grpc.aio.AioRpcError as exc:
+            raise _store_error(exc, what) from None
+        finally:
+            if block is not None:
+                self._cache.discard(block)
+        seconds = time.perf_counter() - start
+        log.info(
+            "fetched %s: %.1f MB in %.3f s (%.0f MB/s)",
+            what,
+            pos / 1e6,
+            seconds,
+            pos / 1e6 / max(seconds, 1e-9),
+        )
+        return Fetched(entry, seconds, from_store=True)
+
+    async def follow(
+        self,
+        on_event: Callable[[AdapterEvent], None],
+        max_backoff: float = 2.0,
+    ) -> None:
+        """Follows WatchAdapters until cancelled; each (re)connect replays the latest version of
+        every adapter (include_existing) before new events."""
+        backoff = 0.1
+        while True:
+            call = self._stub.WatchAdapters(pb.WatchAdaptersRequest(include_existing=True))
+            try:
+                async for event in call:
+                    if backoff > 0.1:
+                        log.info("watching the adapter store at %s again", self.target)
+                    backoff = 0.1
+                    created = event.type == pb.ADAPTER_EVENT_TYPE_CREATED
+                    if created or event.type == pb.ADAPTER_EVENT_TYPE_DELETED:
+                        info = event.adapter
+                        on_event(AdapterEvent(created, info.adapter_id, info.version))
+                log.warning("the adapter store ended its watch stream; reconnecting")
+            except grpc.aio.AioRpcError as exc:
+                log.warning(
+                    "watching the adapter store at %s failed (%s); retrying in %.1f s",
+                    self.target,
+                    exc.code().name,
+                    backoff,
+                )
+            finally:
+                call.cancel()
+            await asyncio.sleep(backoff)
+            backoff = min(max_backoff, backoff * 2)
