@@ -1,8 +1,9 @@
 """The host cache: adapters' bytes in the host arena, bounded in bytes, least recently used first.
 
 A GPU eviction keeps the host copy, so the adapter comes back without a fetch; a host eviction
-drops the bytes and the next use fetches them from the store again. An entry that is held (its
-bytes are being read by a copy into the page pool, or its adapter is pinned) is never evicted.
+drops the bytes and the next use fetches them from the store again. An entry that is held (a
+request or a pin uses its adapter) or that the owner's ``evictable`` check refuses (the engine
+may still read the bytes) is never evicted.
 The cache is owned by the service's event loop; it is not thread-safe.
 """
 
@@ -45,11 +46,16 @@ class HostCacheStats:
 
 class HostCache:
     def __init__(
-        self, arena: HostArena, on_evict: Callable[[Hashable], None] | None = None
+        self,
+        arena: HostArena,
+        on_evict: Callable[[Hashable], None] | None = None,
+        evictable: Callable[[Hashable], bool] | None = None,
     ) -> None:
         self.arena = arena
         self._entries: OrderedDict[Hashable, HostEntry] = OrderedDict()  # LRU first
         self.on_evict = on_evict  # called with the key of each evicted entry
+        # Whether an unheld entry's bytes may go now (the engine may still read them).
+        self.evictable = evictable
         self.evictions = 0
 
     def __contains__(self, key: Hashable) -> bool:
@@ -80,7 +86,7 @@ class HostCache:
                 f"({self.arena.capacity} bytes); raise --host-cache-mb"
             )
         while (block := self.arena.alloc(nbytes)) is None:
-            victim = next((e for e in self._entries.values() if e.holds == 0), None)
+            victim = next((e for e in self._entries.values() if self._idle(e)), None)
             if victim is None:
                 held = sum(e.size_bytes for e in self._entries.values())
                 raise HostCacheFull(
@@ -114,9 +120,9 @@ class HostCache:
         entry.holds -= 1
 
     def remove(self, key: Hashable) -> bool:
-        """Drops an idle entry now; False when it is absent or held."""
+        """Drops an idle entry now; False when it is absent, held or not evictable."""
         entry = self._entries.get(key)
-        if entry is None or entry.holds:
+        if entry is None or not self._idle(entry):
             return False
         self._drop(entry)
         return True
@@ -126,6 +132,9 @@ class HostCache:
         return HostCacheStats(
             self.arena.capacity, used, len(self._entries), self.evictions, self.arena.pinned
         )
+
+    def _idle(self, entry: HostEntry) -> bool:
+        return entry.holds == 0 and (self.evictable is None or self.evictable(entry.key))
 
     def _evict(self, entry: HostEntry) -> None:
         log.info("host cache: evicting adapter %s (%d bytes)", entry.key, entry.size_bytes)

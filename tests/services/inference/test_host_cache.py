@@ -109,6 +109,18 @@ def test_cache_never_evicts_held_entries():
         cache.reserve(4 * ALIGN)
 
 
+def test_cache_asks_the_owner_before_evicting():
+    busy = {"a"}
+    cache = HostCache(HostArena(2 * ALIGN, pin=False), evictable=lambda key: key not in busy)
+    _fill(cache, "a", ALIGN)
+    _fill(cache, "b", ALIGN)
+    _fill(cache, "c", ALIGN)  # a is the oldest but busy: b goes
+    assert set(cache.keys()) == {"a", "c"}
+    assert not cache.remove("a")
+    busy.clear()
+    assert cache.remove("a")
+
+
 def test_cache_discard_returns_a_failed_fetch_block():
     cache = HostCache(HostArena(2 * ALIGN, pin=False))
     block = cache.reserve(2 * ALIGN)

@@ -1,0 +1,65 @@
+"""ServiceConfig: flags over environment variables, validation with messages that name the flag."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.inference.config import ServiceConfig
+from services.inference.errors import QueueFull, StoreUnavailable, status_for
+from services.inference.server import engine_config
+
+
+def test_flags_win_over_environment_and_defaults_fill_the_rest():
+    env = {
+        "LORAFLEET_INFERENCE_MODEL": "/models/env",
+        "LORAFLEET_INFERENCE_PORT": "6000",
+        "LORAFLEET_INFERENCE_HOST_CACHE_MB": "32",
+        "LORAFLEET_ADAPTER_STORE": "store:50051",
+        "LORAFLEET_LOG_LEVEL": "debug",
+    }
+    cfg = ServiceConfig.from_args(["--port", "7000", "--device", "cpu"], environ=env)
+    assert cfg.model == Path("/models/env") and cfg.port == 7000 and cfg.device == "cpu"
+    assert cfg.host_cache_bytes == 32 << 20 and cfg.adapter_store == "store:50051"
+    assert cfg.log_level == "DEBUG" and cfg.metrics_port is None and cfg.max_queue == 256
+    own = {**env, "LORAFLEET_INFERENCE_ADAPTER_STORE": "mine:1"}
+    assert ServiceConfig.from_args([], environ=own).adapter_store == "mine:1"
+
+
+def test_engine_config_follows_the_service_config():
+    cfg = ServiceConfig(model=Path("m"), max_queue=10, max_num_seqs=4, pool_memory_mb=3)
+    ec = engine_config(cfg)
+    assert ec.max_queue == 14 and ec.max_num_seqs == 4 and ec.pool_memory_bytes == 3 << 20
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        ([], "--model is required"),
+        (["--model", "m", "--device", "tpu"], "--device"),
+        (["--model", "m", "--adapter-store", "nohostport"], "HOST:PORT"),
+        (["--model", "m", "--port", "70000"], "--port"),
+        (["--model", "m", "--max-queue", "0"], "--max-queue"),
+        (["--model", "m", "--host-cache-mb", "0"], "--host-cache-mb"),
+        (["--model", "m", "--fetch-timeout-s", "0"], "--fetch-timeout-s"),
+        (["--model", "m", "--log-level", "chatty"], "--log-level"),
+    ],
+)
+def test_bad_settings_exit_with_a_message_naming_them(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as exc:
+        ServiceConfig.from_args(argv, environ={})
+    assert exc.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_bad_environment_value_names_the_variable(capsys):
+    with pytest.raises(SystemExit):
+        ServiceConfig.from_args(["--model", "m"], environ={"LORAFLEET_INFERENCE_PORT": "x"})
+    assert "LORAFLEET_INFERENCE_PORT" in capsys.readouterr().err
+
+
+def test_status_mapping_covers_service_errors():
+    assert status_for(QueueFull("full")).code.name == "RESOURCE_EXHAUSTED"
+    assert status_for(StoreUnavailable("down")).code.name == "UNAVAILABLE"
+    assert status_for(RuntimeError("boom")).code.name == "INTERNAL"
