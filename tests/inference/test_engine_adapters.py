@@ -1,0 +1,153 @@
+"""Adding and removing adapters: bytes or a directory, store.peft's validation, per-layer ranks and
+scales, layers_to_transform, removal while requests still use the adapter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.inference.engine.adapter_manager import AdapterState
+from services.inference.engine.api import AdapterKey, FinishReason, GenerationRequest
+from services.inference.engine.errors import InvalidRequest, UnknownAdapter
+from services.inference.engine.sampling_params import SamplingParams
+from store.peft import AdapterFormatError, BaseModelMismatch
+from tests.inference.engine_harness import Recorder, hf_greedy, make_core, relative_error, run
+from tests.inference.models import AdapterSpec
+
+PROMPT = list(range(20, 36))
+# Scales differ between layers of one module (folded into B), ranks too; some layers untouched.
+PER_LAYER = AdapterSpec(
+    rank=8,
+    lora_alpha=16,
+    target_modules=("q_proj", "o_proj", "up_proj"),
+    rank_pattern=(("model.layers.2.self_attn.o_proj", 2),),
+    alpha_pattern=(("model.layers.1.self_attn.q_proj", 4.0),),
+    seed=6,
+)
+SOME_LAYERS = AdapterSpec(
+    rank=4, target_modules=("v_proj", "down_proj"), layers_to_transform=(0, 2), seed=5
+)
+
+
+def _req(rid, adapter, new=8):
+    return GenerationRequest(
+        rid, prompt_token_ids=PROMPT, adapter=adapter, sampling=SamplingParams(new, ignore_eos=True)
+    )
+
+
+def _files(path):
+    return (path / "adapter_config.json").read_bytes(), (
+        path / "adapter_model.safetensors"
+    ).read_bytes()
+
+
+@pytest.mark.parametrize("spec", [PER_LAYER, SOME_LAYERS], ids=["per-layer", "some-layers"])
+def test_per_layer_adapters_match_peft(tiny_models, spec):
+    model_dir = tiny_models.model("tiny-llama")
+    adapter_dir = tiny_models.adapter("tiny-llama", spec)
+    recorder = Recorder()
+    core = make_core(model_dir, recorder)
+    key = AdapterKey("a", 1)
+    core.add_adapter_dir(key, adapter_dir)
+    got = run(core, {0: [_req("x", key), _req("base", None)]}, recorder)["x"]
+    want, logits = hf_greedy(model_dir, adapter_dir, PROMPT, 8)
+    assert got.token_ids == want
+    assert max(relative_error(g, w) for g, w in zip(got.logits, logits, strict=True)) <= 1e-4
+
+
+def test_bytes_memoryview_and_directory_give_the_same_adapter(tiny_models):
+    adapter_dir = tiny_models.adapter("tiny-llama", "r16")
+    config, weights = _files(adapter_dir)
+    core = make_core(tiny_models.model("tiny-llama"))
+    keys = [
+        AdapterKey("dir", 1),
+        AdapterKey("bytes", 1),
+        AdapterKey("view", 1),
+        AdapterKey("dict", 1),
+    ]
+    core.add_adapter_dir(keys[0], adapter_dir)
+    core.add_adapter(keys[1], config, weights)
+    core.add_adapter(keys[2], config.decode(), memoryview(bytearray(weights)))
+    core.add_adapter(keys[3], json.loads(config), weights)
+    results = run(core, {0: [_req(k.adapter_id, k) for k in keys]})
+    tokens = {tuple(r.token_ids) for r in results.values()}
+    assert len(tokens) == 1
+
+
+def test_invalid_adapters_are_rejected_with_the_reason(tiny_models):
+    core = make_core(tiny_models.model("tiny-llama"), max_lora_rank=16)
+    config, weights = _files(tiny_models.adapter("tiny-llama", "r8"))
+    cfg = json.loads(config)
+
+    def add(c, w=weights):
+        core.add_adapter(AdapterKey("bad", 1), json.dumps(c), w)
+
+    with pytest.raises(BaseModelMismatch, match="no weights for: layer 2"):
+        core.add_adapter_dir(AdapterKey("qwen", 1), tiny_models.adapter("tiny-qwen2", "r8"))
+    with pytest.raises(AdapterFormatError, match="DoRA"):
+        add(cfg | {"use_dora": True})
+    with pytest.raises(AdapterFormatError, match="modules_to_save"):
+        add(cfg | {"modules_to_save": ["lm_head"]})
+    with pytest.raises(AdapterFormatError, match="lm_head"):
+        add(cfg | {"target_modules": ["q_proj", "lm_head"]})
+    with pytest.raises(AdapterFormatError, match="bias"):
+        add(cfg | {"bias": "all"})
+    with pytest.raises(AdapterFormatError, match="accepts ranks up to 16"):
+        core.add_adapter_dir(AdapterKey("r32", 1), tiny_models.adapter("tiny-llama", "r32"))
+    with pytest.raises(AdapterFormatError, match="rank"):
+        add(cfg | {"r": 4})  # the tensors are rank 8
+    with pytest.raises(AdapterFormatError):
+        add(cfg, weights[: len(weights) // 2])  # truncated file
+    with pytest.raises(AdapterFormatError, match="bytes; its header describes"):
+        add(cfg, weights + b"\0" * 8)
+    with pytest.raises(InvalidRequest, match="adapter_config.json is missing"):
+        core.add_adapter_dir(AdapterKey("none", 1), tiny_models.root)
+    assert core.stats().adapters_host == 0  # nothing half-registered
+
+
+def test_adapter_too_big_for_the_pool(tiny_models):
+    core = make_core(tiny_models.model("tiny-llama"), num_pages=64)
+    with pytest.raises(InvalidRequest, match="needs 144 pool pages; the pool has 64"):
+        core.add_adapter_dir(AdapterKey("r32", 1), tiny_models.adapter("tiny-llama", "r32"))
+
+
+def test_remove_adapter_lets_running_requests_finish(tiny_models):
+    core = make_core(tiny_models.model("tiny-llama"))
+    key = AdapterKey("r4", 1)
+    core.add_adapter_dir(key, tiny_models.adapter("tiny-llama", "r4"))
+    with pytest.raises(InvalidRequest, match="already loaded"):
+        core.add_adapter_dir(key, tiny_models.adapter("tiny-llama", "r4"))
+    core.add_request(_req("a", key, new=6))
+    core.step()
+    assert core.adapters.state(key) is AdapterState.IN_POOL
+    core.remove_adapter(key)
+    with pytest.raises(UnknownAdapter, match="r4"):
+        core.add_request(_req("b", key))
+    with pytest.raises(UnknownAdapter):
+        core.remove_adapter(key)
+    recorder = Recorder()
+    while core.has_work:
+        recorder.take(core.step())
+    assert recorder.results["a"].finish_reason is FinishReason.LENGTH
+    assert len(recorder.results["a"].token_ids) == 5  # and one from the first step
+    core.step()  # reaps the removed adapter
+    stats = core.stats()
+    assert stats.free_pages == stats.num_pages and stats.adapters_in_pool == 0
+    core.add_adapter_dir(key, tiny_models.adapter("tiny-llama", "r4"))  # the key is free again
+    core.check_integrity()
+
+
+def test_index_row_limit_cycles_adapters(tiny_models):
+    """More adapters than LoRA index rows: idle ones give their row to the next."""
+    core = make_core(tiny_models.model("tiny-llama"), max_loras=2)
+    names = ["r4", "r8", "r16"]
+    for name in names:
+        core.add_adapter_dir(AdapterKey(name, 1), tiny_models.adapter("tiny-llama", name))
+    results = run(core, {0: [_req(n, AdapterKey(n, 1), new=4) for n in names]})
+    assert core.stats().adapter_evictions >= 1
+    for name in names:
+        want, _ = hf_greedy(
+            tiny_models.model("tiny-llama"), tiny_models.adapter("tiny-llama", name), PROMPT, 4
+        )
+        assert results[name].token_ids == want

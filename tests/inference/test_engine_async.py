@@ -1,0 +1,221 @@
+"""The asynchronous API: streaming, concurrency, abort, stop conditions and errors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+
+import pytest
+
+from services.inference.engine.api import AdapterKey, FinishReason, GenerationRequest
+from services.inference.engine.config import EngineConfig
+from services.inference.engine.engine import Engine
+from services.inference.engine.errors import (
+    DuplicateRequest,
+    EngineOverloaded,
+    EngineStopped,
+    InvalidRequest,
+    UnknownAdapter,
+)
+from services.inference.engine.sampling_params import SamplingParams
+from tests.inference.engine_harness import hf_greedy
+
+R8 = AdapterKey("r8", 1)
+
+
+@pytest.fixture
+async def engine(tiny_models):
+    eng = Engine(
+        EngineConfig(
+            model_dir=tiny_models.model("tiny-llama"), device="cpu", page_size=4,
+            num_pages=512, max_model_len=128, max_queue=8,
+        )
+    )  # fmt: skip
+    eng.add_adapter_dir(R8, tiny_models.adapter("tiny-llama", "r8"))
+    await eng.start()
+    yield eng
+    await eng.stop()
+
+
+async def collect(engine, request):
+    return [out async for out in engine.generate(request)]
+
+
+def greedy(rid, prompt, new, adapter=None, **kw):
+    return GenerationRequest(
+        rid, prompt_token_ids=prompt, adapter=adapter,
+        sampling=SamplingParams(max_new_tokens=new, ignore_eos=True, **kw),
+    )  # fmt: skip
+
+
+async def wait_idle(engine):
+    for _ in range(200):
+        s = engine.stats()
+        if s.num_running == 0 and s.num_waiting == 0 and s.kv_pages == 0:
+            return s
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"engine did not go idle: {engine.stats()}")
+
+
+async def test_streams_tokens_and_text(engine, tiny_models):
+    req = GenerationRequest(
+        "t", prompt="The harbour was quiet", sampling=SamplingParams(12, ignore_eos=True)
+    )
+    outs = await collect(engine, req)
+    assert len(outs) == 12 and all(len(o.token_ids) == 1 for o in outs)
+    assert [o.finish_reason for o in outs] == [None] * 11 + [FinishReason.LENGTH]
+    assert [o.completion_tokens for o in outs] == list(range(1, 13))
+    ids = [t for o in outs for t in o.token_ids]
+    prompt_ids = engine.tokenizer.encode("The harbour was quiet")
+    assert outs[-1].prompt_tokens == len(prompt_ids)
+    want, _ = hf_greedy(tiny_models.model("tiny-llama"), None, prompt_ids, 12)
+    assert ids == want
+    assert "".join(o.text for o in outs) == engine.tokenizer.decode(ids)
+
+
+async def test_concurrent_streams_mix_adapters(engine, tiny_models):
+    model_dir = tiny_models.model("tiny-llama")
+    reqs = [
+        greedy(f"c{i}", list(range(3 + i, 10 + 2 * i)), 6 + i % 3, R8 if i % 2 else None)
+        for i in range(6)
+    ]
+    results = await asyncio.gather(*(collect(engine, r) for r in reqs))
+    for req, outs in zip(reqs, results, strict=True):
+        adapter_dir = tiny_models.adapter("tiny-llama", "r8") if req.adapter else None
+        want, _ = hf_greedy(model_dir, adapter_dir, req.prompt_token_ids, len(outs))
+        assert [t for o in outs for t in o.token_ids] == want
+    assert engine.stats().steps < sum(r.sampling.max_new_tokens for r in reqs)  # batched
+    await wait_idle(engine)
+
+
+async def test_abort_ends_the_stream_and_frees_pages(engine):
+    outs = []
+    async for out in engine.generate(greedy("a", list(range(3, 30)), 100)):
+        outs.append(out)
+        if len(outs) == 3:
+            engine.abort("a")
+    assert outs[-1].finish_reason is FinishReason.ABORT
+    assert 3 <= outs[-1].completion_tokens < 100
+    engine.core.check_integrity()
+    await wait_idle(engine)
+
+
+async def test_leaving_the_stream_aborts_the_request(engine):
+    async with contextlib.aclosing(engine.generate(greedy("b", list(range(3, 30)), 100))) as gen:
+        async for _ in gen:
+            break
+    await wait_idle(engine)
+
+    async def consume():
+        async for _ in engine.generate(greedy("c", list(range(3, 30)), 100)):
+            pass
+
+    task = asyncio.create_task(consume())
+    while engine.stats().num_running == 0:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_idle(engine)
+    engine.core.check_integrity()
+
+
+async def test_bad_requests_fail_before_queueing(engine):
+    async def fails(exc, req, match):
+        with pytest.raises(exc, match=match):
+            await collect(engine, req)
+
+    await fails(
+        InvalidRequest, greedy("x", list(range(3, 123)), 10), "exceed the context window of 128"
+    )
+    await fails(
+        InvalidRequest,
+        greedy("x", [5, 512, 7], 4),
+        r"prompt token 1 is 512, outside the vocabulary \[0, 512\)",
+    )
+    await fails(InvalidRequest, greedy("x", [5, -1], 4), "prompt token 1 is -1")
+    await fails(InvalidRequest, GenerationRequest("x", prompt_token_ids=[]), "prompt is empty")
+    await fails(UnknownAdapter, greedy("x", [5, 6], 4, AdapterKey("nope", 3)), "nope")
+    stats = engine.stats()
+    assert stats.num_waiting == stats.num_running == 0 and not engine.core._live
+
+    first = engine.generate(greedy("dup", list(range(3, 20)), 50))
+    assert (await anext(first)).finish_reason is None
+    await fails(DuplicateRequest, greedy("dup", [5, 6], 4), "already in flight")
+    await first.aclose()
+    await wait_idle(engine)
+
+
+async def test_full_queue_is_refused(engine):
+    streams = [engine.generate(greedy(f"q{i}", list(range(3, 20)), 60)) for i in range(8)]
+    for s in streams:
+        await anext(s)
+    with pytest.raises(EngineOverloaded, match="max_queue 8"):
+        await collect(engine, greedy("q8", [5, 6], 4))
+    for s in streams:
+        await s.aclose()
+    await wait_idle(engine)
+
+
+async def test_stop_strings_and_stop_token_ids(engine):
+    prompt = list(range(40, 52))
+    base = await collect(engine, greedy("s0", prompt, 16))
+    ids = [t for o in base for t in o.token_ids]
+    text = "".join(o.text for o in base)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    outs = await collect(engine, greedy("s1", prompt, 16, stop=(stop,)))
+    assert outs[-1].finish_reason is FinishReason.STOP
+    assert "".join(o.text for o in outs) == text[: text.index(stop)]
+
+    stop_id = ids[5]
+    outs = await collect(engine, greedy("s2", prompt, 16, stop_token_ids=(stop_id,)))
+    got = [t for o in outs for t in o.token_ids]
+    assert outs[-1].finish_reason is FinishReason.STOP
+    assert got == ids[: ids.index(stop_id) + 1]  # the stop token is reported, not its text
+
+
+async def test_eos_ends_generation_unless_ignored(tiny_models, tmp_path):
+    src = tiny_models.model("tiny-llama")
+    prompt = list(range(40, 52))
+    want, _ = hf_greedy(src, None, prompt, 10)
+    model_dir = tmp_path / "model"
+    shutil.copytree(src, model_dir)
+    gen_cfg = json.loads((model_dir / "generation_config.json").read_text())
+    eos_id = want[4]  # make the model's 5th greedy token an end-of-sequence token
+    gen_cfg["eos_token_id"] = [gen_cfg["eos_token_id"], eos_id]
+    (model_dir / "generation_config.json").write_text(json.dumps(gen_cfg))
+    engine = Engine(EngineConfig(model_dir=model_dir, device="cpu", num_pages=64))
+    await engine.start()
+    try:
+        req = GenerationRequest("e", prompt_token_ids=prompt, sampling=SamplingParams(10))
+        outs = await collect(engine, req)
+        assert outs[-1].finish_reason is FinishReason.EOS
+        assert [t for o in outs for t in o.token_ids] == want[: want.index(eos_id) + 1]
+        outs = await collect(engine, greedy("f", prompt, 10))
+        assert outs[-1].finish_reason is FinishReason.LENGTH and outs[-1].completion_tokens == 10
+    finally:
+        await engine.stop()
+
+
+async def test_stop_ends_streams_and_refuses_new_requests(engine):
+    gen = engine.generate(greedy("long", list(range(3, 30)), 100))
+    await anext(gen)
+    await engine.stop()
+    with pytest.raises(EngineStopped):
+        async for _ in gen:
+            pass
+    assert engine.stats().kv_pages == 0
+    with pytest.raises(EngineStopped, match="not running"):
+        await collect(engine, greedy("late", [5, 6], 2))
+
+
+async def test_step_failure_reaches_the_caller(engine):
+    def broken():
+        raise RuntimeError("device lost")
+
+    engine.core.step = broken
+    with pytest.raises(EngineStopped, match="step failed") as info:
+        await collect(engine, greedy("z", [5, 6, 7], 4))
+    assert isinstance(info.value.__cause__, RuntimeError)

@@ -1,0 +1,190 @@
+"""config.json reading, rope variants, weight loading and its errors, EngineConfig checks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.inference.engine.config import EngineConfig
+from services.inference.engine.errors import ModelLoadError
+from services.inference.engine.pool_sizing import context_window
+from services.inference.models.config import ModelConfig, RopeConfig
+from services.inference.models.llama import rope_inv_freq
+from services.inference.models.loader import load_model
+
+CPU = torch.device("cpu")
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_config(model_dir: Path, **changes) -> None:
+    path = model_dir / "config.json"
+    cfg = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    path.write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0},
+        {
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+)  # fmt: skip
+def test_rope_frequencies_match_transformers(params):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    hf_cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_parameters=dict(params))
+    want = LlamaRotaryEmbedding(hf_cfg).inv_freq
+    ours = ModelConfig.from_dict(
+        {"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "num_attention_heads": 4,
+         "intermediate_size": 512, "num_hidden_layers": 1, "vocab_size": 16,
+         "rope_parameters": params}
+    )  # fmt: skip
+    assert torch.equal(rope_inv_freq(ours.rope, 64), want)
+
+
+def test_rope_keys_old_and_new_layouts():
+    base = {
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+        "intermediate_size": 128, "num_hidden_layers": 1, "vocab_size": 16,
+        "max_position_embeddings": 4096,
+    }  # fmt: skip
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    old = ModelConfig.from_dict(
+        {**base, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **scaling}}
+    )
+    new = ModelConfig.from_dict(
+        {**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}}
+    )
+    want = RopeConfig("llama3", 5e5, 8.0, 1.0, 4.0, original_max_position_embeddings=4096)
+    assert old.rope == new.rope == want
+    assert ModelConfig.from_dict(base).rope == RopeConfig("default", 10000.0)
+    with pytest.raises(ModelLoadError, match="rope type 'yarn' is not supported"):
+        ModelConfig.from_dict({**base, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ModelLoadError, match="llama3 rope scaling needs 'low_freq_factor'"):
+        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+
+
+def test_architecture_and_activation_checks():
+    cfg = {
+        "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+        "num_hidden_layers": 1, "vocab_size": 16,
+    }  # fmt: skip
+    with pytest.raises(ModelLoadError, match="architecture 'GPT2LMHeadModel' is not supported"):
+        ModelConfig.from_dict({**cfg, "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ModelLoadError, match="architecture None"):
+        ModelConfig.from_dict(cfg)
+    with pytest.raises(ModelLoadError, match="hidden_act 'gelu'"):
+        ModelConfig.from_dict({**cfg, "architectures": ["LlamaForCausalLM"], "hidden_act": "gelu"})
+    with pytest.raises(ModelLoadError, match="'vocab_size' is missing"):
+        ModelConfig.from_dict(
+            {k: v for k, v in cfg.items() if k != "vocab_size"}
+            | {"architectures": ["LlamaForCausalLM"]}  # fmt: skip
+        )
+
+
+def test_model_families(tiny_models):
+    qwen = ModelConfig.from_model_dir(tiny_models.model("tiny-qwen2"))
+    assert qwen.qkv_bias and not qwen.o_bias and qwen.tie_word_embeddings
+    assert qwen.sliding_window is None  # use_sliding_window is false
+    llama = ModelConfig.from_model_dir(tiny_models.model("tiny-llama"))
+    assert llama.num_kv_heads < llama.num_heads and not llama.qkv_bias
+    assert llama.rope.rope_type == "llama3"
+    mistral = ModelConfig.from_model_dir(tiny_models.model("tiny-mistral"))
+    assert mistral.architecture == "MistralForCausalLM"
+    model = load_model(tiny_models.model("tiny-qwen2"), CPU, torch.float32, 64)
+    assert model.lm_head is model.embed_tokens  # tied
+    assert model.layers[0].attn.bqkv.shape == (qwen.q_dim + 2 * qwen.kv_dim,)
+
+
+def test_weights_are_memory_mapped(tiny_models):
+    """Weights used as they are stay views of the mapped file: no host copy of them."""
+    model_dir = tiny_models.model("tiny-llama")
+    model = load_model(model_dir, CPU, torch.float32, 64)
+    target = str((model_dir / "model.safetensors").resolve())
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == target:
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((lo, hi))
+    assert ranges, "model.safetensors is not mapped"
+    for t in (model.layers[0].attn.wo, model.layers[1].mlp.w_down, model.embed_tokens):
+        assert any(lo <= t.data_ptr() < hi for lo, hi in ranges)
+
+
+def test_missing_files_and_tensors(tiny_models, tmp_path):
+    src = tiny_models.model("tiny-llama")
+    with pytest.raises(ModelLoadError, match="config.json is missing"):
+        load_model(tmp_path, CPU, torch.float32, 64)
+
+    no_weights = _copy(src, tmp_path / "no_weights")
+    (no_weights / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="neither model.safetensors nor"):
+        load_model(no_weights, CPU, torch.float32, 64)
+
+    sharded = _copy(tiny_models.model("tiny-llama", shards=2), tmp_path / "sharded")
+    shard = sorted(sharded.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(ModelLoadError, match=f"{shard.name} is missing"):
+        load_model(sharded, CPU, torch.float32, 64)
+
+    partial = _copy(src, tmp_path / "partial")
+    tensors = load_file(partial / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    tensors["model.norm.weight"] = torch.ones(7)
+    save_file(tensors, partial / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="'model.layers.1.mlp.up_proj.weight' is missing"):
+        load_model(partial, CPU, torch.float32, 64)
+    tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(160, 64)
+    save_file(tensors, partial / "model.safetensors")
+    with pytest.raises(
+        ModelLoadError, match=r"'model.norm.weight' has shape \(7,\), expected \(64,\)"
+    ):
+        load_model(partial, CPU, torch.float32, 64)
+
+    alien = _copy(src, tmp_path / "alien")
+    _edit_config(alien, architectures=["FalconForCausalLM"])
+    with pytest.raises(ModelLoadError, match="'FalconForCausalLM' is not supported"):
+        load_model(alien, CPU, torch.float32, 64)
+
+
+def test_engine_config_validation(tiny_models):
+    with pytest.raises(ValueError, match="device must be cpu, cuda or auto"):
+        EngineConfig(model_dir="m", device="tpu")
+    with pytest.raises(ValueError, match="page_size must be a positive integer"):
+        EngineConfig(model_dir="m", page_size=0)
+    with pytest.raises(ValueError, match="num_pages must be a positive integer or None"):
+        EngineConfig(model_dir="m", num_pages=-3)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        EngineConfig(model_dir="m", dtype="int8")
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(model_dir="m", max_num_seqs=64, max_num_batched_tokens=32)
+    cfg = EngineConfig(model_dir="m", device="cpu")
+    assert cfg.torch_dtype is torch.float32
+    with pytest.raises(AttributeError):
+        cfg.page_size = 8  # frozen
+    mc = ModelConfig.from_model_dir(tiny_models.model("tiny-llama"))
+    assert context_window(mc, None) == mc.max_position_embeddings
+    assert context_window(mc, 100) == 100
+    with pytest.raises(ValueError, match="exceeds what the model attends over"):
+        context_window(mc, mc.max_position_embeddings + 1)

@@ -1,0 +1,68 @@
+"""StepBatch: one step's metadata, written in place into fixed-capacity tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.inference.engine.batch import BatchEntry, StepBatch
+
+
+def _batch() -> StepBatch:
+    return StepBatch(
+        max_tokens=32, max_seqs=4, max_pages_per_seq=5, max_segments=3, page_size=4,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+
+
+def test_fill_packs_prefill_and_decode():
+    b = _batch()
+    b.fill(
+        [
+            BatchEntry([7, 8, 9, 10, 11], 0, [3, 1], None, True),  # prefill, base model
+            BatchEntry([42], 6, [0, 2], 1, True),  # decode of a 7th token, LoRA row 1
+            BatchEntry([5, 6], 4, [4, 5, 6], 1, False),  # a prefill chunk, not sampled
+        ]
+    )
+    assert b.input_ids.tolist() == [7, 8, 9, 10, 11, 42, 5, 6]
+    assert b.positions.tolist() == [0, 1, 2, 3, 4, 6, 4, 5]
+    # position p of a sequence lives at slot pages[p // 4] * 4 + p % 4
+    assert b.slot_mapping.tolist() == [12, 13, 14, 15, 4, 10, 20, 21]
+    assert b.seq_lens.tolist() == [5, 7, 6]
+    assert b.query_starts.tolist() == [0, 5, 6, 8]
+    assert b.logits_indices.tolist() == [4, 5]
+    assert b.block_tables.tolist() == [[3, 1, 0, 0, 0], [0, 2, 0, 0, 0], [4, 5, 6, 0, 0]]
+    lt = b.lora_tokens
+    assert lt.token_lora.tolist() == [-1] * 5 + [1] * 3
+    assert lt.seg_starts.tolist() == [0, 5, 8, 8]  # padded with empty segments
+    assert lt.seg_lora.tolist() == [-1, 1, -1]
+
+
+def test_buffers_keep_their_addresses():
+    """Every step writes into the same tensors (what a CUDA graph replays)."""
+    b = _batch()
+    b.fill([BatchEntry([1, 2, 3], 0, [0], 0, True)])
+    ptrs = {name: t.data_ptr() for name, t in b._dev.items()}
+    b.fill([BatchEntry([4], 3, [0], None, True), BatchEntry([9, 9], 0, [1], None, True)])
+    assert {name: t.data_ptr() for name, t in b._dev.items()} == ptrs
+    assert b.lora_tokens is None  # base model only: the LoRA hooks are skipped
+    assert b.block_tables.tolist() == [[0, 0, 0, 0, 0], [1, 0, 0, 0, 0]]
+
+
+def test_capacity_and_consistency_errors():
+    b = _batch()
+    with pytest.raises(ValueError, match="at least one sequence"):
+        b.fill([])
+    with pytest.raises(ValueError, match="5 sequences exceed max_seqs 4"):
+        b.fill([BatchEntry([1], 0, [0], None, True)] * 5)
+    with pytest.raises(ValueError, match="33 tokens exceed max_tokens 32"):
+        b.fill(
+            [
+                BatchEntry([1] * 17, 0, [0] * 5, None, True),
+                BatchEntry([1] * 16, 0, [1] * 4, None, True),
+            ]
+        )
+    with pytest.raises(ValueError, match="entry 0: 5 tokens at 0 on 1 pages"):
+        b.fill([BatchEntry([1] * 5, 0, [0], None, True)])
+    with pytest.raises(ValueError, match="4 LoRA segments exceed 3"):
+        b.fill([BatchEntry([1], 0, [0], row, True) for row in (0, 1, 2, 3)])
