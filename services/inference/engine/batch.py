@@ -3,8 +3,8 @@
 The tensors are allocated once with the engine's limits (tokens, sequences, pages per sequence,
 LoRA segments) so that a later CUDA-graph capture sees stable addresses; each step writes the
 live prefix and the model reads views of it. On CUDA the host side is a pinned staging copy and
-the device side is filled with one non-blocking copy per tensor; the staging buffers are reused
-only after the step's sampled tokens came back to the host, which synchronizes.
+the device side is filled with one non-blocking copy per tensor; the staging buffers are written
+again only after an event recorded behind those copies has completed.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class StepBatch:
             if pin
             else self._host
         )
+        self._copied: torch.cuda.Event | None = None  # behind the latest staging -> device copy
         self.num_tokens = self.num_seqs = self.num_logits = 0
         self.has_lora = False
 
@@ -68,6 +69,8 @@ class StepBatch:
             raise ValueError("a step needs at least one sequence")
         if len(entries) > self.max_seqs:
             raise ValueError(f"{len(entries)} sequences exceed max_seqs {self.max_seqs}")
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies still read the staging
         ps = self.page_size
         ids: list[int] = []
         pos: list[int] = []
@@ -121,6 +124,8 @@ class StepBatch:
         if self._dev is not self._host:
             for name, src in h.items():
                 self._dev[name].copy_(src, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
     # Live views for the model. [T] = this step's tokens, [S] = its sequences.
     @property

@@ -39,13 +39,16 @@ class PageAllocator:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._owner: list[PageOwner | None] = [None] * num_pages
         self._pages: dict[PageOwner, list[int]] = {}
+        # Pages owned per kind, kept as counters so that stats() from another thread reads
+        # plain ints instead of iterating a dict that the step thread mutates.
+        self._owned = dict.fromkeys(OwnerKind, 0)
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     def num_owned(self, kind: OwnerKind) -> int:
-        return sum(len(p) for o, p in self._pages.items() if o.kind is kind)
+        return self._owned[kind]
 
     def pages_of(self, owner: PageOwner) -> list[int]:
         """The owner's pages in allocation order (a copy; empty when it owns none)."""
@@ -72,6 +75,7 @@ class PageAllocator:
         for p in got:
             self._owner[p] = owner
         self._pages.setdefault(owner, []).extend(got)
+        self._owned[owner.kind] += n
         return got
 
     def release(self, owner: PageOwner) -> int:
@@ -86,6 +90,7 @@ class PageAllocator:
                 )
             self._owner[p] = None
         self._free.extend(pages)
+        self._owned[owner.kind] -= len(pages)
         return len(pages)
 
     def check_integrity(self) -> None:
@@ -102,6 +107,12 @@ class PageAllocator:
                 if self._owner[p] != owner:
                     raise PoolIntegrityError(f"page {p} of {owner} is marked {self._owner[p]}")
                 seen[p] += 1
+        for kind in OwnerKind:
+            listed = sum(len(p) for o, p in self._pages.items() if o.kind is kind)
+            if listed != self._owned[kind]:
+                raise PoolIntegrityError(
+                    f"{kind.value} owns {listed} pages, counted {self._owned[kind]}"
+                )
         for p, count in enumerate(seen):
             if count != 1:
                 raise PoolIntegrityError(f"page {p} appears {count} times (free or owned)")
