@@ -44,6 +44,7 @@ from services.inference.engine.pool_sizing import context_window, pool_pages
 from services.inference.engine.request import Sequence, SequenceStatus
 from services.inference.engine.sampler import Sampler, make_generator
 from services.inference.engine.scheduler import Scheduler
+from services.inference.engine.token_output import append_token
 from services.inference.models.config import ModelConfig
 from services.inference.models.loader import load_model
 from services.inference.tokenizer import Tokenizer, TokenizerError
@@ -259,34 +260,10 @@ class EngineCore:
         return [self._append(seq, tok) for seq, tok in zip(sampling, tokens, strict=True)]
 
     def _append(self, seq: Sequence, token: int) -> GenerationOutput:
-        seq.output_ids.append(token)
         self.generated_tokens += 1
-        sp = seq.sampling
-        reason: FinishReason | None = None
-        text = ""
-        if token in seq.finish_ids:
-            # The finishing token's id is reported; its text (a special token) is not.
-            reason = FinishReason.EOS if token in seq.eos_ids else FinishReason.STOP
-        else:
-            match = seq.stops.add(seq.detokenizer.add(token))
-            text = match.emit
-            if match.stopped:
-                reason = FinishReason.STOP
-        if reason is None and (
-            len(seq.output_ids) >= sp.max_new_tokens or seq.num_tokens >= self.max_len
-        ):
-            reason = FinishReason.LENGTH
+        text, reason = append_token(seq, token, self.max_len)
         if reason is None:
             return self._output(seq, (token,), text, None)
-        if reason is not FinishReason.STOP or not seq.stops.stopped:
-            # Release what the detokenizer and the stop matcher still hold (a stop string may
-            # still complete in the detokenizer's tail).
-            match = seq.stops.add(seq.detokenizer.flush())
-            text += match.emit
-            if match.stopped:
-                reason = FinishReason.STOP
-            else:
-                text += seq.stops.flush()
         return self._finish(seq, reason, (token,), text)
 
     def _finish(

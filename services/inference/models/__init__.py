@@ -1,0 +1,1 @@
+"""Model families served by the engine (Llama, Mistral, Qwen2) and their loader."""
