@@ -7,6 +7,7 @@ import contextlib
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from services.inference.engine.api import AdapterKey, FinishReason, GenerationRequest
@@ -136,10 +137,14 @@ async def test_bad_requests_fail_before_queueing(engine):
         r"prompt token 1 is 512, outside the vocabulary \[0, 512\)",
     )
     await fails(InvalidRequest, greedy("x", [5, -1], 4), "prompt token 1 is -1")
+    await fails(InvalidRequest, greedy("x", [5, 6.0], 4), "prompt token 1 is 6.0")
     await fails(InvalidRequest, GenerationRequest("x", prompt_token_ids=[]), "prompt is empty")
     await fails(UnknownAdapter, greedy("x", [5, 6], 4, AdapterKey("nope", 3)), "nope")
     stats = engine.stats()
     assert stats.num_waiting == stats.num_running == 0 and not engine.core._live
+
+    numpy_ids = await collect(engine, greedy("np", np.arange(5, 9), 2))  # numpy ints are fine
+    assert numpy_ids[-1].finish_reason is FinishReason.LENGTH
 
     first = engine.generate(greedy("dup", list(range(3, 20)), 50))
     assert (await anext(first)).finish_reason is None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import operator
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -96,6 +97,7 @@ class EngineCore:
         self._lock = threading.Lock()
         self._live: dict[str, Sequence] = {}  # request_id -> sequence, prepared until finished
         self.steps = self.computed_tokens = self.generated_tokens = 0
+        self.last_step_ran = False
         log.info(
             "engine ready: %d pages of %d tokens (%.1f MiB), context %d, device %s, %s",
             num_pages, config.page_size, self.pool.tensor.nbytes / 2**20, self.max_len,
@@ -146,15 +148,15 @@ class EngineCore:
         if request.prompt is not None:
             ids = self.tokenizer.encode(request.prompt)
         else:
-            ids = list(request.prompt_token_ids)
+            ids = [_token_id(t) for t in request.prompt_token_ids]
         if not ids:
             raise InvalidRequest(f"request {request.request_id}: the prompt is empty")
         vocab = self.model_config.vocab_size
         for i, t in enumerate(ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+            if t is None or not 0 <= t < vocab:
                 raise InvalidRequest(
-                    f"request {request.request_id}: prompt token {i} is {t!r}, outside the "
-                    f"vocabulary [0, {vocab})"
+                    f"request {request.request_id}: prompt token {i} is "
+                    f"{request.prompt_token_ids[i]!r}, outside the vocabulary [0, {vocab})"
                 )
         if len(ids) + sp.max_new_tokens > self.max_len:
             raise InvalidRequest(
@@ -228,9 +230,12 @@ class EngineCore:
     # --- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[GenerationOutput]:
-        """Schedule, run one forward pass, sample, detokenize; returns this step's outputs."""
+        """Schedule, run one forward pass, sample, detokenize; returns this step's outputs.
+        ``last_step_ran`` tells whether anything could run (it cannot while every queued
+        request waits for an adapter copy)."""
         self.adapters.reap()
         scheduled = self.scheduler.schedule()
+        self.last_step_ran = bool(scheduled)
         if not scheduled:
             return []
         entries = [
@@ -313,3 +318,13 @@ class EngineCore:
             adapter_loads=self.adapters.loads,
             adapter_evictions=self.adapters.evictions,
         )
+
+
+def _token_id(value: object) -> int | None:
+    """An integer token id (numpy integers included), or None for anything else."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None

@@ -37,6 +37,7 @@ from services.inference.engine.request import Sequence
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5  # how long an idle loop blocks on the inbox before checking for stop
+_STALLED_WAIT_S = 0.001  # pause when requests wait but nothing could run (an adapter copy)
 
 
 class _Sink(NamedTuple):
@@ -140,7 +141,12 @@ class Engine:
         core = self.core
         try:
             while not self._stopping.is_set():
-                self._drain(block=not core.has_work)
+                if not core.has_work:
+                    self._drain(timeout=_IDLE_WAIT_S)
+                elif not core.last_step_ran:
+                    self._drain(timeout=_STALLED_WAIT_S)
+                else:
+                    self._drain(timeout=None)
                 if core.has_work and not self._stopping.is_set():
                     self._deliver(core.step())
                 elif not core.has_work:
@@ -152,9 +158,10 @@ class Engine:
             self._stopping.set()
             self._shutdown()
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, timeout: float | None) -> None:
+        """Apply the inbox's commands; with a timeout, wait that long for the first one."""
         try:
-            cmd = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
+            cmd = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
