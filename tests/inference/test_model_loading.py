@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.inference.engine.config import EngineConfig
+from services.inference.engine.core import EngineCore
 from services.inference.engine.errors import ModelLoadError
 from services.inference.engine.pool_sizing import context_window
 from services.inference.models.config import ModelConfig, RopeConfig
@@ -161,6 +162,11 @@ def test_missing_files_and_tensors(tiny_models, tmp_path):
         ModelLoadError, match=r"'model.norm.weight' has shape \(7,\), expected \(64,\)"
     ):
         load_model(partial, CPU, torch.float32, 64)
+
+    no_tokenizer = _copy(src, tmp_path / "no_tokenizer")
+    (no_tokenizer / "tokenizer.json").unlink()
+    with pytest.raises(ModelLoadError, match="no tokenizer.json"):
+        EngineCore(EngineConfig(model_dir=no_tokenizer, device="cpu", num_pages=8))
 
     alien = _copy(src, tmp_path / "alien")
     _edit_config(alien, architectures=["FalconForCausalLM"])
