@@ -17,7 +17,7 @@ from store.catalog import Catalog
 from store.config import StoreConfig
 from store.errors import AdapterNotFound, DataCorruption, InvalidRequest, StoreError
 from store.events import AdapterEvent, EventBus, EventKind
-from store.fetch import stream_blob
+from store.fetch import FetchPlan, stream_blob
 from store.layout import check_adapter_id, check_prefix, check_version
 from store.manifest import AdapterRecord
 from store.peft import parse_adapter_config
@@ -142,7 +142,14 @@ class AdapterStore:
         c = self.config
         try:
             async for chunk in stream_blob(
-                self.backend, record, c.part_bytes, c.fetch_parallelism, c.fetch_chunk_bytes
+                self.backend,
+                record,
+                FetchPlan(
+                    c.fetch_range_bytes,
+                    c.fetch_parallelism,
+                    c.fetch_chunk_bytes,
+                    c.fetch_queue_chunks,
+                ),
             ):
                 yield chunk
         except ObjectNotFound:

@@ -48,9 +48,14 @@ class StoreConfig:
     read_timeout_s: float = 10.0
     max_attempts: int = 3
     io_threads: int = 16
-    part_bytes: int = 8 * MIB  # multipart part size, and ranged-read size on fetch
-    fetch_parallelism: int = 4  # ranged reads in flight per fetch
-    fetch_chunk_bytes: int = 1 * MIB  # bytes per FetchAdapter message
+    part_bytes: int = 8 * MIB  # multipart part size on upload
+    # Fetch: the object is read as ranges of fetch_range_bytes, fetch_parallelism of them
+    # streaming at once, each in messages of fetch_chunk_bytes (under gRPC's default 4 MiB
+    # message limit, so that clients need no option), at most fetch_queue_chunks read ahead.
+    fetch_parallelism: int = 2
+    fetch_range_bytes: int = 32 * MIB
+    fetch_chunk_bytes: int = 4 * MIB - 4096
+    fetch_queue_chunks: int = 2
     upload_parts_in_flight: int = 2
     probe_interval_s: float = 5.0  # how often the service checks that storage answers
 
@@ -67,7 +72,15 @@ class StoreConfig:
             raise ValueError(f"part_bytes must be at least {MIN_PART_BYTES} (an S3 limit)")
         if not 1 <= self.fetch_chunk_bytes <= MAX_UPLOAD_CHUNK_BYTES:
             raise ValueError(f"fetch_chunk_bytes must be in [1, {MAX_UPLOAD_CHUNK_BYTES}]")
-        for name in ("io_threads", "fetch_parallelism", "upload_parts_in_flight", "max_attempts"):
+        if self.fetch_range_bytes < self.fetch_chunk_bytes:
+            raise ValueError("fetch_range_bytes must be at least fetch_chunk_bytes")
+        for name in (
+            "io_threads",
+            "fetch_parallelism",
+            "fetch_queue_chunks",
+            "upload_parts_in_flight",
+            "max_attempts",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         for name in ("connect_timeout_s", "read_timeout_s", "probe_interval_s"):

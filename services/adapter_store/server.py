@@ -11,8 +11,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from lorafleet.v1 import adapter_store_pb2 as pb
-from lorafleet.v1 import adapter_store_pb2_grpc as pb_grpc
 from services.adapter_store.servicer import AdapterStoreServicer
+from services.adapter_store.wire import add_servicer
 from store.adapter_store import AdapterStore
 from store.backends import open_backend
 from store.config import MAX_UPLOAD_CHUNK_BYTES, MIB, StoreConfig
@@ -58,7 +58,7 @@ async def serve(config: StoreConfig) -> None:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ]
     )
-    pb_grpc.add_AdapterStoreServicer_to_server(AdapterStoreServicer(store), server)
+    add_servicer(AdapterStoreServicer(store), server)
     status = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(status, server)
     reflection.enable_server_reflection(

@@ -10,6 +10,7 @@ from lorafleet.v1 import adapter_store_pb2 as pb
 from lorafleet.v1 import adapter_store_pb2_grpc as pb_grpc
 from services.adapter_store import messages
 from services.adapter_store.errors import map_errors, map_stream_errors, within_deadline
+from services.adapter_store.wire import encode_chunk
 from store.adapter_store import AdapterStore
 from store.errors import InvalidRequest
 
@@ -48,7 +49,7 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
         )
         yield pb.FetchAdapterResponse(info=messages.adapter_info(record))
         async for chunk in self._store.fetch(record):
-            yield pb.FetchAdapterResponse(chunk=chunk)
+            yield encode_chunk(chunk)  # a FetchAdapterResponse{chunk}, serialized (wire.py)
 
     @map_errors
     async def GetAdapter(self, request, context) -> pb.AdapterInfo:

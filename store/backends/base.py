@@ -49,8 +49,11 @@ class ObjectStore(ABC):
     async def get(self, key: str) -> bytes: ...
 
     @abstractmethod
-    async def get_range(self, key: str, start: int, end: int) -> bytes:
-        """Bytes [start, end) of the object."""
+    def stream_range(
+        self, key: str, start: int, end: int, piece_bytes: int
+    ) -> AsyncIterator[bytes]:
+        """Bytes [start, end) of the object as they arrive, in pieces of at most
+        ``piece_bytes`` (the last may be short if the object is shorter than ``end``)."""
 
     @abstractmethod
     async def delete(self, key: str) -> None:

@@ -77,11 +77,6 @@ class LocalObjectStore(ObjectStore):
         finally:
             tmp.unlink()
 
-    def _get_range(self, key: str, start: int, end: int) -> bytes:
-        with open(self._path(key), "rb") as f:
-            f.seek(start)
-            return f.read(end - start)
-
     def _delete(self, key: str) -> None:
         path = self._path(key)
         path.unlink(missing_ok=True)
@@ -115,8 +110,22 @@ class LocalObjectStore(ObjectStore):
     async def get(self, key: str) -> bytes:
         return await self._run(self._path(key).read_bytes)
 
-    async def get_range(self, key: str, start: int, end: int) -> bytes:
-        return await self._run(self._get_range, key, start, end)
+    async def stream_range(
+        self, key: str, start: int, end: int, piece_bytes: int
+    ) -> AsyncIterator[bytes]:
+        f = await self._run(open, self._path(key), "rb")
+        try:
+            position = start
+            while position < end:
+                piece = await self._run(
+                    os.pread, f.fileno(), min(piece_bytes, end - position), position
+                )
+                if not piece:
+                    return
+                yield piece
+                position += len(piece)
+        finally:
+            f.close()
 
     async def delete(self, key: str) -> None:
         await self._run(self._delete, key)

@@ -99,7 +99,11 @@ class S3ObjectStore(ObjectStore):
         response = await self._call(self.client.get_object, Bucket=self.bucket, Key=key)
         return await self._read(response)
 
-    async def get_range(self, key: str, start: int, end: int) -> bytes:
+    async def stream_range(
+        self, key: str, start: int, end: int, piece_bytes: int
+    ) -> AsyncIterator[bytes]:
+        if start >= end:
+            return
         try:
             response = await self._call(
                 self.client.get_object,
@@ -110,9 +114,22 @@ class S3ObjectStore(ObjectStore):
         except StorageError as exc:
             cause = exc.__cause__
             if isinstance(cause, ClientError) and _code(cause) == "InvalidRange":
-                return b""  # the object is shorter than asked: the caller sees a short read
+                return
             raise
-        return await self._read(response)
+        body = response["Body"]
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                try:
+                    piece = await loop.run_in_executor(self._pool, body.read, piece_bytes)
+                except (BotoCoreError, OSError) as exc:
+                    message = f"reading {key} from {self._endpoint} failed: {exc}"
+                    raise StorageUnavailable(message) from exc
+                if not piece:
+                    return
+                yield piece
+        finally:
+            body.close()
 
     async def _read(self, response) -> bytes:
         body = response["Body"]

@@ -1,0 +1,213 @@
+"""Adapter store fetch throughput: FetchAdapter through the store vs boto3 get_object direct.
+
+Builds a Llama-7B-shaped rank-16 adapter on all seven projections (32 layers, H=4096,
+I=11008, fp16: about 80 MB), starts SeaweedFS and the adapter store (s3 backend) on free
+loopback ports, uploads the adapter, then alternates timed reads of the same object:
+
+- store:  FetchAdapter over gRPC, chunks written into a preallocated buffer (as the inference
+          service writes them into pinned memory), sha256 checked by the store;
+- direct: boto3 get_object of the adapter's blob from the same SeaweedFS, read whole.
+
+Prints a table and writes bench/results/store.json. Goal: store >= 0.8x direct.
+
+    python bench/store.py [--repeats 7] [--out bench/results/store.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import boto3  # noqa: E402
+import grpc  # noqa: E402
+
+from lorafleet.v1 import adapter_store_pb2 as pb  # noqa: E402
+from store.base_model import SUPPORTED_MODULES, BaseModelShape  # noqa: E402
+from store.synthetic import synthetic_adapter  # noqa: E402
+from tests.s3server import SeaweedServer, weed_binary  # noqa: E402
+from tests.services.adapter_store.store_harness import StoreProcess, upload_requests  # noqa: E402
+
+LLAMA_7B = BaseModelShape(
+    num_layers=32,
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_heads=32,
+    num_kv_heads=32,
+    head_dim=128,
+    vocab_size=32000,
+)
+RANK = 16
+ADAPTER_ID = "bench/llama-7b-r16"
+
+
+def fetch_via_store(stub, size: int) -> tuple[float, bytes]:
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    start = time.perf_counter()
+    offset = 0
+    for response in stub.FetchAdapter(pb.FetchAdapterRequest(adapter_id=ADAPTER_ID)):
+        if response.WhichOneof("payload") == "chunk":
+            chunk = response.chunk
+            view[offset : offset + len(chunk)] = chunk
+            offset += len(chunk)
+    elapsed = time.perf_counter() - start
+    assert offset == size, (offset, size)
+    return elapsed, buffer
+
+
+def fetch_direct(client, bucket: str, key: str) -> tuple[float, bytes]:
+    start = time.perf_counter()
+    body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    return time.perf_counter() - start, body
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its reaped children, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def timed(fn, pids: dict[str, int]) -> tuple[float, dict[str, float]]:
+    """Wall time of fn() and the CPU seconds each process spent meanwhile."""
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    elapsed = fn()
+    return elapsed, {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [
+            line.split(":", 1)[1].strip()
+            for line in cpuinfo.read_text().splitlines()
+            if line.startswith("model name")
+        ]
+        cpu = names[0] if names else cpu
+    meminfo = Path("/proc/meminfo")
+    mem_gib = None
+    if meminfo.exists():
+        kib = int(meminfo.read_text().split("MemTotal:", 1)[1].split()[0])
+        mem_gib = round(kib / 2**20, 1)
+    weed = subprocess.run([weed_binary(), "version"], capture_output=True, text=True).stdout
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": mem_gib,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "grpcio": grpc.__version__,
+        "boto3": boto3.__version__,
+        "seaweedfs": weed.strip(),
+        "note": "client, adapter store and SeaweedFS share this machine over loopback",
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", default=str(REPO / "bench/results/store.json"))
+    args = parser.parse_args()
+
+    files = synthetic_adapter(LLAMA_7B, rank=RANK, modules=SUPPORTED_MODULES, dtype="F16")
+    size = len(files.safetensors)
+    print(f"adapter: {size / 1e6:.1f} MB, rank {RANK}, 32 layers x 7 projections, fp16")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        seaweed = SeaweedServer(Path(tmp) / "seaweed", bucket="bench")
+        seaweed.start()
+        store = StoreProcess(Path(tmp) / "store", "s3", seaweed, "bench")
+        try:
+            store.start()
+            info = store.stub.UploadAdapter(upload_requests(ADAPTER_ID, files, 1 << 20))
+            (key,) = store.blob_keys(ADAPTER_ID)
+            client = seaweed.client()
+            expected = hashlib.sha256(files.safetensors).hexdigest()
+            assert info.sha256 == expected
+            # Warm both paths once (connections, page cache of the volume server).
+            assert fetch_via_store(store.stub, size)[1] == files.safetensors
+            assert fetch_direct(client, "bench", key)[1] == files.safetensors
+            times: dict[str, list[float]] = {"store": [], "direct": []}
+            cpu: dict[str, dict[str, float]] = {p: {} for p in times}
+            pids = {
+                "seaweedfs": seaweed.process.pid,
+                "adapter_store": store.process.pid,
+                "client": os.getpid(),
+            }
+            paths = {
+                "store": lambda: fetch_via_store(store.stub, size)[0],
+                "direct": lambda: fetch_direct(client, "bench", key)[0],
+            }
+            for _ in range(args.repeats):
+                for path, fn in paths.items():
+                    elapsed, spent = timed(fn, pids)
+                    times[path].append(elapsed)
+                    for name, seconds in spent.items():
+                        cpu[path][name] = cpu[path].get(name, 0.0) + seconds / args.repeats
+            assert store.stop() == 0
+        finally:
+            if store.process is not None:
+                store.process.kill()
+            seaweed.stop()
+
+    rows = {}
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        rows[name] = {
+            "median_s": round(median, 4),
+            "min_s": round(min(samples), 4),
+            "mb_per_s": round(size / median / 1e6, 1),
+            "samples_s": [round(s, 4) for s in samples],
+            "cpu_s_per_fetch": {k: round(v, 3) for k, v in cpu[name].items()},
+        }
+    ratio = rows["store"]["mb_per_s"] / rows["direct"]["mb_per_s"]
+    cores = os.cpu_count() or 1
+    for row in rows.values():
+        # All processes share this machine: wall time cannot drop below total CPU / cores.
+        row["cpu_bound_floor_s"] = round(sum(row["cpu_s_per_fetch"].values()) / cores, 4)
+    print(f"{'path':8} {'median s':>9} {'min s':>7} {'MB/s':>8}   CPU s per fetch")
+    for name, row in rows.items():
+        spent = ", ".join(f"{k} {v:.3f}" for k, v in row["cpu_s_per_fetch"].items())
+        print(
+            f"{name:8} {row['median_s']:9.3f} {row['min_s']:7.3f} {row['mb_per_s']:8.1f}   {spent}"
+        )
+    print(f"store / direct: {ratio:.2f}x (goal >= 0.8x)")
+    floors = ", ".join(f"{k} {v['cpu_bound_floor_s']:.3f}s" for k, v in rows.items())
+    print(f"CPU-bound floor on {cores} cores (total CPU / cores): {floors}")
+
+    result = {
+        "benchmark": "adapter store FetchAdapter vs boto3 get_object, same SeaweedFS",
+        "adapter": {
+            "shape": "llama-7b",
+            "rank": RANK,
+            "modules": list(SUPPORTED_MODULES),
+            "dtype": "F16",
+            "size_bytes": size,
+        },
+        "repeats": args.repeats,
+        "results": rows,
+        "store_over_direct": round(ratio, 3),
+        "goal": ">= 0.8",
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
