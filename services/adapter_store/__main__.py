@@ -27,6 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     except StorageError as exc:
         logging.getLogger("services.adapter_store").error("cannot start: %s", exc)
         return 1
+    except RuntimeError as exc:  # grpc: the address is taken or invalid
+        logging.getLogger("services.adapter_store").error(
+            "cannot listen on %s:%d: %s", config.host, config.port, exc
+        )
+        return 1
     return 0
 
 

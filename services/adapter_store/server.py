@@ -56,6 +56,8 @@ async def serve(config: StoreConfig) -> None:
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # A second store on a taken port must fail, not share the port.
+            ("grpc.so_reuseport", 0),
         ]
     )
     add_servicer(AdapterStoreServicer(store), server)
