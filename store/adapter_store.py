@@ -76,7 +76,7 @@ class AdapterStore:
         record = AdapterRecord(
             adapter_id=header.adapter_id,
             version=0,  # assigned by commit
-            rank=config.max_rank,
+            rank=max(t.shape[0] for t in blob.header.tensors if t.kind == "A"),
             lora_alpha=config.lora_alpha,
             target_modules=config.target_modules,
             size_bytes=blob.size_bytes,
