@@ -7,11 +7,15 @@ States, one per adapter:
     IN_POOL  the copy completed: requests using the adapter may join a step
 begin_load() moves HOST -> LOADING, poll_loads() LOADING -> IN_POOL once the copy is done (on CPU
 at once), evict moves IN_POOL -> HOST. The scheduler admits a request only when its adapter is
-IN_POOL, so a load never stalls the requests already running.
+IN_POOL, so a load never stalls the requests already running. The copy itself is
+adapter_copy.py's: on CUDA a loader thread issues it on a side stream, so begin_load() only takes
+pages and a row and queues it.
 
-Invariant: an adapter with refs > 0 (a request that uses it is queued or running) is never
-evicted by evict_idle(). Only evict_for_stall() may take one that queued requests are waiting
-for, and only when nothing runs and the head of the queue cannot start otherwise.
+Invariant: an adapter with refs > 0 (a request that uses it is queued or running) or pinned is
+never evicted by evict_idle(). Only evict_for_stall() may take one that queued requests are
+waiting for (never a pinned one), and only when nothing runs and the queue's head cannot start.
+An adapter's host bytes may be released by their owner only when releasable(): no request uses
+it and no copy reads them.
 
 Threads: add/remove/acquire/release/contains may be called from any thread (the engine's API);
 everything that touches the pool runs on the engine's step thread. One lock guards the table.
@@ -22,13 +26,16 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-from collections.abc import Hashable, Iterable
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from kernels import LoraIndex
-from kernels.lora_layout import NUM_MODULES, write_module
+from kernels.lora_layout import NUM_MODULES
+from services.inference.engine.adapter_copy import AdapterCopier, CopyTicket
 from services.inference.engine.errors import UnknownAdapter
 from services.inference.engine.host_adapter import HostAdapter
 from services.inference.engine.page_pool import PagePool, pages_needed
@@ -42,15 +49,22 @@ class AdapterState(enum.Enum):
     IN_POOL = "in_pool"
 
 
+class AdapterStatus(NamedTuple):
+    state: AdapterState
+    refs: int  # requests queued or running with it
+    pinned: bool
+
+
 @dataclass
 class AdapterEntry:
     host: HostAdapter
     state: AdapterState = AdapterState.HOST
     refs: int = 0  # requests queued or running with this adapter
     row: int | None = None  # LoRA index row while LOADING or IN_POOL
-    ready: torch.cuda.Event | None = None  # completion of the host->pool copy (CUDA only)
+    ready: CopyTicket | None = None  # the host->pool copy while LOADING
     last_used: int = 0  # step clock of the latest step that used it (LRU)
     removed: bool = False  # remove_adapter() was called; dropped once refs reach 0
+    pinned: bool = False  # never evicted from the pool (LoadAdapter with pin)
 
 
 class AdapterManager:
@@ -69,8 +83,14 @@ class AdapterManager:
         self._entries: dict[Hashable, AdapterEntry] = {}
         self._lock = threading.Lock()
         self._clock = 0
-        self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self.copier = AdapterCopier(pool.tensor)
         self.loads = self.evictions = 0
+        self.copy_seconds: deque[float] = deque(maxlen=1024)  # recent host->pool copies
+        # Called on the step thread with (key, seconds) when a copy completes.
+        self.load_listeners: list[Callable[[Hashable, float], None]] = []
+
+    def close(self) -> None:
+        self.copier.close()
 
     # --- any thread -------------------------------------------------------------------------
 
@@ -78,11 +98,18 @@ class AdapterManager:
         return pages_needed(host.plan.num_slots, self.pool.page_size)
 
     def add(self, host: HostAdapter) -> bool:
-        """Register an adapter in host memory; False if the key is already registered."""
+        """Register an adapter in host memory; False if the key is already registered. A key
+        removed but not yet reaped comes back to life with the new bytes (an adapter version
+        is immutable, so the pages it may still hold are the same)."""
         with self._lock:
-            if host.key in self._entries:
+            entry = self._entries.get(host.key)
+            if entry is None:
+                self._entries[host.key] = AdapterEntry(host)
+                return True
+            if not entry.removed:
                 return False
-            self._entries[host.key] = AdapterEntry(host)
+            # A copy in flight keeps reading the old bytes, which its job holds on to.
+            entry.host, entry.removed = host, False
             return True
 
     def remove(self, key: Hashable) -> None:
@@ -116,6 +143,27 @@ class AdapterManager:
         with self._lock:
             entry = self._entries.get(key)
             return None if entry is None or entry.removed else entry.host
+
+    def status(self, key: Hashable) -> AdapterStatus | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.removed:
+                return None
+            return AdapterStatus(entry.state, entry.refs, entry.pinned)
+
+    def releasable(self, key: Hashable) -> bool:
+        """True when the adapter's host bytes are not needed now: no request uses it and no
+        copy reads them (the adapter must then be removed before the bytes are reused)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry is None or (entry.refs == 0 and entry.state is not AdapterState.LOADING)
+
+    def set_pinned(self, key: Hashable, pinned: bool) -> None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.removed:
+                raise UnknownAdapter(f"adapter {key} is not loaded in this engine")
+            entry.pinned = pinned
 
     def state_counts(self) -> dict[AdapterState, int]:
         with self._lock:
@@ -163,18 +211,22 @@ class AdapterManager:
             slots = self.pool.allocate_adapter(key, entry.host.plan.num_slots)
             entry.state = AdapterState.LOADING
         self._write_row(entry.row, entry.host, slots)
-        entry.ready = self._copy_in(entry.host, slots)
+        entry.ready = self.copier.submit(entry.host, slots)
         self.loads += 1
         return True
 
     def poll_loads(self) -> None:
         """LOADING -> IN_POOL for every load whose copy has completed (never blocks)."""
+        done = []
         with self._lock:
-            for entry in self._entries.values():
-                if entry.state is AdapterState.LOADING and (
-                    entry.ready is None or entry.ready.query()
-                ):
+            for key, entry in self._entries.items():
+                if entry.state is AdapterState.LOADING and entry.ready.done():
+                    done.append((key, entry.ready.seconds()))
                     entry.state, entry.ready = AdapterState.IN_POOL, None
+        for key, seconds in done:
+            self.copy_seconds.append(seconds)
+            for listener in self.load_listeners:
+                listener(key, seconds)
 
     def evict_idle(self) -> bool:
         """Evict the least recently used resident adapter that no request uses."""
@@ -190,7 +242,11 @@ class AdapterManager:
         requests wait for it. Only for when nothing runs and the queue's head cannot start."""
         with self._lock:
             resident = sorted(
-                (k for k, e in self._entries.items() if e.state is AdapterState.IN_POOL),
+                (
+                    k
+                    for k, e in self._entries.items()
+                    if e.state is AdapterState.IN_POOL and not e.pinned
+                ),
                 key=lambda k: self._entries[k].last_used,
             )
             for key in resident:
@@ -216,7 +272,9 @@ class AdapterManager:
     def _idle(self) -> list[Hashable]:
         """Resident adapters with no request, least recently used first."""
         idle = [
-            k for k, e in self._entries.items() if e.state is AdapterState.IN_POOL and e.refs == 0
+            k
+            for k, e in self._entries.items()
+            if e.state is AdapterState.IN_POOL and e.refs == 0 and not e.pinned
         ]
         return sorted(idle, key=lambda k: self._entries[k].last_used)
 
@@ -246,35 +304,3 @@ class AdapterManager:
             [p.b_offset if p else 0 for p in places], dtype=torch.int32, device=dev
         )
         idx.scales[row] = torch.tensor(host.scales, dtype=torch.float32, device=dev)
-
-    def _copy_in(self, host: HostAdapter, slots: torch.Tensor) -> torch.cuda.Event | None:
-        """Write every layer's A and B into the adapter's slots (zeros where a layer is not
-        targeted). On CUDA the copy runs on a side stream and returns its completion event."""
-        if self._stream is None:
-            self._write_all(host, slots)
-            return None
-        # The pages may have held KV that steps already queued on the main stream still read.
-        self._stream.wait_stream(torch.cuda.current_stream(slots.device))
-        slots.record_stream(self._stream)
-        with torch.cuda.stream(self._stream):
-            self._write_all(host, slots)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        return event
-
-    def _write_all(self, host: HostAdapter, slots: torch.Tensor) -> None:
-        pool = self.pool.tensor
-        dev, dtype = pool.device, pool.dtype
-        for layer in range(self.pool.num_layers):
-            for m, place in enumerate(host.plan.placements):
-                if place is None:
-                    continue
-                pair = host.pairs.get((layer, m))
-                if pair is None:  # this layer is not transformed: write zero rows
-                    d_in, d_out = host.dims[m]
-                    a = torch.zeros(0, d_in, dtype=dtype, device=dev)
-                    b = torch.zeros(d_out, 0, dtype=dtype, device=dev)
-                else:
-                    a = pair.a.to(dev, non_blocking=True)
-                    b = pair.b.to(dev, non_blocking=True)
-                write_module(pool, layer, slots, place, a, b)

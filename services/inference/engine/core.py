@@ -107,15 +107,21 @@ class EngineCore:
     # --- adapters (any thread) --------------------------------------------------------------
 
     def add_adapter(
-        self, key: AdapterKey, config_json: bytes | str | dict, weights: bytes | memoryview
+        self,
+        key: AdapterKey,
+        config_json: bytes | str | dict,
+        weights: bytes | memoryview | torch.Tensor,
     ) -> HostAdapter:
-        """Validate (store.peft) and keep an adapter in host memory; it is placed in the pool
-        when a request needs it. Raises AdapterFormatError, BaseModelMismatch, InvalidRequest."""
+        """Validate (store.peft) and keep an adapter in host memory, where ``weights`` lie (not
+        copied; on CUDA pass pinned memory, or it is copied once into pinned memory). It is placed
+        in the pool when a request needs it. Raises AdapterFormatError, BaseModelMismatch,
+        InvalidRequest. The caller keeps ``weights`` unchanged until releasable(key) after
+        remove_adapter(key)."""
         if not isinstance(key, AdapterKey):
             raise TypeError("key must be an AdapterKey")
         host = build_host_adapter(
             key, config_json, weights, self.base_shape, self.pool.width,
-            self.config.max_lora_rank, self.dtype, pin=self.device.type == "cuda",
+            self.config.max_lora_rank, pin=self.device.type == "cuda",
         )  # fmt: skip
         need = self.adapters.pages_of(host)
         if need > self.pool.num_pages:

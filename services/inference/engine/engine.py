@@ -2,8 +2,9 @@
 
 The step loop runs on a dedicated thread, so an asyncio server on the caller's loop stays
 responsive while a step computes. Callers talk to it through an inbox of commands (queue a
-request, abort one) that the loop drains between steps; outputs travel back to each request's
-asyncio.Queue with loop.call_soon_threadsafe.
+request, abort one, load an adapter into the pool) that the loop drains between steps; outputs
+travel back to each request's asyncio.Queue (or the load's future) with
+loop.call_soon_threadsafe.
 
     engine = Engine(EngineConfig(model_dir="..."))
     await engine.start()
@@ -18,10 +19,13 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
+
+from services.inference.engine.adapter_manager import AdapterState, AdapterStatus
 from services.inference.engine.api import (
     AdapterKey,
     EngineStats,
@@ -30,7 +34,7 @@ from services.inference.engine.api import (
 )
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.core import EngineCore, LogitsHook
-from services.inference.engine.errors import EngineStopped
+from services.inference.engine.errors import EngineStopped, UnknownAdapter
 from services.inference.engine.host_adapter import HostAdapter
 from services.inference.engine.request import Sequence
 
@@ -53,6 +57,21 @@ class _Abort(NamedTuple):
     request_id: str
 
 
+class _Load(NamedTuple):
+    key: AdapterKey
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():  # the caller gave up (cancelled)
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
 class Engine:
     def __init__(self, config: EngineConfig, logits_hook: LogitsHook | None = None) -> None:
         self.config = config
@@ -64,6 +83,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._failure: BaseException | None = None
+        self._loads: list[_Load] = []  # LoadAdapter calls waiting for their copy (step thread)
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -88,7 +108,10 @@ class Engine:
     # --- adapters ---------------------------------------------------------------------------
 
     def add_adapter(
-        self, key: AdapterKey, config_json: bytes | str | dict, weights: bytes | memoryview
+        self,
+        key: AdapterKey,
+        config_json: bytes | str | dict,
+        weights: bytes | memoryview | torch.Tensor,
     ) -> HostAdapter:
         return self.core.add_adapter(key, config_json, weights)
 
@@ -98,6 +121,47 @@ class Engine:
     def remove_adapter(self, key: AdapterKey) -> None:
         self.core.remove_adapter(key)
         self._inbox.put(None)  # the loop frees its pages once no request uses it
+
+    async def load_adapter(self, key: AdapterKey, pin: bool = False) -> None:
+        """Place an added adapter in the pool now; returns once its copy completed. ``pin``
+        keeps it there (never evicted) until pin_adapter(key, False). UnknownAdapter if absent."""
+        if not self.running:
+            raise EngineStopped("the engine is not running; call start() first")
+        if pin:
+            self.core.adapters.set_pinned(key, True)
+        elif self.core.adapters.status(key) is None:
+            raise UnknownAdapter(f"adapter {key} is not loaded in this engine")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put(_Load(key, loop, future))
+        await future
+
+    def pin_adapter(self, key: AdapterKey, pinned: bool) -> None:
+        self.core.adapters.set_pinned(key, pinned)
+
+    def adapter_status(self, key: AdapterKey) -> AdapterStatus | None:
+        """State (host, loading, in the pool), requests using it, pinned; None if absent."""
+        return self.core.adapters.status(key)
+
+    def adapter_in_pool(self, key: AdapterKey) -> bool:
+        status = self.core.adapters.status(key)
+        return status is not None and status.state is AdapterState.IN_POOL
+
+    def adapter_releasable(self, key: AdapterKey) -> bool:
+        """Whether the host bytes given to add_adapter(key) are unused now (see core)."""
+        return self.core.adapters.releasable(key)
+
+    def adapter_copy_seconds(self) -> list[float]:
+        """Durations of the recent host -> pool copies, oldest first."""
+        return list(self.core.adapters.copy_seconds)
+
+    def add_load_listener(self, listener: Callable[[AdapterKey, float], None]) -> None:
+        """``listener(key, seconds)`` runs on the step thread after each host -> pool copy."""
+        self.core.adapters.load_listeners.append(listener)
+
+    @property
+    def device(self) -> torch.device:
+        return self.core.device
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -141,12 +205,13 @@ class Engine:
         core = self.core
         try:
             while not self._stopping.is_set():
-                if not core.has_work:
-                    self._drain(timeout=_IDLE_WAIT_S)
-                elif not core.last_step_ran:
+                if self._loads or (core.has_work and not core.last_step_ran):
                     self._drain(timeout=_STALLED_WAIT_S)
+                elif not core.has_work:
+                    self._drain(timeout=_IDLE_WAIT_S)
                 else:
                     self._drain(timeout=None)
+                self._advance_loads()
                 if core.has_work and not self._stopping.is_set():
                     self._deliver(core.step())
                 elif not core.has_work:
@@ -171,10 +236,34 @@ class Engine:
                 out = self.core.abort(cmd.request_id)
                 if out is not None:
                     self._deliver([out])
+            elif isinstance(cmd, _Load):
+                self._loads.append(cmd)
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _advance_loads(self) -> None:
+        """Start the copies LoadAdapter asked for (when there is room) and answer the callers
+        whose copy completed."""
+        if not self._loads:
+            return
+        adapters = self.core.adapters
+        adapters.poll_loads()
+        waiting = []
+        for job in self._loads:
+            status = adapters.status(job.key)
+            if status is None:
+                error = UnknownAdapter(f"adapter {job.key} was removed while it loaded")
+                job.loop.call_soon_threadsafe(_resolve, job.future, error)
+                continue
+            if status.state is AdapterState.IN_POOL:
+                job.loop.call_soon_threadsafe(_resolve, job.future, None)
+                continue
+            if status.state is AdapterState.HOST:
+                adapters.begin_load(job.key, reserve=len(self.core.scheduler.running))
+            waiting.append(job)
+        self._loads = waiting
 
     def _deliver(self, outputs: list[GenerationOutput]) -> None:
         for out in outputs:
@@ -206,6 +295,10 @@ class Engine:
         with self._sinks_lock:
             ids = list(self._sinks)
         reason = "the engine stopped" if self._failure is None else "the engine step failed"
+        for job in self._loads:
+            job.loop.call_soon_threadsafe(_resolve, job.future, EngineStopped(reason))
+        self._loads = []
+        self.core.adapters.close()
         for rid in ids:
             err = EngineStopped(f"{reason}; request {rid} did not finish")
             if self._failure is not None:

@@ -1,14 +1,16 @@
-"""HostAdapter: a validated PEFT LoRA adapter, its weights in host memory, laid out for the pool.
+"""HostAdapter: a validated PEFT LoRA adapter whose weights stay where its bytes arrived.
 
-Validation is store.peft's (the same checks the adapter store runs on upload); this module only
-turns the validated bytes into per-(layer, module) tensors in the pool's dtype, pinned when the
-pool is on CUDA so the host->pool copy can be asynchronous, and plans the adapter's place in the
-pool with kernels.lora_layout.
+Validation is store.peft's (the same checks the adapter store runs on upload). The adapter's
+``adapter_model.safetensors`` bytes are kept as one uint8 tensor, ``raw``, and never copied on
+the host: when the caller hands over pinned memory (the inference service's host arena), the
+whole file goes to the device in one asynchronous copy, and dtype conversion, scale folding and
+the pool layout happen there (adapter_copy.py). Each (layer, module) pair is described by where
+its A and B lie in ``raw``; ``host_view`` gives a tensor view of them without copying.
 
 Scales: the LoRA index holds one scale per (adapter, module). When rank_pattern or alpha_pattern
 give a module different scales in different layers, the index scale is 1 and each layer's scale
-is folded into its B; otherwise B is kept as is and the index carries the scale, so the common
-case computes exactly what PEFT computes.
+is folded into its B when it is written; otherwise B is written as is and the index carries the
+scale, so the common case computes exactly what PEFT computes.
 """
 
 from __future__ import annotations
@@ -28,12 +30,21 @@ from store.peft import (
     validate_adapter,
 )
 
-_TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+
+
+class TensorRef(NamedTuple):
+    """Where one LoRA matrix lies in the adapter's bytes."""
+
+    offset: int  # bytes from the start of the file
+    dtype: torch.dtype
+    shape: tuple[int, int]
 
 
 class LoraPair(NamedTuple):
-    a: torch.Tensor  # [r_l, d_in]
-    b: torch.Tensor  # [d_out, r_l], the layer's scale folded in when scales differ by layer
+    a: TensorRef  # [r_l, d_in]
+    b: TensorRef  # [d_out, r_l]
+    fold: float | None  # the layer's scale, multiplied into B when written; None = index scale
 
 
 @dataclass(frozen=True)
@@ -42,75 +53,87 @@ class HostAdapter:
     ranks: tuple[int, ...]  # per module id: largest rank over layers, 0 = not targeted
     dims: tuple[tuple[int, int], ...]  # per module id: (d_in, d_out) in the base model
     scales: tuple[float, ...]  # per module id: the LoRA index scale
-    pairs: dict[tuple[int, int], LoraPair]  # (layer, module id) -> weights
+    pairs: dict[tuple[int, int], LoraPair]  # (layer, module id) -> where its weights are
     plan: AdapterPlan  # where the weights go in the adapter's slot table
-    nbytes: int  # host memory held by the weights
+    raw: torch.Tensor  # uint8 [file size]: the adapter file's bytes (pinned on CUDA)
 
     @property
     def max_rank(self) -> int:
         return max(self.ranks)
 
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
 
-def _tensor(buf: memoryview, offset: int, dtype: str, shape: tuple[int, int]) -> torch.Tensor:
+    def host_view(self, ref: TensorRef) -> torch.Tensor:
+        return typed_view(self.raw, ref)
+
+
+def typed_view(buf: torch.Tensor, ref: TensorRef) -> torch.Tensor:
+    """``ref`` as a tensor over ``buf`` (uint8, host or device). A view when the offset is
+    aligned to the dtype, as safetensors writers lay files out; a copy of that tensor if not."""
+    size = ref.dtype.itemsize
+    flat = buf[ref.offset : ref.offset + ref.shape[0] * ref.shape[1] * size]
+    if ref.offset % size:
+        flat = flat.clone()
+    return flat.view(ref.dtype).view(ref.shape)
+
+
+def _as_bytes(weights: bytes | bytearray | memoryview | torch.Tensor) -> torch.Tensor:
+    if isinstance(weights, torch.Tensor):
+        if weights.dtype != torch.uint8 or weights.dim() != 1 or weights.device.type != "cpu":
+            raise TypeError("weights as a tensor must be 1-D uint8 on the CPU")
+        return weights
     with warnings.catch_warnings():
-        # The buffer may be read-only (bytes); the view is copied before anyone could write.
+        # bytes are read-only; nothing ever writes through this tensor.
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(
-            buf, dtype=_TORCH_DTYPES[dtype], count=shape[0] * shape[1], offset=offset
-        )
-    return flat.view(shape)
+        return torch.frombuffer(memoryview(weights).cast("B"), dtype=torch.uint8)
 
 
 def build_host_adapter(
     key: object,
     config_json: bytes | str | dict,
-    weights: bytes | bytearray | memoryview,
+    weights: bytes | bytearray | memoryview | torch.Tensor,
     base: BaseModelShape,
     width: int,
     max_rank: int,
-    dtype: torch.dtype,
     pin: bool,
 ) -> HostAdapter:
     """Validate ``adapter_config.json`` + ``adapter_model.safetensors`` against the base model and
-    copy the weights into host tensors. Raises AdapterFormatError / BaseModelMismatch."""
+    describe its tensors in place. Raises AdapterFormatError / BaseModelMismatch. With ``pin``,
+    bytes that are not page-locked already are copied once into pinned memory."""
     config = parse_adapter_config(config_json, max_rank=max_rank)
-    buf = memoryview(weights).cast("B")
-    header = parse_safetensors_header(buf)
-    if len(buf) != header.total_size:
+    raw = _as_bytes(weights)
+    header = parse_safetensors_header(memoryview(raw.numpy()))
+    if raw.numel() != header.total_size:
         raise AdapterFormatError(
-            f"adapter_model.safetensors is {len(buf)} bytes; its header describes "
+            f"adapter_model.safetensors is {raw.numel()} bytes; its header describes "
             f"{header.total_size}"
         )
     validate_adapter(config, header, base)
+    if pin and not raw.is_pinned():
+        raw = raw.pin_memory()
 
-    raw: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    refs: dict[tuple[int, int], dict[str, TensorRef]] = {}
     for entry in header.tensors:
-        t = _tensor(buf, header.data_offset + entry.begin, entry.dtype, entry.shape)
-        raw.setdefault((entry.layer, MODULE_ID[entry.module]), {})[entry.kind] = t
+        ref = TensorRef(header.data_offset + entry.begin, TORCH_DTYPES[entry.dtype], entry.shape)
+        refs.setdefault((entry.layer, MODULE_ID[entry.module]), {})[entry.kind] = ref
 
     ranks = [0] * NUM_MODULES
     layer_scales: list[set[float]] = [set() for _ in range(NUM_MODULES)]
-    for (layer, m), ab in raw.items():
+    for (layer, m), ab in refs.items():
         ranks[m] = max(ranks[m], ab["A"].shape[0])
         layer_scales[m].add(config.scale(layer, MODULES[m]))
     uniform = [len(s) <= 1 for s in layer_scales]
     scales = tuple(
         (next(iter(s)) if s else 0.0) if uniform[m] else 1.0 for m, s in enumerate(layer_scales)
     )
-
-    pairs: dict[tuple[int, int], LoraPair] = {}
-    nbytes = 0
-    for (layer, m), ab in sorted(raw.items()):
-        a = ab["A"].to(dtype=dtype, copy=True)
-        b = ab["B"]
-        if not uniform[m]:
-            b = b.float() * config.scale(layer, MODULES[m])
-        b = b.to(dtype=dtype, copy=True)
-        if pin:
-            a, b = a.pin_memory(), b.pin_memory()
-        pairs[(layer, m)] = LoraPair(a, b)
-        nbytes += a.nbytes + b.nbytes
-
+    pairs = {
+        (layer, m): LoraPair(
+            ab["A"], ab["B"], None if uniform[m] else config.scale(layer, MODULES[m])
+        )
+        for (layer, m), ab in sorted(refs.items())
+    }
     dims = tuple(tuple(base.module_dims(name)) for name in MODULES)
     plan = plan_adapter({m: r for m, r in enumerate(ranks) if r}, dict(enumerate(dims)), width)
-    return HostAdapter(key, tuple(ranks), dims, scales, pairs, plan, nbytes)
+    return HostAdapter(key, tuple(ranks), dims, scales, pairs, plan, raw)

@@ -1,0 +1,155 @@
+"""Host -> pool copies of adapters: one transfer of the file's bytes, then a few batched kernels.
+
+On CUDA a copy is issued by a loader thread on a side stream: a non-blocking copy of the whole
+adapter file from pinned host memory into a device staging buffer, then, per module, the layers'
+A and Bᵀ stacked, converted to the pool's dtype, padded to the pool's chunk width, and scattered
+into the adapter's slots of every layer at once (kernels/lora_layout.py's geometry), then an
+event. The step thread only queues the copy and later polls the event (CopyTicket.done), so it
+never waits on a transfer, and the copy's kernel launches happen while the step thread waits for
+its own step's results (it releases the GIL there). On the CPU the same function runs in place,
+synchronously, reading the host bytes directly.
+
+The side stream first waits for the stream that scheduled the copy: the slots were taken from
+freed KV pages, which kernels queued before may still read or write.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import torch
+
+from services.inference.engine.host_adapter import HostAdapter, LoraPair, TensorRef, typed_view
+
+log = logging.getLogger(__name__)
+
+
+def _stacked(src: torch.Tensor, refs: list[TensorRef]) -> torch.Tensor:
+    """The layers' matrices of one module and kind as one [L, rows, cols] tensor over ``src``:
+    a strided view when they lie at equal distances (one kernel-free view), else a stack."""
+    first = refs[0]
+    size = first.dtype.itemsize
+    step = refs[1].offset - first.offset if len(refs) > 1 else 0
+    regular = all(
+        r.dtype == first.dtype and r.shape == first.shape and r.offset == first.offset + i * step
+        for i, r in enumerate(refs)
+    )
+    if regular and first.offset % size == 0 and step % size == 0 and step >= 0:
+        whole = src[: src.numel() - src.numel() % size].view(first.dtype)
+        rows, cols = first.shape
+        start = whole.storage_offset() + first.offset // size  # as_strided counts from storage
+        return whole.as_strided((len(refs), rows, cols), (step // size, cols, 1), start)
+    return torch.stack([typed_view(src, r) for r in refs])
+
+
+def write_adapter(pool: torch.Tensor, host: HostAdapter, slots: torch.Tensor, src: torch.Tensor):
+    """Write every layer's A and Bᵀ of ``host`` into its ``slots`` of ``pool`` [layers, 2, slots,
+    W]. ``src`` holds the adapter file's bytes (uint8) on the pool's device. Layers a module does
+    not transform, rows past a layer's rank and columns past a dimension are written as zeros."""
+    num_layers, width = pool.shape[0], pool.shape[-1]
+    for m, place in enumerate(host.plan.placements):
+        if place is None:
+            continue
+        d_in, d_out = host.dims[m]
+        a_pad = torch.zeros(num_layers, place.rank, place.in_chunks * width, dtype=pool.dtype,
+                            device=pool.device)  # fmt: skip
+        b_pad = torch.zeros(num_layers, place.rank, place.out_chunks * width, dtype=pool.dtype,
+                            device=pool.device)  # fmt: skip
+        pairs: list[LoraPair | None] = [host.pairs.get((layer, m)) for layer in range(num_layers)]
+        uniform = all(
+            p is not None and p.fold is None and p.a.shape[0] == place.rank for p in pairs
+        )
+        if uniform:  # every layer, one rank, one scale: all layers at once
+            a_pad[:, :, :d_in] = _stacked(src, [p.a for p in pairs])  # [L, r, d_in]
+            b_pad[:, :, :d_out] = _stacked(src, [p.b for p in pairs]).transpose(1, 2)
+        else:  # layers_to_transform, rank_pattern or per-layer scales: layer by layer
+            for layer, p in enumerate(pairs):
+                if p is None:
+                    continue
+                r_l = p.a.shape[0]
+                a_pad[layer, :r_l, :d_in] = typed_view(src, p.a)
+                b = typed_view(src, p.b)  # [d_out, r_l]
+                if p.fold is not None:
+                    b = b.float() * p.fold
+                b_pad[layer, :r_l, :d_out] = b.t()
+        n_a, n_b = place.rank * place.in_chunks, place.rank * place.out_chunks
+        a_slots = slots[place.a_offset : place.a_offset + n_a]
+        b_slots = slots[place.b_offset : place.b_offset + n_b]
+        pool[:, 0, a_slots] = a_pad.view(num_layers, n_a, width)  # [L, n_a, W]
+        pool[:, 1, b_slots] = b_pad.view(num_layers, n_b, width)  # [L, n_b, W]
+
+
+class CopyTicket:
+    """One host -> pool copy. done() never blocks; seconds() is the copy's duration (device
+    time between events on CUDA, wall time on the CPU) once done."""
+
+    def __init__(self, cuda: bool) -> None:
+        self._issued = threading.Event()
+        self._error: BaseException | None = None
+        self._start = torch.cuda.Event(enable_timing=True) if cuda else None
+        self._end = torch.cuda.Event(enable_timing=True) if cuda else None
+        self._seconds = 0.0
+
+    def done(self) -> bool:
+        if not self._issued.is_set():
+            return False
+        if self._error is not None:
+            raise RuntimeError("copying an adapter into the page pool failed") from self._error
+        return self._end is None or self._end.query()
+
+    def seconds(self) -> float:
+        if self._end is not None:
+            return self._start.elapsed_time(self._end) / 1000.0
+        return self._seconds
+
+
+class AdapterCopier:
+    """Issues host -> pool copies: synchronously on the CPU, from a loader thread on CUDA."""
+
+    def __init__(self, pool: torch.Tensor) -> None:
+        self.pool = pool
+        self.cuda = pool.device.type == "cuda"
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        if self.cuda:
+            self._stream = torch.cuda.Stream(pool.device)
+            self._thread = threading.Thread(target=self._run, name="adapter-loader", daemon=True)
+            self._thread.start()
+
+    def submit(self, host: HostAdapter, slots: torch.Tensor) -> CopyTicket:
+        ticket = CopyTicket(self.cuda)
+        if not self.cuda:
+            start = time.perf_counter()
+            write_adapter(self.pool, host, slots, host.raw)
+            ticket._seconds = time.perf_counter() - start
+            ticket._issued.set()
+            return ticket
+        self._jobs.put((ticket, host, slots, torch.cuda.current_stream(self.pool.device)))
+        return ticket
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            ticket, host, slots, scheduler_stream = job
+            try:
+                side = self._stream
+                with torch.cuda.device(self.pool.device), torch.cuda.stream(side):
+                    side.wait_stream(scheduler_stream)
+                    ticket._start.record(side)
+                    staged = host.raw.to(self.pool.device, non_blocking=True)  # pinned -> DMA
+                    write_adapter(self.pool, host, slots, staged)
+                    ticket._end.record(side)
+                # The slot table was made on the scheduler's stream; keep it for this one too.
+                slots.record_stream(side)
+            except BaseException as exc:  # reported to the step thread by done()
+                log.exception("adapter copy failed")
+                ticket._error = exc
+            ticket._issued.set()
