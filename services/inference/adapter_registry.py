@@ -33,7 +33,10 @@ from store.peft import AdapterFormatError
 log = logging.getLogger(__name__)
 
 _MAX_ID_LEN = 128
-_FETCH_ATTEMPTS = 3  # a fresh entry may be evicted by a concurrent fetch before it is held
+_FETCH_ATTEMPTS = 3
+_NO_FETCHES = (
+    LatencyWindow()
+)  # without a store  # a fresh entry may be evicted by a concurrent fetch before it is held
 
 
 @dataclass
@@ -51,18 +54,19 @@ class AdapterRegistry:
         engine: Engine,
         store: StoreClient | None,
         cache: HostCache,
-        on_load: Callable[[str, float], None] | None = None,
+        on_fetched: Callable[[float], None] | None = None,
     ) -> None:
         self.engine = engine
         self.store = store
         self.cache = cache
         cache.on_evict = self.on_host_evict
+        cache.evictable = engine.adapter_releasable  # no request or copy reads the bytes
         self._latest: dict[str, int] = {}
         self._held: dict[AdapterKey, HeldAdapter] = {}
         self._rejected: dict[AdapterKey, Exception] = {}  # versions are immutable: fail fast
-        self._fetch_waiters = 0
-        self._on_load = on_load  # (phase, seconds) for metrics
-        self.fetch_latency = LatencyWindow()
+        self._fetch_waiters: dict[AdapterKey, int] = {}  # requests waiting for a fetch
+        if store is not None:
+            store.on_fetched = on_fetched
         self.evictions = 0
 
     # --- lookups --------------------------------------------------------------------------
@@ -70,7 +74,15 @@ class AdapterRegistry:
     @property
     def fetch_waiters(self) -> int:
         """Requests waiting for an adapter's bytes to arrive from the store."""
-        return self._fetch_waiters
+        return sum(self._fetch_waiters.values())
+
+    @property
+    def fetch_latency(self) -> LatencyWindow:
+        return self.store.fetch_latency if self.store is not None else _NO_FETCHES
+
+    def fetching(self) -> dict[AdapterKey, int]:
+        """Versions being fetched, with the number of requests waiting for each."""
+        return {k: n for k, n in self._fetch_waiters.items() if k not in self._held}
 
     def held(self) -> list[HeldAdapter]:
         return list(self._held.values())
@@ -122,9 +134,11 @@ class AdapterRegistry:
         self._maybe_drop(held)
 
     def pin(self, key: AdapterKey, pinned: bool) -> None:
+        """Pinned: kept in the host cache and the page pool until unpinned."""
         held = self._held[key]
         if held.pinned != pinned:
             held.pinned = pinned
+            self.engine.pin_adapter(key, pinned)
             if pinned:
                 self.cache.hold(key)
             else:
@@ -200,13 +214,18 @@ class AdapterRegistry:
         except Exception as exc:  # the old version is gone; requests will retry the fetch
             log.warning("hot reload of pinned adapter %s failed: %s", key, exc)
             return
-        self.pin(key, True)
-        self.release(key)
+        try:
+            self.pin(key, True)
+            await self.engine.load_adapter(key, pin=True)
+        except Exception as exc:
+            log.warning("hot reload of pinned adapter %s: no room in the pool yet: %s", key, exc)
+        finally:
+            self.release(key)
 
     async def _fetch_and_add(self, key: AdapterKey) -> None:
         """Brings ``key`` into the host cache and the engine, held once for the caller."""
         store = self._store()
-        self._fetch_waiters += 1
+        self._fetch_waiters[key] = self._fetch_waiters.get(key, 0) + 1
         try:
             for _ in range(_FETCH_ATTEMPTS):
                 fetched = await store.fetch(key)
@@ -215,18 +234,16 @@ class AdapterRegistry:
             else:
                 raise StoreUnavailable(f"adapter {key}: the host cache is too busy to keep it")
         finally:
-            self._fetch_waiters -= 1
+            self._fetch_waiters[key] -= 1
+            if not self._fetch_waiters[key]:
+                del self._fetch_waiters[key]
         # No await from here on: nothing can evict the entry before it is held.
         entry = self.cache.hold(key)
-        if fetched.from_store:
-            self.fetch_latency.add(fetched.seconds)
-            if self._on_load is not None:
-                self._on_load("fetch", fetched.seconds)
         if key in self._held:
             return
         start = time.perf_counter()
         try:
-            self.engine.add_adapter(key, entry.config_json, self.cache.arena.view(entry.block))
+            self.engine.add_adapter(key, entry.config_json, self.cache.arena.tensor(entry.block))
         except Exception as exc:
             self.cache.release(key)
             self.cache.remove(key)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lorafleet.v1 import inference_pb2 as pb
+from services.inference.engine.adapter_manager import AdapterState, AdapterStatus
 from services.inference.engine.api import AdapterKey, FinishReason, GenerationOutput
 from services.inference.engine.sampling_params import SamplingParams
 from services.inference.errors import BadArgument
@@ -14,11 +15,16 @@ _FINISH = {
     FinishReason.EOS: pb.FINISH_REASON_EOS,
 }
 
-RESIDENCY = {
-    "gpu": pb.RESIDENCY_GPU,
-    "host": pb.RESIDENCY_HOST,
-    "loading": pb.RESIDENCY_LOADING,
+_RESIDENCY = {
+    AdapterState.IN_POOL: pb.RESIDENCY_GPU,
+    AdapterState.HOST: pb.RESIDENCY_HOST,
+    AdapterState.LOADING: pb.RESIDENCY_LOADING,
 }
+
+
+def residency(status: AdapterStatus | None) -> int:
+    """Where an adapter is; not in the engine yet means its bytes are still being fetched."""
+    return pb.RESIDENCY_LOADING if status is None else _RESIDENCY[status.state]
 
 
 def sampling_params(msg: pb.SamplingParams) -> SamplingParams:

@@ -74,7 +74,7 @@ class _SnapshotCollector(Collector):
 class ServiceMetrics:
     """The service's metrics in their own registry (several services may share a process)."""
 
-    def __init__(self, snapshot: Callable[[], StatsSnapshot]) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.ttft = Histogram(
             "lorafleet_time_to_first_token_seconds",
@@ -90,16 +90,15 @@ class ServiceMetrics:
         )
         self.adapter_load = Histogram(
             "lorafleet_adapter_load_seconds",
-            "Adapter load phases: fetch (store to host), copy (host to pool), total (request "
-            "to ready)",
+            "Adapter load phases: fetch (store to host cache), copy (host cache to page pool)",
             labelnames=["phase"],
             buckets=_LOAD_BUCKETS,
             registry=self.registry,
         )
         self.adapter_loads = Counter(
             "lorafleet_adapter_loads",
-            "Adapter loads by where the bytes came from",
-            labelnames=["source"],
+            "Adapter loads: into the host cache (fetched from the store) and into the page pool",
+            labelnames=["target"],
             registry=self.registry,
         )
         self.requests = Counter(
@@ -108,8 +107,19 @@ class ServiceMetrics:
             labelnames=["code"],
             registry=self.registry,
         )
-        self.registry.register(_SnapshotCollector(snapshot))
         self._server = None
+
+    def track(self, snapshot: Callable[[], StatsSnapshot]) -> None:
+        """Export the levels and totals of ``snapshot`` at every scrape."""
+        self.registry.register(_SnapshotCollector(snapshot))
+
+    def observe_load(self, phase: str, seconds: float) -> None:
+        """One adapter load phase: fetch (store -> host) or copy (host -> pool). Thread-safe."""
+        self.adapter_load.labels(phase).observe(seconds)
+        if phase == "fetch":
+            self.adapter_loads.labels("host").inc()
+        elif phase == "copy":
+            self.adapter_loads.labels("pool").inc()
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Starts the HTTP endpoint in a daemon thread; returns the bound port."""

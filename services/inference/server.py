@@ -22,6 +22,7 @@ from services.inference.config import ServiceConfig
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.engine import Engine
 from services.inference.host_cache import HostCache
+from services.inference.metrics import ServiceMetrics
 from services.inference.servicer import InferenceServicer
 from services.inference.store_client import StoreClient
 
@@ -107,11 +108,15 @@ class InferenceServer:
             self._store = StoreClient(
                 cfg.adapter_store, cache, cfg.store_timeout_s, cfg.fetch_timeout_s
             )
-        registry = AdapterRegistry(self.engine, self._store, cache)
+        metrics = ServiceMetrics()
+        self.engine.add_load_listener(lambda _key, seconds: metrics.observe_load("copy", seconds))
+        registry = AdapterRegistry(
+            self.engine, self._store, cache, lambda s: metrics.observe_load("fetch", s)
+        )
         if self._store is not None:
             self._follower = asyncio.create_task(self._store.follow(registry.on_event))
         self.servicer = InferenceServicer(
-            self.engine, registry, cfg.max_queue, cfg.model.name, str(device)
+            self.engine, registry, metrics, cfg.max_queue, cfg.model.name, str(device)
         )
         if cfg.metrics_port is not None:
             self.metrics_port = self.servicer.metrics.serve(cfg.metrics_port, cfg.host)

@@ -23,7 +23,12 @@ from services.inference.engine.api import AdapterKey, FinishReason, GenerationRe
 from services.inference.engine.engine import Engine
 from services.inference.errors import BadArgument, QueueFull, ShuttingDown, status_for
 from services.inference.metrics import ServiceMetrics
-from services.inference.service_stats import LatencyWindow, RateWindow, StatsSnapshot
+from services.inference.service_stats import (
+    LatencyWindow,
+    RateWindow,
+    StatsSnapshot,
+    summarize,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +38,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self,
         engine: Engine,
         registry: AdapterRegistry,
+        metrics: ServiceMetrics,
         max_waiting: int,
         model_name: str,
         device: str,
     ) -> None:
         self.engine = engine
         self.registry = registry
-        self.metrics = ServiceMetrics(self.snapshot)
+        self.metrics = metrics
+        metrics.track(self.snapshot)
         self._max_calls = max_waiting + engine.config.max_num_seqs
         self._model_name, self._device = model_name, device
         self._calls: set[str] = set()  # request ids of Generate calls in progress
@@ -123,8 +130,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             key = await self.registry.acquire(request.adapter_id, request.adapter_version)
             try:
-                await self.engine.load_adapter(key, pin=request.pin)
-                self.registry.pin(key, request.pin)
+                if request.pin:
+                    self.registry.pin(key, True)
+                await self.engine.load_adapter(key)
             finally:
                 self.registry.release(key)
             return pb.LoadAdapterResponse(
@@ -138,25 +146,29 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             if not request.adapter_id:
                 raise BadArgument("adapter_id is required")
-            out = []
-            for held in self.registry.unload(request.adapter_id, request.adapter_version):
-                self.engine.pin_adapter(held.key, False)
-                out.append(self._resident(held.key, held))
-            return pb.UnloadAdapterResponse(adapters=out)
+            unloaded = self.registry.unload(request.adapter_id, request.adapter_version)
+            return pb.UnloadAdapterResponse(adapters=[self._resident(h.key, h) for h in unloaded])
         except Exception as exc:
             await _abort(context, exc)
 
     async def ListAdapters(self, request, context) -> pb.ListResidentAdaptersResponse:
-        held = sorted(self.registry.held(), key=lambda h: h.key)
-        return pb.ListResidentAdaptersResponse(adapters=[self._resident(h.key, h) for h in held])
+        out = [self._resident(h.key, h) for h in self.registry.held()]
+        for key, waiting in self.registry.fetching().items():
+            out.append(
+                pb.ResidentAdapter(
+                    adapter_id=key.adapter_id, version=key.version,
+                    residency=pb.RESIDENCY_LOADING, active_requests=waiting,
+                )
+            )  # fmt: skip
+        out.sort(key=lambda a: (a.adapter_id, a.version))
+        return pb.ListResidentAdaptersResponse(adapters=out)
 
     def _resident(self, key: AdapterKey, held: HeldAdapter | None) -> pb.ResidentAdapter:
         status = self.engine.adapter_status(key)
-        residency = "loading" if status is None else status.residency
         return pb.ResidentAdapter(
             adapter_id=key.adapter_id,
             version=key.version,
-            residency=convert.RESIDENCY[residency],
+            residency=convert.residency(status),
             pinned=held is not None and held.pinned,
             active_requests=0 if held is None else held.leases,
             size_bytes=0 if held is None else held.size_bytes,
@@ -188,7 +200,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             host_entries=c.entries,
             host_pinned=c.pinned_memory,
             adapter_fetch=self.registry.fetch_latency.summary(),
-            adapter_copy=self.engine.copy_latency.summary(),
+            adapter_copy=summarize(self.engine.adapter_copy_seconds(), e.adapter_loads),
             adapter_load=self.cold_ttft.summary(),
             evictions_gpu=e.adapter_evictions,
             evictions_host=self.registry.evictions,

@@ -24,6 +24,7 @@ from lorafleet.v1 import adapter_store_pb2_grpc as pb_grpc
 from services.inference.engine.api import AdapterKey
 from services.inference.errors import AdapterNotFound, StoreUnavailable
 from services.inference.host_cache import HostCache, HostEntry
+from services.inference.service_stats import LatencyWindow
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ class StoreClient:
         )
         self._stub = pb_grpc.AdapterStoreStub(self._channel)
         self._inflight: dict[AdapterKey, asyncio.Task[Fetched]] = {}
+        self.fetch_latency = LatencyWindow()  # one sample per fetch, however many waited
+        self.on_fetched: Callable[[float], None] | None = None
 
     async def close(self) -> None:
         for task in list(self._inflight.values()):
@@ -111,8 +114,9 @@ class StoreClient:
         # shield: one caller's cancellation must not cancel the fetch the others wait on.
         return await asyncio.shield(task)
 
-    def fetching(self, key: AdapterKey) -> bool:
-        return key in self._inflight
+    def fetching(self) -> list[AdapterKey]:
+        """Adapter versions whose bytes are on their way from the store."""
+        return list(self._inflight)
 
     async def _fetch(self, key: AdapterKey) -> Fetched:
         what = f"adapter {key.adapter_id!r} version {key.version}"
@@ -157,6 +161,9 @@ class StoreClient:
             if block is not None:
                 self._cache.discard(block)
         seconds = time.perf_counter() - start
+        self.fetch_latency.add(seconds)
+        if self.on_fetched is not None:
+            self.on_fetched(seconds)
         log.info(
             "fetched %s: %.1f MB in %.3f s (%.0f MB/s)",
             what,

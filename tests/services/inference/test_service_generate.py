@@ -1,0 +1,218 @@
+"""Generate over real gRPC: an adapter store and an inference service process, several uploaded
+adapters, dozens of concurrent streams each identical to the engine running it alone, the
+contract's status codes, cancellation storms that leave the pool balanced, and the admin RPCs."""
+
+from __future__ import annotations
+
+import random
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from lorafleet.v1 import inference_pb2 as pb
+from tests.services.inference.conftest import start_stack, stop_stack
+from tests.services.inference.reference import PROMPTS, assert_matches, mixed_requests
+from tests.services.inference.stack import collect, sampling, upload, wait_for
+
+
+@pytest.fixture(scope="module")
+def stack(svc_models, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("generate-stack")
+    stack = start_stack(svc_models, tmp, flags=("--metrics-port", "0", "--max-loras", "2"))
+    yield stack
+    stop_stack(stack)
+
+
+def test_concurrent_mixed_streams_match_the_engine_alone(stack, reference):
+    requests = mixed_requests(40)
+    with ThreadPoolExecutor(len(requests)) as pool:
+        streams = list(pool.map(lambda r: collect(stack.stub, r), requests))
+    for request, stream in zip(requests, streams, strict=True):
+        assert_matches(stream, reference.expect(request, version=1), request)
+        assert stream.last.adapter_version == (1 if request.adapter_id else 0)
+    # Tokens stream out as they are produced, one message per step.
+    long = [s for s in streams if len(s.token_ids) >= 4]
+    assert long and all(len(s.messages) == len(s.token_ids) for s in long)
+
+
+def test_request_id_is_generated_when_empty(stack):
+    stream = collect(
+        stack.stub, pb.GenerateRequest(prompt="hi", sampling=sampling(max_new_tokens=3))
+    )
+    assert stream.code == grpc.StatusCode.OK
+    ids = {m.request_id for m in stream.messages}
+    assert len(ids) == 1 and len(ids.pop()) >= 16
+
+
+@pytest.mark.parametrize(
+    ("fields", "code", "fragment"),
+    [
+        (dict(prompt="x", adapter_id="no-such-adapter"), grpc.StatusCode.NOT_FOUND,
+         "no-such-adapter"),
+        (dict(prompt="x", adapter_id="a", adapter_version=9), grpc.StatusCode.NOT_FOUND,
+         "version 9"),
+        (dict(prompt_token_ids=[5] * 2040, sampling=sampling(max_new_tokens=16)),
+         grpc.StatusCode.INVALID_ARGUMENT, "context window"),
+        (dict(prompt_token_ids=[5, 100000]), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+        (dict(prompt_token_ids=[5, -1]), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+        (dict(prompt="x", sampling=sampling(top_p=1.5)), grpc.StatusCode.INVALID_ARGUMENT,
+         "top_p"),
+        (dict(prompt="x", sampling=sampling(temperature=-1)), grpc.StatusCode.INVALID_ARGUMENT,
+         "temperature"),
+        (dict(prompt="x", sampling=sampling(max_new_tokens=0)), grpc.StatusCode.INVALID_ARGUMENT,
+         "max_new_tokens"),
+        (dict(prompt="x", sampling=sampling(top_k=-2)), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
+        (dict(), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    ],
+)  # fmt: skip
+def test_bad_requests_get_the_contract_status(stack, fields, code, fragment):
+    stream = collect(stack.stub, pb.GenerateRequest(**fields))
+    assert stream.code == code, stream.details
+    assert fragment in stream.details
+    assert not stream.messages
+
+
+def test_adapter_for_another_base_model_is_failed_precondition(stack, svc_models):
+    upload(stack.store.address, "mismatched", svc_models.mismatched)
+    request = pb.GenerateRequest(prompt="hello", adapter_id="mismatched")
+    for _ in range(2):  # the second answer comes from the remembered verdict, the same
+        stream = collect(stack.stub, request)
+        assert stream.code == grpc.StatusCode.FAILED_PRECONDITION, stream.details
+        assert "base model" in stream.details and "q_proj" in stream.details
+
+
+def _stats(stack) -> pb.GetStatsResponse:
+    return stack.stub.GetStats(pb.GetStatsRequest(), timeout=10)
+
+
+def _settled(stack):
+    s = _stats(stack)
+    if s.running_requests or s.queued_requests or s.waiting_for_adapter or s.pool.kv_pages:
+        return None
+    return s
+
+
+def test_cancellation_storm_leaves_the_pool_balanced(stack):
+    base = wait_for(lambda: _settled(stack), what="an idle server")
+    rng = random.Random(5)
+    calls = []
+    for i in range(30):
+        params = sampling(max_new_tokens=400, ignore_eos=True)
+        request = pb.GenerateRequest(
+            request_id=f"storm-{i}", prompt=PROMPTS[i % 5], adapter_id=["", "a", "b"][i % 3],
+            sampling=params,
+        )  # fmt: skip
+        timeout = 0.5 + rng.random() if i % 4 == 0 else 60  # some die by their deadline
+        calls.append((stack.stub.Generate(request, timeout=timeout), rng.randint(0, 6)))
+
+    def consume(call, cancel_after):
+        got = 0
+        try:
+            for _ in call:
+                got += 1
+                if got > cancel_after:
+                    call.cancel()
+        except grpc.RpcError as exc:
+            return exc.code()
+        return grpc.StatusCode.OK
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        codes = list(pool.map(lambda c: consume(*c), calls))
+    assert set(codes) <= {grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
+    assert grpc.StatusCode.CANCELLED in codes
+    after = wait_for(lambda: _settled(stack), what="the pool back at its baseline")
+    assert after.pool.free_pages + after.pool.adapter_pages == after.pool.total_pages
+    assert after.pool.free_pages + after.pool.adapter_pages == base.pool.free_pages + (
+        base.pool.adapter_pages
+    )
+    # The server still serves.
+    assert collect(stack.stub, pb.GenerateRequest(prompt="ok")).code == grpc.StatusCode.OK
+
+
+def test_load_list_unload_and_stats(stack, reference):
+    stub = stack.stub
+    loaded = stub.LoadAdapter(pb.LoadAdapterRequest(adapter_id="c", pin=True), timeout=30)
+    assert loaded.adapter.residency == pb.RESIDENCY_GPU and loaded.adapter.pinned
+    assert loaded.adapter.version == 1 and loaded.adapter.size_bytes > 0
+    listed = {a.adapter_id: a for a in stub.ListAdapters(pb.ListResidentAdaptersRequest()).adapters}
+    assert listed["c"].residency == pb.RESIDENCY_GPU and listed["c"].pinned
+    # --max-loras 2: traffic for a and b cannot push the pinned adapter out of the pool.
+    for name in ("a", "b", "a", "b"):
+        assert collect(stub, pb.GenerateRequest(prompt="x", adapter_id=name)).code.name == "OK"
+    listed = {a.adapter_id: a for a in stub.ListAdapters(pb.ListResidentAdaptersRequest()).adapters}
+    assert listed["c"].residency == pb.RESIDENCY_GPU
+    assert {listed["a"].residency, listed["b"].residency} <= {pb.RESIDENCY_GPU, pb.RESIDENCY_HOST}
+    request = pb.GenerateRequest(prompt=PROMPTS[1], adapter_id="c")
+    assert_matches(collect(stub, request), reference.expect(request, version=1), request)
+
+    stats = _stats(stack)
+    assert stats.pool.total_pages > 0 and stats.pool.adapter_pages > 0
+    assert stats.generated_tokens > 0 and stats.resident_adapters >= 1
+    assert stats.adapter_fetch.count >= 3 and stats.adapter_copy.count >= 3
+    assert stats.host_cache.entries >= 3 and stats.host_cache.used_bytes > 0
+    assert stats.device == "cpu"
+
+    unloaded = stub.UnloadAdapter(pb.UnloadAdapterRequest(adapter_id="c"), timeout=10)
+    assert [a.adapter_id for a in unloaded.adapters] == ["c"]
+    listed = {a.adapter_id for a in stub.ListAdapters(pb.ListResidentAdaptersRequest()).adapters}
+    assert "c" not in listed
+    with pytest.raises(grpc.RpcError) as missing:
+        stub.LoadAdapter(pb.LoadAdapterRequest(adapter_id="nope"), timeout=10)
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_health_reflection_and_metrics(stack):
+    health = health_pb2_grpc.HealthStub(stack.channel)
+    for service in ("", "lorafleet.v1.Inference"):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(stack.channel)
+    answers = refl.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+    )
+    names = {s.name for a in answers for s in a.list_services_response.service}
+    assert "lorafleet.v1.Inference" in names and "grpc.health.v1.Health" in names
+
+    port = int(wait_for(lambda: _metrics_port(stack), what="the metrics port in the log"))
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for name in (
+        "lorafleet_queue_depth", "lorafleet_running_requests",
+        "lorafleet_time_to_first_token_seconds_bucket",
+        "lorafleet_inter_token_latency_seconds_bucket", "lorafleet_tokens_per_second",
+        'lorafleet_pool_pages{kind="kv"}', 'lorafleet_pool_pages{kind="adapter"}',
+        'lorafleet_adapter_loads_total{target="host"}',
+        'lorafleet_adapter_load_seconds_bucket{le="0.001",phase="fetch"}',
+        'lorafleet_adapter_evictions_total{tier="gpu"}',
+    ):  # fmt: skip
+        assert name in body, name
+
+
+def _metrics_port(stack) -> str | None:
+    for line in stack.inference.log().splitlines():
+        if "metrics on http://" in line:
+            return line.rsplit(":", 1)[1].split("/")[0]
+    return None
+
+
+def test_full_queue_is_resource_exhausted(svc_models, tmp_path):
+    stack = start_stack(
+        svc_models, tmp_path, uploads=(), flags=("--max-queue", "1", "--max-num-seqs", "1")
+    )
+    try:
+        long = sampling(max_new_tokens=1000, ignore_eos=True)
+        first = stack.stub.Generate(pb.GenerateRequest(prompt="a", sampling=long), timeout=60)
+        next(first)  # running
+        second = stack.stub.Generate(pb.GenerateRequest(prompt="b", sampling=long), timeout=60)
+        wait_for(lambda: _stats(stack).queued_requests == 1, what="a queued request")
+        third = collect(stack.stub, pb.GenerateRequest(prompt="c"))
+        assert third.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max-queue" in third.details
+        first.cancel()
+        assert next(second).token_ids  # the queued one runs once the first is gone
+        second.cancel()
+    finally:
+        stop_stack(stack)
