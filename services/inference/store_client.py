@@ -1,9 +1,10 @@
 """The inference service's client of the adapter store: lookups, fetches, and the watch follower.
 
 A fetch writes FetchAdapter's chunks straight into a block of the host cache's arena (pinned on
-CUDA), sized by the AdapterInfo that leads the stream; the bytes are never assembled anywhere
-else. Fetches are single-flight: concurrent callers for one adapter version share one stream,
-and the fetch runs to completion even if every caller went away (the bytes stay cached).
+CUDA), sized by the AdapterInfo that leads the stream; chunks are decoded without copies
+(fetch_wire.py), so the bytes are copied once on this side, into the arena. Fetches are
+single-flight: concurrent callers for one adapter version share one stream, and the fetch runs
+to completion even if every caller went away (the bytes stay cached).
 The follower keeps a WatchAdapters stream open, reconnecting with backoff, and replays the
 latest version of every adapter after each (re)connect so that nothing missed while the store
 was away stays missed.
@@ -23,6 +24,7 @@ from lorafleet.v1 import adapter_store_pb2 as pb
 from lorafleet.v1 import adapter_store_pb2_grpc as pb_grpc
 from services.inference.engine.api import AdapterKey
 from services.inference.errors import AdapterNotFound, StoreUnavailable
+from services.inference.fetch_wire import FETCH_METHOD, decode_fetch_response
 from services.inference.host_cache import HostCache, HostEntry
 from services.inference.service_stats import LatencyWindow
 
@@ -81,6 +83,11 @@ class StoreClient:
             ],
         )
         self._stub = pb_grpc.AdapterStoreStub(self._channel)
+        self._fetch_rpc = self._channel.unary_stream(
+            FETCH_METHOD,
+            request_serializer=pb.FetchAdapterRequest.SerializeToString,
+            response_deserializer=decode_fetch_response,
+        )
         self._inflight: dict[AdapterKey, asyncio.Task[Fetched]] = {}
         self.fetch_latency = LatencyWindow()  # one sample per fetch, however many waited
         self.on_fetched: Callable[[float], None] | None = None
@@ -123,7 +130,7 @@ class StoreClient:
         start = time.perf_counter()
         block = None
         try:
-            call = self._stub.FetchAdapter(
+            call = self._fetch_rpc(
                 pb.FetchAdapterRequest(adapter_id=key.adapter_id, version=key.version),
                 timeout=self._fetch_timeout,
             )
@@ -131,7 +138,11 @@ class StoreClient:
             view = None
             pos = 0
             async for msg in call:
-                if msg.WhichOneof("payload") == "info":
+                if isinstance(msg, memoryview):
+                    chunk = msg
+                elif msg.WhichOneof("payload") == "chunk":
+                    chunk = msg.chunk
+                else:
                     if info is not None:
                         raise StoreUnavailable(f"{what}: the store sent AdapterInfo twice")
                     info = msg.info
@@ -142,7 +153,6 @@ class StoreClient:
                     continue
                 if view is None:
                     raise StoreUnavailable(f"{what}: the store sent bytes before AdapterInfo")
-                chunk = msg.chunk
                 end = pos + len(chunk)
                 if end > info.size_bytes:
                     raise StoreUnavailable(

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernels.lora_layout import MODULES, write_module
+from lorafleet.v1 import inference_pb2 as pb
 from services.inference.engine.adapter_copy import write_adapter
 from services.inference.engine.adapter_manager import AdapterState
 from services.inference.engine.api import AdapterKey, GenerationRequest
@@ -25,6 +26,7 @@ SHAPE = BaseModelShape(
     head_dim=12, vocab_size=64,
 )  # fmt: skip
 WIDTH = SHAPE.num_kv_heads * SHAPE.head_dim  # 24: rows of 48 and 80 span several chunks
+PROMPT = "The quick brown fox"
 
 
 def _adapter(order: str, config_extra: dict | None = None, dtype: str = "F16"):
@@ -148,4 +150,54 @@ async def test_load_pin_status_and_readd(engine_setup):
             await engine.load_adapter(AdapterKey("missing", 1))
     finally:
         await engine.stop()
+    engine.core.check_integrity()
+
+
+async def test_host_cache_evicts_back_to_the_store(svc_models, reference, tmp_path):
+    """A host cache with room for two adapters: serving a, b, c evicts the least recently used
+    one's bytes (and drops it from the engine); its next use fetches it again and still serves
+    exactly what the engine alone computes."""
+    from services.inference.adapter_registry import AdapterRegistry
+    from services.inference.arena import ALIGN, HostArena
+    from services.inference.host_cache import HostCache
+    from services.inference.store_client import StoreClient
+    from tests.services.inference.stack import store_proc, upload
+
+    store = store_proc(tmp_path / "store", tmp_path).start().wait_serving()
+    engine = Engine(EngineConfig(model_dir=svc_models.model, device="cpu", num_pages=512))
+    await engine.start()
+    try:
+        sizes = {}
+        for name in ("a", "b", "c"):
+            sizes[name] = upload(store.address, name, svc_models.adapters[name]).size_bytes
+        room = sum(-(-sizes[n] // ALIGN) * ALIGN for n in ("b", "c")) + ALIGN
+        cache = HostCache(HostArena(room, pin=False))
+        client = StoreClient(store.address, cache, lookup_timeout=10, fetch_timeout=30)
+        registry = AdapterRegistry(engine, client, cache)
+
+        async def serve(name: str) -> tuple[int, ...]:
+            key = await registry.acquire(name, 0)
+            six = SamplingParams(max_new_tokens=6)
+            request = GenerationRequest(f"{name}-{len(cache)}", PROMPT, adapter=key, sampling=six)
+            try:
+                return tuple([t async for out in engine.generate(request) for t in out.token_ids])
+            finally:
+                registry.release(key)
+
+        first = {name: await serve(name) for name in ("a", "b", "c")}
+        assert cache.stats().evictions >= 1 and "a" not in {k.adapter_id for k in cache.keys()}
+        assert engine.adapter_status(AdapterKey("a", 1)) is None  # dropped from the engine too
+        fetches = client.fetch_latency.summary().count
+        assert await serve("a") == first["a"]
+        assert client.fetch_latency.summary().count == fetches + 1  # fetched from the store again
+        for name in ("a", "b", "c"):
+            six = pb.SamplingParams(max_new_tokens=6)
+            request = pb.GenerateRequest(prompt=PROMPT, adapter_id=name, sampling=six)
+            expected = reference.expect(request, version=1)
+            assert first[name] == expected.token_ids
+        cache.arena.check_integrity()
+        await client.close()
+    finally:
+        await engine.stop()
+        store.stop()
     engine.core.check_integrity()

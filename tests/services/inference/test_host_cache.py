@@ -127,3 +127,20 @@ def test_cache_discard_returns_a_failed_fetch_block():
     cache.discard(block)
     assert cache.stats().used_bytes == 0 and len(cache) == 0
     cache.arena.check_integrity()
+
+
+def test_fetch_chunks_decode_without_copies():
+    from lorafleet.v1 import adapter_store_pb2 as store_pb
+    from services.inference.fetch_wire import decode_fetch_response
+
+    for size in (0, 1, 127, 128, 300_000):
+        body = bytes(range(256)) * (size // 256) + bytes(size % 256)
+        data = store_pb.FetchAdapterResponse(chunk=body).SerializeToString()
+        decoded = decode_fetch_response(data)
+        assert isinstance(decoded, memoryview) and decoded == body
+        assert decoded.obj is data  # a view of the received buffer
+    info = store_pb.FetchAdapterResponse(info=store_pb.AdapterInfo(adapter_id="x", version=3))
+    decoded = decode_fetch_response(info.SerializeToString())
+    assert decoded.info.adapter_id == "x" and decoded.info.version == 3
+    with pytest.raises(ValueError, match="truncated"):
+        decode_fetch_response(b"\x12\xff")

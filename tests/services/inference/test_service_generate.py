@@ -4,7 +4,10 @@ contract's status codes, cancellation storms that leave the pool balanced, and t
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -216,3 +219,34 @@ def test_full_queue_is_resource_exhausted(svc_models, tmp_path):
         second.cancel()
     finally:
         stop_stack(stack)
+
+
+def test_cli_generate_streams_text_and_stats_reports(stack, reference):
+    request = pb.GenerateRequest(
+        prompt=PROMPTS[0], adapter_id="b", sampling=sampling(max_new_tokens=12)
+    )
+    expected = reference.expect(request, version=1)
+    cli = [sys.executable, "-m", "lorafleet.cli"]
+    out = subprocess.run(
+        [*cli, "generate", "--server", stack.inference.address, "--adapter", "b",
+         "--max-new-tokens", "12", PROMPTS[0]],
+        capture_output=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.decode() == expected.text + "\n"  # bytes: the text may hold a \r
+    assert f"b v1: {len(expected.token_ids)} tokens" in out.stderr.decode()
+
+    stats = subprocess.run(
+        [*cli, "stats", "--server", stack.inference.address, "--json"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert stats.returncode == 0, stats.stderr
+    data = json.loads(stats.stdout)
+    assert data["stats"]["device"] == "cpu"
+    assert {a["adapterId"] for a in data["adapters"]} >= {"b"}
+
+    missing = subprocess.run(
+        [*cli, "generate", "--server", stack.inference.address, "--adapter", "nope", "x"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr

@@ -1,0 +1,333 @@
+"""Adapter loading on the serving path: cold time to first token, and step time under loads.
+
+1. Cold TTFT: Generate for an adapter that is neither in the host cache nor in the page pool,
+   split into fetch (store -> pinned host buffer), validate (safetensors header and shapes),
+   copy (pinned buffer -> pool pages, on a side stream; GPU time from CUDA events) and first
+   step (admission, prefill, first token), against the same prompt on a warm adapter and on the
+   base model.
+2. Step time: 64 requests decoding (half on resident adapters), first alone, then while cold
+   adapters are fetched from the store and copied into the pool. Goal: p99 at most 1.05x.
+
+The store runs in a subprocess on the local backend (this script's --serve-store mode, which
+needs neither boto3 nor grpcio-health-checking); the engine and the service's adapter path
+(pinned arena, host cache, store client, registry) run in this process. The model is a random
+Llama-7B-shaped one, generated on first use.
+
+    python bench/adapter_load.py                                # CUDA, Llama-7B shape, bf16
+    python bench/adapter_load.py --shape tiny --device cpu --cold 2 --loads 4 --steps 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import grpc  # noqa: E402
+import torch  # noqa: E402
+
+from bench.bench_models import SHAPES, make_model  # noqa: E402
+from lorafleet.v1 import adapter_store_pb2 as store_pb  # noqa: E402
+from lorafleet.v1 import adapter_store_pb2_grpc as store_grpc  # noqa: E402
+from services.inference.adapter_registry import AdapterRegistry  # noqa: E402
+from services.inference.arena import HostArena  # noqa: E402
+from services.inference.engine.api import GenerationRequest  # noqa: E402
+from services.inference.engine.config import EngineConfig  # noqa: E402
+from services.inference.engine.engine import Engine  # noqa: E402
+from services.inference.engine.sampling_params import SamplingParams  # noqa: E402
+from services.inference.host_cache import HostCache  # noqa: E402
+from services.inference.service_stats import summarize  # noqa: E402
+from services.inference.store_client import StoreClient  # noqa: E402
+from store.synthetic import synthetic_adapter  # noqa: E402
+
+log = logging.getLogger("bench.adapter_load")
+RANK = 16
+PROMPT_TOKENS = 128
+
+
+def serve_store(root: str, port: int) -> None:
+    """The adapter store's servicer on the local backend, without health or reflection."""
+    from services.adapter_store.servicer import AdapterStoreServicer
+    from services.adapter_store.wire import add_servicer
+    from store.adapter_store import AdapterStore
+    from store.backends import open_backend
+    from store.config import StoreConfig
+
+    async def main() -> None:
+        config = StoreConfig(root=Path(root), port=port)
+        limits = [("grpc.max_send_message_length", 8 << 20)]
+        server = grpc.aio.server(options=limits)
+        store = AdapterStore(open_backend(config), config)
+        add_servicer(AdapterStoreServicer(store), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def start_store(root: Path) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, __file__, "--serve-store", str(root), str(port)])
+    address = f"127.0.0.1:{port}"
+    with grpc.insecure_channel(address) as channel:
+        grpc.channel_ready_future(channel).result(timeout=60)
+    return proc, address
+
+
+def upload_all(address: str, shape, names: list[str]) -> float:
+    """Uploads a random rank-16 adapter on all seven projections under every name (the same
+    bytes: the loads' cost does not depend on the values); returns its size in MB."""
+    size = 0
+    files = synthetic_adapter(shape.base(), rank=RANK, alpha=32.0, seed=0)
+    with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
+        stub = store_grpc.AdapterStoreStub(ch)
+        for name in names:
+
+            def requests(name=name):
+                header = store_pb.UploadAdapterHeader(
+                    adapter_id=name, adapter_config_json=files.config_json.decode()
+                )
+                yield store_pb.UploadAdapterRequest(header=header)
+                body = files.safetensors
+                for i in range(0, len(body), 4 << 20):
+                    yield store_pb.UploadAdapterRequest(chunk=body[i : i + (4 << 20)])
+
+            size = stub.UploadAdapter(requests(), timeout=300).size_bytes
+    return size / 1e6
+
+
+class StepTimer:
+    """Wraps EngineCore.step: (start, seconds, outputs) of every step. step() ends in a host
+    sync (sampling's tolist), so wall time is the step's device time too."""
+
+    def __init__(self, core) -> None:
+        self.steps: list[tuple[float, float, int]] = []
+        self._step = core.step
+        core.step = self
+
+    def __call__(self):
+        t = time.perf_counter()
+        out = self._step()
+        self.steps.append((t, time.perf_counter() - t, len(out)))
+        return out
+
+
+async def first_token(engine: Engine, rid: str, prompt: list[int], key) -> float:
+    t = time.perf_counter()
+    one = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    request = GenerationRequest(rid, prompt_token_ids=prompt, adapter=key, sampling=one)
+    async for _ in engine.generate(request):
+        pass
+    return time.perf_counter() - t
+
+
+async def cold_ttft(engine, registry, names, prompt) -> list[dict]:
+    """Per cold adapter: lookup (latest version; the service knows it from the store's watch),
+    fetch, validate (header and shapes, no copy), copy, and the rest up to the first token."""
+    rows = []
+    for i, name in enumerate(names):
+        t0 = time.perf_counter()
+        version = (await registry.resolve(name, 0)).version
+        t1 = time.perf_counter()
+        key = await registry.acquire(name, version)
+        t2 = time.perf_counter()
+        try:
+            rest = await first_token(engine, f"cold-{i}", prompt, key)
+        finally:
+            registry.release(key)
+        fetch = registry.fetch_latency.last
+        copy = engine.adapter_copy_seconds()[-1]
+        rows.append({
+            "lookup_s": t1 - t0,
+            "fetch_s": fetch,
+            "validate_s": t2 - t1 - fetch,
+            "copy_s": copy,
+            "first_step_s": rest - copy,
+            "ttft_s": time.perf_counter() - t1,
+        })  # fmt: skip
+    return rows
+
+
+async def run(args) -> dict:
+    device = torch.device(args.device)
+    shape = SHAPES[args.shape]
+    work = Path(args.work_dir)
+    model = make_model(work / f"model-{args.shape}", shape, device)
+    store_root = work / "store"
+    shutil.rmtree(store_root, ignore_errors=True)
+    proc, address = start_store(store_root)
+    try:
+        warm = [f"bench/warm-{i}" for i in range(args.warm)]
+        cold = [f"bench/cold-{i}" for i in range(args.cold)]
+        loads = [f"bench/load-{i}" for i in range(args.loads)]
+        mb = upload_all(address, shape, warm + cold + loads)
+        log.info("uploaded %d adapters of %.1f MB", len(warm + cold + loads), mb)
+        return await measure(args, device, model, address, warm, cold, loads, mb)
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+async def measure(args, device, model, address, warm, cold, loads, mb) -> dict:
+    n_adapters = len(warm) + len(cold) + len(loads)
+    engine = Engine(EngineConfig(
+        model_dir=model, device=args.device, max_num_seqs=args.batch + 8, max_lora_rank=RANK,
+        max_loras=n_adapters + 4, max_num_batched_tokens=max(2048, args.batch * 2),
+        pool_memory_bytes=None if device.type == "cuda" else 512 << 20,
+    ))  # fmt: skip
+    await engine.start()
+    cache = HostCache(HostArena(int((n_adapters + 2) * mb * 1e6), pin=device.type == "cuda"))
+    store = StoreClient(address, cache, lookup_timeout=30, fetch_timeout=300)
+    registry = AdapterRegistry(engine, store, cache)
+    timer = StepTimer(engine.core)
+    prompt = [(7 * i) % 500 + 3 for i in range(PROMPT_TOKENS)]
+    keys = []
+    try:
+        # Warm-up: compile/allocate everything once, and make the warm adapters resident.
+        await first_token(engine, "warmup", prompt, None)
+        keys = [await registry.acquire(name, 0) for name in warm]  # held until the end
+        for key in keys:
+            await engine.load_adapter(key)
+        base_ttft = await first_token(engine, "base", prompt, None)
+        warm_ttft = await first_token(engine, "warm", prompt, keys[0])
+        rows = await cold_ttft(engine, registry, cold, prompt)
+        steps = await step_times(args, engine, registry, keys, loads, timer)
+    finally:
+        for key in keys:
+            registry.release(key)
+        await store.close()
+        await engine.stop()
+    keys_of = ("lookup_s", "fetch_s", "validate_s", "copy_s", "first_step_s", "ttft_s")
+    median = {k: sorted(r[k] for r in rows)[len(rows) // 2] for k in keys_of}
+    return {
+        "adapter_mb": mb, "cold_ttft": rows, "cold_ttft_median": median,
+        "fetch_mb_per_s": mb / median["fetch_s"], "base_ttft_s": base_ttft,
+        "warm_adapter_ttft_s": warm_ttft, **steps,
+    }  # fmt: skip
+
+
+async def step_times(args, engine, registry, keys, loads, timer) -> dict:
+    """64 decoding requests; step times without loads, then while adapters load."""
+    params = SamplingParams(max_new_tokens=args.steps * 4 + 64, ignore_eos=True)
+    prompt = [(11 * i) % 500 + 3 for i in range(PROMPT_TOKENS)]
+
+    async def one(i: int) -> None:
+        key = keys[i % len(keys)] if i % 2 and keys else None
+        req = GenerationRequest(
+            f"decode-{i}", prompt_token_ids=prompt, adapter=key, sampling=params
+        )
+        async for _ in engine.generate(req):
+            pass
+
+    tasks = [asyncio.create_task(one(i)) for i in range(args.batch)]
+
+    async def decode_steps(n: int) -> list[tuple[float, float, int]]:
+        start = len(timer.steps)
+        while sum(1 for s in timer.steps[start:] if s[2] == args.batch) < n:
+            await asyncio.sleep(0.01)
+        return [s for s in timer.steps[start:] if s[2] == args.batch]
+
+    await decode_steps(8)  # everything prefilled and decoding
+    quiet = await decode_steps(args.steps)
+    t0 = time.perf_counter()
+    done = 0
+    for name in loads:  # back to back: a load is always in flight during this window
+        key = await registry.acquire(name, 0)
+        await engine.load_adapter(key)
+        registry.release(key)
+        done += 1
+    t1 = time.perf_counter()
+    busy = [s for s in timer.steps if t0 <= s[0] < t1 and s[2] == args.batch]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+    def stats(samples):
+        s = summarize([x[1] for x in samples], len(samples))
+        return {"steps": len(samples), "mean_s": s.mean, "p50_s": s.p50, "p99_s": s.p99,
+                "max_s": s.max}  # fmt: skip
+
+    a, b = stats(quiet), stats(busy)
+    return {
+        "batch": args.batch, "step_no_loads": a, "step_with_loads": b,
+        "loads": done, "load_window_s": t1 - t0,
+        "p99_ratio": b["p99_s"] / a["p99_s"] if a["p99_s"] else None,
+        "p50_ratio": b["p50_s"] / a["p50_s"] if a["p50_s"] else None,
+    }  # fmt: skip
+
+
+def machine() -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "cpus": os.cpu_count(), "platform": platform.platform()}  # fmt: skip
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "--serve-store":
+        serve_store(sys.argv[2], int(sys.argv[3]))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-7b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--work-dir", default="/tmp/lorafleet-bench")
+    parser.add_argument("--batch", type=int, default=64, help="decoding requests")
+    parser.add_argument("--warm", type=int, default=8, help="resident adapters in the batch")
+    parser.add_argument("--cold", type=int, default=8, help="cold loads timed for TTFT")
+    parser.add_argument("--loads", type=int, default=32, help="loads during the step window")
+    parser.add_argument("--steps", type=int, default=300, help="decode steps without loads")
+    parser.add_argument("--out", default=str(REPO / "bench/results/adapter_load.json"))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    result = asyncio.run(run(args))
+    result = {"machine": machine(), "shape": args.shape, "rank": RANK,
+              "prompt_tokens": PROMPT_TOKENS, **result}  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(report(result))
+    return 0
+
+
+def report(r: dict) -> str:
+    m = r["cold_ttft_median"]
+    ms = lambda s: f"{s * 1000:8.1f} ms"  # noqa: E731
+    lines = [
+        f"cold adapter ({r['adapter_mb']:.1f} MB, rank {r['rank']}, {r['shape']}), median of "
+        f"{len(r['cold_ttft'])}:",
+        f"  fetch (store -> pinned)  {ms(m['fetch_s'])}  ({r['fetch_mb_per_s']:.0f} MB/s)",
+        f"  validate                 {ms(m['validate_s'])}",
+        f"  copy (pinned -> pool)    {ms(m['copy_s'])}",
+        f"  first step               {ms(m['first_step_s'])}",
+        f"  TTFT (version known)     {ms(m['ttft_s'])}",
+        f"  (version lookup          {ms(m['lookup_s'])}, when not known from the watch)",
+        f"  warm adapter TTFT        {ms(r['warm_adapter_ttft_s'])}",
+        f"  base model TTFT          {ms(r['base_ttft_s'])}",
+        f"decode step, batch {r['batch']}:      p50         p99",
+        f"  no loads       {ms(r['step_no_loads']['p50_s'])} {ms(r['step_no_loads']['p99_s'])}"
+        f"  ({r['step_no_loads']['steps']} steps)",
+        f"  with loads     {ms(r['step_with_loads']['p50_s'])} {ms(r['step_with_loads']['p99_s'])}"
+        f"  ({r['step_with_loads']['steps']} steps, {r['loads']} loads)",
+        f"  p99 ratio {r['p99_ratio']:.3f} (goal <= 1.05)",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
