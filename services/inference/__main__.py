@@ -25,14 +25,17 @@ async def serve(config: ServiceConfig) -> None:
         loop.add_signal_handler(sig, stop_requested.set)
     start = asyncio.create_task(server.start())
     stopper = asyncio.create_task(stop_requested.wait())
-    done, _ = await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    if start in done:
-        start.result()  # a failed start-up raises here
-        await stopper
-    else:
-        log.info("stop requested during start-up")
-        start.cancel()
-    await server.stop()
+    try:
+        done, _ = await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if start in done:
+            start.result()  # a failed start-up raises here
+            await stopper
+        else:
+            log.info("stop requested during start-up")
+            start.cancel()
+    finally:
+        stopper.cancel()
+        await server.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ class ServiceConfig:
     pool_memory_mb: int | None = None  # page pool budget; None = the engine's default
     max_loras: int = 32  # adapters resident in the page pool at once
     max_lora_rank: int = 128
-    host_cache_mb: int = 1024  # host cache (pinned on CUDA) for adapters' bytes
+    host_cache_mb: int = 4096  # host cache (pinned on CUDA) of adapters, a superset of the pool
     store_timeout_s: float = 10.0  # deadline of a store lookup (GetAdapter)
     fetch_timeout_s: float = 120.0  # deadline of one adapter fetch
     shutdown_grace_s: float = 5.0  # in-flight streams may finish within this after SIGTERM
@@ -138,7 +138,7 @@ _HELP = {
     "pool_memory_mb": "memory for the unified page pool in MiB (default: the engine's choice)",
     "max_loras": "adapters resident in the page pool at once (default 32)",
     "max_lora_rank": "largest adapter rank accepted (default 128)",
-    "host_cache_mb": "host cache for adapters in MiB, pinned on CUDA (default 1024)",
+    "host_cache_mb": "host cache for adapters in MiB, pinned on CUDA (default 4096)",
     "store_timeout_s": "deadline in seconds of an adapter lookup in the store (default 10)",
     "fetch_timeout_s": "deadline in seconds of one adapter download (default 120)",
     "shutdown_grace_s": "seconds in-flight streams may finish after SIGTERM (default 5)",

@@ -11,7 +11,6 @@ from typing import NamedTuple
 import grpc
 
 from services.inference.engine.errors import (
-    DuplicateRequest,
     EngineOverloaded,
     EngineStopped,
     InvalidRequest,
@@ -60,7 +59,6 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (AdapterFormatError, grpc.StatusCode.FAILED_PRECONDITION),
     (AdapterNotFound, grpc.StatusCode.NOT_FOUND),
     (UnknownAdapter, grpc.StatusCode.NOT_FOUND),
-    (DuplicateRequest, grpc.StatusCode.ALREADY_EXISTS),
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (BadArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
