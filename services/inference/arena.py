@@ -17,6 +17,7 @@ import bisect
 import logging
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -95,9 +96,14 @@ class HostArena:
         """The block's bytes as a uint8 tensor sharing the arena's (pinned) memory."""
         return self.buffer[block.offset : block.offset + block.size]
 
+    def array(self, block: ArenaBlock) -> np.ndarray:
+        """The block as a writable uint8 numpy array (no copy). np.copyto into it releases the
+        GIL, which a memoryview assignment does not: the engine's step thread keeps running."""
+        return self.tensor(block).numpy()
+
     def view(self, block: ArenaBlock) -> memoryview:
         """A writable memoryview of the block (no copy)."""
-        return memoryview(self.tensor(block).numpy()).cast("B")
+        return memoryview(self.array(block)).cast("B")
 
     def stats(self) -> ArenaStats:
         used = sum(self._live.values())

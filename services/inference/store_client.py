@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import grpc
+import numpy as np
 
 from lorafleet.v1 import adapter_store_pb2 as pb
 from lorafleet.v1 import adapter_store_pb2_grpc as pb_grpc
@@ -149,7 +150,7 @@ class StoreClient:
                     if info.size_bytes == 0:
                         raise StoreUnavailable(f"{what}: the store reports an empty adapter")
                     block = self._cache.reserve(info.size_bytes)
-                    view = self._cache.arena.view(block)
+                    view = self._cache.arena.array(block)
                     continue
                 if view is None:
                     raise StoreUnavailable(f"{what}: the store sent bytes before AdapterInfo")
@@ -158,7 +159,7 @@ class StoreClient:
                     raise StoreUnavailable(
                         f"{what}: the store sent more than the announced {info.size_bytes} bytes"
                     )
-                view[pos:end] = chunk
+                np.copyto(view[pos:end], np.frombuffer(chunk, dtype=np.uint8))  # without the GIL
                 pos = end
             if info is None or pos != info.size_bytes:
                 expected = info.size_bytes if info is not None else "?"

@@ -103,7 +103,7 @@ def test_hot_reload_serves_new_version_and_finishes_old_requests_on_theirs(
     stack_factory, svc_models, reference
 ):
     stack = stack_factory()
-    params = sampling(max_new_tokens=800, ignore_eos=True)
+    params = sampling(max_new_tokens=500, ignore_eos=True)
     old_request = pb.GenerateRequest(prompt=PROMPTS[3], adapter_id="a", sampling=params)
     old = Recorder(stack.stub, old_request)
     wait_for(lambda: old.messages, what="the v1 stream started")
