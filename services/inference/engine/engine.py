@@ -205,12 +205,12 @@ class Engine:
         core = self.core
         try:
             while not self._stopping.is_set():
-                if self._loads or (core.has_work and not core.last_step_ran):
-                    self._drain(timeout=_STALLED_WAIT_S)
-                elif not core.has_work:
-                    self._drain(timeout=_IDLE_WAIT_S)
+                if core.has_work and core.last_step_ran:
+                    self._drain(timeout=None)  # steps are running: never wait
+                elif core.has_work or self._loads:
+                    self._drain(timeout=_STALLED_WAIT_S)  # only copies to wait for
                 else:
-                    self._drain(timeout=None)
+                    self._drain(timeout=_IDLE_WAIT_S)
                 self._advance_loads()
                 if core.has_work and not self._stopping.is_set():
                     self._deliver(core.step())
