@@ -79,6 +79,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pool-gib", type=float, default=24.0, help="page pool per engine")
     parser.add_argument("--model-dir", type=Path, default=None, help="cache for the model")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "engine.json")
     args = parser.parse_args()
@@ -87,18 +88,23 @@ def main() -> None:
     shape = SHAPES[args.shape]
     model_dir = args.model_dir or Path(tempfile.gettempdir()) / f"lorafleet-bench-{args.shape}"
     make_model(model_dir, shape, device)
-    core = EngineCore(EngineConfig(
-        model_dir=model_dir, device=device.type, max_num_seqs=max(64, args.batch),
-        max_num_batched_tokens=max(4096, args.batch * args.prompt_len),
-        max_loras=max(32, args.batch), max_lora_rank=max(64, args.rank),
-    ))  # fmt: skip
     base = shape.base()
-    keys = []
-    for i in range(args.batch):
-        files = synthetic_adapter(base, rank=args.rank, alpha=2.0 * args.rank, seed=100 + i)
-        key = AdapterKey(f"bench/a{i}", 1)
-        core.add_adapter(key, files.config_json, files.safetensors)
-        keys.append(key)
+    adapters = [
+        synthetic_adapter(base, rank=args.rank, alpha=2.0 * args.rank, seed=100 + i)
+        for i in range(args.batch)
+    ]
+    keys = [AdapterKey(f"bench/a{i}", 1) for i in range(args.batch)]
+
+    def engine(cuda_graphs: bool) -> EngineCore:
+        core = EngineCore(EngineConfig(
+            model_dir=model_dir, device=device.type, max_num_seqs=max(64, args.batch),
+            max_num_batched_tokens=max(4096, args.batch * args.prompt_len),
+            max_loras=max(32, args.batch), max_lora_rank=max(64, args.rank),
+            pool_memory_bytes=int(args.pool_gib * 2**30), cuda_graphs=cuda_graphs,
+        ))  # fmt: skip
+        for key, files in zip(keys, adapters, strict=True):
+            core.add_adapter(key, files.config_json, files.safetensors)
+        return core
 
     gen = torch.Generator().manual_seed(0)
     prompts = [
@@ -110,28 +116,39 @@ def main() -> None:
         "one adapter": [keys[0]] * args.batch,
         f"{args.batch} distinct adapters": keys,
     }
-    # Warm up: compile kernels and bring every adapter into the pool before timing.
-    run_batch(core, prompts, keys, 4, "warm-lora")
-    run_batch(core, prompts, [None] * args.batch, 4, "warm-base")
+    modes = {"cuda graphs": True, "eager": False} if device.type == "cuda" else {"eager": False}
+    results: dict[str, dict] = {}
+    for mode, graphs in modes.items():
+        core = engine(graphs)
+        # Warm up: compile kernels and bring every adapter into the pool before timing.
+        run_batch(core, prompts, keys, 4, "warm-lora")
+        run_batch(core, prompts, [None] * args.batch, 4, "warm-base")
+        for name, chosen in scenarios.items():
+            runs = [
+                run_batch(core, prompts, chosen, args.new_tokens, f"{name}-{r}")
+                for r in range(args.repeats)
+            ]
+            best = max(runs, key=lambda r: r["tokens_per_s"])
+            results[f"{name}, {mode}"] = {
+                **best, "tokens_per_s_runs": [r["tokens_per_s"] for r in runs],
+            }  # fmt: skip
+        core.check_integrity()
+        dtype = core.dtype
+        del core
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
-    results = {}
-    for name, adapters in scenarios.items():
-        runs = [
-            run_batch(core, prompts, adapters, args.new_tokens, f"{name}-{r}")
-            for r in range(args.repeats)
-        ]
-        best = max(runs, key=lambda r: r["tokens_per_s"])
-        results[name] = {**best, "tokens_per_s_runs": [r["tokens_per_s"] for r in runs]}
-    core.check_integrity()
-
-    base_tps = results["base model"]["tokens_per_s"]
-    print(f"\n{args.shape}, {device}, {core.dtype}, batch {args.batch}, "
+    print(f"\n{args.shape}, {device}, {dtype}, batch {args.batch}, "
           f"{args.prompt_len}+{args.new_tokens} tokens, adapters rank {args.rank} on all "
           f"seven projections")  # fmt: skip
-    print(f"{'scenario':<24}{'tok/s':>10}{'vs base':>9}{'decode step ms':>16}{'prefill ms':>12}")
-    for name, r in results.items():
-        print(f"{name:<24}{r['tokens_per_s']:>10.0f}{r['tokens_per_s'] / base_tps:>9.2f}"
-              f"{r['decode_step_ms_median']:>16.2f}{r['prefill_step_ms']:>12.1f}")  # fmt: skip
+    print(f"{'scenario':<38}{'tok/s':>8}{'vs base':>9}{'decode step ms':>16}{'prefill ms':>12}")
+    for mode in modes:
+        base_tps = results[f"base model, {mode}"]["tokens_per_s"]
+        for name in scenarios:
+            r = results[f"{name}, {mode}"]
+            print(f"{name + ', ' + mode:<38}{r['tokens_per_s']:>8.0f}"
+                  f"{r['tokens_per_s'] / base_tps:>9.2f}{r['decode_step_ms_median']:>16.2f}"
+                  f"{r['prefill_step_ms']:>12.1f}")  # fmt: skip
 
     machine = {"platform": platform.platform(), "python": platform.python_version(),
                "torch": torch.__version__}  # fmt: skip
@@ -141,7 +158,7 @@ def main() -> None:
     args.out.write_text(json.dumps({
         "benchmark": "engine throughput: base vs one adapter vs distinct adapters in one batch",
         "shape": args.shape, "batch": args.batch, "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens, "rank": args.rank, "dtype": str(core.dtype),
+        "new_tokens": args.new_tokens, "rank": args.rank, "dtype": str(dtype),
         "results": results, "machine": machine,
         "command": "python bench/engine.py " + " ".join(sys.argv[1:]),
     }, indent=2) + "\n")  # fmt: skip

@@ -31,6 +31,9 @@ def _mixed_run(tiny_models, preset: str, dtype: str):
     for (req, _), (*_, at) in zip(requests, PLAN, strict=True):
         arrivals.setdefault(at, []).append(req)
     results = run(core, arrivals, recorder)
+    # Decode-only steps replayed captured graphs (padded); the others ran eagerly.
+    assert core.runner.graph_sizes and core.runner.graph_steps > 0
+    assert core.runner.graph_steps < core.steps
     core.check_integrity()
     assert core.stats().kv_pages == 0
     return model_dir, requests, results

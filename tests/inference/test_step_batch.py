@@ -45,7 +45,8 @@ def test_buffers_keep_their_addresses():
     ptrs = {name: t.data_ptr() for name, t in b._dev.items()}
     b.fill([BatchEntry([4], 3, [0], None, True), BatchEntry([9, 9], 0, [1], None, True)])
     assert {name: t.data_ptr() for name, t in b._dev.items()} == ptrs
-    assert b.lora_tokens is None  # base model only: the LoRA hooks are skipped
+    assert not b.has_lora  # base model only: the eager LoRA hooks are skipped
+    assert b.lora_tokens.token_lora.tolist() == [-1, -1, -1]
     assert b.block_tables.tolist() == [[0, 0, 0, 0, 0], [1, 0, 0, 0, 0]]
 
 

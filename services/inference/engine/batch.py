@@ -157,10 +157,8 @@ class StepBatch:
         return self._dev["logits_indices"][: self.num_logits]
 
     @property
-    def lora_tokens(self) -> LoraTokens | None:
-        """The step's adapter addressing, or None when every token is base-model only."""
-        if not self.has_lora:
-            return None
+    def lora_tokens(self) -> LoraTokens:
+        """The step's adapter addressing (rows -1 where a token uses the base model only)."""
         d = self._dev
         return LoraTokens(d["token_lora"][: self.num_tokens], d["seg_starts"], d["seg_lora"])
 

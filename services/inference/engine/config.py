@@ -25,6 +25,7 @@ class EngineConfig:
     max_lora_rank: int = 128
     max_loras: int = 32  # rows of the LoRA index = adapters resident in the pool at once
     max_queue: int = 1024  # requests waiting or running before generate() is refused
+    cuda_graphs: bool = True  # on CUDA, run decode-only steps as captured CUDA graphs
 
     def __post_init__(self) -> None:
         if not str(self.model_dir):
@@ -57,6 +58,14 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"max_num_seqs ({self.max_num_seqs}): every running request decodes each step"
             )
+
+    @property
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        """Batch sizes captured as CUDA graphs: a decode step of n sequences replays the
+        smallest size >= n, padded. Powers of two to 16, then every 16, up to max_num_seqs."""
+        sizes = {b for b in (1, 2, 4, 8) if b < self.max_num_seqs}
+        sizes |= set(range(16, self.max_num_seqs, 16)) | {self.max_num_seqs}
+        return tuple(sorted(sizes))
 
     @property
     def torch_device(self) -> torch.device:

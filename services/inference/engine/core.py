@@ -91,6 +91,8 @@ class EngineCore:
             self.model, self.pool, self.adapters.index, config.max_lora_rank,
             config.max_num_seqs, config.max_num_batched_tokens, self.max_len, config.max_loras,
         )  # fmt: skip
+        if config.cuda_graphs and self.device.type == "cuda":
+            self.runner.capture_graphs(config.graph_batch_sizes)
         self.sampler = Sampler()
         self.logits_hook = logits_hook
         self._seq_ids = itertools.count()
@@ -124,9 +126,9 @@ class EngineCore:
             self.config.max_lora_rank, pin=self.device.type == "cuda",
         )  # fmt: skip
         need = self.adapters.pages_of(host)
-        if need > self.pool.num_pages:
+        if need > self.pool.num_usable:
             raise InvalidRequest(
-                f"adapter {key} needs {need} pool pages; the pool has {self.pool.num_pages}"
+                f"adapter {key} needs {need} pool pages; the pool has {self.pool.num_usable}"
             )
         if not self.adapters.add(host):
             raise InvalidRequest(f"adapter {key} is already loaded; remove it first")
@@ -176,10 +178,10 @@ class EngineCore:
                 raise UnknownAdapter(f"adapter {request.adapter} is not loaded in this engine")
             adapter_pages = self.adapters.pages_of(host)
         kv_pages = pages_needed(len(ids) + sp.max_new_tokens, self.pool.page_size)
-        if kv_pages + adapter_pages > self.pool.num_pages:
+        if kv_pages + adapter_pages > self.pool.num_usable:
             raise InvalidRequest(
                 f"request {request.request_id} needs {kv_pages} KV pages + {adapter_pages} "
-                f"adapter pages; the pool has {self.pool.num_pages}"
+                f"adapter pages; the pool has {self.pool.num_usable}"
             )
         eos = frozenset() if sp.ignore_eos else self.tokenizer.eos_token_ids
         with self._lock:
@@ -310,7 +312,7 @@ class EngineCore:
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            num_pages=self.pool.num_pages,
+            num_pages=self.pool.num_usable,
             free_pages=alloc.num_free,
             kv_pages=alloc.num_owned(OwnerKind.KV),
             adapter_pages=alloc.num_owned(OwnerKind.ADAPTER),

@@ -1,7 +1,21 @@
-"""ModelRunner: one forward pass per step over the scheduler's choice."""
+"""ModelRunner: one forward pass per step over the scheduler's choice.
+
+On CUDA, decode-only steps (every sequence computes one token and samples it) replay a CUDA
+graph captured at start-up for a fixed batch size; the step's sequences are padded up to the
+smallest captured size. Eager PyTorch spends most of a decode step launching a few thousand
+small kernels from Python; a replay launches them all at once. Steps with prefill tokens run
+eagerly. A graph reads the step's metadata from StepBatch's fixed device tensors and the
+adapters from the LoRA index, both filled in place, so one capture serves every later step.
+
+Padding rows decode token 0 at position 0 of the engine's reserved pool page with no adapter:
+their K/V writes land in that page and their logits are dropped, so they touch no sequence's
+state.
+"""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 
 import torch
@@ -10,6 +24,8 @@ from kernels import LoraIndex
 from services.inference.engine.batch import BatchEntry, StepBatch
 from services.inference.engine.page_pool import PagePool
 from services.inference.models.llama import LoraContext, Transformer
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -26,20 +42,72 @@ class ModelRunner:
     ) -> None:
         self.model, self.pool = model, pool
         # The shrunk activations are max_lora_rank wide whatever the step holds: a fixed shape
-        # for CUDA graphs later; the kernels only compute up to each adapter's own rank.
+        # for CUDA graphs; the kernels only compute up to each adapter's own rank.
         self.lora = LoraContext(lora_index, max_lora_rank)
         self.batch = StepBatch(
             max_tokens=max_num_batched_tokens,
             max_seqs=max_num_seqs,
             max_pages_per_seq=-(-max_model_len // pool.page_size),
-            max_segments=max_loras + 1,  # one per resident adapter, plus the base model
+            # One per resident adapter, plus base-model runs before them and padding after.
+            max_segments=max_loras + 2,
             page_size=pool.page_size,
             device=pool.tensor.device,
         )
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pad: BatchEntry | None = None
+        self.graph_steps = 0  # steps served by a graph replay
+
+    @property
+    def graph_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self._graphs))
+
+    @torch.inference_mode()
+    def capture_graphs(self, sizes: Sequence[int]) -> None:
+        """Capture the decode step for each batch size (largest first, so smaller graphs reuse
+        its memory from the shared pool). Takes one pool page for the padding rows."""
+        if self.pool.tensor.device.type != "cuda" or not sizes:
+            return
+        page = self.pool.reserve_page("cuda-graph padding")
+        self._pad = BatchEntry((0,), 0, (page,), None, True)
+        memory = torch.cuda.graph_pool_handle()
+        start = time.perf_counter()
+        for size in sorted(sizes, reverse=True):
+            self.batch.fill([self._pad] * size)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: compiles kernels, settles the allocator
+                for _ in range(2):
+                    self.model(self.batch, self.pool.tensor, self.lora)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=memory):
+                logits = self.model(self.batch, self.pool.tensor, self.lora)  # [size, vocab]
+            self._graphs[size] = (graph, logits)
+        torch.cuda.synchronize()
+        log.info(
+            "captured decode CUDA graphs for batch sizes %s in %.1f s",
+            list(self.graph_sizes), time.perf_counter() - start,
+        )  # fmt: skip
+
+    def _graph_for(self, entries: Sequence[BatchEntry]) -> int | None:
+        if not self._graphs or len(entries) > max(self._graphs):
+            return None
+        if any(len(e.token_ids) != 1 or not e.sample for e in entries):
+            return None
+        return min(size for size in self._graphs if size >= len(entries))
 
     @torch.inference_mode()
     def execute(self, entries: Sequence[BatchEntry]) -> torch.Tensor:
-        """Run one step; returns float32 logits [number of sampling entries, vocab], in order."""
+        """Run one step; returns float32 logits [number of sampling entries, vocab], in order.
+        After a graph replay the rows are a view of the graph's output, valid until the next
+        step."""
+        size = self._graph_for(entries)
+        if size is not None:
+            self.batch.fill([*entries, *[self._pad] * (size - len(entries))])
+            graph, logits = self._graphs[size]
+            graph.replay()
+            self.graph_steps += 1
+            return logits[: len(entries)]
         self.batch.fill(entries)
         lora = self.lora if self.batch.has_lora else None
         return self.model(self.batch, self.pool.tensor, lora)

@@ -15,6 +15,7 @@ from typing import NamedTuple
 class OwnerKind(enum.Enum):
     KV = "kv"  # a sequence's KV-cache blocks, in position order
     ADAPTER = "adapter"  # a resident adapter's slot table, in slot-table order
+    RESERVED = "reserved"  # kept by the engine itself (the padding rows of CUDA-graph steps)
 
 
 class PageOwner(NamedTuple):

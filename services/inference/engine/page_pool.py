@@ -49,6 +49,15 @@ class PagePool:
     def num_free(self) -> int:
         return self.allocator.num_free
 
+    @property
+    def num_usable(self) -> int:
+        """Pages that KV blocks and adapters can ever hold: all but the engine's reserved ones."""
+        return self.num_pages - self.allocator.num_owned(OwnerKind.RESERVED)
+
+    def reserve_page(self, name: str) -> int:
+        """Take one page for the engine's own use, for good."""
+        return self.allocator.allocate(PageOwner(OwnerKind.RESERVED, name), 1)[0]
+
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
 
