@@ -4,17 +4,106 @@ lora_apply(y, x, pool_layer, index, tokens, modules, out_widths, max_rank)
 lora_shrink(...), lora_expand(...)            # kernels/lora_ref.py documents the arguments
 write_kv(pool_layer, k, v, slot_mapping)
 paged_attention(q, pool_layer, block_tables, seq_lens, query_starts, page_size, scale)
+
+The Triton modules are imported on the first CUDA call, so CPU serving never loads Triton.
+Optional keywords (``workspace=``, ``out=``) pass preallocated buffers for CUDA graphs; the
+reference path accepts and fills them the same way.
 """
 
-from kernels.attention_ref import paged_attention, write_kv
-from kernels.lora_ref import (
-    LoraIndex,
-    LoraTokens,
-    lora_apply,
-    lora_expand,
-    lora_shrink,
-    make_lora_tokens,
-)
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+from kernels import attention_ref, lora_ref
+from kernels.lora_ref import LoraIndex, LoraTokens, make_lora_tokens
+
+
+@functools.cache
+def _triton_lora() -> ModuleType:
+    from kernels import lora
+
+    return lora
+
+
+@functools.cache
+def _triton_attention() -> ModuleType:
+    from kernels import attention
+
+    return attention
+
+
+def lora_shrink(x, pool_layer, index, tokens, modules, max_rank, *, out=None):
+    """h = x · Aᵀ per slice: [T, slices, max_rank] (kernels/lora_ref.py)."""
+    if x.is_cuda:
+        return _triton_lora().lora_shrink(x, pool_layer, index, tokens, modules, max_rank, out=out)
+    h = lora_ref.lora_shrink(x, pool_layer, index, tokens, modules, max_rank)
+    if out is None:
+        return h
+    out.zero_()
+    out[:, :, :max_rank] = h
+    return out
+
+
+def lora_expand(y, h, pool_layer, index, tokens, modules, out_widths) -> None:
+    """y[:, slices] += scale · h · Bᵀ in place (kernels/lora_ref.py)."""
+    if y.is_cuda:
+        _triton_lora().lora_expand(y, h, pool_layer, index, tokens, modules, out_widths)
+    else:
+        lora_ref.lora_expand(y, h, pool_layer, index, tokens, modules, out_widths)
+
+
+def lora_apply(
+    y,
+    x,
+    pool_layer,
+    index,
+    tokens,
+    modules,
+    out_widths,
+    max_rank,
+    *,
+    workspace: torch.Tensor | None = None,
+) -> None:
+    """The model's LoRA hook: y[:, slices] += scale · x · Aᵀ · Bᵀ in place."""
+    if y.is_cuda:
+        _triton_lora().lora_apply(
+            y, x, pool_layer, index, tokens, modules, out_widths, max_rank, workspace=workspace
+        )
+    else:
+        lora_ref.lora_apply(y, x, pool_layer, index, tokens, modules, out_widths, max_rank)
+
+
+def write_kv(pool_layer, k, v, slot_mapping) -> None:
+    """pool_layer[0, slot_mapping[t]] = k[t], likewise v; negative slots are skipped."""
+    if pool_layer.is_cuda:
+        _triton_attention().write_kv(pool_layer, k, v, slot_mapping)
+    else:
+        attention_ref.write_kv(pool_layer, k, v, slot_mapping)
+
+
+def paged_attention(
+    q,
+    pool_layer,
+    block_tables,
+    seq_lens,
+    query_starts,
+    page_size,
+    scale,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed queries [T, heads, head_dim] over paged K/V."""
+    if q.is_cuda:
+        return _triton_attention().paged_attention(
+            q, pool_layer, block_tables, seq_lens, query_starts, page_size, scale, out=out
+        )
+    return attention_ref.paged_attention(
+        q, pool_layer, block_tables, seq_lens, query_starts, page_size, scale, out=out
+    )
+
 
 __all__ = [
     "LoraIndex",

@@ -16,10 +16,15 @@ import torch
 def write_kv(
     pool_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """pool_layer[0, slot_mapping[t]] = k[t]; likewise v. k, v: [T, n_kv, head_dim]."""
+    """pool_layer[0, slot_mapping[t]] = k[t]; likewise v. k, v: [T, n_kv, head_dim].
+
+    Tokens with a negative slot are skipped: padding rows of a fixed-size (CUDA graph) batch.
+    """
     t = k.shape[0]
-    pool_layer[0, slot_mapping.long()] = k.reshape(t, -1).to(pool_layer.dtype)
-    pool_layer[1, slot_mapping.long()] = v.reshape(t, -1).to(pool_layer.dtype)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    pool_layer[0, slots] = k.reshape(t, -1)[keep].to(pool_layer.dtype)
+    pool_layer[1, slots] = v.reshape(t, -1)[keep].to(pool_layer.dtype)
 
 
 def paged_attention(
@@ -30,12 +35,20 @@ def paged_attention(
     query_starts: torch.Tensor,
     page_size: int,
     scale: float,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed queries ``[T, n_heads, head_dim]`` over paged K/V."""
+    """Causal attention of packed queries ``[T, n_heads, head_dim]`` over paged K/V.
+
+    ``out`` (optional, q's shape) receives the result; rows of no sequence are zero.
+    """
     t, n_heads, head_dim = q.shape
     n_kv = pool_layer.shape[-1] // head_dim
     group = n_heads // n_kv
-    out = torch.zeros_like(q)
+    if out is None:
+        out = torch.zeros_like(q)
+    else:
+        out.zero_()
     starts = query_starts.tolist()
     for b, ctx in enumerate(seq_lens.tolist()):
         q0, q1 = starts[b], starts[b + 1]

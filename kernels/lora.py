@@ -1,0 +1,464 @@
+"""Triton multi-LoRA kernels that read adapters in place from the unified page pool.
+
+Geometry: kernels/lora_layout.py; semantics: kernels/lora_ref.py, the float64 reference the
+kernels are tested against. Two launches per call, both over tiles of at most BLOCK_M tokens
+inside one segment of ``LoraTokens`` (one adapter per tile; kernels/tiles.py finds them on the
+device, so no host sync). Prefill runs give full tiles that share each weight load; decode
+tokens of distinct adapters give one-token tiles, which is per-token addressing. Base-only and
+padding segments get no tiles.
+
+- shrink, grid (tiles, slices x rank blocks x k-splits): h[k, t, s, rows] = x[t, k-part] ·
+  A_s[rows]ᵀ in fp32. Rank blocks past an adapter's rank return at once; small batches split
+  d_in over several programs (partial sums, added by expand) to stream through more SMs.
+- expand, grid (tiles, column blocks of all slices): y[t, cols] += scale · Σ_k h[k, t, s] · Bᵀ.
+  On Hopper it is launched as a programmatic dependent of shrink: it finds its tile, looks up
+  and loads its Bᵀ block and y block while shrink still runs, then waits for h.
+
+Graph safety: no host reads of device data; given ``workspace``, no allocation either. Ranks
+above ``max_rank`` cannot be checked without a host sync: the kernels clamp them (memory stays
+in bounds; the engine sizes ``max_rank`` from its pool).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kernels.lora_args import MAX_SLICES, check_call, check_float, check_modules, check_widths
+from kernels.tiles import CHUNK, find_tile, max_tiles, num_sms
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Shrink programs wanted per multiprocessor: with fewer, the weights stream through too few
+# SMs (small decode batches) and split_k makes up the difference.
+_SHRINK_PROGRAMS_PER_SM = 4
+
+
+class LoraLaunch(NamedTuple):
+    """Block sizes of one call (launch_config chooses them)."""
+
+    block_m: int  # tokens per tile
+    shrink_k: int  # d_in elements per shrink step
+    shrink_r: int  # rank rows per shrink program
+    expand_n: int  # output columns per expand program
+    shrink_warps: int = 4
+    expand_warps: int = 4
+    stages: int = 3
+    split_k: int = 1  # shrink programs per d_in; expand adds their partial sums
+    expand_r: int = 16  # rank rows per expand step
+    pdl: bool = True  # overlap expand's prologue with shrink (Hopper and later)
+
+
+def launch_config(
+    num_tokens: int, d_in: int, width: int, max_rank: int, num_slices: int = 1
+) -> LoraLaunch:
+    """16-token tiles (a decode token wastes little of a 16-row dot), 32 for big batches where
+    tiles are full; K and N blocks inside one pool chunk when the width allows (each row of a
+    block is one contiguous run); d_in split when too few programs would stream the weights."""
+    big = num_tokens > 1024
+    shrink_k = _fit_block(256, width)
+    rank_block = 16 if max_rank <= 16 else 32
+    programs = max(1, min(num_tokens, 1024)) * num_slices  # decode worst case: a tile a token
+    want = _SHRINK_PROGRAMS_PER_SM * num_sms() // programs
+    split = 1
+    while split * 2 <= want and d_in >= 4 * split * shrink_k:
+        split *= 2
+    return LoraLaunch(
+        block_m=32 if big else 16,
+        shrink_k=shrink_k,
+        shrink_r=rank_block,
+        expand_n=_fit_block(256 if big else 128, width),
+        split_k=split,
+        expand_r=rank_block,
+    )
+
+
+def _fit_block(preferred: int, width: int) -> int:
+    """The largest power of two <= preferred that divides width (>= 16), else preferred."""
+    b = preferred
+    while b > 16 and width % b:
+        b //= 2
+    return b if width % b == 0 else preferred
+
+
+@triton.jit
+def _pick3(s, v0, v1, v2):
+    return tl.where(s == 0, v0, tl.where(s == 1, v1, v2))
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    # activations x [T, D_IN]; output h [SPLIT_K, T, slices, >= max_rank] fp32 (unit last stride)
+    x_ptr, stride_xt, h_ptr, stride_hk, stride_ht, stride_hs,
+    # pool layer [2, slots, W] (unit last stride); A chunks live in half 0
+    pool_ptr, stride_slot,
+    # LoRA index: slot table [N, C]; per-module ranks and A offsets [N, 7]
+    table_ptr, stride_table, ranks_ptr, a_off_ptr, stride_idx,
+    # segments
+    seg_starts_ptr, seg_lora_ptr, num_segs,
+    MAX_RANK,
+    D_IN: tl.constexpr, W: tl.constexpr, IN_CHUNKS: tl.constexpr,
+    M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr,
+    RANK_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, K_PER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
+    ALIGNED: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    if PDL:
+        gdc_launch_dependents()  # expand may start its prologue now
+    q = tl.program_id(1)
+    s = q // (RANK_BLOCKS * SPLIT_K)
+    rb = q // SPLIT_K % RANK_BLOCKS
+    ks = q % SPLIT_K
+    _, a, m_start, m_end = find_tile(
+        seg_starts_ptr, seg_lora_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK, True
+    )
+    if a < 0:
+        return
+    a64 = a.to(tl.int64)
+    m = _pick3(s, M0, M1, M2)
+    rank = tl.minimum(tl.load(ranks_ptr + a64 * stride_idx + m), MAX_RANK)
+    if rb * BLOCK_R >= rank:
+        return
+    a_off = tl.load(a_off_ptr + a64 * stride_idx + m)
+    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < rank
+    # A row j, chunk c sits at slot-table position a_off + j * IN_CHUNKS + c
+    row_pos = table_ptr + a64 * stride_table + a_off + rows * IN_CHUNKS
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < m_end
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xt
+    k_lo = ks * K_PER
+    k_hi = tl.minimum(k_lo + K_PER, D_IN)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    # One slot lookup per row and pool chunk, outside the streaming loop: a lookup inside it
+    # would serialize every step behind a dependent load and defeat the pipelining.
+    for c in range(k_lo // W, tl.cdiv(k_hi, W)):
+        slot = tl.load(row_pos + c, mask=row_ok, other=0).to(tl.int64)
+        w_rows = pool_ptr + slot[:, None] * stride_slot - c * W  # + k: element k of each row
+        k_end = tl.minimum(k_hi, c * W + W)
+        for k0 in range(tl.maximum(k_lo, c * W), k_end, BLOCK_K):
+            if ALIGNED:  # W and K_PER are multiples of BLOCK_K
+                k0 = tl.multiple_of(k0, BLOCK_K)
+            kk = k0 + offs_k
+            k_ok = kk < k_end
+            w = tl.load(w_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            xt = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if DOT_F32:
+                acc += tl.dot(xt.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(xt, tl.trans(w.to(xt.dtype)))  # [M, K] x [K, R]
+    h_ptrs = (
+        h_ptr
+        + ks * stride_hk
+        + offs_m[:, None].to(tl.int64) * stride_ht
+        + s * stride_hs
+        + rows[None, :]
+    )
+    tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=m_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _shrunk(h_rows, stride_hk, rows, row_ok, m_ok, SPLIT_K: tl.constexpr):
+    """Σ over the k-splits of h[k, tokens, slice, rows]: [BLOCK_M, BLOCK_R] fp32."""
+    mask = m_ok[:, None] & row_ok[None, :]
+    h = tl.load(h_rows + rows[None, :], mask=mask, other=0.0).to(tl.float32)
+    for k in tl.static_range(1, SPLIT_K):
+        h += tl.load(h_rows + k * stride_hk + rows[None, :], mask=mask, other=0.0)
+    return h
+
+
+@triton.jit
+def _bt_block(
+    table_row,
+    pool_ptr,
+    stride_half,
+    stride_slot,
+    rows,
+    row_ok,
+    out_chunks,
+    n0,
+    offs_n,
+    n_ok,
+    W: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    """Rows ``rows`` of Bᵀ, columns offs_n: [BLOCK_R, BLOCK_N]. Bᵀ row j, chunk c sits at
+    slot-table position j * out_chunks + c past ``table_row``."""
+    if ALIGNED:  # BLOCK_N divides W: the block lies in one chunk
+        slot = tl.load(table_row + rows * out_chunks + n0 // W, mask=row_ok, other=0)
+        n_in = tl.multiple_of(n0 % W, BLOCK_N)
+        ptrs = slot.to(tl.int64)[:, None] * stride_slot + n_in + tl.arange(0, BLOCK_N)[None, :]
+    else:
+        mask = row_ok[:, None] & n_ok[None, :]
+        slot = tl.load(
+            table_row + rows[:, None] * out_chunks + offs_n[None, :] // W, mask=mask, other=0
+        )
+        ptrs = slot.to(tl.int64) * stride_slot + offs_n[None, :] % W
+    return tl.load(pool_ptr + stride_half + ptrs, mask=row_ok[:, None] & n_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _lora_expand_kernel(
+    # output y [T, sum(widths)]; h [SPLIT_K, T, slices, >= max_rank] (unit last strides)
+    y_ptr, stride_yt, h_ptr, stride_hk, stride_ht, stride_hs,
+    # pool layer [2, slots, W]; Bᵀ chunks live in half 1
+    pool_ptr, stride_half, stride_slot,
+    # LoRA index: slot table; per-module ranks, Bᵀ offsets, scales [N, 7]
+    table_ptr, stride_table, ranks_ptr, b_off_ptr, scales_ptr, stride_idx, stride_scale,
+    seg_starts_ptr, seg_lora_ptr, num_segs,
+    MAX_RANK,
+    W: tl.constexpr,
+    M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr,
+    N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,  # slice widths
+    NB0: tl.constexpr, NB1: tl.constexpr,  # column blocks of slices 0 and 1
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, ALIGNED: tl.constexpr, DOT_F32: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    # Everything up to gdc_wait reads only what existed before shrink started.
+    nb = tl.program_id(1)
+    _, a, m_start, m_end = find_tile(
+        seg_starts_ptr, seg_lora_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK, True
+    )
+    if a < 0:
+        return
+    s = tl.where(nb < NB0, 0, tl.where(nb < NB0 + NB1, 1, 2))  # this block's slice
+    n0 = (nb - _pick3(s, 0, NB0, NB0 + NB1)) * BLOCK_N  # first column inside the slice
+    width = _pick3(s, N0, N1, N2)
+    a64 = a.to(tl.int64)
+    m = _pick3(s, M0, M1, M2)
+    rank = tl.minimum(tl.load(ranks_ptr + a64 * stride_idx + m), MAX_RANK)
+    if rank == 0:
+        return
+    table_row = table_ptr + a64 * stride_table + tl.load(b_off_ptr + a64 * stride_idx + m)
+    scale = tl.load(scales_ptr + a64 * stride_scale + m)
+    out_chunks = (width + W - 1) // W
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < m_end
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < width
+    y_ptrs = (
+        y_ptr
+        + offs_m[:, None].to(tl.int64) * stride_yt
+        + _pick3(s, 0, N0, N0 + N1)
+        + offs_n[None, :]
+    )
+    y_ok = m_ok[:, None] & n_ok[None, :]
+    y = tl.load(y_ptrs, mask=y_ok, other=0.0)
+    rows = tl.arange(0, BLOCK_R)
+    bt = _bt_block(
+        table_row,
+        pool_ptr,
+        stride_half,
+        stride_slot,
+        rows,
+        rows < rank,
+        out_chunks,
+        n0,
+        offs_n,
+        n_ok,
+        W,
+        BLOCK_N,
+        ALIGNED,
+    )
+    if PDL:
+        gdc_wait()  # h is shrink's output
+    h_rows = h_ptr + offs_m[:, None].to(tl.int64) * stride_ht + s * stride_hs
+    h = _shrunk(h_rows, stride_hk, rows, rows < rank, m_ok, SPLIT_K)
+    if DOT_F32:
+        acc = tl.dot(h, bt.to(tl.float32), input_precision="ieee")
+    else:
+        acc = tl.dot(h.to(bt.dtype), bt)  # [M, R] x [R, N]
+    for r0 in range(BLOCK_R, rank, BLOCK_R):  # ranks past the first block, if any
+        rows = r0 + tl.arange(0, BLOCK_R)
+        bt = _bt_block(
+            table_row,
+            pool_ptr,
+            stride_half,
+            stride_slot,
+            rows,
+            rows < rank,
+            out_chunks,
+            n0,
+            offs_n,
+            n_ok,
+            W,
+            BLOCK_N,
+            ALIGNED,
+        )
+        h = _shrunk(h_rows, stride_hk, rows, rows < rank, m_ok, SPLIT_K)
+        if DOT_F32:
+            acc += tl.dot(h, bt.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(h.to(bt.dtype), bt)
+    tl.store(y_ptrs, (y.to(tl.float32) + acc * scale).to(y_ptr.dtype.element_ty), mask=y_ok)
+
+
+def _slice_args(modules: tuple[int, ...], widths: tuple[int, ...] = ()) -> dict:
+    mods = list(modules) + [modules[-1]] * (MAX_SLICES - len(modules))
+    out = {"M0": mods[0], "M1": mods[1], "M2": mods[2]}
+    if widths:
+        w = list(widths) + [0] * (MAX_SLICES - len(widths))
+        out.update(N0=w[0], N1=w[1], N2=w[2])
+    return out
+
+
+def _dot_f32(dtype: torch.dtype) -> bool:
+    # fp32 gets an exact fp32 dot (not tf32). The Triton interpreter computes bf16 dots wrongly,
+    # so under it bf16 operands are widened first.
+    return dtype == torch.float32 or (_INTERPRET and dtype == torch.bfloat16)
+
+
+def _pdl(cfg: LoraLaunch, device: torch.device) -> bool:
+    return cfg.pdl and not _INTERPRET and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _shrink(x, h, pool_layer, index, tokens, modules, max_rank, cfg, call, pdl):
+    rank_blocks = triton.cdiv(max_rank, cfg.shrink_r)
+    split = cfg.split_k
+    grid = (
+        max_tiles(call.num_tokens, cfg.block_m, call.num_segs),
+        len(modules) * rank_blocks * split,
+    )
+    _lora_shrink_kernel[grid](
+        x, x.stride(0), h[0], h.stride(0), h.stride(1), h.stride(2),
+        pool_layer, pool_layer.stride(1),
+        index.slot_table, index.slot_table.stride(0), index.ranks, index.a_offsets,
+        index.ranks.stride(0),
+        tokens.seg_starts, tokens.seg_lora, call.num_segs,
+        max_rank,
+        D_IN=call.d_in, W=call.width, IN_CHUNKS=call.in_chunks,
+        RANK_BLOCKS=rank_blocks, SPLIT_K=split,
+        K_PER=triton.cdiv(triton.cdiv(call.d_in, split), cfg.shrink_k) * cfg.shrink_k,
+        BLOCK_M=cfg.block_m, BLOCK_K=cfg.shrink_k, BLOCK_R=cfg.shrink_r, CHUNK=CHUNK,
+        ALIGNED=call.width % cfg.shrink_k == 0, DOT_F32=_dot_f32(x.dtype), PDL=pdl,
+        num_warps=cfg.shrink_warps, num_stages=cfg.stages,
+        **_slice_args(modules),
+    )  # fmt: skip
+
+
+def _expand(y, h, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, call, pdl):
+    blocks = [triton.cdiv(w, cfg.expand_n) for w in out_widths] + [0, 0]
+    grid = (max_tiles(call.num_tokens, cfg.block_m, call.num_segs), sum(blocks))
+    _lora_expand_kernel[grid](
+        y, y.stride(0), h[0], h.stride(0), h.stride(1), h.stride(2),
+        pool_layer, pool_layer.stride(0), pool_layer.stride(1),
+        index.slot_table, index.slot_table.stride(0), index.ranks, index.b_offsets,
+        index.scales, index.ranks.stride(0), index.scales.stride(0),
+        tokens.seg_starts, tokens.seg_lora, call.num_segs,
+        max_rank,
+        W=call.width, NB0=blocks[0], NB1=blocks[1], SPLIT_K=h.shape[0],
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.expand_n, BLOCK_R=cfg.expand_r, CHUNK=CHUNK,
+        ALIGNED=call.width % cfg.expand_n == 0, DOT_F32=_dot_f32(y.dtype), PDL=pdl,
+        num_warps=cfg.expand_warps, num_stages=1, launch_pdl=pdl,
+        **_slice_args(modules, out_widths),
+    )  # fmt: skip
+
+
+def workspace_size(
+    num_tokens: int, num_slices: int, max_rank: int, config: LoraLaunch | None = None
+) -> int:
+    """fp32 elements a lora_apply workspace needs: the shrink's partial sums.
+
+    Without a config this bounds every launch_config choice: splits only happen while
+    tokens x slices x split stays within the shrink programs wanted for the GPU."""
+    if config is not None:
+        return config.split_k * num_tokens * num_slices * max_rank
+    rows = max(num_tokens * num_slices, _SHRINK_PROGRAMS_PER_SM * num_sms())
+    return rows * max_rank
+
+
+def lora_shrink(x, pool_layer, index, tokens, modules, max_rank, *, out=None, config=None):
+    """h = x · Aᵀ per slice, [T, slices, max_rank], zeros past each rank and for base tokens.
+
+    ``out`` (optional, any float dtype, [T, slices, >= max_rank], unit last stride) receives h.
+    """
+    check_float("x", x)
+    call = check_call(x, pool_layer, index, tokens, modules, max_rank, x.shape[1])
+    cfg = config or launch_config(x.shape[0], x.shape[1], call.width, max_rank, len(modules))
+    cfg = cfg._replace(split_k=1)  # written straight into out
+    shape = (x.shape[0], len(modules), max_rank)
+    if out is None:
+        out = torch.zeros(shape, dtype=x.dtype, device=x.device)
+    elif out.dim() != 3 or out.shape[:2] != shape[:2] or out.shape[2] < max_rank:
+        raise ValueError(
+            f"out must be [{shape[0]}, {shape[1]}, >= {max_rank}], got {tuple(out.shape)}"
+        )
+    else:
+        out.zero_()
+    if call.num_tokens:
+        _shrink(x, out[None], pool_layer, index, tokens, modules, max_rank, cfg, call, False)
+    return out
+
+
+def lora_expand(y, h, pool_layer, index, tokens, modules, out_widths, *, config=None):
+    """y[t, slice s] += scale · h[t, s, :rank] · Bᵀ in place; h as lora_shrink returns it."""
+    check_float("y", y)
+    check_widths(y, modules, out_widths)
+    if h.dim() != 3 or h.shape[:2] != (y.shape[0], len(modules)) or h.stride(2) != 1:
+        raise ValueError(
+            f"h must be [{y.shape[0]}, {len(modules)}, rank] with a unit last "
+            f"stride, got {tuple(h.shape)}"
+        )
+    max_rank = h.shape[2]
+    call = check_call(y, pool_layer, index, tokens, modules, max_rank)
+    cfg = config or launch_config(y.shape[0], 0, call.width, max_rank, len(modules))
+    if call.num_tokens:
+        _expand(
+            y,
+            h[None],
+            pool_layer,
+            index,
+            tokens,
+            modules,
+            tuple(out_widths),
+            max_rank,
+            cfg,
+            call,
+            False,
+        )
+
+
+def lora_apply(
+    y, x, pool_layer, index, tokens, modules, out_widths, max_rank, *, workspace=None, config=None
+):
+    """The model's LoRA hook: y[:, slices] += scale · x · Aᵀ · Bᵀ, two launches.
+
+    ``workspace`` (optional): a contiguous fp32 device buffer of at least
+    ``workspace_size(T, len(modules), max_rank)`` elements; without it one is allocated
+    (from the graph's pool when capturing).
+    """
+    check_modules(modules, max_rank)
+    check_float("x", x)
+    check_float("y", y)
+    check_widths(y, modules, out_widths)
+    t, d_in = x.shape
+    if y.shape[0] != t:
+        raise ValueError(f"x has {t} tokens, y has {y.shape[0]}")
+    call = check_call(x, pool_layer, index, tokens, modules, max_rank, d_in)
+    cfg = config or launch_config(t, d_in, call.width, max_rank, len(modules))
+    if t == 0:
+        return
+    need = cfg.split_k * t * len(modules) * max_rank
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.float32, device=x.device)
+    elif (
+        workspace.dtype != torch.float32
+        or workspace.numel() < need
+        or not workspace.is_contiguous()
+        or workspace.device != x.device
+    ):
+        raise ValueError(
+            f"workspace must be a contiguous float32 buffer of at least {need} "
+            f"elements on {x.device}, got {workspace.numel()} {workspace.dtype}"
+        )
+    h = workspace[:need].view(cfg.split_k, t, len(modules), max_rank)
+    pdl = _pdl(cfg, x.device)
+    _shrink(x, h, pool_layer, index, tokens, modules, max_rank, cfg, call, pdl)
+    _expand(y, h, pool_layer, index, tokens, modules, tuple(out_widths), max_rank, cfg, call, pdl)

@@ -1,0 +1,81 @@
+"""Device-side tile lists over packed runs of tokens, found without a host sync.
+
+A batch of tokens is packed in runs (LoRA segments, or each sequence's queries); kernels cut
+each run into tiles of at most BLOCK rows and launch ``max_tiles(T, BLOCK, runs)`` programs, an
+upper bound. Each program finds its own tile by scanning the run starts CHUNK runs at a time
+and stopping at the chunk that holds its tile, so a tile of run g costs about g / CHUNK steps
+whatever the run capacity; programs past the last tile get run -1 and return.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 128  # runs scanned per step
+
+
+@functools.cache
+def num_sms(device_index: int = 0) -> int:
+    """Multiprocessors of the GPU (8 under the interpreter or without one): sizes grids."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        return 8
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def max_tiles(num_tokens: int, block: int, num_runs: int) -> int:
+    """Upper bound of the tile count: every non-empty run adds at most one partial tile, and
+    at most ``num_tokens`` runs are non-empty."""
+    return triton.cdiv(num_tokens, block) + min(num_runs, num_tokens)
+
+
+@triton.jit
+def find_tile(
+    starts_ptr,
+    rows_ptr,
+    num_runs,
+    tile,
+    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+):
+    """(run, row, first token, end token) of tile number ``tile``; run = row = -1 past the end.
+
+    Run g covers tokens starts[g]:starts[g+1]. With HAS_ROWS, runs whose ``rows[g]`` is negative
+    (base-only LoRA segments) get no tiles and ``row`` is rows[g]; otherwise row = run.
+    """
+    run = tile * 0 - 1
+    row = run
+    start = tile * 0
+    end = start
+    before = tile * 0  # tiles of the runs before this chunk
+    base = tile * 0
+    while base < num_runs:
+        offs = base + tl.arange(0, CHUNK)
+        live = offs < num_runs
+        s0 = tl.load(starts_ptr + offs, mask=live, other=0)
+        s1 = tl.load(starts_ptr + offs + 1, mask=live, other=0)
+        if HAS_ROWS:
+            rows = tl.load(rows_ptr + offs, mask=live, other=-1)
+        else:
+            rows = tl.where(live, offs, -1)
+        n_tiles = tl.where((rows >= 0) & (s1 > s0), (s1 - s0 + BLOCK - 1) // BLOCK, 0)
+        ends = before + tl.cumsum(n_tiles, 0)  # inclusive: tiles of runs up to each one
+        total = before + tl.sum(n_tiles, 0)
+        if tile < total:
+            g = tl.sum((ends <= tile).to(tl.int32), 0)  # the run whose tiles reach past `tile`
+            pick = tl.arange(0, CHUNK) == g
+            first = tl.sum(tl.where(pick, ends - n_tiles, 0), 0)
+            start = tl.sum(tl.where(pick, s0, 0), 0) + (tile - first) * BLOCK
+            end = tl.minimum(tl.sum(tl.where(pick, s1, 0), 0), start + BLOCK)
+            row = tl.sum(tl.where(pick, rows, 0), 0)
+            run = base + g
+            base = num_runs  # found: stop
+        else:
+            before = total
+            base += CHUNK
+    return run, row, start, end

@@ -1,0 +1,213 @@
+"""Triton paged attention and K/V write against the float64 reference (attention_ref.py).
+
+Pages are shuffled through the pool and every page no sequence owns holds NaN, so a read past a
+sequence's context or through a wrong block-table entry shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import attention, attention_ref
+from tests.kernels.pools import build_kv
+from tests.kernels.sizes import (
+    ATTN_SHAPES,
+    DECODE_BATCH,
+    DECODE_LENS,
+    DEVICE,
+    DTYPES,
+    ON_GPU,
+    PREFILL_LENS,
+    assert_close,
+)
+
+SMALL_DECODE = {} if ON_GPU else {"block_n": 16}
+SMALL_PREFILL = None if ON_GPU else attention.PrefillLaunch(block_q=16, block_n=16)
+
+
+def _attend(shape, lens, queries, dtype, gen, decode=None):
+    kv = build_kv(
+        lens, queries, shape.page_size, shape.kv_heads * shape.head_dim, dtype, DEVICE, gen
+    )
+    t = sum(queries)
+    q = torch.randn(t, shape.heads, shape.head_dim, generator=gen).to(dtype).to(DEVICE)
+    scale = shape.head_dim**-0.5
+    out = attention.paged_attention(
+        q,
+        kv.pool_layer,
+        kv.block_tables,
+        kv.seq_lens,
+        kv.query_starts,
+        shape.page_size,
+        scale,
+        decode=decode,
+        prefill=SMALL_PREFILL,
+    )
+    ref = attention_ref.paged_attention(
+        q.double(),
+        kv.pool_layer,
+        kv.block_tables,
+        kv.seq_lens,
+        kv.query_starts,
+        shape.page_size,
+        scale,
+    )
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("shape", ATTN_SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("splits", [0, 1, 4])
+def test_decode(shape, splits):
+    """One query per sequence, contexts from one token to several pages; splits 0 = auto."""
+    i = ATTN_SHAPES.index(shape) * 3 + [0, 1, 4].index(splits)
+    gen = torch.Generator().manual_seed(i)
+    lens = [DECODE_LENS[(b + i) % len(DECODE_LENS)] for b in range(DECODE_BATCH)]
+    cfg = attention.DecodeLaunch(splits=splits, **SMALL_DECODE)
+    _attend(shape, lens, [1] * len(lens), DTYPES[i % len(DTYPES)], gen, decode=cfg)
+
+
+def test_decode_kernel_serves_any_mix():
+    """As many query rows as sequences, but one sequence has two and another none: the decode
+    kernel (chosen from shapes alone) still attends each row over its own causal prefix."""
+    gen = torch.Generator().manual_seed(21)
+    lens = sorted(DECODE_LENS, reverse=True)  # the two-query sequence needs >= 2 tokens
+    queries = [2, 0] + [1] * (len(lens) - 2)
+    _attend(
+        ATTN_SHAPES[1],
+        lens,
+        queries,
+        DTYPES[0],
+        gen,
+        decode=attention.DecodeLaunch(splits=2, **SMALL_DECODE),
+    )
+
+
+@pytest.mark.parametrize("shape", ATTN_SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_varlen(shape, dtype):
+    """Packed prompts of different lengths, chunked prefill (context longer than the queries),
+    a sequence with no queries, and a decode row in the same batch."""
+    gen = torch.Generator().manual_seed(ATTN_SHAPES.index(shape) * 7 + DTYPES.index(dtype))
+    lens = [c for c, _ in PREFILL_LENS] + [9]
+    queries = [n for _, n in PREFILL_LENS] + [0]
+    _attend(shape, lens, queries, dtype, gen)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_then_prefill(dtype):
+    """Prefill as the engine runs it: write the step's K/V into pages (padding rows have slot
+    -1, K is a strided view of a fused projection), then attend over them."""
+    gen = torch.Generator().manual_seed(31 + DTYPES.index(dtype))
+    shape = ATTN_SHAPES[1]
+    w = shape.kv_heads * shape.head_dim
+    lens = [c for c, _ in PREFILL_LENS]
+    queries = [n for _, n in PREFILL_LENS]
+    kv = build_kv(lens, queries, shape.page_size, w, dtype, DEVICE, gen)
+    t = sum(queries)
+    pad = 3
+    fused = torch.randn(t + pad, 3 * w, generator=gen).to(dtype).to(DEVICE)  # [T, q | k | v]
+    k = fused[:, w : 2 * w].view(t + pad, shape.kv_heads, shape.head_dim)
+    v = fused[:, 2 * w :].view(t + pad, shape.kv_heads, shape.head_dim)
+    slots = torch.cat([kv.slot_mapping, torch.full((pad,), -1, device=DEVICE)])
+    pool = kv.pool_layer.clone()
+    ref_pool = kv.pool_layer.clone()
+    kernels_write = attention.write_kv
+    kernels_write(pool, k, v, slots)
+    attention_ref.write_kv(ref_pool, k, v, slots)
+    assert torch.equal(pool.nan_to_num(7.0), ref_pool.nan_to_num(7.0))
+    q = torch.randn(t, shape.heads, shape.head_dim, generator=gen).to(dtype).to(DEVICE)
+    scale = shape.head_dim**-0.5
+    out = attention.paged_attention(
+        q,
+        pool,
+        kv.block_tables,
+        kv.seq_lens,
+        kv.query_starts,
+        shape.page_size,
+        scale,
+        prefill=SMALL_PREFILL,
+    )
+    ref = attention_ref.paged_attention(
+        q.double(), ref_pool, kv.block_tables, kv.seq_lens, kv.query_starts, shape.page_size, scale
+    )
+    assert_close(out, ref, dtype)
+
+
+def test_dispatch_and_out_buffer():
+    """kernels.paged_attention fills a given out buffer on either path, and returns it."""
+    gen = torch.Generator().manual_seed(41)
+    shape = ATTN_SHAPES[0]
+    kv = build_kv(
+        [5, 9], [1, 1], shape.page_size, shape.kv_heads * shape.head_dim, torch.float32, DEVICE, gen
+    )
+    q = torch.randn(2, shape.heads, shape.head_dim, generator=gen).to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    got = kernels.paged_attention(
+        q,
+        kv.pool_layer,
+        kv.block_tables,
+        kv.seq_lens,
+        kv.query_starts,
+        shape.page_size,
+        0.25,
+        out=out,
+    )
+    assert got is out
+    ref = attention_ref.paged_attention(
+        q.double(),
+        kv.pool_layer,
+        kv.block_tables,
+        kv.seq_lens,
+        kv.query_starts,
+        shape.page_size,
+        0.25,
+    )
+    assert torch.allclose(out.double(), ref, atol=1e-3 if ON_GPU else 1e-5)
+
+
+def _args():
+    gen = torch.Generator().manual_seed(2)
+    kv = build_kv([5, 9], [1, 1], 4, 32, torch.float32, DEVICE, gen)
+    q = torch.randn(2, 4, 16, device=DEVICE)
+    return dict(
+        q=q,
+        pool_layer=kv.pool_layer,
+        block_tables=kv.block_tables,
+        seq_lens=kv.seq_lens,
+        query_starts=kv.query_starts,
+        page_size=4,
+        scale=0.25,
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: a.update(q=a["q"][:, :3]), "not kv_heads x head_dim"),
+        (lambda a: a.update(q=a["q"][0]), "q must be"),
+        (lambda a: a.update(seq_lens=a["seq_lens"].long()), "seq_lens must be int32"),
+        (lambda a: a.update(query_starts=a["query_starts"][:2]), "query_starts must have"),
+        (lambda a: a.update(block_tables=a["block_tables"][:1]), "block_tables must be"),
+        (lambda a: a.update(page_size=0), "page_size must be positive"),
+        (lambda a: a.update(pool_layer=a["pool_layer"][0]), "pool_layer must be"),
+        (lambda a: a.update(out=torch.empty(3, device=DEVICE)), "out must be"),
+    ],
+)
+def test_attention_rejects_bad_input(change, message):
+    args = _args()
+    change(args)
+    with pytest.raises(ValueError, match=message):
+        attention.paged_attention(**args)
+
+
+def test_write_kv_rejects_bad_input():
+    pool = torch.zeros(2, 8, 32, device=DEVICE)
+    k = torch.zeros(3, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="fill the pool width"):
+        attention.write_kv(
+            pool, k[:, :1], k[:, :1], torch.zeros(3, dtype=torch.int64, device=DEVICE)
+        )
+    with pytest.raises(ValueError, match="slot_mapping must be"):
+        attention.write_kv(pool, k, k, torch.zeros(2, dtype=torch.int64, device=DEVICE))

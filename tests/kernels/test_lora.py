@@ -1,0 +1,281 @@
+"""Triton multi-LoRA kernels against the float64 reference (kernels/lora_ref.py).
+
+Grid: popularity x token order, rank x hidden size x batch, prefill segments; dtypes cycle over
+the cases (one tolerance table per dtype, tests/kernels/sizes.py). Pools hold NaN wherever no
+adapter owns a slot, so a stray read shows up as NaN in the output.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import kernels
+from kernels import lora, lora_ref
+from kernels.lora_layout import DOWN, GATE, UP, K, O, Q, V
+from tests.kernels.pools import POPULARITY, build_adapters, lora_tokens, token_rows
+from tests.kernels.sizes import (
+    ADAPTERS,
+    BATCHES,
+    DEVICE,
+    DTYPES,
+    LORA_SHAPES,
+    ON_GPU,
+    POP_BATCH,
+    PREFILL_TOKENS,
+    RANKS,
+    SEG_CAPACITY,
+    TOL,
+    assert_close,
+    errors,
+)
+
+# Under the interpreter, small blocks make every loop run several steps; on a GPU the
+# launcher's own choice is what gets tested.
+SMALL = None if ON_GPU else lora.LoraLaunch(block_m=16, shrink_k=16, shrink_r=16, expand_n=16)
+
+
+def _ranks(
+    n: int, modules: tuple[int, ...], choices: tuple[int, ...], gen: torch.Generator
+) -> list[dict[int, int]]:
+    """Per adapter, a rank for each module; about one module in five left untargeted."""
+    out = []
+    for i in range(n):
+        r = {}
+        for m in modules:
+            if torch.rand((), generator=gen) < 0.2 and i % 3 == 2:
+                continue
+            r[m] = choices[int(torch.randint(len(choices), (), generator=gen))]
+        r[modules[0]] = r.get(modules[0], choices[0])  # at least one targeted module
+        out.append(r)
+    return out
+
+
+def _check_apply(shape, ranks, rows, dtype, gen, config=SMALL, workspace=None):
+    dims = {m: (shape.d_in, w) for m, w in zip(shape.modules, shape.widths, strict=True)}
+    setup = build_adapters(ranks, dims, shape.width, dtype, DEVICE, gen)
+    max_rank = max(max(r.values()) for r in ranks)
+    tokens = lora_tokens(rows, DEVICE, SEG_CAPACITY)
+    t = rows.numel()
+    x = torch.randn(t, shape.d_in, generator=gen).to(dtype).to(DEVICE)
+    y0 = torch.randn(t, sum(shape.widths), generator=gen).to(dtype).to(DEVICE)
+    y = y0.clone()
+    lora.lora_apply(
+        y,
+        x,
+        setup.pool[0],
+        setup.index,
+        tokens,
+        shape.modules,
+        shape.widths,
+        max_rank,
+        config=config,
+        workspace=workspace,
+    )
+    ref = y0.double()
+    lora_ref.lora_apply(
+        ref, x.double(), setup.pool[0], setup.index, tokens, shape.modules, shape.widths, max_rank
+    )
+    assert_close(y, ref, dtype)
+    base = rows.to(DEVICE) < 0
+    assert torch.equal(y[base], y0[base]), "base-only rows must stay untouched"
+
+
+@pytest.mark.parametrize(
+    ("popularity", "grouped"), list(itertools.product(POPULARITY, (True, False)))
+)
+def test_apply_popularity(popularity, grouped):
+    """Each popularity, tokens in adapter runs (as the scheduler sorts them) and scattered."""
+    i = POPULARITY.index(popularity) * 2 + grouped
+    gen = torch.Generator().manual_seed(100 + i)
+    dtype = DTYPES[i % len(DTYPES)]
+    shape = LORA_SHAPES[i % 2]
+    n = POP_BATCH if popularity == "distinct" else ADAPTERS
+    ranks = _ranks(n, shape.modules, RANKS, gen)
+    rows = token_rows(popularity, POP_BATCH, n, gen, grouped)
+    _check_apply(shape, ranks, rows, dtype, gen)
+
+
+@pytest.mark.parametrize("shape", LORA_SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("rank", RANKS)
+@pytest.mark.parametrize("batch", BATCHES)
+def test_apply_rank_size_batch(shape, rank, batch):
+    """Every rank on every hidden size at every batch; uniform popularity, adapter runs."""
+    seed = LORA_SHAPES.index(shape) * 100 + RANKS.index(rank) * 10 + BATCHES.index(batch)
+    gen = torch.Generator().manual_seed(seed)
+    dtype = DTYPES[seed % len(DTYPES)]
+    n = min(ADAPTERS, batch)
+    ranks = [{m: rank for m in shape.modules} for _ in range(n)]
+    rows = token_rows("uniform", batch, n, gen, grouped=True)
+    _check_apply(shape, ranks, rows, dtype, gen)
+
+
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_apply_split_k(split_k):
+    """Shrink split over d_in, partial sums added atomically; decode and prefill-like rows."""
+    gen = torch.Generator().manual_seed(60 + split_k)
+    shape = LORA_SHAPES[2 if split_k == 2 else 1]
+    cfg = SMALL or lora.launch_config(POP_BATCH, shape.d_in, shape.width, max(RANKS))
+    ranks = _ranks(ADAPTERS, shape.modules, RANKS, gen)
+    rows = token_rows("base_mix", POP_BATCH, ADAPTERS, gen, grouped=split_k == 2)
+    _check_apply(
+        shape, ranks, rows, DTYPES[split_k % len(DTYPES)], gen, config=cfg._replace(split_k=split_k)
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_apply_prefill_segments(dtype):
+    """Prefill: long runs of one adapter next to base-only runs and one-token runs."""
+    gen = torch.Generator().manual_seed(7)
+    shape = LORA_SHAPES[0]
+    ranks = _ranks(4, shape.modules, RANKS, gen)
+    n = PREFILL_TOKENS
+    cuts = sorted(torch.randperm(n - 1, generator=gen)[:5].add(1).tolist())
+    bounds = [0, *cuts, n]
+    runs = [0, -1, 1, 2, -1, 3]
+    spans = zip(bounds[:-1], bounds[1:], runs, strict=True)
+    rows = torch.cat([torch.full((b - a,), r) for a, b, r in spans])
+    rows[n // 2] = 3  # a one-token run inside a long one
+    _check_apply(shape, ranks, rows.to(torch.int32), dtype, gen)
+
+
+def test_apply_reuses_workspace():
+    """One preallocated workspace across calls: nothing stale leaks from the first call."""
+    gen = torch.Generator().manual_seed(11)
+    shape = LORA_SHAPES[0]
+    ranks = _ranks(ADAPTERS, shape.modules, RANKS, gen)
+    max_rank = max(max(r.values()) for r in ranks)
+    t = POP_BATCH
+    need = lora.workspace_size(t, len(shape.modules), max_rank, SMALL)
+    ws = torch.full((need,), float("nan"), device=DEVICE)  # poisoned: every read must be written
+    for popularity in ("identical", "distinct", "base_mix"):
+        rows = token_rows(popularity, t, ADAPTERS, gen, grouped=True)
+        _check_apply(shape, ranks, rows, DTYPES[0], gen, workspace=ws)
+
+
+def test_shrink_and_expand_match_reference():
+    """The two halves on their own, as the public lora_shrink / lora_expand."""
+    gen = torch.Generator().manual_seed(5)
+    dtype = DTYPES[-1]
+    shape = LORA_SHAPES[0]
+    dims = {m: (shape.d_in, w) for m, w in zip(shape.modules, shape.widths, strict=True)}
+    ranks = _ranks(ADAPTERS, shape.modules, RANKS, gen)
+    max_rank = max(max(r.values()) for r in ranks)
+    setup = build_adapters(ranks, dims, shape.width, dtype, DEVICE, gen)
+    rows = token_rows("base_mix", POP_BATCH, ADAPTERS, gen, grouped=False)
+    tokens = lora_tokens(rows, DEVICE, SEG_CAPACITY)
+    x = torch.randn(POP_BATCH, shape.d_in, generator=gen).to(dtype).to(DEVICE)
+    h = lora.lora_shrink(
+        x, setup.pool[0], setup.index, tokens, shape.modules, max_rank, config=SMALL
+    )
+    h_ref = lora_ref.lora_shrink(
+        x.double(), setup.pool[0], setup.index, tokens, shape.modules, max_rank
+    )
+    assert h.shape == h_ref.shape
+    assert_close(h, h_ref, dtype)
+    assert torch.equal(h[rows.to(DEVICE) < 0], torch.zeros_like(h[rows.to(DEVICE) < 0]))
+    y0 = torch.randn(POP_BATCH, sum(shape.widths), generator=gen).to(dtype).to(DEVICE)
+    y = y0.clone()
+    lora.lora_expand(
+        y,
+        h_ref.to(dtype),
+        setup.pool[0],
+        setup.index,
+        tokens,
+        shape.modules,
+        shape.widths,
+        config=SMALL,
+    )
+    ref = y0.double()
+    lora_ref.lora_expand(
+        ref,
+        h_ref.to(dtype).double(),
+        setup.pool[0],
+        setup.index,
+        tokens,
+        shape.modules,
+        shape.widths,
+    )
+    assert_close(y, ref, dtype)
+
+
+def test_dispatch_routes_by_device():
+    """kernels.lora_apply: Triton for CUDA tensors, the reference for CPU ones; same numbers."""
+    gen = torch.Generator().manual_seed(3)
+    shape = LORA_SHAPES[0]
+    ranks = _ranks(3, shape.modules, RANKS, gen)
+    rows = token_rows("uniform", 6, 3, gen, grouped=True)
+    dims = {m: (shape.d_in, w) for m, w in zip(shape.modules, shape.widths, strict=True)}
+    setup = build_adapters(ranks, dims, shape.width, torch.float32, DEVICE, gen)
+    tokens = lora_tokens(rows, DEVICE, SEG_CAPACITY)
+    x = torch.randn(6, shape.d_in, generator=gen).to(DEVICE)
+    y = torch.zeros(6, sum(shape.widths), device=DEVICE)
+    max_rank = max(max(r.values()) for r in ranks)
+    kernels.lora_apply(
+        y, x, setup.pool[0], setup.index, tokens, shape.modules, shape.widths, max_rank
+    )
+    ref = torch.zeros(6, sum(shape.widths), dtype=torch.float64, device=DEVICE)
+    lora_ref.lora_apply(
+        ref, x.double(), setup.pool[0], setup.index, tokens, shape.modules, shape.widths, max_rank
+    )
+    assert errors(y, ref).norm <= TOL[torch.float32].norm
+
+
+def _small_call():
+    gen = torch.Generator().manual_seed(1)
+    dims = {
+        Q: (32, 32),
+        K: (32, 16),
+        V: (32, 16),
+        O: (32, 32),
+        GATE: (32, 48),
+        UP: (32, 48),
+        DOWN: (48, 32),
+    }
+    setup = build_adapters([{Q: 4, K: 4, V: 4}], dims, 16, torch.float32, DEVICE, gen)
+    tokens = lora_tokens(torch.zeros(3, dtype=torch.int32), DEVICE)
+    x = torch.randn(3, 32, device=DEVICE)
+    y = torch.zeros(3, 64, device=DEVICE)
+    return setup, tokens, x, y
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: a.update(modules=(Q, K, V, O)), "modules must list"),
+        (lambda a: a.update(out_widths=(32, 16, 17)), "columns"),
+        (lambda a: a.update(x=a["x"].to(torch.int32)), "x must be float16"),
+        (lambda a: a.update(x=a["x"][:2]), "tokens"),
+        (lambda a: a.update(max_rank=0), "max_rank must be positive"),
+        (lambda a: a.update(pool_layer=a["pool_layer"][0]), "pool_layer must be"),
+        (
+            lambda a: a.update(workspace=torch.zeros(3, dtype=torch.int32, device=DEVICE)),
+            "workspace must be",
+        ),
+        (
+            lambda a: a.update(index=a["index"]._replace(ranks=a["index"].ranks.long())),
+            "ranks must be int32",
+        ),
+        (
+            lambda a: a.update(tokens=a["tokens"]._replace(seg_starts=a["tokens"].seg_starts[:-1])),
+            "seg_starts needs",
+        ),
+    ],
+)
+def test_apply_rejects_bad_input(change, message):
+    setup, tokens, x, y = _small_call()
+    args = dict(
+        y=y,
+        x=x,
+        pool_layer=setup.pool[0],
+        index=setup.index,
+        tokens=tokens,
+        modules=(Q, K, V),
+        out_widths=(32, 16, 16),
+        max_rank=4,
+    )
+    change(args)
+    with pytest.raises(ValueError, match=message):
+        lora.lora_apply(**args)
