@@ -67,7 +67,11 @@ def serve_store(root: str, port: int) -> None:
 
     async def main() -> None:
         config = StoreConfig(root=Path(root), port=port)
-        limits = [("grpc.max_send_message_length", 8 << 20)]
+        # As the store's own server: uploads' 4 MiB chunks plus their framing must fit.
+        limits = [
+            ("grpc.max_send_message_length", 8 << 20),
+            ("grpc.max_receive_message_length", 8 << 20),
+        ]
         server = grpc.aio.server(options=limits)
         store = AdapterStore(open_backend(config), config)
         add_servicer(AdapterStoreServicer(store), server)
@@ -203,6 +207,7 @@ async def measure(args, device, model, address, warm, cold, loads, mb) -> dict:
         keys = [await registry.acquire(name, 0) for name in warm]  # held until the end
         for key in keys:
             await engine.load_adapter(key)
+        await first_token(engine, "warmup-lora", prompt, keys[0])  # compiles the LoRA kernels
         base_ttft = await first_token(engine, "base", prompt, None)
         warm_ttft = await first_token(engine, "warm", prompt, keys[0])
         rows = await cold_ttft(engine, registry, cold, prompt)
