@@ -206,27 +206,35 @@ def register(commands: argparse._SubParsersAction) -> None:
         help=f"adapter store address HOST:PORT (default ${STORE_ENV} or {DEFAULT_STORE})",
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per call")
+    # --store and --timeout may also follow the action: `adapters upload DIR --store H:P`.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--store", default=argparse.SUPPRESS, help="as above")
+    common.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="as above")
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
 
-    upload = actions.add_parser("upload", help="upload a PEFT adapter directory")
+    upload = actions.add_parser("upload", help="upload a PEFT adapter directory", parents=[common])
     upload.add_argument("dir", help="directory with adapter_config.json and the safetensors")
     upload.add_argument("--id", required=True, help="adapter id, for example acme/support-bot")
     upload.add_argument("--description", default="")
     upload.add_argument("--quiet", action="store_true", help="no progress bar")
     upload.set_defaults(handler=_run(cmd_upload))
 
-    listing = actions.add_parser("list", help="the latest version of every adapter")
+    listing = actions.add_parser(
+        "list", help="the latest version of every adapter", parents=[common]
+    )
     listing.add_argument("--prefix", default="")
     listing.add_argument("--json", action="store_true")
     listing.set_defaults(handler=_run(cmd_list))
 
-    info = actions.add_parser("info", help="one adapter version's details")
+    info = actions.add_parser("info", help="one adapter version's details", parents=[common])
     info.add_argument("id")
     info.add_argument("--version", type=int, default=0, help="default: the latest")
     info.add_argument("--json", action="store_true")
     info.set_defaults(handler=_run(cmd_info))
 
-    delete = actions.add_parser("delete", help="delete one version (default: latest) or all")
+    delete = actions.add_parser(
+        "delete", help="delete one version (default: latest) or all", parents=[common]
+    )
     delete.add_argument("id")
     which = delete.add_mutually_exclusive_group()
     which.add_argument("--version", type=int, default=0)
