@@ -53,13 +53,7 @@ DT = torch.bfloat16
 DEV = torch.device("cuda")
 EL = 2  # bytes per element
 PREFILL_TOKENS = 4096
-TUNE_LORA = (
-    ("distinct", 8, 16),
-    ("distinct", 64, 16),
-    ("distinct", 512, 16),
-    ("distinct", 256, 64),
-    ("identical", 512, 64),
-)
+TUNE_LORA = (("distinct", 8, 16), ("distinct", 64, 16), ("distinct", 512, 16))
 TUNE_ATTENTION = ((8, 64, 1024),)  # kv heads, B, ctx
 GRIDS = {  # full, and --quick
     False: dict(
@@ -476,14 +470,7 @@ def tune(copy_bw: float) -> dict:
     res = {"lora": [], "attention": []}
     gen = torch.Generator().manual_seed(1)
     calls = (CALLS[0], CALLS[3])
-    axes = (
-        ("pdl", (False,)),
-        ("shrink_k", (128, 512)),
-        ("stages", (4,)),
-        ("split_k", (1, 2, 8)),
-        ("expand_n", (64, 256)),
-        ("expand_warps", (2, 8)),
-    )
+    axes = (("pdl", (False,)), ("split_k", (1, 2, 8)), ("expand_n", (256,)))
     overrides = [{}] + [{k: v} for k, vals in axes for v in vals]
     for kind, batch, rank in TUNE_LORA:
         rows, n = popularity(kind, batch, gen)
@@ -512,9 +499,6 @@ def tune(copy_bw: float) -> dict:
         {"block_m": 16},
         {"block_m": 64},
         {"expand_n": 128},
-        {"expand_n": 512},
-        {"shrink_k": 128},
-        {"expand_warps": 8},
     ):
         run_triton, _ = lora_layer_fns(case, 16, 1, o, calls)
         g = timed(run_triton, 1, eager=False).graph_us

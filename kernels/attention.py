@@ -46,37 +46,17 @@ class PrefillLaunch(NamedTuple):
 @triton.jit
 def _decode_kernel(
     # queries [T, H, D] and output [T, H, D] (last strides 1)
-    q_ptr,
-    stride_qt,
-    stride_qh,
-    out_ptr,
-    stride_ot,
-    stride_oh,
+    q_ptr, stride_qt, stride_qh, out_ptr, stride_ot, stride_oh,
     # split partials: max and sum [T, H, SPLITS], accumulators [T, H, SPLITS, BLOCK_D] (fp32)
-    ml_ptr,
-    acc_ptr,
+    ml_ptr, acc_ptr,
     # pool layer [2, slots, W]
-    pool_ptr,
-    stride_half,
-    stride_slot,
+    pool_ptr, stride_half, stride_slot,
     # sequences: block tables [B, pages], context lengths [B], query row starts [B + 1]
-    bt_ptr,
-    stride_bt,
-    seq_lens_ptr,
-    qs_ptr,
-    num_seqs,
-    num_rows,
-    scale_log2,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SEQ_POW2: tl.constexpr,
-    SPLITS: tl.constexpr,
+    bt_ptr, stride_bt, seq_lens_ptr, qs_ptr, num_seqs, num_rows, scale_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SEQ_POW2: tl.constexpr, SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr,
-):
+):  # fmt: skip
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -147,16 +127,9 @@ def _decode_kernel(
 
 @triton.jit
 def _combine_kernel(
-    out_ptr,
-    stride_ot,
-    stride_oh,
-    ml_ptr,
-    acc_ptr,
-    num_heads,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    SPLITS: tl.constexpr,
-):
+    out_ptr, stride_ot, stride_oh, ml_ptr, acc_ptr, num_heads, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
     """Merge the context splits of one (row, head): softmax-weighted sum of the partials."""
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -180,30 +153,11 @@ def _combine_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr,
-    stride_qt,
-    stride_qh,
-    out_ptr,
-    stride_ot,
-    stride_oh,
-    pool_ptr,
-    stride_half,
-    stride_slot,
-    bt_ptr,
-    stride_bt,
-    seq_lens_ptr,
-    qs_ptr,
-    num_seqs,
-    scale_log2,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    GROUP: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CHUNK: tl.constexpr,
-    DOT_F32: tl.constexpr,
-):
+    q_ptr, stride_qt, stride_qh, out_ptr, stride_ot, stride_oh, pool_ptr, stride_half,
+    stride_slot, bt_ptr, stride_bt, seq_lens_ptr, qs_ptr, num_seqs, scale_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
     b, _, r0, r1 = find_tile(qs_ptr, qs_ptr, num_seqs, tl.program_id(0), BLOCK_Q, CHUNK, False)
     if b < 0:
         return
@@ -261,17 +215,9 @@ def _prefill_kernel(
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr,
-    stride_kt,
-    v_ptr,
-    stride_vt,
-    pool_ptr,
-    stride_half,
-    stride_slot,
-    slots_ptr,
-    W: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+    k_ptr, stride_kt, v_ptr, stride_vt, pool_ptr, stride_half, stride_slot, slots_ptr,
+    W: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     if slot < 0:  # padding token: nothing to write

@@ -71,7 +71,7 @@ def launch_config(
         block_m=32 if big else 16,
         shrink_k=shrink_k,
         shrink_r=rank_block,
-        expand_n=_fit_block(256 if big else 128, width),
+        expand_n=_fit_block(256, width),
         split_k=split,
         expand_r=rank_block,
     )
