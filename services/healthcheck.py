@@ -1,6 +1,6 @@
 """Container health probe: exits 0 when a gRPC server at HOST:PORT reports SERVING.
 
-    python -m services.healthcheck localhost:50051 [--service NAME] [--timeout SECONDS]
+python -m services.healthcheck localhost:50051 [--service NAME] [--timeout SECONDS]
 """
 
 from __future__ import annotations
