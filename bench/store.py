@@ -6,7 +6,10 @@ loopback ports, uploads the adapter, then alternates timed reads of the same obj
 
 - store:  FetchAdapter over gRPC, chunks written into a preallocated buffer (as the inference
           service writes them into pinned memory), sha256 checked by the store;
-- direct: boto3 get_object of the adapter's blob from the same SeaweedFS, read whole.
+- direct: boto3 get_object of the adapter's blob from the same SeaweedFS, read whole;
+- grpc:   the transport alone: a bare FetchAdapter server that streams the same bytes from
+          memory in the store's message size (no storage, no hashing), read like `store`.
+          It bounds what any gRPC fetch can reach on this machine.
 
 Prints a table and writes bench/results/store.json. Goal: store >= 0.8x direct.
 
@@ -16,8 +19,10 @@ Prints a table and writes bench/results/store.json. Goal: store >= 0.8x direct.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import json
+import multiprocessing
 import os
 import platform
 import statistics
@@ -34,9 +39,11 @@ import boto3  # noqa: E402
 import grpc  # noqa: E402
 
 from lorafleet.v1 import adapter_store_pb2 as pb  # noqa: E402
+from lorafleet.v1 import adapter_store_pb2_grpc as pb_grpc  # noqa: E402
 from store.base_model import SUPPORTED_MODULES, BaseModelShape  # noqa: E402
+from store.config import StoreConfig  # noqa: E402
 from store.synthetic import synthetic_adapter  # noqa: E402
-from tests.s3server import SeaweedServer, weed_binary  # noqa: E402
+from tests.s3server import SeaweedServer, free_ports, weed_binary  # noqa: E402
 from tests.services.adapter_store.store_harness import StoreProcess, upload_requests  # noqa: E402
 
 LLAMA_7B = BaseModelShape(
@@ -65,6 +72,39 @@ def fetch_via_store(stub, size: int) -> tuple[float, bytes]:
     elapsed = time.perf_counter() - start
     assert offset == size, (offset, size)
     return elapsed, buffer
+
+
+def _serve_from_memory(port: int, body: bytes, chunk_bytes: int) -> None:
+    """Child process: FetchAdapter that streams ``body`` from memory, nothing else."""
+
+    class FromMemory(pb_grpc.AdapterStoreServicer):
+        async def FetchAdapter(self, request, context):
+            yield pb.FetchAdapterResponse(info=pb.AdapterInfo(adapter_id=request.adapter_id))
+            for start in range(0, len(body), chunk_bytes):
+                yield pb.FetchAdapterResponse(chunk=body[start : start + chunk_bytes])
+
+    async def serve() -> None:
+        server = grpc.aio.server(options=[("grpc.max_send_message_length", 8 << 20)])
+        pb_grpc.add_AdapterStoreServicer_to_server(FromMemory(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def start_memory_server(body: bytes) -> tuple[multiprocessing.Process, pb_grpc.AdapterStoreStub]:
+    (port,) = free_ports(1)
+    chunk = StoreConfig().fetch_chunk_bytes
+    proc = multiprocessing.get_context("fork").Process(
+        target=_serve_from_memory, args=(port, body, chunk), daemon=True
+    )
+    proc.start()
+    channel = grpc.insecure_channel(
+        f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 8 << 20)]
+    )
+    grpc.channel_ready_future(channel).result(timeout=30)
+    return proc, pb_grpc.AdapterStoreStub(channel)
 
 
 def fetch_direct(client, bucket: str, key: str) -> tuple[float, bytes]:
@@ -129,6 +169,7 @@ def main() -> int:
         seaweed = SeaweedServer(Path(tmp) / "seaweed", bucket="bench")
         seaweed.start()
         store = StoreProcess(Path(tmp) / "store", "s3", seaweed, "bench")
+        memory, memory_stub = start_memory_server(files.safetensors)
         try:
             store.start()
             info = store.stub.UploadAdapter(upload_requests(ADAPTER_ID, files, 1 << 20))
@@ -139,16 +180,19 @@ def main() -> int:
             # Warm both paths once (connections, page cache of the volume server).
             assert fetch_via_store(store.stub, size)[1] == files.safetensors
             assert fetch_direct(client, "bench", key)[1] == files.safetensors
-            times: dict[str, list[float]] = {"store": [], "direct": []}
+            assert fetch_via_store(memory_stub, size)[1] == files.safetensors
+            times: dict[str, list[float]] = {"store": [], "direct": [], "grpc": []}
             cpu: dict[str, dict[str, float]] = {p: {} for p in times}
             pids = {
                 "seaweedfs": seaweed.process.pid,
                 "adapter_store": store.process.pid,
+                "grpc_from_memory": memory.pid,
                 "client": os.getpid(),
             }
             paths = {
                 "store": lambda: fetch_via_store(store.stub, size)[0],
                 "direct": lambda: fetch_direct(client, "bench", key)[0],
+                "grpc": lambda: fetch_via_store(memory_stub, size)[0],
             }
             for _ in range(args.repeats):
                 for path, fn in paths.items():
@@ -160,6 +204,7 @@ def main() -> int:
         finally:
             if store.process is not None:
                 store.process.kill()
+            memory.kill()
             seaweed.stop()
 
     rows = {}
@@ -183,12 +228,14 @@ def main() -> int:
         print(
             f"{name:8} {row['median_s']:9.3f} {row['min_s']:7.3f} {row['mb_per_s']:8.1f}   {spent}"
         )
-    print(f"store / direct: {ratio:.2f}x (goal >= 0.8x)")
+    floor = rows["grpc"]["mb_per_s"] / rows["direct"]["mb_per_s"]
+    print(f"store / direct: {ratio:.2f}x (goal >= 0.8x); gRPC alone / direct: {floor:.2f}x")
     floors = ", ".join(f"{k} {v['cpu_bound_floor_s']:.3f}s" for k, v in rows.items())
     print(f"CPU-bound floor on {cores} cores (total CPU / cores): {floors}")
 
     result = {
-        "benchmark": "adapter store FetchAdapter vs boto3 get_object, same SeaweedFS",
+        "benchmark": "adapter store FetchAdapter vs boto3 get_object, same SeaweedFS; "
+        "gRPC alone streaming the bytes from memory",
         "adapter": {
             "shape": "llama-7b",
             "rank": RANK,
@@ -199,6 +246,7 @@ def main() -> int:
         "repeats": args.repeats,
         "results": rows,
         "store_over_direct": round(ratio, 3),
+        "grpc_alone_over_direct": round(floor, 3),
         "goal": ">= 0.8",
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
