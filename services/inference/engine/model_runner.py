@@ -71,9 +71,9 @@ class ModelRunner:
         self._pad = BatchEntry((0,), 0, (page,), None, True)
         memory = torch.cuda.graph_pool_handle()
         start = time.perf_counter()
+        side = torch.cuda.Stream()
         for size in sorted(sizes, reverse=True):
             self.batch.fill([self._pad] * size)
-            side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up: compiles kernels, settles the allocator
                 for _ in range(2):
