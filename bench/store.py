@@ -4,12 +4,14 @@ Builds a Llama-7B-shaped rank-16 adapter on all seven projections (32 layers, H=
 I=11008, fp16: about 80 MB), starts SeaweedFS and the adapter store (s3 backend) on free
 loopback ports, uploads the adapter, then alternates timed reads of the same object:
 
-- store:  FetchAdapter over gRPC, chunks written into a preallocated buffer (as the inference
-          service writes them into pinned memory), sha256 checked by the store;
+- store:  FetchAdapter over gRPC, sha256 checked by the store; the client decodes chunks as the
+          inference service does (services/inference/fetch_wire.py, no copy) and copies each
+          once into a preallocated buffer;
 - direct: boto3 get_object of the adapter's blob from the same SeaweedFS, read whole;
-- grpc:   the transport alone: a bare FetchAdapter server that streams the same bytes from
-          memory in the store's message size (no storage, no hashing), read like `store`.
-          It bounds what any gRPC fetch can reach on this machine.
+- grpc:   the transport alone: a FetchAdapter server that streams the same bytes from memory,
+          encoded as the store encodes them (services/adapter_store/wire.py) in the store's
+          message size, with no storage and no hashing; read like `store`. The store's own
+          path can only add work to it.
 
 Prints a table and writes bench/results/store.json. Goal: store >= 0.8x direct.
 
@@ -40,6 +42,8 @@ import grpc  # noqa: E402
 
 from lorafleet.v1 import adapter_store_pb2 as pb  # noqa: E402
 from lorafleet.v1 import adapter_store_pb2_grpc as pb_grpc  # noqa: E402
+from services.adapter_store.wire import add_servicer, encode_chunk  # noqa: E402
+from services.inference.fetch_wire import FETCH_METHOD, decode_fetch_response  # noqa: E402
 from store.base_model import SUPPORTED_MODULES, BaseModelShape  # noqa: E402
 from store.config import StoreConfig  # noqa: E402
 from store.synthetic import synthetic_adapter  # noqa: E402
@@ -59,16 +63,25 @@ RANK = 16
 ADAPTER_ID = "bench/llama-7b-r16"
 
 
-def fetch_via_store(stub, size: int) -> tuple[float, bytes]:
+def fetch_rpc(address: str):
+    """FetchAdapter as the inference service calls it: chunks decoded without a copy."""
+    channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 8 << 20)])
+    return channel.unary_stream(
+        FETCH_METHOD,
+        request_serializer=pb.FetchAdapterRequest.SerializeToString,
+        response_deserializer=decode_fetch_response,
+    )
+
+
+def fetch_via_store(fetch, size: int) -> tuple[float, bytes]:
     buffer = bytearray(size)
     view = memoryview(buffer)
     start = time.perf_counter()
     offset = 0
-    for response in stub.FetchAdapter(pb.FetchAdapterRequest(adapter_id=ADAPTER_ID)):
-        if response.WhichOneof("payload") == "chunk":
-            chunk = response.chunk
-            view[offset : offset + len(chunk)] = chunk
-            offset += len(chunk)
+    for response in fetch(pb.FetchAdapterRequest(adapter_id=ADAPTER_ID)):
+        if isinstance(response, memoryview):  # a chunk; anything else is the AdapterInfo
+            view[offset : offset + len(response)] = response
+            offset += len(response)
     elapsed = time.perf_counter() - start
     assert offset == size, (offset, size)
     return elapsed, buffer
@@ -81,11 +94,11 @@ def _serve_from_memory(port: int, body: bytes, chunk_bytes: int) -> None:
         async def FetchAdapter(self, request, context):
             yield pb.FetchAdapterResponse(info=pb.AdapterInfo(adapter_id=request.adapter_id))
             for start in range(0, len(body), chunk_bytes):
-                yield pb.FetchAdapterResponse(chunk=body[start : start + chunk_bytes])
+                yield encode_chunk(body[start : start + chunk_bytes])
 
     async def serve() -> None:
         server = grpc.aio.server(options=[("grpc.max_send_message_length", 8 << 20)])
-        pb_grpc.add_AdapterStoreServicer_to_server(FromMemory(), server)
+        add_servicer(FromMemory(), server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         await server.wait_for_termination()
@@ -93,18 +106,17 @@ def _serve_from_memory(port: int, body: bytes, chunk_bytes: int) -> None:
     asyncio.run(serve())
 
 
-def start_memory_server(body: bytes) -> tuple[multiprocessing.Process, pb_grpc.AdapterStoreStub]:
+def start_memory_server(body: bytes) -> tuple[multiprocessing.Process, str]:
     (port,) = free_ports(1)
     chunk = StoreConfig().fetch_chunk_bytes
     proc = multiprocessing.get_context("fork").Process(
         target=_serve_from_memory, args=(port, body, chunk), daemon=True
     )
     proc.start()
-    channel = grpc.insecure_channel(
-        f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 8 << 20)]
-    )
-    grpc.channel_ready_future(channel).result(timeout=30)
-    return proc, pb_grpc.AdapterStoreStub(channel)
+    address = f"127.0.0.1:{port}"
+    with grpc.insecure_channel(address) as channel:
+        grpc.channel_ready_future(channel).result(timeout=30)
+    return proc, address
 
 
 def fetch_direct(client, bucket: str, key: str) -> tuple[float, bytes]:
@@ -169,7 +181,7 @@ def main() -> int:
         seaweed = SeaweedServer(Path(tmp) / "seaweed", bucket="bench")
         seaweed.start()
         store = StoreProcess(Path(tmp) / "store", "s3", seaweed, "bench")
-        memory, memory_stub = start_memory_server(files.safetensors)
+        memory, memory_address = start_memory_server(files.safetensors)
         try:
             store.start()
             info = store.stub.UploadAdapter(upload_requests(ADAPTER_ID, files, 1 << 20))
@@ -177,10 +189,11 @@ def main() -> int:
             client = seaweed.client()
             expected = hashlib.sha256(files.safetensors).hexdigest()
             assert info.sha256 == expected
+            via_store, via_memory = fetch_rpc(store.address), fetch_rpc(memory_address)
             # Warm both paths once (connections, page cache of the volume server).
-            assert fetch_via_store(store.stub, size)[1] == files.safetensors
+            assert fetch_via_store(via_store, size)[1] == files.safetensors
             assert fetch_direct(client, "bench", key)[1] == files.safetensors
-            assert fetch_via_store(memory_stub, size)[1] == files.safetensors
+            assert fetch_via_store(via_memory, size)[1] == files.safetensors
             times: dict[str, list[float]] = {"store": [], "direct": [], "grpc": []}
             cpu: dict[str, dict[str, float]] = {p: {} for p in times}
             pids = {
@@ -190,9 +203,9 @@ def main() -> int:
                 "client": os.getpid(),
             }
             paths = {
-                "store": lambda: fetch_via_store(store.stub, size)[0],
+                "store": lambda: fetch_via_store(via_store, size)[0],
                 "direct": lambda: fetch_direct(client, "bench", key)[0],
-                "grpc": lambda: fetch_via_store(memory_stub, size)[0],
+                "grpc": lambda: fetch_via_store(via_memory, size)[0],
             }
             for _ in range(args.repeats):
                 for path, fn in paths.items():

@@ -4,7 +4,8 @@ The object is cut into ranges of ``range_bytes``; up to ``parallelism`` ranges s
 storage at once, each into its own bounded queue, and the consumer drains the ranges in order.
 Each range is one streaming GET read in message-sized chunks, so bytes go out to the client
 while later bytes are still arriving; a slow client holds the reads back, so memory per fetch
-stays under ``parallelism * (queue_chunks + 1) * chunk_bytes``.
+stays under ``(parallelism * (queue_chunks + 1) + 2) * chunk_bytes`` (the read-ahead, plus the
+chunk being hashed and the one being sent), and the servicer's encoded copy of that one.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ A chunk message is ``FetchAdapterResponse{chunk}``: field 2, wire type 2, so its
 the byte 0x12, the length as a varint, then the bytes. Building that directly costs one copy
 of the chunk where constructing and serializing a protobuf message costs two, and the fetch
 path is bound by memory copies (see bench/store.py). Every other message goes through
-protobuf as usual; clients decode chunks with the generated code.
+protobuf as usual. Clients may decode chunks with the generated code (the inference service
+decodes them by hand as well, services/inference/fetch_wire.py).
 """
 
 from __future__ import annotations

@@ -33,10 +33,8 @@ from store.peft import AdapterFormatError
 log = logging.getLogger(__name__)
 
 _MAX_ID_LEN = 128
-_FETCH_ATTEMPTS = 3
-_NO_FETCHES = (
-    LatencyWindow()
-)  # without a store  # a fresh entry may be evicted by a concurrent fetch before it is held
+_FETCH_ATTEMPTS = 3  # a fresh entry may be evicted by a concurrent fetch before it is held
+_NO_FETCHES = LatencyWindow()  # without a store
 
 
 @dataclass
@@ -67,7 +65,6 @@ class AdapterRegistry:
         self._fetch_waiters: dict[AdapterKey, int] = {}  # requests waiting for a fetch
         if store is not None:
             store.on_fetched = on_fetched
-        self.evictions = 0
 
     # --- lookups --------------------------------------------------------------------------
 
@@ -89,9 +86,6 @@ class AdapterRegistry:
 
     def get(self, key: AdapterKey) -> HeldAdapter | None:
         return self._held.get(key)
-
-    def latest(self, adapter_id: str) -> int | None:
-        return self._latest.get(adapter_id)
 
     async def resolve(self, adapter_id: str, version: int) -> AdapterKey:
         """The concrete version a request names; 0 = the latest (known from the watch)."""
@@ -115,7 +109,7 @@ class AdapterRegistry:
         if rejected is not None:
             raise rejected
         held = self._held.get(key)
-        if held is not None and key in self.cache:
+        if held is not None:  # held implies cached: eviction and drops forget it
             held.leases += 1
             self.cache.hold(key)
             self.cache.get(key)  # most recently used
@@ -174,10 +168,13 @@ class AdapterRegistry:
             held.retired = True
             self._maybe_drop(held)
 
+    def forget_latest(self) -> None:
+        """The watch (re)connected: its replay says again which versions are the latest."""
+        self._latest.clear()
+
     def on_host_evict(self, key: AdapterKey) -> None:
         """The host cache dropped an idle adapter's bytes: the engine forgets it too."""
         held = self._held.pop(key, None)
-        self.evictions += 1
         if held is not None:
             self.engine.remove_adapter(key)
 
@@ -215,8 +212,8 @@ class AdapterRegistry:
             log.warning("hot reload of pinned adapter %s failed: %s", key, exc)
             return
         try:
-            self.pin(key, True)
-            await self.engine.load_adapter(key, pin=True)
+            self.pin(key, True)  # pins it in the engine too
+            await self.engine.load_adapter(key)
         except Exception as exc:
             log.warning("hot reload of pinned adapter %s: no room in the pool yet: %s", key, exc)
         finally:
@@ -228,8 +225,8 @@ class AdapterRegistry:
         self._fetch_waiters[key] = self._fetch_waiters.get(key, 0) + 1
         try:
             for _ in range(_FETCH_ATTEMPTS):
-                fetched = await store.fetch(key)
-                if self.cache.peek(key) is fetched.entry:
+                entry = await store.fetch(key)
+                if self.cache.peek(key) is entry:
                     break
             else:
                 raise StoreUnavailable(f"adapter {key}: the host cache is too busy to keep it")

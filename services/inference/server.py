@@ -114,9 +114,11 @@ class InferenceServer:
             self.engine, self._store, cache, lambda s: metrics.observe_load("fetch", s)
         )
         if self._store is not None:
-            self._follower = asyncio.create_task(self._store.follow(registry.on_event))
+            self._follower = asyncio.create_task(
+                self._store.follow(registry.on_event, registry.forget_latest)
+            )
         self.servicer = InferenceServicer(
-            self.engine, registry, metrics, cfg.max_queue, cfg.model.name, str(device)
+            self.engine, registry, metrics, cfg.model.name, str(device)
         )
         if cfg.metrics_port is not None:
             self.metrics_port = self.servicer.metrics.serve(cfg.metrics_port, cfg.host)
@@ -143,9 +145,6 @@ class InferenceServer:
         if self.servicer is not None:
             self.servicer.metrics.close()
         log.info("stopped")
-
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
 
     async def _set_serving(self, serving: bool) -> None:
         if self._health is None:

@@ -39,7 +39,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         engine: Engine,
         registry: AdapterRegistry,
         metrics: ServiceMetrics,
-        max_waiting: int,
         model_name: str,
         device: str,
     ) -> None:
@@ -47,7 +46,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.registry = registry
         self.metrics = metrics
         metrics.track(self.snapshot)
-        self._max_calls = max_waiting + engine.config.max_num_seqs
+        # The engine admits max_queue requests, waiting and running together (server.py sets it
+        # to --max-queue plus the running batch); calls beyond it are refused here, early.
+        self._max_calls = engine.config.max_queue
         self._model_name, self._device = model_name, device
         self._calls: set[str] = set()  # request ids of Generate calls in progress
         self._idle = asyncio.Event()
@@ -203,7 +204,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             adapter_copy=summarize(self.engine.adapter_copy_seconds(), e.adapter_loads),
             adapter_load=self.cold_ttft.summary(),
             evictions_gpu=e.adapter_evictions,
-            evictions_host=self.registry.evictions,
+            evictions_host=c.evictions,
         )
 
     # --- shutdown ---------------------------------------------------------------------------

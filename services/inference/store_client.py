@@ -5,9 +5,11 @@ CUDA), sized by the AdapterInfo that leads the stream; chunks are decoded withou
 (fetch_wire.py), so the bytes are copied once on this side, into the arena. Fetches are
 single-flight: concurrent callers for one adapter version share one stream, and the fetch runs
 to completion even if every caller went away (the bytes stay cached).
-The follower keeps a WatchAdapters stream open, reconnecting with backoff, and replays the
-latest version of every adapter after each (re)connect so that nothing missed while the store
-was away stays missed.
+The follower keeps a WatchAdapters stream open, reconnecting with backoff. When a
+(re)connected stream answers, it first tells its owner to forget what it knew of the latest
+versions, then passes on the store's replay of the latest version of every adapter, so a version
+created or deleted while the store was away is not served as the latest afterwards. (Deletions
+missed meanwhile do not retire copies already held.)
 """
 
 from __future__ import annotations
@@ -39,12 +41,6 @@ _UNAVAILABLE = (
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.CANCELLED,
 )
-
-
-class Fetched(NamedTuple):
-    entry: HostEntry  # the adapter's bytes in the host cache
-    seconds: float  # the fetch's duration; 0.0 for a host-cache hit
-    from_store: bool
 
 
 class AdapterEvent(NamedTuple):
@@ -89,7 +85,7 @@ class StoreClient:
             request_serializer=pb.FetchAdapterRequest.SerializeToString,
             response_deserializer=decode_fetch_response,
         )
-        self._inflight: dict[AdapterKey, asyncio.Task[Fetched]] = {}
+        self._inflight: dict[AdapterKey, asyncio.Task[HostEntry]] = {}
         self.fetch_latency = LatencyWindow()  # one sample per fetch, however many waited
         self.on_fetched: Callable[[float], None] | None = None
 
@@ -109,11 +105,11 @@ class StoreClient:
         except grpc.aio.AioRpcError as exc:
             raise _store_error(exc, what) from None
 
-    async def fetch(self, key: AdapterKey) -> Fetched:
+    async def fetch(self, key: AdapterKey) -> HostEntry:
         """The adapter's bytes in the host cache: a hit, a fetch in flight, or a new fetch."""
         entry = self._cache.get(key)
         if entry is not None:
-            return Fetched(entry, 0.0, from_store=False)
+            return entry
         task = self._inflight.get(key)
         if task is None:
             task = asyncio.get_running_loop().create_task(self._fetch(key))
@@ -122,11 +118,7 @@ class StoreClient:
         # shield: one caller's cancellation must not cancel the fetch the others wait on.
         return await asyncio.shield(task)
 
-    def fetching(self) -> list[AdapterKey]:
-        """Adapter versions whose bytes are on their way from the store."""
-        return list(self._inflight)
-
-    async def _fetch(self, key: AdapterKey) -> Fetched:
+    async def _fetch(self, key: AdapterKey) -> HostEntry:
         what = f"adapter {key.adapter_id!r} version {key.version}"
         start = time.perf_counter()
         block = None
@@ -182,20 +174,26 @@ class StoreClient:
             seconds,
             pos / 1e6 / max(seconds, 1e-9),
         )
-        return Fetched(entry, seconds, from_store=True)
+        return entry
 
     async def follow(
         self,
         on_event: Callable[[AdapterEvent], None],
+        on_connect: Callable[[], None],
         max_backoff: float = 2.0,
     ) -> None:
-        """Follows WatchAdapters until cancelled; each (re)connect replays the latest version of
-        every adapter (include_existing) before new events."""
+        """Follows WatchAdapters until cancelled. On each (re)connect the store replays the
+        latest version of every adapter (include_existing) before new events; on_connect is
+        called once the stream answers, before its first event."""
         backoff = 0.1
         while True:
             call = self._stub.WatchAdapters(pb.WatchAdaptersRequest(include_existing=True))
+            connected = False
             try:
                 async for event in call:
+                    if not connected:  # the replay that starts here tells the latest versions
+                        connected = True
+                        on_connect()
                     if backoff > 0.1:
                         log.info("watching the adapter store at %s again", self.target)
                     backoff = 0.1
