@@ -18,7 +18,8 @@ def write_kv(
 ) -> None:
     """pool_layer[0, slot_mapping[t]] = k[t]; likewise v. k, v: [T, n_kv, head_dim].
 
-    Tokens with a negative slot are skipped: padding rows of a fixed-size (CUDA graph) batch.
+    Tokens with a negative slot are skipped: rows that are padding only (the engine itself
+    pads CUDA-graph steps with rows that write into a reserved page instead).
     """
     t = k.shape[0]
     keep = slot_mapping >= 0

@@ -16,7 +16,7 @@ padding segments get no tiles.
 
 Graph safety: no host reads of device data; given ``workspace``, no allocation either. Ranks
 above ``max_rank`` cannot be checked without a host sync: the kernels clamp them (memory stays
-in bounds; the engine sizes ``max_rank`` from its pool).
+in bounds; the engine passes EngineConfig.max_lora_rank and refuses larger adapters up front).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ waiting for (never a pinned one), and only when nothing runs and the queue's hea
 An adapter's host bytes may be released by their owner only when releasable(): no request uses
 it and no copy reads them.
 
-Threads: add/remove/acquire/release/contains may be called from any thread (the engine's API);
+Threads: add/remove/acquire/release may be called from any thread (the engine's API);
 everything that touches the pool runs on the engine's step thread. One lock guards the table.
 """
 
@@ -78,9 +78,12 @@ class AdapterManager:
             b_offsets=torch.zeros(max_loras, NUM_MODULES, dtype=torch.int32, device=dev),
             scales=torch.zeros(max_loras, NUM_MODULES, dtype=torch.float32, device=dev),
         )
-        self.slot_capacity = slot_capacity
         self._free_rows = list(range(max_loras - 1, -1, -1))
         self._entries: dict[Hashable, AdapterEntry] = {}
+        # Kept beside the table so the per-step reap() and poll_loads() touch only these,
+        # not every registered adapter.
+        self._loading: set[Hashable] = set()
+        self._removed: set[Hashable] = set()
         self._lock = threading.Lock()
         self._clock = 0
         self.copier = AdapterCopier(pool.tensor)
@@ -110,6 +113,7 @@ class AdapterManager:
                 return False
             # A copy in flight keeps reading the old bytes, which its job holds on to.
             entry.host, entry.removed = host, False
+            self._removed.discard(host.key)
             return True
 
     def remove(self, key: Hashable) -> None:
@@ -122,6 +126,8 @@ class AdapterManager:
             entry.removed = True
             if entry.refs == 0 and entry.state is AdapterState.HOST:
                 del self._entries[key]
+            else:
+                self._removed.add(key)
 
     def acquire(self, key: Hashable) -> HostAdapter:
         """Count one more request using ``key`` (UnknownAdapter if absent or removed)."""
@@ -189,7 +195,7 @@ class AdapterManager:
             self._entries[key].last_used = self._clock
 
     def loads_in_flight(self) -> bool:
-        return any(e.state is AdapterState.LOADING for e in self._entries.values())
+        return bool(self._loading)
 
     def begin_load(self, key: Hashable, reserve: int = 0) -> bool:
         """Take pages and a row (evicting idle adapters if that suffices) and issue the copy,
@@ -210,6 +216,7 @@ class AdapterManager:
             entry.row = self._free_rows.pop()
             slots = self.pool.allocate_adapter(key, entry.host.plan.num_slots)
             entry.state = AdapterState.LOADING
+            self._loading.add(key)
         self._write_row(entry.row, entry.host, slots)
         entry.ready = self.copier.submit(entry.host, slots)
         self.loads += 1
@@ -219,10 +226,12 @@ class AdapterManager:
         """LOADING -> IN_POOL for every load whose copy has completed (never blocks)."""
         done = []
         with self._lock:
-            for key, entry in self._entries.items():
-                if entry.state is AdapterState.LOADING and entry.ready.done():
+            for key in list(self._loading):
+                entry = self._entries[key]
+                if entry.ready.done():
                     done.append((key, entry.ready.seconds()))
                     entry.state, entry.ready = AdapterState.IN_POOL, None
+                    self._loading.discard(key)
         for key, seconds in done:
             self.copy_seconds.append(seconds)
             for listener in self.load_listeners:
@@ -259,13 +268,14 @@ class AdapterManager:
     def reap(self) -> None:
         """Drop removed adapters that no request uses any more, freeing their pages."""
         with self._lock:
-            for key in [k for k, e in self._entries.items() if e.removed and e.refs == 0]:
+            for key in list(self._removed):
                 entry = self._entries[key]
-                if entry.state is AdapterState.LOADING:
-                    continue  # the copy still reads the host tensors; next time
+                if entry.refs or entry.state is AdapterState.LOADING:
+                    continue  # in use, or the copy still reads the host tensors; next time
                 if entry.state is AdapterState.IN_POOL:
                     self._evict(key)
                 del self._entries[key]
+                self._removed.discard(key)
 
     # --- internals (lock held, or step thread only) -----------------------------------------
 

@@ -280,15 +280,9 @@ class Engine:
             pass
 
     def _shutdown(self) -> None:
-        """Free every request's pages and end every stream."""
-        while True:
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(cmd, _Enqueue):
-                self.core.enqueue(cmd.seq)
+        """Free every request's pages and end every stream (loads still queued included)."""
         try:
+            self._drain(timeout=None)
             self.core.abort_all()
         except Exception:  # after a failed step the core may be inconsistent; streams still end
             log.exception("could not abort the requests in flight")

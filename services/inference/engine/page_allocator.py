@@ -58,9 +58,6 @@ class PageAllocator:
     def num_pages_of(self, owner: PageOwner) -> int:
         return len(self._pages.get(owner, ()))
 
-    def owners(self) -> list[PageOwner]:
-        return list(self._pages)
-
     def allocate(self, owner: PageOwner, n: int) -> list[int]:
         """Append ``n`` pages to ``owner``'s list and return them; all or nothing."""
         if n < 0:

@@ -37,7 +37,7 @@ class PagePool:
     ) -> None:
         self.num_layers, self.width = num_layers, width
         self.num_pages, self.page_size = num_pages, page_size
-        # Zero-filled: adapter pages are written in full (write_module pads with zeros) and KV
+        # Zero-filled: adapter pages are written in full (adapter_copy.py pads with zeros) and KV
         # slots are written before they are read, so no stale value is ever used; zeros keep
         # a bug from turning into NaNs.
         self.tensor = torch.zeros(

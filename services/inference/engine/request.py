@@ -36,7 +36,6 @@ class Sequence:
     num_computed: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
-    num_preemptions: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -26,7 +26,6 @@ from typing import NamedTuple
 
 from services.inference.engine.adapter_manager import AdapterManager, AdapterState
 from services.inference.engine.errors import InvalidRequest
-from services.inference.engine.page_allocator import OutOfPages
 from services.inference.engine.page_pool import PagePool
 from services.inference.engine.request import Sequence, SequenceStatus
 
@@ -147,17 +146,13 @@ class Scheduler:
         while self.pool.num_free < missing:
             if not self.adapters.evict_idle():
                 return False
-        try:
-            self.pool.grow_kv(seq.seq_id, num_tokens)
-        except OutOfPages:  # cannot happen after the loop above; kept as a clear failure
-            return False
+        self.pool.grow_kv(seq.seq_id, num_tokens)  # the loop above left enough pages free
         return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.pool.free_kv(seq.seq_id)
         seq.num_computed = 0
-        seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         # Preemption walks from the newest running sequence backwards, so pushing each to the
         # front keeps the older ones ahead.

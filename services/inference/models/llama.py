@@ -67,8 +67,9 @@ class RMSNorm(nn.Module):
 
 
 class LoraContext:
-    """What the LoRA hooks need besides the activations: the resident adapters' index rows,
-    the step's token -> row addressing, and the width of the shrunk activations."""
+    """What the LoRA hooks need besides the activations and the step's token -> row addressing
+    (StepBatch.lora_tokens): the resident adapters' index rows and the width of the shrunk
+    activations."""
 
     def __init__(self, index: LoraIndex, max_rank: int) -> None:
         self.index, self.max_rank = index, max_rank
