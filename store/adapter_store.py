@@ -15,7 +15,7 @@ from typing import NamedTuple
 from store.backends.base import ObjectNotFound, ObjectStore
 from store.catalog import Catalog
 from store.config import StoreConfig
-from store.errors import AdapterNotFound, DataCorruption, InvalidRequest, StoreError
+from store.errors import AdapterNotFound, DataCorruption, InvalidRequest, ShuttingDown
 from store.events import AdapterEvent, EventBus, EventKind
 from store.fetch import FetchPlan, stream_blob
 from store.layout import check_adapter_id, check_prefix, check_version
@@ -58,7 +58,7 @@ class AdapterStore:
         """Store a new version from the bytes of adapter_model.safetensors. On any failure,
         cancellation included, nothing of the upload remains visible or stored."""
         if self.closing:
-            raise StoreError("the store is shutting down")
+            raise ShuttingDown("the store is shutting down")
         config = parse_adapter_config(header.adapter_config_json, self.config.max_rank)
         session = UploadSession(self.backend, header, config, self._limits)
         task = asyncio.current_task()

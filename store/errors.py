@@ -7,6 +7,10 @@ class StoreError(Exception):
     """Base of every error the store reports to its callers."""
 
 
+class ShuttingDown(StoreError):
+    """The store is stopping and takes no new uploads."""
+
+
 class InvalidRequest(StoreError):
     """A malformed request: bad adapter id, bad checksum syntax, misuse of the upload stream."""
 

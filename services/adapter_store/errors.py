@@ -13,6 +13,7 @@ from store.errors import (
     AdapterTooLarge,
     DataCorruption,
     InvalidRequest,
+    ShuttingDown,
     StorageError,
     StorageUnavailable,
     StoreError,
@@ -35,7 +36,7 @@ STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (VersionConflict, grpc.StatusCode.ABORTED),
     (WatchOverflow, grpc.StatusCode.ABORTED),
     (StorageError, grpc.StatusCode.INTERNAL),
-    (StoreError, grpc.StatusCode.UNAVAILABLE),  # shutting down
+    (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
 )
 
 
