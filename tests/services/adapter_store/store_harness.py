@@ -146,7 +146,13 @@ class StoreProcess:
 
     def pending_uploads(self) -> list[str]:
         if self.backend == "local":
-            return sorted(p.read_text() for p in (self.root / ".uploads").glob("*.key"))
+            keys = []
+            for path in (self.root / ".uploads").glob("*.key"):
+                try:  # the store may abort (delete) the upload between the listing and the read
+                    keys.append(path.read_text())
+                except FileNotFoundError:
+                    continue
+            return sorted(keys)
         response = self.seaweed.client().list_multipart_uploads(Bucket=self.bucket)
         return sorted(u["Key"] for u in response.get("Uploads", []) or [])
 
