@@ -6,6 +6,10 @@ with asynchronous host-to-device copies, which need page-locked memory to overla
 Pinning is slow (hundreds of milliseconds per GiB) and a pinned allocation per adapter would
 fragment the driver's page-locked memory, hence one arena with its own allocator.
 
+The buffer is a memfd mapped shared, so the fetch worker process (fetch_worker.py) can map the
+same memory (``fd``) and write fetched bytes into it; on CUDA this process page-locks its
+mapping with cudaHostRegister, which makes it pinned memory like torch's own.
+
 The allocator is pure host-side bookkeeping: a list of free ranges sorted by offset, first fit,
 neighbours coalesced on free. Every block starts on an ALIGN-byte boundary so that tensors of
 any supported dtype can be viewed in place.
@@ -15,6 +19,9 @@ from __future__ import annotations
 
 import bisect
 import logging
+import mmap
+import os
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -45,6 +52,17 @@ def _round_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def _page_lock(buffer: torch.Tensor) -> None:
+    """Registers ``buffer``'s memory with CUDA (page-locked, mapped for DMA) for the process's
+    lifetime; torch then treats it as pinned memory."""
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of the {buffer.numel()}-byte arena failed: {err}")
+    if not buffer.is_pinned():
+        raise RuntimeError("the host arena is registered with CUDA, yet torch sees it unpinned")
+
+
 class HostArena:
     """Contiguous blocks of one preallocated host buffer. Not thread-safe: one owner (the
     service's event loop) allocates and frees; readers only view blocks they were given."""
@@ -54,7 +72,14 @@ class HostArena:
             raise ValueError(f"arena capacity must be positive, got {capacity} bytes")
         capacity = _round_up(capacity)
         self.pinned = pin
-        self.buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
+        self.fd = os.memfd_create("lorafleet-host-arena", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, capacity)
+        self._mapping = mmap.mmap(self.fd, capacity)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": it is writable
+            self.buffer = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        if pin:
+            _page_lock(self.buffer)
         # Free ranges (offset, size), sorted by offset, never adjacent (coalesced).
         self._free: list[tuple[int, int]] = [(0, capacity)]
         self._live: dict[int, int] = {}  # offset -> reserved size of each allocated block

@@ -1,8 +1,10 @@
 """The inference service's client of the adapter store: lookups, fetches, and the watch follower.
 
 A fetch writes FetchAdapter's chunks straight into a block of the host cache's arena (pinned on
-CUDA), sized by the AdapterInfo that leads the stream; chunks are decoded without copies
-(fetch_wire.py), so the bytes are copied once on this side, into the arena. Fetches are
+CUDA), sized by the AdapterInfo that leads the stream. The stream is received by the fetch
+worker process (fetch_worker.py: in this process it would take the GIL from the engine's step
+thread), which decodes chunks without copies (fetch_wire.py) and copies each once, into the
+arena that it shares with this process. Fetches are
 single-flight: concurrent callers for one adapter version share one stream, and the fetch runs
 to completion even if every caller went away (the bytes stay cached).
 The follower keeps a WatchAdapters stream open, reconnecting with backoff. When a
@@ -21,13 +23,13 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import grpc
-import numpy as np
 
 from lorafleet.v1 import adapter_store_pb2 as pb
 from lorafleet.v1 import adapter_store_pb2_grpc as pb_grpc
 from services.inference.engine.api import AdapterKey
 from services.inference.errors import AdapterNotFound, StoreUnavailable
-from services.inference.fetch_wire import FETCH_METHOD, decode_fetch_response
+from services.inference.fetch_worker import PROTOCOL_ERROR
+from services.inference.fetcher import FetchFailed, FetchWorker
 from services.inference.host_cache import HostCache, HostEntry
 from services.inference.service_stats import LatencyWindow
 
@@ -51,15 +53,26 @@ class AdapterEvent(NamedTuple):
 
 def _store_error(exc: grpc.aio.AioRpcError, what: str) -> Exception:
     """A store status as the service's domain error."""
-    code = exc.code()
+    return _status_error(exc.code(), exc.details(), what)
+
+
+def _status_error(code: grpc.StatusCode, details: str, what: str) -> Exception:
     if code == grpc.StatusCode.NOT_FOUND:
-        return AdapterNotFound(f"{what}: {exc.details()}")
+        return AdapterNotFound(f"{what}: {details}")
     if code in _UNAVAILABLE:
         return StoreUnavailable(
-            f"{what}: the adapter store is unavailable ({code.name}: {exc.details()}); "
+            f"{what}: the adapter store is unavailable ({code.name}: {details}); "
             f"the base model and adapters already held keep serving"
         )
-    return StoreUnavailable(f"{what}: the adapter store answered {code.name}: {exc.details()}")
+    return StoreUnavailable(f"{what}: the adapter store answered {code.name}: {details}")
+
+
+def _fetch_error(exc: FetchFailed, what: str) -> Exception:
+    """A failed fetch (the worker's report) as the service's domain error."""
+    if exc.code == PROTOCOL_ERROR:
+        return StoreUnavailable(f"{what}: {exc.details}")
+    code = getattr(grpc.StatusCode, exc.code, grpc.StatusCode.UNKNOWN)
+    return _status_error(code, exc.details, what)
 
 
 class StoreClient:
@@ -80,11 +93,7 @@ class StoreClient:
             ],
         )
         self._stub = pb_grpc.AdapterStoreStub(self._channel)
-        self._fetch_rpc = self._channel.unary_stream(
-            FETCH_METHOD,
-            request_serializer=pb.FetchAdapterRequest.SerializeToString,
-            response_deserializer=decode_fetch_response,
-        )
+        self._worker = FetchWorker(target, cache.arena)  # fetches run in their own process
         self._inflight: dict[AdapterKey, asyncio.Task[HostEntry]] = {}
         self.fetch_latency = LatencyWindow()  # one sample per fetch, however many waited
         self.on_fetched: Callable[[float], None] | None = None
@@ -92,6 +101,7 @@ class StoreClient:
     async def close(self) -> None:
         for task in list(self._inflight.values()):
             task.cancel()
+        self._worker.close()
         await self._channel.close()
 
     async def lookup(self, adapter_id: str, version: int = 0) -> pb.AdapterInfo:
@@ -121,48 +131,17 @@ class StoreClient:
     async def _fetch(self, key: AdapterKey) -> HostEntry:
         what = f"adapter {key.adapter_id!r} version {key.version}"
         start = time.perf_counter()
-        block = None
+
+        def reserve(info: pb.AdapterInfo):
+            return self._cache.reserve(info.size_bytes)  # may raise HostCacheFull
+
         try:
-            call = self._fetch_rpc(
-                pb.FetchAdapterRequest(adapter_id=key.adapter_id, version=key.version),
-                timeout=self._fetch_timeout,
+            info, block = await self._worker.fetch(
+                key.adapter_id, key.version, self._fetch_timeout, reserve, self._cache.discard
             )
-            info = None
-            view = None
-            pos = 0
-            async for msg in call:
-                if isinstance(msg, memoryview):
-                    chunk = msg
-                elif msg.WhichOneof("payload") == "chunk":
-                    chunk = msg.chunk
-                else:
-                    if info is not None:
-                        raise StoreUnavailable(f"{what}: the store sent AdapterInfo twice")
-                    info = msg.info
-                    if info.size_bytes == 0:
-                        raise StoreUnavailable(f"{what}: the store reports an empty adapter")
-                    block = self._cache.reserve(info.size_bytes)
-                    view = self._cache.arena.array(block)
-                    continue
-                if view is None:
-                    raise StoreUnavailable(f"{what}: the store sent bytes before AdapterInfo")
-                end = pos + len(chunk)
-                if end > info.size_bytes:
-                    raise StoreUnavailable(
-                        f"{what}: the store sent more than the announced {info.size_bytes} bytes"
-                    )
-                np.copyto(view[pos:end], np.frombuffer(chunk, dtype=np.uint8))  # without the GIL
-                pos = end
-            if info is None or pos != info.size_bytes:
-                expected = info.size_bytes if info is not None else "?"
-                raise StoreUnavailable(f"{what}: stream ended after {pos} of {expected} bytes")
-            entry = self._cache.put(key, block, info.adapter_config_json)
-            block = None  # owned by the cache now
-        except grpc.aio.AioRpcError as exc:
-            raise _store_error(exc, what) from None
-        finally:
-            if block is not None:
-                self._cache.discard(block)
+        except FetchFailed as exc:
+            raise _fetch_error(exc, what) from None
+        entry = self._cache.put(key, block, info.adapter_config_json)
         seconds = time.perf_counter() - start
         self.fetch_latency.add(seconds)
         if self.on_fetched is not None:
@@ -170,9 +149,9 @@ class StoreClient:
         log.info(
             "fetched %s: %.1f MB in %.3f s (%.0f MB/s)",
             what,
-            pos / 1e6,
+            block.size / 1e6,
             seconds,
-            pos / 1e6 / max(seconds, 1e-9),
+            block.size / 1e6 / max(seconds, 1e-9),
         )
         return entry
 
@@ -185,6 +164,7 @@ class StoreClient:
         """Follows WatchAdapters until cancelled. On each (re)connect the store replays the
         latest version of every adapter (include_existing) before new events; on_connect is
         called once the stream answers, before its first event."""
+        self._worker.start()  # the service follows the store from its start: fetch soon
         backoff = 0.1
         while True:
             call = self._stub.WatchAdapters(pb.WatchAdaptersRequest(include_existing=True))

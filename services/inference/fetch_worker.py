@@ -1,0 +1,179 @@
+"""The fetch worker: a child process that streams FetchAdapter into the shared host arena.
+
+Why a process: receiving an adapter over gRPC in Python holds the GIL for milliseconds at a
+time (each 4 MiB message is assembled into a bytes object before any Python code sees it).
+In the service process that time is taken from the engine's step thread, which needs the GIL
+between its kernel launches: decode steps slowed down while cold adapters loaded. So the
+adapter bytes never enter the service process. The worker maps the arena (a memfd the service
+shares with it, page-locked there for the GPU) and writes each chunk into the block the service
+reserved for it; per fetch the two processes exchange four small messages over a socket.
+
+Protocol (pickled tuples over a multiprocessing Connection on a socketpair; fid = fetch id):
+  service -> worker: ("fetch", fid, adapter_id, version, timeout_s) | ("cancel", fid)
+  worker -> service: ("info", fid, AdapterInfo bytes)
+  service -> worker: ("block", fid, offset, size) | ("drop", fid)
+  worker -> service: ("done", fid, nbytes) | ("error", fid, status name, details)
+Every fetch ends with exactly one "done" or "error", also after "drop" or "cancel": only then
+may the service reuse the block, since the worker could still be writing into it.
+
+The parent's side is FetchWorker (started on first use, restarted if it dies); the child's is
+``python -m services.inference.fetch_worker``.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import queue
+import sys
+import threading
+from multiprocessing.connection import Connection
+
+import grpc
+import numpy as np
+
+from lorafleet.v1 import adapter_store_pb2 as pb
+from services.inference.fetch_wire import FETCH_METHOD, decode_fetch_response
+
+log = logging.getLogger(__name__)
+
+# Status name for a stream that broke the protocol (not a gRPC status).
+PROTOCOL_ERROR = "PROTOCOL"
+MAX_MESSAGE_BYTES = 16 * 2**20
+
+
+class _Fetch:
+    """One fetch on the worker's side: its call and the service's answer to its AdapterInfo."""
+
+    def __init__(self) -> None:
+        self.answer: queue.SimpleQueue = queue.SimpleQueue()
+        self.call = None
+        self.cancelled = False
+
+
+class _Worker:
+    def __init__(self, target: str, arena: np.ndarray, conn: Connection) -> None:
+        self.arena = arena
+        self.conn = conn
+        self._send_lock = threading.Lock()
+        self._fetches: dict[int, _Fetch] = {}
+        self._lock = threading.Lock()
+        channel = grpc.insecure_channel(
+            target,
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 2000),
+            ],
+        )
+        self._rpc = channel.unary_stream(
+            FETCH_METHOD,
+            request_serializer=pb.FetchAdapterRequest.SerializeToString,
+            response_deserializer=decode_fetch_response,
+        )
+
+    def send(self, *msg) -> None:
+        with self._send_lock:
+            self.conn.send(msg)
+
+    def serve(self) -> None:
+        """Until the service closes its end (or exits)."""
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                return
+            kind, fid = msg[0], msg[1]
+            if kind == "fetch":
+                fetch = _Fetch()
+                with self._lock:
+                    self._fetches[fid] = fetch
+                threading.Thread(target=self._run, args=(fid, fetch, *msg[2:]), daemon=True).start()
+                continue
+            with self._lock:
+                fetch = self._fetches.get(fid)
+            if fetch is None:
+                continue  # already ended
+            if kind == "cancel":
+                fetch.cancelled = True
+                fetch.answer.put(("drop",))
+                if fetch.call is not None:
+                    fetch.call.cancel()
+            else:  # "block" or "drop": the answer to this fetch's AdapterInfo
+                fetch.answer.put(msg[2:] if kind == "block" else ("drop",))
+
+    def _run(self, fid: int, fetch: _Fetch, adapter_id: str, version: int, timeout: float):
+        try:
+            self._stream(fid, fetch, adapter_id, version, timeout)
+        except grpc.RpcError as exc:
+            name = "CANCELLED" if fetch.cancelled else exc.code().name
+            self.send("error", fid, name, exc.details() or "")
+        except _ProtocolError as exc:
+            self.send("error", fid, PROTOCOL_ERROR, str(exc))
+        except Exception as exc:  # reported, never swallowed: the service must hear an end
+            log.exception("fetch %d of %r failed", fid, adapter_id)
+            self.send("error", fid, "INTERNAL", f"{type(exc).__name__}: {exc}")
+        finally:
+            with self._lock:
+                self._fetches.pop(fid, None)
+
+    def _stream(self, fid: int, fetch: _Fetch, adapter_id: str, version: int, timeout: float):
+        request = pb.FetchAdapterRequest(adapter_id=adapter_id, version=version)
+        call = self._rpc(request, timeout=timeout)
+        fetch.call = call
+        if fetch.cancelled:
+            call.cancel()
+        view = None
+        size = pos = 0
+        for msg in call:
+            if isinstance(msg, memoryview):
+                chunk = msg
+            elif msg.WhichOneof("payload") == "chunk":
+                chunk = msg.chunk
+            else:
+                if view is not None:
+                    raise _ProtocolError("the store sent AdapterInfo twice")
+                if msg.info.size_bytes <= 0:
+                    raise _ProtocolError("the store reports an empty adapter")
+                self.send("info", fid, msg.info.SerializeToString())
+                answer = fetch.answer.get()
+                if answer[0] == "drop":
+                    call.cancel()
+                    raise _ProtocolError("dropped by the service")
+                offset, size = answer
+                if size != msg.info.size_bytes or offset + size > len(self.arena):
+                    raise _ProtocolError(f"block ({offset}, {size}) does not fit the adapter")
+                view = self.arena[offset : offset + size]
+                continue
+            if view is None:
+                raise _ProtocolError("the store sent bytes before AdapterInfo")
+            end = pos + len(chunk)
+            if end > size:
+                raise _ProtocolError(f"the store sent more than the announced {size} bytes")
+            np.copyto(view[pos:end], np.frombuffer(chunk, dtype=np.uint8))
+            pos = end
+        if view is None or pos != size:
+            raise _ProtocolError(f"stream ended after {pos} of {size or '?'} bytes")
+        self.send("done", fid, pos)
+
+
+class _ProtocolError(Exception):
+    """The store's stream (or the service's answer) does not fit the protocol."""
+
+
+def main(argv: list[str]) -> int:
+    """argv: target, arena fd, arena size, connection fd (both fds inherited)."""
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s fetch-worker %(levelname)s: %(message)s"
+    )
+    target, arena_fd, size, conn_fd = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+    mapping = mmap.mmap(arena_fd, size)
+    os.close(arena_fd)
+    arena = np.frombuffer(mapping, dtype=np.uint8)
+    _Worker(target, arena, Connection(conn_fd)).serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,210 @@
+"""The fetch worker process against a real gRPC FetchAdapter server that follows a script.
+
+Each test serves one adapter body through a scripted servicer (pauses, protocol violations,
+errors) and fetches it through StoreClient, whose fetches run in the worker process. After
+every test the arena is intact and holds no block that is not a cache entry: nothing leaked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import grpc
+import pytest
+
+from lorafleet.v1 import adapter_store_pb2 as pb
+from services.adapter_store.wire import encode_chunk
+from services.inference.arena import ALIGN, HostArena
+from services.inference.engine.api import AdapterKey
+from services.inference.errors import AdapterNotFound, StoreUnavailable
+from services.inference.host_cache import HostCache, HostCacheFull
+from services.inference.store_client import StoreClient
+
+BODY = bytes(range(256)) * 1000 + b"tail"  # 256004 bytes, not a multiple of the chunk size
+CHUNK = 64 * 1024
+# One chunk, then a pause until the test releases the server, then the rest.
+PAUSED = [("info", None), ("body", (0, CHUNK)), ("pause", None), ("body", (CHUNK, len(BODY)))]
+
+
+class Script:
+    """What the server does for the next FetchAdapter: ``steps`` of (what, arg)."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[str, object]] = []
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+
+
+def _info(size: int = len(BODY)) -> pb.FetchAdapterResponse:
+    info = pb.AdapterInfo(adapter_id="x", version=1, size_bytes=size, adapter_config_json="{}")
+    return pb.FetchAdapterResponse(info=info)
+
+
+async def _serve(script: Script, request, context):
+    for what, arg in script.steps:
+        if what == "info":
+            yield _info(arg if arg is not None else len(BODY)).SerializeToString()
+        elif what == "body":  # arg: (start, end)
+            start, end = arg
+            for i in range(start, end, CHUNK):
+                yield encode_chunk(BODY[i : min(i + CHUNK, end)])
+        elif what == "pause":  # until the test releases it
+            script.started.set()
+            await script.release.wait()
+        elif what == "abort":
+            await context.abort(arg, "scripted failure")
+
+
+@pytest.fixture
+async def server():
+    script = Script()
+    srv = grpc.aio.server()
+
+    async def fetch(request, context):
+        async for message in _serve(script, request, context):
+            yield message
+
+    handler = grpc.method_handlers_generic_handler(
+        "lorafleet.v1.AdapterStore",
+        {
+            "FetchAdapter": grpc.unary_stream_rpc_method_handler(
+                fetch,
+                request_deserializer=pb.FetchAdapterRequest.FromString,
+                response_serializer=lambda b: b,
+            )
+        },
+    )
+    srv.add_generic_rpc_handlers((handler,))
+    port = srv.add_insecure_port("127.0.0.1:0")
+    await srv.start()
+    yield script, f"127.0.0.1:{port}"
+    script.release.set()
+    await srv.stop(0)
+
+
+def _client(address: str, blocks: int = 200) -> tuple[StoreClient, HostCache]:
+    cache = HostCache(HostArena(blocks * ALIGN, pin=False))
+    return StoreClient(address, cache, lookup_timeout=5, fetch_timeout=10), cache
+
+
+def _no_leak(cache: HostCache) -> None:
+    cache.arena.check_integrity()
+    entries = sum(-(-cache.peek(k).size_bytes // ALIGN) * ALIGN for k in cache.keys())
+    assert cache.arena.stats().used == entries
+
+
+async def test_bytes_land_in_the_shared_arena(server):
+    script, address = server
+    script.steps = [("info", None), ("body", (0, len(BODY)))]
+    client, cache = _client(address)
+    try:
+        entry = await client.fetch(AdapterKey("x", 1))
+        assert bytes(cache.arena.view(entry.block)) == BODY
+        again = await client.fetch(AdapterKey("x", 1))  # a cache hit: no second stream
+        assert again is entry and client.fetch_latency.summary().count == 1
+        _no_leak(cache)
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize(
+    ("steps", "error", "words"),
+    [
+        ([("abort", grpc.StatusCode.NOT_FOUND)], AdapterNotFound, "scripted failure"),
+        (
+            [("info", None), ("body", (0, 1000)), ("abort", grpc.StatusCode.UNAVAILABLE)],
+            StoreUnavailable,
+            "UNAVAILABLE",
+        ),  # fmt: skip
+        ([("body", (0, 10))], StoreUnavailable, "bytes before AdapterInfo"),
+        ([("info", None), ("body", (0, 1000))], StoreUnavailable, "1000 of 256004"),
+        ([("info", 100), ("body", (0, 1000))], StoreUnavailable, "more than the announced"),
+        ([("info", None), ("info", None)], StoreUnavailable, "AdapterInfo twice"),
+        ([("info", 0)], StoreUnavailable, "empty adapter"),
+    ],
+)
+async def test_a_broken_stream_fails_cleanly(server, steps, error, words):
+    script, address = server
+    script.steps = steps
+    client, cache = _client(address)
+    try:
+        with pytest.raises(error, match=words):
+            await client.fetch(AdapterKey("x", 1))
+        assert len(cache) == 0
+        _no_leak(cache)
+        script.steps = [("info", None), ("body", (0, len(BODY)))]  # the worker still serves
+        entry = await client.fetch(AdapterKey("x", 1))
+        assert bytes(cache.arena.view(entry.block)) == BODY
+    finally:
+        await client.close()
+
+
+async def test_no_room_in_the_cache_is_reported_and_nothing_leaks(server):
+    script, address = server
+    script.steps = [("info", None), ("body", (0, len(BODY)))]
+    client, cache = _client(address, blocks=8)  # 32 KiB: too small for the body
+    try:
+        with pytest.raises(HostCacheFull, match="larger than the host cache"):
+            await client.fetch(AdapterKey("x", 1))
+        _no_leak(cache)
+    finally:
+        await client.close()
+
+
+async def test_a_cancelled_caller_returns_the_block_only_after_the_worker_ends(server):
+    """The fetch task is cancelled while the worker writes into its block: the block stays
+    reserved until the worker reports the end, then goes back to the arena."""
+    script, address = server
+    script.steps = PAUSED
+    client, cache = _client(address)
+    try:
+        task = asyncio.create_task(client._fetch(AdapterKey("x", 1)))
+        await asyncio.wait_for(script.started.wait(), 10)
+        await asyncio.sleep(0.2)  # the block was reserved when AdapterInfo arrived
+        assert cache.arena.stats().blocks == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):  # the worker cancels its call and reports the end
+            if cache.arena.stats().blocks == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert cache.arena.stats().blocks == 0
+        _no_leak(cache)
+    finally:
+        await client.close()
+
+
+async def test_a_dead_worker_fails_its_fetches_and_is_restarted(server):
+    script, address = server
+    script.steps = PAUSED
+    client, cache = _client(address)
+    try:
+        task = asyncio.create_task(client.fetch(AdapterKey("x", 1)))
+        await asyncio.wait_for(script.started.wait(), 10)
+        os.kill(client._worker._proc.pid, signal.SIGKILL)
+        with pytest.raises(StoreUnavailable, match="fetch worker exited"):
+            await asyncio.wait_for(task, 10)
+        _no_leak(cache)
+        assert cache.arena.stats().blocks == 0
+        script.release.set()
+        script.steps = [("info", None), ("body", (0, len(BODY)))]
+        entry = await client.fetch(AdapterKey("x", 1))  # a new worker
+        assert bytes(cache.arena.view(entry.block)) == BODY
+    finally:
+        await client.close()
+
+
+async def test_concurrent_fetches_of_one_version_share_one_stream(server):
+    script, address = server
+    script.steps = [("info", None), ("body", (0, len(BODY)))]
+    client, cache = _client(address)
+    try:
+        entries = await asyncio.gather(*(client.fetch(AdapterKey("x", 1)) for _ in range(5)))
+        assert all(e is entries[0] for e in entries)
+        assert client.fetch_latency.summary().count == 1
+        _no_leak(cache)
+    finally:
+        await client.close()
