@@ -5,16 +5,19 @@
    copy (pinned buffer -> pool pages, on a side stream; GPU time from CUDA events) and first
    step (admission, prefill, first token), against the same prompt on a warm adapter and on the
    base model.
-2. Step time: 64 requests decoding (half on resident adapters), first alone, then while cold
-   adapters are fetched from the store and copied into the pool. Goal: p99 at most 1.05x.
+2. Step time: 64 requests decoding (half on resident adapters, contexts held stationary), in
+   windows without loads alternating with windows while cold adapters are fetched from the
+   store and copied into the pool, for two GIL switch intervals side by side. Goal: p99 at
+   most 1.05x.
 
 The store runs in a subprocess on the local backend (this script's --serve-store mode, which
 needs neither boto3 nor grpcio-health-checking); the engine and the service's adapter path
-(pinned arena, host cache, store client, registry) run in this process. The model is a random
+(pinned arena, host cache, store client with its fetch worker process, registry) run in this
+process. The model is a random
 Llama-7B-shaped one, generated on first use.
 
     python bench/adapter_load.py                                # CUDA, Llama-7B shape, bf16
-    python bench/adapter_load.py --shape tiny --device cpu --cold 2 --loads 4 --steps 30
+    python bench/adapter_load.py --shape tiny --device cpu --cold 2 --loads 4 --decode-len 32
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -55,6 +59,7 @@ from store.synthetic import synthetic_adapter  # noqa: E402
 log = logging.getLogger("bench.adapter_load")
 RANK = 16
 PROMPT_TOKENS = 128
+_DEFAULT_SWITCH_INTERVAL = sys.getswitchinterval()
 
 
 def serve_store(root: str, port: int) -> None:
@@ -115,19 +120,29 @@ def upload_all(address: str, shape, names: list[str]) -> float:
     return size / 1e6
 
 
+class StepTime(NamedTuple):
+    start: float
+    seconds: float
+    outputs: int  # sequences that sampled a token
+    tokens: int  # tokens computed (a pure decode step: one per sequence)
+
+
 class StepTimer:
-    """Wraps EngineCore.step: (start, seconds, outputs) of every step. step() ends in a host
-    sync (sampling's tolist), so wall time is the step's device time too."""
+    """Wraps EngineCore.step and records every step. step() ends in a host sync (sampling's
+    tolist), so wall time is the step's device time too."""
 
     def __init__(self, core) -> None:
-        self.steps: list[tuple[float, float, int]] = []
+        self.steps: list[StepTime] = []
+        self._core = core
         self._step = core.step
         core.step = self
 
     def __call__(self):
         t = time.perf_counter()
+        before = self._core.computed_tokens
         out = self._step()
-        self.steps.append((t, time.perf_counter() - t, len(out)))
+        tokens = self._core.computed_tokens - before
+        self.steps.append(StepTime(t, time.perf_counter() - t, len(out), tokens))
         return out
 
 
@@ -178,7 +193,7 @@ async def run(args) -> dict:
     try:
         warm = [f"bench/warm-{i}" for i in range(args.warm)]
         cold = [f"bench/cold-{i}" for i in range(args.cold)]
-        loads = [f"bench/load-{i}" for i in range(args.loads)]
+        loads = [f"bench/load-{i}" for i in range(args.load_adapters)]
         mb = upload_all(address, shape, warm + cold + loads)
         log.info("uploaded %d adapters of %.1f MB", len(warm + cold + loads), mb)
         return await measure(args, device, model, address, warm, cold, loads, mb)
@@ -227,53 +242,83 @@ async def measure(args, device, model, address, warm, cold, loads, mb) -> dict:
 
 
 async def step_times(args, engine, registry, keys, loads, timer) -> dict:
-    """64 decoding requests; step times without loads, then while adapters load."""
-    params = SamplingParams(max_new_tokens=args.steps * 4 + 64, ignore_eos=True)
+    """Decode step times of ``batch`` requests, in windows without loads and windows while cold
+    adapters load, alternating, for each GIL switch interval in ``args.switch_intervals``.
+
+    The workload is stationary, so that windows compare like with like: each of the batch's
+    streams issues requests of ``decode_len`` new tokens back to back, their starts staggered,
+    so contexts stay spread over [prompt, prompt + decode_len) (decode steps get slower as
+    contexts grow; comparing a later window with an earlier one would blame the loads for it).
+    Only steps that decode the full batch and nothing else are counted (a stream's next request
+    is prefilled in a mixed step, left out of both sides)."""
     prompt = [(11 * i) % 500 + 3 for i in range(PROMPT_TOKENS)]
+    stop = asyncio.Event()
 
-    async def one(i: int) -> None:
+    async def stream(i: int) -> None:
         key = keys[i % len(keys)] if i % 2 and keys else None
-        req = GenerationRequest(
-            f"decode-{i}", prompt_token_ids=prompt, adapter=key, sampling=params
-        )
-        async for _ in engine.generate(req):
-            pass
+        n = 0
+        while not stop.is_set():
+            new = args.decode_len * (i + 1) // args.batch if n == 0 else args.decode_len
+            params = SamplingParams(max_new_tokens=max(new, 1), ignore_eos=True)
+            req = GenerationRequest(f"decode-{i}-{n}", prompt_token_ids=prompt, adapter=key,
+                                    sampling=params)  # fmt: skip
+            async for _ in engine.generate(req):
+                pass
+            n += 1
 
-    tasks = [asyncio.create_task(one(i)) for i in range(args.batch)]
+    def decode_steps(since: int) -> list[StepTime]:
+        return [s for s in timer.steps[since:] if s.outputs == s.tokens == args.batch]
 
-    async def decode_steps(n: int) -> list[tuple[float, float, int]]:
+    async def quiet_window(n: int) -> list[StepTime]:
         start = len(timer.steps)
-        while sum(1 for s in timer.steps[start:] if s[2] == args.batch) < n:
-            await asyncio.sleep(0.01)
-        return [s for s in timer.steps[start:] if s[2] == args.batch]
+        while len(decode_steps(start)) < n:
+            await asyncio.sleep(0.005)
+        return decode_steps(start)
 
-    await decode_steps(8)  # everything prefilled and decoding
-    quiet = await decode_steps(args.steps)
-    t0 = time.perf_counter()
-    done = 0
-    for name in loads:  # back to back: a load is always in flight during this window
-        key = await registry.acquire(name, 0)
-        await engine.load_adapter(key)
-        registry.release(key)
-        done += 1
-    t1 = time.perf_counter()
-    busy = [s for s in timer.steps if t0 <= s[0] < t1 and s[2] == args.batch]
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    async def load_window(names: list[str]) -> list[StepTime]:
+        start = len(timer.steps)
+        for name in names:  # back to back: a load is always in flight during the window
+            key = await registry.acquire(name, 0)
+            await engine.load_adapter(key)
+            registry.release(key)
+            registry.unload(name, 0)  # dropped again: the next round loads it cold
+        return decode_steps(start)
 
-    def stats(samples):
-        s = summarize([x[1] for x in samples], len(samples))
+    tasks = [asyncio.create_task(stream(i)) for i in range(args.batch)]
+    try:
+        await quiet_window(args.decode_len)  # one full cycle: contexts spread out
+        windows = {sw: ([], [], 0) for sw in args.switch_intervals}
+        per_window = 2
+        rounds = max(1, args.loads // (per_window * len(args.switch_intervals)))
+        for r in range(rounds):
+            for sw in args.switch_intervals:
+                sys.setswitchinterval(sw)
+                quiet, busy, n = windows[sw]
+                quiet += await quiet_window(args.quiet_steps)
+                names = [loads[(r * per_window + j) % len(loads)] for j in range(per_window)]
+                busy += await load_window(names)
+                windows[sw] = (quiet, busy, n + len(names))
+    finally:
+        sys.setswitchinterval(_DEFAULT_SWITCH_INTERVAL)
+        stop.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def stats(samples: list[StepTime]) -> dict:
+        s = summarize([x.seconds for x in samples], len(samples))
         return {"steps": len(samples), "mean_s": s.mean, "p50_s": s.p50, "p99_s": s.p99,
                 "max_s": s.max}  # fmt: skip
 
-    a, b = stats(quiet), stats(busy)
-    return {
-        "batch": args.batch, "step_no_loads": a, "step_with_loads": b,
-        "loads": done, "load_window_s": t1 - t0,
-        "p99_ratio": b["p99_s"] / a["p99_s"] if a["p99_s"] else None,
-        "p50_ratio": b["p50_s"] / a["p50_s"] if a["p50_s"] else None,
-    }  # fmt: skip
+    by_interval = []
+    for sw, (quiet, busy, n) in windows.items():
+        a, b = stats(quiet), stats(busy)
+        by_interval.append({
+            "switch_interval_s": sw, "loads": n, "step_no_loads": a, "step_with_loads": b,
+            "p99_ratio": b["p99_s"] / a["p99_s"] if a["p99_s"] else None,
+            "p50_ratio": b["p50_s"] / a["p50_s"] if a["p50_s"] else None,
+        })  # fmt: skip
+    return {"batch": args.batch, "decode_len": args.decode_len, "steps": by_interval}
 
 
 def machine() -> dict:
@@ -296,10 +341,27 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=64, help="decoding requests")
     parser.add_argument("--warm", type=int, default=8, help="resident adapters in the batch")
     parser.add_argument("--cold", type=int, default=8, help="cold loads timed for TTFT")
-    parser.add_argument("--loads", type=int, default=32, help="loads during the step window")
-    parser.add_argument("--steps", type=int, default=300, help="decode steps without loads")
+    parser.add_argument("--loads", type=int, default=64, help="cold loads while stepping, in all")
+    parser.add_argument(
+        "--load-adapters",
+        type=int,
+        default=8,
+        help="distinct adapters those loads cycle through (each dropped after)",
+    )
+    parser.add_argument(
+        "--decode-len", type=int, default=256, help="new tokens per request of the decoding streams"
+    )
+    parser.add_argument(
+        "--quiet-steps", type=int, default=24, help="decode steps per window without loads"
+    )
+    parser.add_argument(
+        "--switch-intervals",
+        default="0.005,0.0005",
+        help="GIL switch intervals (s) to compare, comma-separated",
+    )
     parser.add_argument("--out", default=str(REPO / "bench/results/adapter_load.json"))
     args = parser.parse_args()
+    args.switch_intervals = [float(x) for x in args.switch_intervals.split(",")]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     result = asyncio.run(run(args))
     result = {"machine": machine(), "shape": args.shape, "rank": RANK,
@@ -324,13 +386,19 @@ def report(r: dict) -> str:
         f"  (version lookup          {ms(m['lookup_s'])}, when not known from the watch)",
         f"  warm adapter TTFT        {ms(r['warm_adapter_ttft_s'])}",
         f"  base model TTFT          {ms(r['base_ttft_s'])}",
-        f"decode step, batch {r['batch']}:      p50         p99",
-        f"  no loads       {ms(r['step_no_loads']['p50_s'])} {ms(r['step_no_loads']['p99_s'])}"
-        f"  ({r['step_no_loads']['steps']} steps)",
-        f"  with loads     {ms(r['step_with_loads']['p50_s'])} {ms(r['step_with_loads']['p99_s'])}"
-        f"  ({r['step_with_loads']['steps']} steps, {r['loads']} loads)",
-        f"  p99 ratio {r['p99_ratio']:.3f} (goal <= 1.05)",
+        f"decode step, batch {r['batch']} (contexts {r['prompt_tokens']} to "
+        f"{r['prompt_tokens'] + r['decode_len']}):        p50         p99",
     ]
+    for w in r["steps"]:
+        a, b = w["step_no_loads"], w["step_with_loads"]
+        lines += [
+            f"  switch interval {w['switch_interval_s'] * 1000:.1f} ms",
+            f"    no loads           {ms(a['p50_s'])} {ms(a['p99_s'])}  ({a['steps']} steps)",
+            f"    with loads         {ms(b['p50_s'])} {ms(b['p99_s'])}  ({b['steps']} steps, "
+            f"{w['loads']} loads)",
+            f"    p99 ratio {w['p99_ratio']:.3f}, p50 ratio {w['p50_ratio']:.3f} "
+            f"(goal: p99 <= 1.05)",
+        ]
     return "\n".join(lines)
 
 
