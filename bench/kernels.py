@@ -181,12 +181,7 @@ def lora_layer_fns(case: LoraCase, rank: int, layers: int, cfg=None, calls=None)
         [torch.zeros(t, sum(w), dtype=DT, device=DEV) for _, _, w in calls] for _ in range(layers)
     ]
     # cfg: a LoraLaunch for every call, or a dict of changes to each call's own default
-    cfgs = [
-        lora.launch_config(t, d_in, POOL_W, rank, len(m))._replace(**cfg)
-        if isinstance(cfg, dict)
-        else cfg
-        for m, d_in, _ in calls
-    ]
+    cfgs = [_call_config(t, d_in, rank, m, w, cfg) for m, d_in, w in calls]
     ws = torch.empty(
         max(
             lora.workspace_size(t, len(m), rank, c)
@@ -219,6 +214,22 @@ def lora_layer_fns(case: LoraCase, rank: int, layers: int, cfg=None, calls=None)
                 _torch_lora(ys[l_][c], xs[l_][c], case.pool[l_], gathers[c], rank, d_in, widths)
 
     return run_triton, run_torch
+
+
+def _call_config(t: int, d_in: int, rank: int, mods, widths, cfg):
+    """The launcher's own choice (cfg None), a LoraLaunch, or changes to a path's default:
+    a dict with "path": "two_launch" or "fused" and any LoraLaunch fields."""
+    if cfg is None or isinstance(cfg, lora.LoraLaunch):
+        return cfg
+    cfg = dict(cfg)
+    path = cfg.pop("path", None)
+    if path == "two_launch":
+        base = lora.launch_config(t, d_in, POOL_W, rank, len(mods))
+    elif path == "fused":
+        base = lora.fused_config(t, POOL_W, rank, len(mods), max(widths))
+    else:
+        base = lora.launch_config(t, d_in, POOL_W, rank, len(mods), max(widths))
+    return base._replace(**cfg)
 
 
 def _gather_plan(case: LoraCase, rank: int, mods, d_in: int, widths):
@@ -532,6 +543,63 @@ def tune(copy_bw: float) -> dict:
     return res
 
 
+def sweep(copy_bw: float, out_path: str | None) -> list[dict]:
+    """Per call (qkv, o, gate_up, down), distinct adapters: the two-launch path against the
+    fused kernel at several parts, and launch parameters of the fused kernel."""
+    res = []
+    variants = [{"path": "two_launch"}] + [{"path": "fused", "parts": p} for p in (1, 2, 4, 8, 16)]
+    extra = [
+        {"path": "fused", "shrink_warps": 8},
+        {"path": "fused", "stages": 2},
+        {"path": "fused", "stages": 4},
+        {"path": "fused", "block_m": 16, "shrink_k": 128, "expand_n": 128},
+    ]
+    grid = [(16, b) for b in (1, 8, 32, 64, 128, 256, 512)] + [(64, b) for b in (1, 64, 256, 512)]
+    for rank, batch in grid:
+        rows = torch.arange(batch, dtype=torch.int32)
+        for ci, call in enumerate(CALLS):
+            nbytes = lora_bytes(rows, rank, batch, (call,))
+            layers = layers_for(nbytes)
+            case = build_lora(batch, rank, layers, rows)
+            vs = variants + (extra if batch in (64, 512) else [])
+            for v in vs:
+                if batch * v.get("parts", 1) > 512:
+                    continue
+                run_triton, _ = lora_layer_fns(case, rank, layers, v, (call,))
+                g = timed(run_triton, layers, eager=False).graph_us
+                res.append(
+                    dict(rank=rank, batch=batch, call=ci, change=v, graph_us=g,
+                         bw=round(nbytes / (g * 1e-6) / copy_bw, 3))
+                )  # fmt: skip
+                log.info("sweep %s", res[-1])
+            del case
+        if out_path:
+            with open(out_path, "w") as f:
+                json.dump(res, f)
+    t = PREFILL_TOKENS
+    rows = (torch.arange(t) * 16 // t).to(torch.int32)
+    case = build_lora(16, 16, 1, rows)
+    for ci, call in enumerate(CALLS):
+        nbytes = lora_bytes(rows, 16, t, (call,))
+        for v in (
+            {"path": "two_launch"},
+            {"path": "fused", "block_m": 32, "shrink_warps": 4},
+            {"path": "fused", "block_m": 32, "shrink_warps": 8},
+            {"path": "fused", "block_m": 64, "shrink_warps": 8},
+        ):
+            run_triton, _ = lora_layer_fns(case, 16, 1, v, (call,))
+            g = timed(run_triton, 1, eager=False).graph_us
+            res.append(
+                dict(rank=16, batch=t, call=ci, change=v, graph_us=g,
+                     bw=round(nbytes / (g * 1e-6) / copy_bw, 3))
+            )  # fmt: skip
+            log.info("sweep %s", res[-1])
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(res, f)
+    return res
+
+
 def table(rows: list[dict], cols: list[str]) -> str:
     widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
     lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))]
@@ -548,6 +616,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a smaller grid")
     ap.add_argument("--tune", action="store_true", help="sweep launch parameters instead")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--sweep", default=None, help="per-call path and parts sweep to this JSON")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     props = torch.cuda.get_device_properties(DEV)
@@ -560,6 +629,11 @@ def main() -> None:
         "dtype": "bfloat16",
         "model": "Llama-2-7B layer (H 4096, I 11008, 32x128 heads)",
     }
+    if args.sweep:
+        rows = sweep(bw, args.sweep)
+        for r in rows:
+            print(r["rank"], r["batch"], r["call"], r["graph_us"], r["bw"], json.dumps(r["change"]))
+        return
     if args.tune:
         result["tune"] = tune(bw)
     sections = {

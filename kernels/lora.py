@@ -30,12 +30,18 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.lora_args import MAX_SLICES, check_call, check_float, check_modules, check_widths
+from kernels.lora_fused import lora_fused_kernel
+from kernels.lora_fused import rank_block as fused_rank_rows
 from kernels.tiles import CHUNK, find_tile, max_tiles, num_sms
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Shrink programs wanted per multiprocessor: with fewer, the weights stream through too few
 # SMs (small decode batches) and split_k makes up the difference.
 _SHRINK_PROGRAMS_PER_SM = 4
+# Up to this many tokens a call is one fused launch (decode and small mixed steps).
+FUSED_MAX_TOKENS = 512
+# Fused programs wanted per multiprocessor; parts split a (tile, slice) until there are as many.
+_FUSED_PROGRAMS_PER_SM = 2
 
 
 class LoraLaunch(NamedTuple):
@@ -51,14 +57,23 @@ class LoraLaunch(NamedTuple):
     split_k: int = 1  # shrink programs per d_in; expand adds their partial sums
     expand_r: int = 16  # rank rows per expand step
     pdl: bool = True  # overlap expand's prologue with shrink (Hopper and later)
+    fused: bool = False  # one launch (kernels/lora_fused.py) instead of shrink + expand
+    parts: int = 1  # fused: programs sharing one (tile, slice)'s output columns
 
 
 def launch_config(
-    num_tokens: int, d_in: int, width: int, max_rank: int, num_slices: int = 1
+    num_tokens: int,
+    d_in: int,
+    width: int,
+    max_rank: int,
+    num_slices: int = 1,
+    out_width: int = 0,
 ) -> LoraLaunch:
     """16-token tiles (a decode token wastes little of a 16-row dot), 32 for big batches where
     tiles are full; K and N blocks inside one pool chunk when the width allows (each row of a
-    block is one contiguous run); d_in split when too few programs would stream the weights."""
+    block is one contiguous run); d_in split when too few programs would stream the weights.
+    With ``out_width`` (the widest slice; lora_apply passes it) small batches get the fused
+    one-launch kernel instead."""
     big = num_tokens > 1024
     shrink_k = _fit_block(256, width)
     rank_block = 16 if max_rank <= 16 else 32
@@ -67,6 +82,8 @@ def launch_config(
     split = 1
     while split * 2 <= want and d_in >= 4 * split * shrink_k:
         split *= 2
+    if 0 < num_tokens <= FUSED_MAX_TOKENS and num_slices and out_width:
+        return fused_config(num_tokens, width, max_rank, num_slices, out_width)
     return LoraLaunch(
         block_m=32 if big else 16,
         shrink_k=shrink_k,
@@ -74,6 +91,28 @@ def launch_config(
         expand_n=_fit_block(256, width),
         split_k=split,
         expand_r=rank_block,
+    )
+
+
+def fused_config(
+    num_tokens: int, width: int, max_rank: int, num_slices: int, out_width: int
+) -> LoraLaunch:
+    """One launch; blocks sized so that a weight block is about 8 KB whatever the rank (all
+    rank rows are held at once); parts chosen for the distinct-adapter worst case (a tile a
+    token) to give every SM a few programs, at most one part per column block."""
+    rows = fused_rank_rows(max_rank)
+    blk = _fit_block(max(32, min(256, 8192 // rows)), width)
+    programs = num_tokens * num_slices
+    parts = max(1, min(-(-_FUSED_PROGRAMS_PER_SM * num_sms() // programs), -(-out_width // blk)))
+    return LoraLaunch(
+        block_m=16,
+        shrink_k=blk,
+        shrink_r=rows,
+        expand_n=blk,
+        expand_r=rows,
+        fused=True,
+        parts=parts,
+        stages=3,
     )
 
 
@@ -300,6 +339,12 @@ def _lora_expand_kernel(
     tl.store(y_ptrs, (y.to(tl.float32) + acc * scale).to(y_ptr.dtype.element_ty), mask=y_ok)
 
 
+def seg_chunk(num_segs: int) -> int:
+    """Segments find_tile scans per step: the capacity rounded up to a power of two (host
+    knows it), at most tiles.CHUNK; small capacities scan in one short step."""
+    return max(16, min(CHUNK, triton.next_power_of_2(max(num_segs, 1))))
+
+
 def _slice_args(modules: tuple[int, ...], widths: tuple[int, ...] = ()) -> dict:
     mods = list(modules) + [modules[-1]] * (MAX_SLICES - len(modules))
     out = {"M0": mods[0], "M1": mods[1], "M2": mods[2]}
@@ -336,7 +381,8 @@ def _shrink(x, h, pool_layer, index, tokens, modules, max_rank, cfg, call, pdl):
         D_IN=call.d_in, W=call.width, IN_CHUNKS=call.in_chunks,
         RANK_BLOCKS=rank_blocks, SPLIT_K=split,
         K_PER=triton.cdiv(triton.cdiv(call.d_in, split), cfg.shrink_k) * cfg.shrink_k,
-        BLOCK_M=cfg.block_m, BLOCK_K=cfg.shrink_k, BLOCK_R=cfg.shrink_r, CHUNK=CHUNK,
+        BLOCK_M=cfg.block_m, BLOCK_K=cfg.shrink_k, BLOCK_R=cfg.shrink_r,
+        CHUNK=seg_chunk(call.num_segs),
         ALIGNED=call.width % cfg.shrink_k == 0, DOT_F32=_dot_f32(x.dtype), PDL=pdl,
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules),
@@ -354,9 +400,32 @@ def _expand(y, h, pool_layer, index, tokens, modules, out_widths, max_rank, cfg,
         tokens.seg_starts, tokens.seg_lora, call.num_segs,
         max_rank,
         W=call.width, NB0=blocks[0], NB1=blocks[1], SPLIT_K=h.shape[0],
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.expand_n, BLOCK_R=cfg.expand_r, CHUNK=CHUNK,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.expand_n, BLOCK_R=cfg.expand_r,
+        CHUNK=seg_chunk(call.num_segs),
         ALIGNED=call.width % cfg.expand_n == 0, DOT_F32=_dot_f32(y.dtype), PDL=pdl,
         num_warps=cfg.expand_warps, num_stages=1, launch_pdl=pdl,
+        **_slice_args(modules, out_widths),
+    )  # fmt: skip
+
+
+def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, call):
+    if cfg.shrink_r < max_rank:
+        raise ValueError(f"a fused config holds {cfg.shrink_r} rank rows, max_rank is {max_rank}")
+    grid = (
+        max_tiles(call.num_tokens, cfg.block_m, call.num_segs),
+        len(modules) * cfg.parts,
+    )
+    lora_fused_kernel[grid](
+        x, x.stride(0), y, y.stride(0),
+        pool_layer, pool_layer.stride(0), pool_layer.stride(1),
+        index.slot_table, index.slot_table.stride(0), index.ranks, index.a_offsets,
+        index.b_offsets, index.scales, index.ranks.stride(0), index.scales.stride(0),
+        tokens.seg_starts, tokens.seg_lora, call.num_segs,
+        max_rank, cfg.parts,
+        D_IN=call.d_in, W=call.width, IN_CHUNKS=call.in_chunks,
+        BLOCK_M=cfg.block_m, BLOCK_K=cfg.shrink_k, BLOCK_N=cfg.expand_n, BLOCK_R=cfg.shrink_r,
+        CHUNK=seg_chunk(call.num_segs), DOT_F32=_dot_f32(y.dtype),
+        num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules, out_widths),
     )  # fmt: skip
 
@@ -442,13 +511,9 @@ def lora_apply(
     if y.shape[0] != t:
         raise ValueError(f"x has {t} tokens, y has {y.shape[0]}")
     call = check_call(x, pool_layer, index, tokens, modules, max_rank, d_in)
-    cfg = config or launch_config(t, d_in, call.width, max_rank, len(modules))
-    if t == 0:
-        return
-    need = cfg.split_k * t * len(modules) * max_rank
-    if workspace is None:
-        workspace = torch.empty(need, dtype=torch.float32, device=x.device)
-    elif (
+    cfg = config or launch_config(t, d_in, call.width, max_rank, len(modules), max(out_widths))
+    need = 0 if cfg.fused else cfg.split_k * t * len(modules) * max_rank
+    if workspace is not None and (
         workspace.dtype != torch.float32
         or workspace.numel() < need
         or not workspace.is_contiguous()
@@ -458,6 +523,13 @@ def lora_apply(
             f"workspace must be a contiguous float32 buffer of at least {need} "
             f"elements on {x.device}, got {workspace.numel()} {workspace.dtype}"
         )
+    if t == 0:
+        return
+    if cfg.fused:  # one launch, h stays in registers: no workspace
+        _fused(y, x, pool_layer, index, tokens, modules, tuple(out_widths), max_rank, cfg, call)
+        return
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.float32, device=x.device)
     h = workspace[:need].view(cfg.split_k, t, len(modules), max_rank)
     pdl = _pdl(cfg, x.device)
     _shrink(x, h, pool_layer, index, tokens, modules, max_rank, cfg, call, pdl)

@@ -9,6 +9,7 @@ workspaces given a step allocates nothing.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kernels import attention, attention_ref, lora, lora_ref
@@ -20,7 +21,9 @@ from tests.kernels.sizes import assert_close
 DEV = torch.device("cuda")
 
 
-def test_decode_step_replays_with_new_batches():
+@pytest.mark.parametrize("path", ["launcher", "two_launch"])
+def test_decode_step_replays_with_new_batches(path):
+    """The launcher's choice at batch 64 (the fused kernel) and the two-launch path forced."""
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
     heads, kv_heads, head_dim, page = 32, 8, 128, 16
@@ -50,6 +53,10 @@ def test_decode_step_replays_with_new_batches():
     seq_lens = torch.empty(batch, dtype=torch.int32, device=DEV)
     out = torch.empty_like(q)
     lora_ws = torch.empty(lora.workspace_size(batch, 3, max_rank), device=DEV)
+    lora_cfg = None
+    if path == "two_launch":
+        lora_cfg = lora.launch_config(batch, d_in, w, max_rank, 3)
+        assert not lora_cfg.fused
     splits = attention.decode_splits(batch, kv_heads, kv.block_tables.shape[1] * page, 64)
     attn_ws = torch.empty(
         attention.decode_workspace_size(batch, heads, head_dim, splits),
@@ -85,7 +92,16 @@ def test_decode_step_replays_with_new_batches():
             workspace=attn_ws,
         )
         lora.lora_apply(
-            y, x, setup.pool[0], setup.index, tokens, (Q, K, V), widths, max_rank, workspace=lora_ws
+            y,
+            x,
+            setup.pool[0],
+            setup.index,
+            tokens,
+            (Q, K, V),
+            widths,
+            max_rank,
+            workspace=lora_ws,
+            config=lora_cfg,
         )
 
     fill("uniform")

@@ -35,6 +35,23 @@ from tests.kernels.sizes import (
 # Under the interpreter, small blocks make every loop run several steps; on a GPU the
 # launcher's own choice is what gets tested.
 SMALL = None if ON_GPU else lora.LoraLaunch(block_m=16, shrink_k=16, shrink_r=16, expand_n=16)
+PATHS = ("two_launch", "fused")
+
+
+def _config(path: str, shape, t: int, max_rank: int, parts: int = 2):
+    """The launch config of a path: shrink + expand, or the fused one-launch kernel. On a GPU
+    the launcher's own blocks (its fused choice for small batches is forced either way)."""
+    slices = len(shape.modules)
+    if path == "two_launch":
+        if SMALL is not None:
+            return SMALL
+        return lora.launch_config(t, shape.d_in, shape.width, max_rank, slices)
+    if ON_GPU:
+        return lora.fused_config(t, shape.width, max_rank, slices, max(shape.widths))
+    rows = lora.fused_rank_rows(max_rank)
+    return lora.LoraLaunch(
+        block_m=16, shrink_k=16, shrink_r=rows, expand_n=16, fused=True, parts=parts
+    )
 
 
 def _ranks(
@@ -53,7 +70,10 @@ def _ranks(
     return out
 
 
-def _check_apply(shape, ranks, rows, dtype, gen, config=SMALL, workspace=None):
+def _check_apply(shape, ranks, rows, dtype, gen, config=SMALL, workspace=None, path=None):
+    if path is not None:
+        max_r = max(max(r.values()) for r in ranks)
+        config = _config(path, shape, rows.numel(), max_r, parts=1 + rows.numel() % 3)
     dims = {m: (shape.d_in, w) for m, w in zip(shape.modules, shape.widths, strict=True)}
     setup = build_adapters(ranks, dims, shape.width, dtype, DEVICE, gen)
     max_rank = max(max(r.values()) for r in ranks)
@@ -83,10 +103,11 @@ def _check_apply(shape, ranks, rows, dtype, gen, config=SMALL, workspace=None):
     assert torch.equal(y[base], y0[base]), "base-only rows must stay untouched"
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(
     ("popularity", "grouped"), list(itertools.product(POPULARITY, (True, False)))
 )
-def test_apply_popularity(popularity, grouped):
+def test_apply_popularity(popularity, grouped, path):
     """Each popularity, tokens in adapter runs (as the scheduler sorts them) and scattered."""
     i = POPULARITY.index(popularity) * 2 + grouped
     gen = torch.Generator().manual_seed(100 + i)
@@ -95,13 +116,14 @@ def test_apply_popularity(popularity, grouped):
     n = POP_BATCH if popularity == "distinct" else ADAPTERS
     ranks = _ranks(n, shape.modules, RANKS, gen)
     rows = token_rows(popularity, POP_BATCH, n, gen, grouped)
-    _check_apply(shape, ranks, rows, dtype, gen)
+    _check_apply(shape, ranks, rows, dtype, gen, path=path)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("shape", LORA_SHAPES, ids=lambda s: s.name)
 @pytest.mark.parametrize("rank", RANKS)
 @pytest.mark.parametrize("batch", BATCHES)
-def test_apply_rank_size_batch(shape, rank, batch):
+def test_apply_rank_size_batch(shape, rank, batch, path):
     """Every rank on every hidden size at every batch; uniform popularity, adapter runs."""
     seed = LORA_SHAPES.index(shape) * 100 + RANKS.index(rank) * 10 + BATCHES.index(batch)
     gen = torch.Generator().manual_seed(seed)
@@ -109,7 +131,7 @@ def test_apply_rank_size_batch(shape, rank, batch):
     n = min(ADAPTERS, batch)
     ranks = [{m: rank for m in shape.modules} for _ in range(n)]
     rows = token_rows("uniform", batch, n, gen, grouped=True)
-    _check_apply(shape, ranks, rows, dtype, gen)
+    _check_apply(shape, ranks, rows, dtype, gen, path=path)
 
 
 @pytest.mark.parametrize("split_k", [2, 3])
@@ -125,8 +147,9 @@ def test_apply_split_k(split_k):
     )
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_apply_prefill_segments(dtype):
+def test_apply_prefill_segments(dtype, path):
     """Prefill: long runs of one adapter next to base-only runs and one-token runs."""
     gen = torch.Generator().manual_seed(7)
     shape = LORA_SHAPES[0]
@@ -138,7 +161,7 @@ def test_apply_prefill_segments(dtype):
     spans = zip(bounds[:-1], bounds[1:], runs, strict=True)
     rows = torch.cat([torch.full((b - a,), r) for a, b, r in spans])
     rows[n // 2] = 3  # a one-token run inside a long one
-    _check_apply(shape, ranks, rows.to(torch.int32), dtype, gen)
+    _check_apply(shape, ranks, rows.to(torch.int32), dtype, gen, path=path)
 
 
 def test_apply_reuses_workspace():
@@ -153,6 +176,23 @@ def test_apply_reuses_workspace():
     for popularity in ("identical", "distinct", "base_mix"):
         rows = token_rows(popularity, t, ADAPTERS, gen, grouped=True)
         _check_apply(shape, ranks, rows, DTYPES[0], gen, workspace=ws)
+
+
+def test_launch_config_fuses_small_batches():
+    """lora_apply's default: one fused launch up to FUSED_MAX_TOKENS tokens, two above; the
+    fused config holds every rank row and splits columns only while the GPU is underfilled."""
+    small = lora.launch_config(1, 4096, 4096, 64, 3, 4096)
+    assert small.fused and small.shrink_r >= 64 and small.parts > 1
+    big = lora.launch_config(lora.FUSED_MAX_TOKENS, 4096, 4096, 16, 3, 4096)
+    assert big.fused and big.parts == 1
+    assert not lora.launch_config(lora.FUSED_MAX_TOKENS + 1, 4096, 4096, 16, 3, 4096).fused
+    assert not lora.launch_config(8, 4096, 4096, 16, 3).fused  # shrink / expand alone
+    setup, tokens, x, y = _small_call()
+    cfg = lora.LoraLaunch(16, 16, 16, 16, fused=True)  # 16 rank rows, max_rank 32
+    with pytest.raises(ValueError, match="rank rows"):
+        lora.lora_apply(
+            y, x, setup.pool[0], setup.index, tokens, (Q, K, V), (32, 16, 16), 32, config=cfg
+        )
 
 
 def test_shrink_and_expand_match_reference():

@@ -1,0 +1,127 @@
+"""One-launch multi-LoRA for small batches: shrink and expand fused in one kernel.
+
+Semantics are kernels/lora_ref.py's lora_apply; geometry kernels/lora_layout.py. Grid (tiles,
+slices x parts): a program owns one tile (at most BLOCK_M tokens of one adapter, found on the
+device by kernels/tiles.py), one slice and one contiguous share (``part``) of that slice's
+output columns. It computes the tile's whole h = x · Aᵀ for its slice in registers (all rank
+rows at once, streaming d_in), then streams its share of Bᵀ and adds scale · h · Bᵀ into y.
+
+Why: at decode sizes a call moves a few MB and the two-launch path (kernels/lora.py) pays two
+launch floors and a chain of dependent loads per launch; here one launch does it all, h never
+goes to memory and no workspace is needed. The price is that the ``parts`` programs of a
+(tile, slice) each read A (the first from memory, the others mostly from L2), so the launcher
+keeps ``parts`` small unless the batch is too small to fill the GPU.
+
+Slot lookups are hoisted out of both streaming loops (one per rank row and pool chunk), as in
+the two-launch kernels, so the loops are plain strided streams that software-pipeline.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.tiles import find_tile
+
+
+@triton.jit
+def _pick3(s, v0, v1, v2):
+    return tl.where(s == 0, v0, tl.where(s == 1, v1, v2))
+
+
+@triton.jit
+def lora_fused_kernel(
+    # activations x [T, D_IN], output y [T, sum(widths)] (unit last strides)
+    x_ptr, stride_xt, y_ptr, stride_yt,
+    # pool layer [2, slots, W]: A chunks in half 0, Bᵀ chunks in half 1
+    pool_ptr, stride_half, stride_slot,
+    # LoRA index: slot table [N, C]; ranks, A and Bᵀ offsets, scales [N, 7]
+    table_ptr, stride_table, ranks_ptr, a_off_ptr, b_off_ptr, scales_ptr, stride_idx,
+    stride_scale,
+    seg_starts_ptr, seg_lora_ptr, num_segs,
+    MAX_RANK, PARTS,
+    D_IN: tl.constexpr, W: tl.constexpr, IN_CHUNKS: tl.constexpr,
+    M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr,
+    N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,  # slice widths
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    q = tl.program_id(1)
+    s = q // PARTS
+    p = q % PARTS
+    _, a, m_start, m_end = find_tile(
+        seg_starts_ptr, seg_lora_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK, True
+    )
+    if a < 0:
+        return
+    width = _pick3(s, N0, N1, N2)
+    per = tl.cdiv(tl.cdiv(width, BLOCK_N), PARTS) * BLOCK_N  # columns of one part
+    lo = p * per
+    hi = tl.minimum(lo + per, width)
+    if lo >= hi:  # a narrow slice (GQA k, v) has fewer blocks than parts
+        return
+    a64 = a.to(tl.int64)
+    m = _pick3(s, M0, M1, M2)
+    rank = tl.minimum(tl.load(ranks_ptr + a64 * stride_idx + m), MAX_RANK)
+    if rank == 0:
+        return
+    rows = tl.arange(0, BLOCK_R)  # every rank row at once: BLOCK_R >= MAX_RANK
+    row_ok = rows < rank
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < m_end
+    table_row = table_ptr + a64 * stride_table
+
+    # shrink: h = x · Aᵀ over all of d_in; A row j, chunk c at position a_off + j*IN_CHUNKS + c
+    a_pos = table_row + tl.load(a_off_ptr + a64 * stride_idx + m) + rows * IN_CHUNKS
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xt
+    offs_k = tl.arange(0, BLOCK_K)
+    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for c in range(IN_CHUNKS):
+        slot = tl.load(a_pos + c, mask=row_ok, other=0).to(tl.int64)
+        w_rows = pool_ptr + slot[:, None] * stride_slot - c * W  # + k: element k of each row
+        k_end = tl.minimum(D_IN, c * W + W)
+        for k0 in range(c * W, k_end, BLOCK_K):
+            if W % BLOCK_K == 0:
+                k0 = tl.multiple_of(k0, BLOCK_K)
+            kk = k0 + offs_k
+            k_ok = kk < k_end
+            w = tl.load(w_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            xt = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if DOT_F32:
+                h += tl.dot(xt.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                h += tl.dot(xt, tl.trans(w.to(xt.dtype)))  # [M, K] x [K, R]
+
+    # expand: y[:, lo:hi] += scale · h · Bᵀ; Bᵀ row j, chunk c at b_off + j*out_chunks + c
+    scale = tl.load(scales_ptr + a64 * stride_scale + m)
+    out_chunks = (width + W - 1) // W
+    b_pos = table_row + tl.load(b_off_ptr + a64 * stride_idx + m) + rows * out_chunks
+    y_rows = y_ptr + offs_m[:, None].to(tl.int64) * stride_yt + _pick3(s, 0, N0, N0 + N1)
+    if DOT_F32:
+        hd = h
+    else:
+        hd = h.to(y_ptr.dtype.element_ty)  # rounded once, as the two-launch path rounds h
+    offs_n = tl.arange(0, BLOCK_N)
+    for c in range(lo // W, tl.cdiv(hi, W)):
+        slot = tl.load(b_pos + c, mask=row_ok, other=0).to(tl.int64)
+        bt_rows = pool_ptr + stride_half + slot[:, None] * stride_slot - c * W
+        c_end = tl.minimum(hi, c * W + W)
+        for n0 in range(tl.maximum(lo, c * W), c_end, BLOCK_N):
+            if W % BLOCK_N == 0:
+                n0 = tl.multiple_of(n0, BLOCK_N)
+            nn = n0 + offs_n
+            n_ok = nn < c_end
+            bt = tl.load(bt_rows + nn[None, :], mask=row_ok[:, None] & n_ok[None, :], other=0.0)
+            y_ok = m_ok[:, None] & n_ok[None, :]
+            yb = tl.load(y_rows + nn[None, :], mask=y_ok, other=0.0)
+            if DOT_F32:
+                acc = tl.dot(hd, bt.to(tl.float32), input_precision="ieee")
+            else:
+                acc = tl.dot(hd, bt.to(hd.dtype))  # [M, R] x [R, N]
+            out = yb.to(tl.float32) + acc * scale
+            tl.store(y_rows + nn[None, :], out.to(y_ptr.dtype.element_ty), mask=y_ok)
+
+
+def rank_block(max_rank: int) -> int:
+    """Rank rows a fused program holds: every row up to max_rank (a power of two, >= 16)."""
+    return max(16, triton.next_power_of_2(max_rank))
