@@ -7,8 +7,8 @@
    base model.
 2. Step time: 64 requests decoding (half on resident adapters, contexts held stationary), in
    windows without loads alternating with windows while cold adapters are fetched from the
-   store and copied into the pool, for two GIL switch intervals side by side. Goal: p99 at
-   most 1.05x.
+   store and copied into the pool, under process settings side by side (GIL switch interval,
+   frozen garbage collector). Goal: p99 at most 1.05x.
 
 The store runs in a subprocess on the local backend (this script's --serve-store mode, which
 needs neither boto3 nor grpcio-health-checking); the engine and the service's adapter path
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -60,6 +61,20 @@ log = logging.getLogger("bench.adapter_load")
 RANK = 16
 PROMPT_TOKENS = 128
 _DEFAULT_SWITCH_INTERVAL = sys.getswitchinterval()
+
+
+class Variant(NamedTuple):
+    """Process settings a pair of windows runs under."""
+
+    switch_interval: float  # the GIL's (sys.setswitchinterval)
+    gc_frozen: bool  # objects alive at the window's start moved out of the collector's sight
+
+
+VARIANTS = {
+    "default": Variant(_DEFAULT_SWITCH_INTERVAL, False),
+    "gc-frozen": Variant(_DEFAULT_SWITCH_INTERVAL, True),
+    "gc-frozen-switch-0.5ms": Variant(0.0005, True),
+}
 
 
 def serve_store(root: str, port: int) -> None:
@@ -243,7 +258,7 @@ async def measure(args, device, model, address, warm, cold, loads, mb) -> dict:
 
 async def step_times(args, engine, registry, keys, loads, timer) -> dict:
     """Decode step times of ``batch`` requests, in windows without loads and windows while cold
-    adapters load, alternating, for each GIL switch interval in ``args.switch_intervals``.
+    adapters load, alternating, under each of ``args.variants`` (VARIANTS) in turn.
 
     The workload is stationary, so that windows compare like with like: each of the batch's
     streams issues requests of ``decode_len`` new tokens back to back, their starts staggered,
@@ -278,27 +293,64 @@ async def step_times(args, engine, registry, keys, loads, timer) -> dict:
     async def load_window(names: list[str]) -> list[StepTime]:
         start = len(timer.steps)
         for name in names:  # back to back: a load is always in flight during the window
+            t0 = time.perf_counter()
             key = await registry.acquire(name, 0)
+            t1 = time.perf_counter()
             await engine.load_adapter(key)
+            phases.append(("copy", t1, time.perf_counter()))
+            fetch = registry.fetch_latency.last
+            phases.append(("fetch", t1 - validate[-1] - fetch, t1 - validate[-1]))
+            phases.append(("validate", t1 - validate[-1], t1))
+            phases.append(("lookup", t0, t1 - validate[-1] - fetch))
             registry.release(key)
             registry.unload(name, 0)  # dropped again: the next round loads it cold
         return decode_steps(start)
 
+    # Where each load's time goes, to tell which phase slows the steps it overlaps.
+    phases: list[tuple[str, float, float]] = []
+    validate: list[float] = []
+    add = engine.add_adapter
+
+    def timed_add(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return add(*a, **kw)
+        finally:
+            validate.append(time.perf_counter() - t)
+
+    engine.add_adapter = timed_add
+    collections: list[tuple[float, float, int]] = []  # (start, seconds, generation)
+    gc_start: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start.append(time.perf_counter())
+        elif gc_start:
+            t = gc_start.pop()
+            collections.append((t, time.perf_counter() - t, info["generation"]))
+
+    gc.callbacks.append(on_gc)
+
     tasks = [asyncio.create_task(stream(i)) for i in range(args.batch)]
     try:
         await quiet_window(args.decode_len)  # one full cycle: contexts spread out
-        windows = {sw: ([], [], 0) for sw in args.switch_intervals}
+        windows = {name: ([], [], 0) for name in args.variants}
         per_window = 2
-        rounds = max(1, args.loads // (per_window * len(args.switch_intervals)))
+        rounds = max(1, args.loads // (per_window * len(args.variants)))
         for r in range(rounds):
-            for sw in args.switch_intervals:
-                sys.setswitchinterval(sw)
-                quiet, busy, n = windows[sw]
+            for name in args.variants:
+                variant = VARIANTS[name]
+                sys.setswitchinterval(variant.switch_interval)
+                if variant.gc_frozen:
+                    gc.freeze()
+                quiet, busy, n = windows[name]
                 quiet += await quiet_window(args.quiet_steps)
                 names = [loads[(r * per_window + j) % len(loads)] for j in range(per_window)]
                 busy += await load_window(names)
-                windows[sw] = (quiet, busy, n + len(names))
+                windows[name] = (quiet, busy, n + len(names))
+                gc.unfreeze()
     finally:
+        gc.callbacks.remove(on_gc)
         sys.setswitchinterval(_DEFAULT_SWITCH_INTERVAL)
         stop.set()
         for t in tasks:
@@ -310,15 +362,40 @@ async def step_times(args, engine, registry, keys, loads, timer) -> dict:
         return {"steps": len(samples), "mean_s": s.mean, "p50_s": s.p50, "p99_s": s.p99,
                 "max_s": s.max}  # fmt: skip
 
+    def overlapping(step: StepTime) -> str:
+        end = step.start + step.seconds
+        hit = {name for name, a, b in phases if a < end and step.start < b}
+        hit |= {f"gc{g}" for t, d, g in collections if t < end and step.start < t + d}
+        return "+".join(sorted(hit)) or "none"
+
+    def gc_in(steps: list[StepTime]) -> dict:
+        """Collections that overlapped these steps: count and longest, per generation."""
+        out = {}
+        for g in (0, 1, 2):
+            d = [c[1] for c in collections if c[2] == g and any(
+                c[0] < s.start + s.seconds and s.start < c[0] + c[1] for s in steps)]  # fmt: skip
+            out[f"gen{g}"] = {"count": len(d), "max_s": max(d, default=0.0)}
+        return out
+
     by_interval = []
-    for sw, (quiet, busy, n) in windows.items():
+    for name, (quiet, busy, n) in windows.items():
         a, b = stats(quiet), stats(busy)
+        by_phase: dict[str, list[StepTime]] = {}
+        for step in busy:
+            by_phase.setdefault(overlapping(step), []).append(step)
+        slowest = sorted(busy, key=lambda x: -x.seconds)[:6]
         by_interval.append({
-            "switch_interval_s": sw, "loads": n, "step_no_loads": a, "step_with_loads": b,
+            "variant": name, **VARIANTS[name]._asdict(), "loads": n,
+            "step_no_loads": a, "step_with_loads": b,
+            "gc_no_loads": gc_in(quiet), "gc_with_loads": gc_in(busy),
             "p99_ratio": b["p99_s"] / a["p99_s"] if a["p99_s"] else None,
             "p50_ratio": b["p50_s"] / a["p50_s"] if a["p50_s"] else None,
+            "with_loads_by_phase": {k: stats(v) for k, v in sorted(by_phase.items())},
+            "slowest_with_loads": [(x.seconds, overlapping(x)) for x in slowest],
         })  # fmt: skip
-    return {"batch": args.batch, "decode_len": args.decode_len, "steps": by_interval}
+    total = {g: sum(1 for c in collections if c[2] == g) for g in (0, 1, 2)}
+    return {"batch": args.batch, "decode_len": args.decode_len, "steps": by_interval,
+            "gc_collections": total}  # fmt: skip
 
 
 def machine() -> dict:
@@ -355,13 +432,16 @@ def main() -> int:
         "--quiet-steps", type=int, default=24, help="decode steps per window without loads"
     )
     parser.add_argument(
-        "--switch-intervals",
-        default="0.005,0.0005",
-        help="GIL switch intervals (s) to compare, comma-separated",
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"process settings to compare, comma-separated, of {', '.join(VARIANTS)}",
     )
     parser.add_argument("--out", default=str(REPO / "bench/results/adapter_load.json"))
     args = parser.parse_args()
-    args.switch_intervals = [float(x) for x in args.switch_intervals.split(",")]
+    args.variants = args.variants.split(",")
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     result = asyncio.run(run(args))
     result = {"machine": machine(), "shape": args.shape, "rank": RANK,
@@ -392,13 +472,23 @@ def report(r: dict) -> str:
     for w in r["steps"]:
         a, b = w["step_no_loads"], w["step_with_loads"]
         lines += [
-            f"  switch interval {w['switch_interval_s'] * 1000:.1f} ms",
+            f"  {w['variant']} (switch interval {w['switch_interval'] * 1000:.1f} ms)",
             f"    no loads           {ms(a['p50_s'])} {ms(a['p99_s'])}  ({a['steps']} steps)",
             f"    with loads         {ms(b['p50_s'])} {ms(b['p99_s'])}  ({b['steps']} steps, "
             f"{w['loads']} loads)",
             f"    p99 ratio {w['p99_ratio']:.3f}, p50 ratio {w['p50_ratio']:.3f} "
             f"(goal: p99 <= 1.05)",
         ]
+        for phase, st in w["with_loads_by_phase"].items():
+            lines.append(f"    during {phase:22s} {ms(st['p50_s'])} {ms(st['max_s'])} max "
+                         f"({st['steps']} steps)")  # fmt: skip
+        slow = ", ".join(f"{t * 1000:.1f} ms ({p})" for t, p in w["slowest_with_loads"])
+        lines.append(f"    slowest: {slow}")
+        for side in ("gc_no_loads", "gc_with_loads"):
+            gens = [
+                f"{k} {v['count']} (max {v['max_s'] * 1000:.1f} ms)" for k, v in w[side].items()
+            ]
+            lines.append(f"    {side}: " + ", ".join(gens))
     return "\n".join(lines)
 
 
