@@ -22,6 +22,7 @@ from store.safetensors_header import (
 )
 
 __all__ = [
+    "check_adapter_file",
     "DTYPE_SIZES",
     "MAX_HEADER_BYTES",
     "SUPPORTED_MODULES",
@@ -166,3 +167,18 @@ def validate_adapter(
         _check_layers(config, last, base)
         _check_coverage(config, present, base.num_layers, BaseModelMismatch)
     _check_shapes(config, pairs, base)
+
+
+def check_adapter_file(
+    config: LoraAdapterConfig, data: memoryview | bytes, base: BaseModelShape | None
+) -> SafetensorsHeader:
+    """The header of a whole ``adapter_model.safetensors`` (``data``), validated with its config
+    (and against the base model when given). Raises AdapterFormatError / BaseModelMismatch."""
+    header = parse_safetensors_header(data)
+    if len(data) != header.total_size:
+        raise AdapterFormatError(
+            f"adapter_model.safetensors is {len(data)} bytes; its header describes "
+            f"{header.total_size}"
+        )
+    validate_adapter(config, header, base)
+    return header

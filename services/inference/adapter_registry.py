@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from services.inference.engine.api import AdapterKey
 from services.inference.engine.engine import Engine
 from services.inference.errors import BadArgument, StoreUnavailable
+from services.inference.fetch_worker import AdapterCheck
 from services.inference.host_cache import HostCache
 from services.inference.service_stats import LatencyWindow
 from services.inference.store_client import AdapterEvent, StoreClient
@@ -65,6 +66,8 @@ class AdapterRegistry:
         self._fetch_waiters: dict[AdapterKey, int] = {}  # requests waiting for a fetch
         if store is not None:
             store.on_fetched = on_fetched
+            # Validated in the fetch worker, off this process's GIL (fetch_worker.py).
+            store.adapter_check = AdapterCheck(engine.core.base_shape, engine.config.max_lora_rank)
 
     # --- lookups --------------------------------------------------------------------------
 
@@ -240,7 +243,10 @@ class AdapterRegistry:
             return
         start = time.perf_counter()
         try:
-            self.engine.add_adapter(key, entry.config_json, self.cache.arena.tensor(entry.block))
+            if isinstance(entry.verdict, Exception):  # the fetch worker rejected the bytes
+                raise entry.verdict
+            raw = self.cache.arena.tensor(entry.block)
+            self.engine.add_adapter(key, entry.config_json, raw, checked=entry.verdict)
         except Exception as exc:
             self.cache.release(key)
             self.cache.remove(key)

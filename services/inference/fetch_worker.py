@@ -9,10 +9,13 @@ shares with it, page-locked there for the GPU) and writes each chunk into the bl
 reserved for it; per fetch the two processes exchange four small messages over a socket.
 
 Protocol (pickled tuples over a multiprocessing Connection on a socketpair; fid = fetch id):
-  service -> worker: ("fetch", fid, adapter_id, version, timeout_s) | ("cancel", fid)
+  service -> worker: ("fetch", fid, adapter_id, version, timeout_s, check) | ("cancel", fid)
   worker -> service: ("info", fid, AdapterInfo bytes)
   service -> worker: ("block", fid, offset, size) | ("drop", fid)
-  worker -> service: ("done", fid, nbytes) | ("error", fid, status name, details)
+  worker -> service: ("done", fid, nbytes, verdict) | ("error", fid, status name, details)
+``check`` is None or an AdapterCheck: then the worker also validates the adapter (store.peft,
+as the engine would: its Python would hold the service's GIL for milliseconds too) and the
+verdict is the parsed safetensors header, or the AdapterFormatError that rejects it.
 Every fetch ends with exactly one "done" or "error", also after "drop" or "cancel": only then
 may the service reuse the block, since the worker could still be writing into it.
 
@@ -29,18 +32,43 @@ import queue
 import sys
 import threading
 from multiprocessing.connection import Connection
+from typing import NamedTuple
 
 import grpc
 import numpy as np
 
 from lorafleet.v1 import adapter_store_pb2 as pb
 from services.inference.fetch_wire import FETCH_METHOD, decode_fetch_response
+from store.peft import (
+    AdapterFormatError,
+    BaseModelShape,
+    SafetensorsHeader,
+    check_adapter_file,
+    parse_adapter_config,
+)
 
 log = logging.getLogger(__name__)
 
 # Status name for a stream that broke the protocol (not a gRPC status).
 PROTOCOL_ERROR = "PROTOCOL"
 MAX_MESSAGE_BYTES = 16 * 2**20
+
+
+class AdapterCheck(NamedTuple):
+    """What a fetched adapter is validated against: the engine's base model and rank limit."""
+
+    base: BaseModelShape
+    max_rank: int
+
+
+def verdict(
+    check: AdapterCheck, config_json: str, data: memoryview
+) -> SafetensorsHeader | AdapterFormatError:
+    try:
+        config = parse_adapter_config(config_json, max_rank=check.max_rank)
+        return check_adapter_file(config, data, check.base)
+    except AdapterFormatError as exc:  # BaseModelMismatch included
+        return exc
 
 
 class _Fetch:
@@ -103,9 +131,9 @@ class _Worker:
             else:  # "block" or "drop": the answer to this fetch's AdapterInfo
                 fetch.answer.put(msg[2:] if kind == "block" else ("drop",))
 
-    def _run(self, fid: int, fetch: _Fetch, adapter_id: str, version: int, timeout: float):
+    def _run(self, fid, fetch: _Fetch, adapter_id, version, timeout, check: AdapterCheck | None):
         try:
-            self._stream(fid, fetch, adapter_id, version, timeout)
+            self._stream(fid, fetch, adapter_id, version, timeout, check)
         except grpc.RpcError as exc:
             name = "CANCELLED" if fetch.cancelled else exc.code().name
             self.send("error", fid, name, exc.details() or "")
@@ -118,13 +146,13 @@ class _Worker:
             with self._lock:
                 self._fetches.pop(fid, None)
 
-    def _stream(self, fid: int, fetch: _Fetch, adapter_id: str, version: int, timeout: float):
+    def _stream(self, fid, fetch: _Fetch, adapter_id, version, timeout, check):
         request = pb.FetchAdapterRequest(adapter_id=adapter_id, version=version)
         call = self._rpc(request, timeout=timeout)
         fetch.call = call
         if fetch.cancelled:
             call.cancel()
-        view = None
+        view = info = None
         size = pos = 0
         for msg in call:
             if isinstance(msg, memoryview):
@@ -136,7 +164,8 @@ class _Worker:
                     raise _ProtocolError("the store sent AdapterInfo twice")
                 if msg.info.size_bytes <= 0:
                     raise _ProtocolError("the store reports an empty adapter")
-                self.send("info", fid, msg.info.SerializeToString())
+                info = msg.info
+                self.send("info", fid, info.SerializeToString())
                 answer = fetch.answer.get()
                 if answer[0] == "drop":
                     call.cancel()
@@ -155,7 +184,10 @@ class _Worker:
             pos = end
         if view is None or pos != size:
             raise _ProtocolError(f"stream ended after {pos} of {size or '?'} bytes")
-        self.send("done", fid, pos)
+        result = None
+        if check is not None:
+            result = verdict(check, info.adapter_config_json, memoryview(view))
+        self.send("done", fid, pos, result)
 
 
 class _ProtocolError(Exception):

@@ -21,9 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import NamedTuple
 
 from lorafleet.v1 import adapter_store_pb2 as pb
 from services.inference.arena import ArenaBlock, HostArena
+from services.inference.fetch_worker import AdapterCheck
+from store.peft import AdapterFormatError, SafetensorsHeader
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,12 @@ class FetchFailed(Exception):
         self.details = details
 
 
+class Fetched(NamedTuple):
+    info: pb.AdapterInfo
+    block: ArenaBlock
+    verdict: SafetensorsHeader | AdapterFormatError | None  # see fetch_worker.AdapterCheck
+
+
 @dataclass
 class _Pending:
     reserve: Callable[[pb.AdapterInfo], ArenaBlock]
@@ -47,6 +56,7 @@ class _Pending:
     future: asyncio.Future
     info: pb.AdapterInfo | None = None
     block: ArenaBlock | None = None
+    verdict: SafetensorsHeader | AdapterFormatError | None = None
     abandoned: bool = False  # the caller went away; the block goes back when the worker ends
     done: bool = False
 
@@ -68,14 +78,16 @@ class FetchWorker:
         timeout: float,
         reserve: Callable[[pb.AdapterInfo], ArenaBlock],
         discard: Callable[[ArenaBlock], None],
-    ) -> tuple[pb.AdapterInfo, ArenaBlock]:
-        """(AdapterInfo, block holding the adapter's bytes); the block is the caller's now.
-        Raises FetchFailed, or what ``reserve`` raised."""
+        check: AdapterCheck | None = None,
+    ) -> Fetched:
+        """The AdapterInfo, the block holding the adapter's bytes (the caller's now) and, with
+        ``check``, the worker's verdict on them. Raises FetchFailed, or what ``reserve``
+        raised."""
         self.start()
         fid = next(self._ids)
         pending = _Pending(reserve, discard, asyncio.get_running_loop().create_future())
         self._pending[fid] = pending
-        self._send("fetch", fid, adapter_id, version, timeout)
+        self._send("fetch", fid, adapter_id, version, timeout, check)
         try:
             # The worker's own gRPC deadline ends the stream; this only guards a stuck worker.
             await asyncio.wait_for(asyncio.shield(pending.future), timeout + 10.0)
@@ -86,7 +98,7 @@ class FetchWorker:
             if isinstance(exc, asyncio.TimeoutError):
                 raise FetchFailed("DEADLINE_EXCEEDED", "the fetch worker did not answer") from None
             raise
-        return pending.info, pending.block
+        return Fetched(pending.info, pending.block, pending.verdict)
 
     def close(self) -> None:
         """Stops the worker; blocks of fetches still in flight go back to their owners."""
@@ -156,6 +168,7 @@ class FetchWorker:
         del self._pending[fid]  # "done" or "error": the worker has ended this fetch
         pending.done = True
         if kind == "done" and pending.block is not None and not pending.abandoned:
+            pending.verdict = msg[3]
             if not pending.future.done():
                 pending.future.set_result(None)
                 return

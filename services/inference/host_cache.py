@@ -29,6 +29,9 @@ class HostEntry:
     block: ArenaBlock
     config_json: str  # the adapter's adapter_config.json
     holds: int = 0  # reasons the entry may not be evicted now; > 0 blocks eviction
+    # The fetch worker's validation of the bytes (a parsed header or the error that rejects
+    # them), None if it did not validate.
+    verdict: object = None
 
     @property
     def size_bytes(self) -> int:
@@ -96,11 +99,13 @@ class HostCache:
             self._evict(victim)
         return block
 
-    def put(self, key: Hashable, block: ArenaBlock, config_json: str) -> HostEntry:
+    def put(
+        self, key: Hashable, block: ArenaBlock, config_json: str, verdict: object = None
+    ) -> HostEntry:
         """Adds a fetched adapter whose bytes fill ``block`` (from reserve)."""
         if key in self._entries:
             raise ValueError(f"adapter {key} is already in the host cache")
-        entry = HostEntry(key, block, config_json)
+        entry = HostEntry(key, block, config_json, verdict=verdict)
         self._entries[key] = entry
         return entry
 

@@ -28,7 +28,7 @@ from lorafleet.v1 import adapter_store_pb2 as pb
 from lorafleet.v1 import adapter_store_pb2_grpc as pb_grpc
 from services.inference.engine.api import AdapterKey
 from services.inference.errors import AdapterNotFound, StoreUnavailable
-from services.inference.fetch_worker import PROTOCOL_ERROR
+from services.inference.fetch_worker import PROTOCOL_ERROR, AdapterCheck
 from services.inference.fetcher import FetchFailed, FetchWorker
 from services.inference.host_cache import HostCache, HostEntry
 from services.inference.service_stats import LatencyWindow
@@ -94,6 +94,8 @@ class StoreClient:
         )
         self._stub = pb_grpc.AdapterStoreStub(self._channel)
         self._worker = FetchWorker(target, cache.arena)  # fetches run in their own process
+        # Set by the owner: fetched adapters are validated by the worker too (AdapterCheck).
+        self.adapter_check: AdapterCheck | None = None
         self._inflight: dict[AdapterKey, asyncio.Task[HostEntry]] = {}
         self.fetch_latency = LatencyWindow()  # one sample per fetch, however many waited
         self.on_fetched: Callable[[float], None] | None = None
@@ -136,12 +138,13 @@ class StoreClient:
             return self._cache.reserve(info.size_bytes)  # may raise HostCacheFull
 
         try:
-            info, block = await self._worker.fetch(
-                key.adapter_id, key.version, self._fetch_timeout, reserve, self._cache.discard
-            )
+            info, block, verdict = await self._worker.fetch(
+                key.adapter_id, key.version, self._fetch_timeout, reserve, self._cache.discard,
+                self.adapter_check,
+            )  # fmt: skip
         except FetchFailed as exc:
             raise _fetch_error(exc, what) from None
-        entry = self._cache.put(key, block, info.adapter_config_json)
+        entry = self._cache.put(key, block, info.adapter_config_json, verdict)
         seconds = time.perf_counter() - start
         self.fetch_latency.add(seconds)
         if self.on_fetched is not None:

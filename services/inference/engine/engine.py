@@ -16,6 +16,7 @@ loop.call_soon_threadsafe.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import queue
 import threading
@@ -37,6 +38,7 @@ from services.inference.engine.core import EngineCore, LogitsHook
 from services.inference.engine.errors import EngineStopped, UnknownAdapter
 from services.inference.engine.host_adapter import HostAdapter
 from services.inference.engine.request import Sequence
+from store.peft import SafetensorsHeader
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,11 @@ class Engine:
     async def start(self) -> None:
         if self._thread is not None:
             return
+        # Everything alive now (model, tokenizer, CUDA graphs, ...) lives as long as the engine:
+        # out of the collector's sight, collections stay short. A collection runs on whichever
+        # thread allocates, holding the GIL; scanning all this during loads made steps wait
+        # (bench/adapter_load.py: decode step p99 1.39x -> 1.09x while adapters loaded).
+        gc.freeze()
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
         self._thread.start()
 
@@ -112,8 +119,9 @@ class Engine:
         key: AdapterKey,
         config_json: bytes | str | dict,
         weights: bytes | memoryview | torch.Tensor,
+        checked: SafetensorsHeader | None = None,
     ) -> HostAdapter:
-        return self.core.add_adapter(key, config_json, weights)
+        return self.core.add_adapter(key, config_json, weights, checked)
 
     def add_adapter_dir(self, key: AdapterKey, path: str | Path) -> HostAdapter:
         return self.core.add_adapter_dir(key, path)

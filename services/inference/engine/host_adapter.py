@@ -23,11 +23,10 @@ import torch
 
 from kernels.lora_layout import MODULE_ID, MODULES, NUM_MODULES, AdapterPlan, plan_adapter
 from store.peft import (
-    AdapterFormatError,
     BaseModelShape,
+    SafetensorsHeader,
+    check_adapter_file,
     parse_adapter_config,
-    parse_safetensors_header,
-    validate_adapter,
 )
 
 TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
@@ -98,19 +97,18 @@ def build_host_adapter(
     width: int,
     max_rank: int,
     pin: bool,
+    checked: SafetensorsHeader | None = None,
 ) -> HostAdapter:
     """Validate ``adapter_config.json`` + ``adapter_model.safetensors`` against the base model and
     describe its tensors in place. Raises AdapterFormatError / BaseModelMismatch. With ``pin``,
-    bytes that are not page-locked already are copied once into pinned memory."""
+    bytes that are not page-locked already are copied once into pinned memory. ``checked``: the
+    file's header as check_adapter_file returned it for these bytes, this base model and
+    max_rank (in another process: the fetch worker); the header is then not parsed again."""
     config = parse_adapter_config(config_json, max_rank=max_rank)
     raw = _as_bytes(weights)
-    header = parse_safetensors_header(memoryview(raw.numpy()))
-    if raw.numel() != header.total_size:
-        raise AdapterFormatError(
-            f"adapter_model.safetensors is {raw.numel()} bytes; its header describes "
-            f"{header.total_size}"
-        )
-    validate_adapter(config, header, base)
+    if checked is None or checked.total_size != raw.numel():
+        checked = check_adapter_file(config, memoryview(raw.numpy()), base)
+    header = checked
     if pin and not raw.is_pinned():
         raw = raw.pin_memory()
 

@@ -19,8 +19,11 @@ from services.adapter_store.wire import encode_chunk
 from services.inference.arena import ALIGN, HostArena
 from services.inference.engine.api import AdapterKey
 from services.inference.errors import AdapterNotFound, StoreUnavailable
+from services.inference.fetch_worker import AdapterCheck
 from services.inference.host_cache import HostCache, HostCacheFull
 from services.inference.store_client import StoreClient
+from store.peft import BaseModelMismatch, BaseModelShape, SafetensorsHeader
+from store.synthetic import synthetic_adapter
 
 BODY = bytes(range(256)) * 1000 + b"tail"  # 256004 bytes, not a multiple of the chunk size
 CHUNK = 64 * 1024
@@ -33,23 +36,28 @@ class Script:
 
     def __init__(self) -> None:
         self.steps: list[tuple[str, object]] = []
+        self.body = BODY
+        self.config_json = "{}"
         self.started = asyncio.Event()
         self.release = asyncio.Event()
 
 
-def _info(size: int = len(BODY)) -> pb.FetchAdapterResponse:
-    info = pb.AdapterInfo(adapter_id="x", version=1, size_bytes=size, adapter_config_json="{}")
+def _info(size: int, config_json: str) -> pb.FetchAdapterResponse:
+    info = pb.AdapterInfo(
+        adapter_id="x", version=1, size_bytes=size, adapter_config_json=config_json
+    )
     return pb.FetchAdapterResponse(info=info)
 
 
 async def _serve(script: Script, request, context):
     for what, arg in script.steps:
         if what == "info":
-            yield _info(arg if arg is not None else len(BODY)).SerializeToString()
-        elif what == "body":  # arg: (start, end)
-            start, end = arg
+            size = arg if arg is not None else len(script.body)
+            yield _info(size, script.config_json).SerializeToString()
+        elif what == "body":  # arg: (start, end), None for all of it
+            start, end = arg or (0, len(script.body))
             for i in range(start, end, CHUNK):
-                yield encode_chunk(BODY[i : min(i + CHUNK, end)])
+                yield encode_chunk(script.body[i : min(i + CHUNK, end)])
         elif what == "pause":  # until the test releases it
             script.started.set()
             await script.release.wait()
@@ -205,6 +213,30 @@ async def test_concurrent_fetches_of_one_version_share_one_stream(server):
         entries = await asyncio.gather(*(client.fetch(AdapterKey("x", 1)) for _ in range(5)))
         assert all(e is entries[0] for e in entries)
         assert client.fetch_latency.summary().count == 1
+        _no_leak(cache)
+    finally:
+        await client.close()
+
+
+async def test_the_worker_validates_what_it_fetched(server):
+    """With an AdapterCheck the worker parses and validates the adapter against the base model:
+    the entry carries the header the engine then uses, or the error that rejects it."""
+    script, address = server
+    base = BaseModelShape(2, 64, 128, 4, 2, 16, 256)
+    other = BaseModelShape(2, 32, 128, 4, 2, 8, 256)
+    client, cache = _client(address, blocks=400)
+    client.adapter_check = AdapterCheck(base, 64)
+    try:
+        for version, (shape, expect) in enumerate(
+            [(base, SafetensorsHeader), (other, BaseModelMismatch)], start=1
+        ):
+            files = synthetic_adapter(shape, rank=4)
+            script.body, script.config_json = files.safetensors, files.config_json.decode()
+            script.steps = [("info", None), ("body", None)]
+            entry = await client.fetch(AdapterKey("x", version))
+            assert bytes(cache.arena.view(entry.block)) == files.safetensors
+            assert isinstance(entry.verdict, expect), entry.verdict
+        assert len(entry.verdict.args[0]) > 0  # the mismatch names what does not fit
         _no_leak(cache)
     finally:
         await client.close()
