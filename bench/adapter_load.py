@@ -51,7 +51,7 @@ from services.inference.adapter_registry import AdapterRegistry  # noqa: E402
 from services.inference.arena import HostArena  # noqa: E402
 from services.inference.engine.api import GenerationRequest  # noqa: E402
 from services.inference.engine.config import EngineConfig  # noqa: E402
-from services.inference.engine.engine import Engine  # noqa: E402
+from services.inference.engine.engine import Engine, freeze_startup_objects  # noqa: E402
 from services.inference.engine.sampling_params import SamplingParams  # noqa: E402
 from services.inference.host_cache import HostCache  # noqa: E402
 from services.inference.service_stats import summarize  # noqa: E402
@@ -217,6 +217,7 @@ async def measure(args, device, model, address, warm, cold, loads, mb) -> dict:
         pool_memory_bytes=None if device.type == "cuda" else 512 << 20,
     ))  # fmt: skip
     await engine.start()
+    freeze_startup_objects()  # as the service does
     cache = HostCache(HostArena(int((n_adapters + 2) * mb * 1e6), pin=device.type == "cuda"))
     store = StoreClient(address, cache, lookup_timeout=30, fetch_timeout=300)
     registry = AdapterRegistry(engine, store, cache)

@@ -20,7 +20,7 @@ from services.inference.adapter_registry import AdapterRegistry
 from services.inference.arena import HostArena
 from services.inference.config import ServiceConfig
 from services.inference.engine.config import EngineConfig
-from services.inference.engine.engine import Engine
+from services.inference.engine.engine import Engine, freeze_startup_objects
 from services.inference.host_cache import HostCache
 from services.inference.metrics import ServiceMetrics
 from services.inference.servicer import InferenceServicer
@@ -102,6 +102,7 @@ class InferenceServer:
         log.info("listening on %s:%d; loading %s", cfg.host, self.port, cfg.model)
         self.engine = await asyncio.to_thread(Engine, engine_config(cfg))
         await self.engine.start()
+        freeze_startup_objects()
         device = self.engine.config.torch_device
         cache = HostCache(HostArena(cfg.host_cache_bytes, pin=device.type == "cuda"))
         if cfg.adapter_store is not None:
