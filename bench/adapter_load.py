@@ -7,9 +7,9 @@
    base model.
 2. Step time: 64 requests decoding (half on resident adapters, contexts held stationary), in
    windows without loads alternating with windows while cold adapters are fetched from the
-   store and copied into the pool, under two GIL switch intervals side by side; slow steps
-   are attributed to the load phases and garbage collections they overlap. Goal: p99 at most
-   1.05x.
+   store and copied into the pool, under the service's settings, a shorter GIL switch
+   interval and two diagnostic variants of the copy, side by side; slow steps are attributed
+   to the load phases and garbage collections they overlap. Goal: p99 at most 1.05x.
 
 The store runs in a subprocess on the local backend (this script's --serve-store mode, which
 needs neither boto3 nor grpcio-health-checking); the engine and the service's adapter path
@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import logging
 import os
 import platform
+import queue
 import shutil
 import socket
 import subprocess
@@ -49,6 +51,7 @@ from lorafleet.v1 import adapter_store_pb2 as store_pb  # noqa: E402
 from lorafleet.v1 import adapter_store_pb2_grpc as store_grpc  # noqa: E402
 from services.inference.adapter_registry import AdapterRegistry  # noqa: E402
 from services.inference.arena import HostArena  # noqa: E402
+from services.inference.engine import adapter_copy  # noqa: E402
 from services.inference.engine.api import GenerationRequest  # noqa: E402
 from services.inference.engine.config import EngineConfig  # noqa: E402
 from services.inference.engine.engine import Engine, freeze_startup_objects  # noqa: E402
@@ -64,9 +67,48 @@ PROMPT_TOKENS = 128
 _DEFAULT_SWITCH_INTERVAL = sys.getswitchinterval()
 
 
-# Process settings compared side by side, each a GIL switch interval: the service's own
-# (Python's default), and a shorter one.
-VARIANTS = {"service": _DEFAULT_SWITCH_INTERVAL, "switch-0.5ms": 0.0005}
+class Variant(NamedTuple):
+    switch_interval: float  # the GIL's (sys.setswitchinterval)
+    copy: str  # "service"; diagnostics: "dma-only" (no layout kernels: the pool is not
+    # written, the adapter is dropped unused), "inline" (the copy is issued by the step thread)
+
+
+# Settings compared side by side: the service's, a shorter GIL switch interval, and two
+# diagnostics that take a part of the host -> pool copy away, to tell which part slows steps.
+VARIANTS = {
+    "service": Variant(_DEFAULT_SWITCH_INTERVAL, "service"),
+    "switch-0.5ms": Variant(0.0005, "service"),
+    "diag-dma-only": Variant(_DEFAULT_SWITCH_INTERVAL, "dma-only"),
+    "diag-copy-inline": Variant(_DEFAULT_SWITCH_INTERVAL, "inline"),
+}
+
+
+@contextlib.contextmanager
+def copy_variant(engine: Engine, mode: str):
+    """Patches the engine's host -> pool copy for a diagnostic variant (see Variant)."""
+    copier = engine.core.adapters.copier
+    saved_write, saved_submit = adapter_copy.write_adapter, copier.submit
+    if mode == "dma-only":
+        adapter_copy.write_adapter = lambda pool, host, slots, src: None
+    elif mode == "inline" and copier.cuda:
+
+        def inline(host, slots):
+            ticket = adapter_copy.CopyTicket(True)
+            jobs = queue.SimpleQueue()
+            jobs.put((ticket, host, slots, torch.cuda.current_stream(copier.pool.device)))
+            jobs.put(None)
+            loader_jobs, copier._jobs = copier._jobs, jobs
+            try:
+                copier._run()  # this job, on this (the step) thread
+            finally:
+                copier._jobs = loader_jobs
+            return ticket
+
+        copier.submit = inline
+    try:
+        yield
+    finally:
+        adapter_copy.write_adapter, copier.submit = saved_write, saved_submit
 
 
 def serve_store(root: str, port: int) -> None:
@@ -332,11 +374,12 @@ async def step_times(args, engine, registry, keys, loads, timer) -> dict:
         rounds = max(1, args.loads // (per_window * len(args.variants)))
         for r in range(rounds):
             for name in args.variants:
-                sys.setswitchinterval(VARIANTS[name])
+                sys.setswitchinterval(VARIANTS[name].switch_interval)
                 quiet, busy, n = windows[name]
                 quiet += await quiet_window(args.quiet_steps)
                 names = [loads[(r * per_window + j) % len(loads)] for j in range(per_window)]
-                busy += await load_window(names)
+                with copy_variant(engine, VARIANTS[name].copy):
+                    busy += await load_window(names)
                 windows[name] = (quiet, busy, n + len(names))
     finally:
         gc.callbacks.remove(on_gc)
@@ -374,7 +417,7 @@ async def step_times(args, engine, registry, keys, loads, timer) -> dict:
             by_phase.setdefault(overlapping(step), []).append(step)
         slowest = sorted(busy, key=lambda x: -x.seconds)[:6]
         by_interval.append({
-            "variant": name, "switch_interval": VARIANTS[name], "loads": n,
+            "variant": name, **VARIANTS[name]._asdict(), "loads": n,
             "step_no_loads": a, "step_with_loads": b,
             "gc_no_loads": gc_in(quiet), "gc_with_loads": gc_in(busy),
             "p99_ratio": b["p99_s"] / a["p99_s"] if a["p99_s"] else None,
