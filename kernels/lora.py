@@ -38,10 +38,13 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Shrink programs wanted per multiprocessor: with fewer, the weights stream through too few
 # SMs (small decode batches) and split_k makes up the difference.
 _SHRINK_PROGRAMS_PER_SM = 4
-# Up to this many tokens a call is one fused launch (decode and small mixed steps).
+# Decode-sized calls (up to this many tokens) choose their path by _fuse; larger ones are
+# prefill-like.
 FUSED_MAX_TOKENS = 512
 # Fused programs wanted per multiprocessor; parts split a (tile, slice) until there are as many.
 _FUSED_PROGRAMS_PER_SM = 2
+# The fused kernel holds every rank row in registers; above this the two launches are used.
+FUSED_MAX_RANK = 128
 
 
 class LoraLaunch(NamedTuple):
@@ -82,7 +85,7 @@ def launch_config(
     split = 1
     while split * 2 <= want and d_in >= 4 * split * shrink_k:
         split *= 2
-    if 0 < num_tokens <= FUSED_MAX_TOKENS and num_slices and out_width:
+    if out_width and _fuse(num_tokens, d_in, max_rank, num_slices, out_width):
         return fused_config(num_tokens, width, max_rank, num_slices, out_width)
     return LoraLaunch(
         block_m=32 if big else 16,
@@ -94,18 +97,41 @@ def launch_config(
     )
 
 
+def _fuse(num_tokens: int, d_in: int, max_rank: int, num_slices: int, out_width: int) -> bool:
+    """Fused or two launches, from shapes alone, as measured on the H200 (bench --sweep,
+    distinct adapters, each call's two paths side by side).
+
+    A fused program streams a whole A and its share of Bᵀ by itself, which is slower per byte
+    than the two-launch shrink's d_in split; it wins once the batch gives the GPU enough
+    (tile, slice) programs that this does not matter, and the launch and h round trip it saves
+    then show. How many is enough depends on the call's shape: an A much longer than the output
+    (down) needs the most, an output much wider than d_in (gate_up) the fewest. Prefill-sized
+    calls fuse when they have several slices (x and h stay on chip for all of them)."""
+    if num_tokens <= 0 or max_rank > FUSED_MAX_RANK:
+        return False
+    if num_tokens > FUSED_MAX_TOKENS:
+        return num_slices > 1
+    work = num_tokens * num_slices
+    if d_in >= 2 * out_width:  # down: long A rows, narrow output
+        return work >= 256
+    if out_width >= 2 * d_in:  # gate_up: wide output
+        return work >= 64
+    return work * max(1, max_rank // 16) >= 192  # qkv, o
+
+
 def fused_config(
     num_tokens: int, width: int, max_rank: int, num_slices: int, out_width: int
 ) -> LoraLaunch:
     """One launch; blocks sized so that a weight block is about 8 KB whatever the rank (all
     rank rows are held at once); parts chosen for the distinct-adapter worst case (a tile a
-    token) to give every SM a few programs, at most one part per column block."""
+    token) to give every SM about two programs, at most one part per column block (measured:
+    more parts re-read A from L2 for little gain); 32-token tiles for prefill."""
     rows = fused_rank_rows(max_rank)
     blk = _fit_block(max(32, min(256, 8192 // rows)), width)
     programs = num_tokens * num_slices
-    parts = max(1, min(-(-_FUSED_PROGRAMS_PER_SM * num_sms() // programs), -(-out_width // blk)))
+    parts = max(1, min(_FUSED_PROGRAMS_PER_SM * num_sms() // programs, -(-out_width // blk)))
     return LoraLaunch(
-        block_m=16,
+        block_m=32 if num_tokens > FUSED_MAX_TOKENS else 16,
         shrink_k=blk,
         shrink_r=rows,
         expand_n=blk,

@@ -49,8 +49,9 @@ def _config(path: str, shape, t: int, max_rank: int, parts: int = 2):
     if ON_GPU:
         return lora.fused_config(t, shape.width, max_rank, slices, max(shape.widths))
     rows = lora.fused_rank_rows(max_rank)
+    block_m = 32 if t > 20 else 16  # prefill tiles as fused_config makes them
     return lora.LoraLaunch(
-        block_m=16, shrink_k=16, shrink_r=rows, expand_n=16, fused=True, parts=parts
+        block_m=block_m, shrink_k=16, shrink_r=rows, expand_n=16, fused=True, parts=parts
     )
 
 
@@ -178,15 +179,29 @@ def test_apply_reuses_workspace():
         _check_apply(shape, ranks, rows, DTYPES[0], gen, workspace=ws)
 
 
-def test_launch_config_fuses_small_batches():
-    """lora_apply's default: one fused launch up to FUSED_MAX_TOKENS tokens, two above; the
-    fused config holds every rank row and splits columns only while the GPU is underfilled."""
-    small = lora.launch_config(1, 4096, 4096, 64, 3, 4096)
-    assert small.fused and small.shrink_r >= 64 and small.parts > 1
-    big = lora.launch_config(lora.FUSED_MAX_TOKENS, 4096, 4096, 16, 3, 4096)
-    assert big.fused and big.parts == 1
-    assert not lora.launch_config(lora.FUSED_MAX_TOKENS + 1, 4096, 4096, 16, 3, 4096).fused
-    assert not lora.launch_config(8, 4096, 4096, 16, 3).fused  # shrink / expand alone
+def test_launch_config_chooses_paths():
+    """lora_apply's default path from shapes alone (H 4096, I 11008): two launches while a
+    decode batch gives too few (tile, slice) programs for the call's shape, fused above, fused
+    for prefill calls of several slices; the fused config holds every rank row."""
+    qkv, o, gate_up, down = (4096, 3, 4096), (4096, 1, 4096), (4096, 2, 11008), (11008, 1, 4096)
+
+    def fused(t, call, rank=16):
+        d_in, slices, out = call
+        return lora.launch_config(t, d_in, 4096, rank, slices, out).fused
+
+    assert not any(fused(1, c) for c in (qkv, o, gate_up, down))
+    assert fused(64, qkv) and fused(32, gate_up) and not fused(64, o) and not fused(64, down)
+    assert fused(64, o, rank=64) and fused(256, down) and not fused(128, down)
+    assert all(fused(512, c) for c in (qkv, o, gate_up, down))
+    assert fused(4096, qkv) and fused(4096, gate_up) and not fused(4096, o)
+    assert not fused(512, qkv, rank=256)  # too many rank rows to hold
+    assert not lora.launch_config(512, 4096, 4096, 16, 3).fused  # shrink / expand alone
+    cfg = lora.fused_config(1, 4096, 64, 3, 4096)
+    assert cfg.fused and cfg.shrink_r >= 64 and cfg.parts > 1 and cfg.block_m == 16
+    assert lora.fused_config(4096, 4096, 16, 3, 4096).block_m == 32
+
+
+def test_fused_config_must_hold_every_rank_row():
     setup, tokens, x, y = _small_call()
     cfg = lora.LoraLaunch(16, 16, 16, 16, fused=True)  # 16 rank rows, max_rank 32
     with pytest.raises(ValueError, match="rank rows"):
