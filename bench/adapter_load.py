@@ -174,6 +174,7 @@ class StepTime(NamedTuple):
     seconds: float
     outputs: int  # sequences that sampled a token
     tokens: int  # tokens computed (a pure decode step: one per sequence)
+    cpu_seconds: float  # the step thread's CPU time in the step (spinning on the GPU counts)
 
 
 class StepTimer:
@@ -187,11 +188,12 @@ class StepTimer:
         core.step = self
 
     def __call__(self):
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.thread_time()
         before = self._core.computed_tokens
         out = self._step()
         tokens = self._core.computed_tokens - before
-        self.steps.append(StepTime(t, time.perf_counter() - t, len(out), tokens))
+        wall = time.perf_counter() - t
+        self.steps.append(StepTime(t, wall, len(out), tokens, time.thread_time() - cpu))
         return out
 
 
@@ -391,8 +393,9 @@ async def step_times(args, engine, registry, keys, loads, timer) -> dict:
 
     def stats(samples: list[StepTime]) -> dict:
         s = summarize([x.seconds for x in samples], len(samples))
+        cpu = summarize([x.cpu_seconds for x in samples], len(samples))
         return {"steps": len(samples), "mean_s": s.mean, "p50_s": s.p50, "p99_s": s.p99,
-                "max_s": s.max}  # fmt: skip
+                "max_s": s.max, "cpu_p50_s": cpu.p50}  # fmt: skip
 
     def overlapping(step: StepTime) -> str:
         end = step.start + step.seconds
@@ -505,7 +508,8 @@ def report(r: dict) -> str:
         a, b = w["step_no_loads"], w["step_with_loads"]
         lines += [
             f"  {w['variant']} (switch interval {w['switch_interval'] * 1000:.1f} ms)",
-            f"    no loads           {ms(a['p50_s'])} {ms(a['p99_s'])}  ({a['steps']} steps)",
+            f"    no loads           {ms(a['p50_s'])} {ms(a['p99_s'])}  ({a['steps']} steps, "
+            f"step thread CPU p50 {a['cpu_p50_s'] * 1000:.1f} ms)",
             f"    with loads         {ms(b['p50_s'])} {ms(b['p99_s'])}  ({b['steps']} steps, "
             f"{w['loads']} loads)",
             f"    p99 ratio {w['p99_ratio']:.3f}, p50 ratio {w['p50_ratio']:.3f} "
@@ -513,7 +517,8 @@ def report(r: dict) -> str:
         ]
         for phase, st in w["with_loads_by_phase"].items():
             lines.append(f"    during {phase:22s} {ms(st['p50_s'])} {ms(st['max_s'])} max "
-                         f"({st['steps']} steps)")  # fmt: skip
+                         f"({st['steps']} steps, step thread CPU p50 "
+                         f"{st['cpu_p50_s'] * 1000:.1f} ms)")  # fmt: skip
         slow = ", ".join(f"{t * 1000:.1f} ms ({p})" for t, p in w["slowest_with_loads"])
         lines.append(f"    slowest: {slow}")
         for side in ("gc_no_loads", "gc_with_loads"):
