@@ -27,6 +27,7 @@ from store.synthetic import synthetic_adapter
 
 BODY = bytes(range(256)) * 1000 + b"tail"  # 256004 bytes, not a multiple of the chunk size
 CHUNK = 64 * 1024
+WHOLE = [("info", None), ("body", None)]  # AdapterInfo, then the whole body
 # One chunk, then a pause until the test releases the server, then the rest.
 PAUSED = [("info", None), ("body", (0, CHUNK)), ("pause", None), ("body", (CHUNK, len(BODY)))]
 
@@ -103,13 +104,18 @@ def _no_leak(cache: HostCache) -> None:
     assert cache.arena.stats().used == entries
 
 
+async def _fetch_intact(client: StoreClient, cache: HostCache):
+    entry = await client.fetch(AdapterKey("x", 1))
+    assert bytes(cache.arena.view(entry.block)) == BODY
+    return entry
+
+
 async def test_bytes_land_in_the_shared_arena(server):
     script, address = server
-    script.steps = [("info", None), ("body", (0, len(BODY)))]
+    script.steps = WHOLE
     client, cache = _client(address)
     try:
-        entry = await client.fetch(AdapterKey("x", 1))
-        assert bytes(cache.arena.view(entry.block)) == BODY
+        entry = await _fetch_intact(client, cache)
         again = await client.fetch(AdapterKey("x", 1))  # a cache hit: no second stream
         assert again is entry and client.fetch_latency.summary().count == 1
         _no_leak(cache)
@@ -142,16 +148,15 @@ async def test_a_broken_stream_fails_cleanly(server, steps, error, words):
             await client.fetch(AdapterKey("x", 1))
         assert len(cache) == 0
         _no_leak(cache)
-        script.steps = [("info", None), ("body", (0, len(BODY)))]  # the worker still serves
-        entry = await client.fetch(AdapterKey("x", 1))
-        assert bytes(cache.arena.view(entry.block)) == BODY
+        script.steps = WHOLE
+        await _fetch_intact(client, cache)  # the worker still serves
     finally:
         await client.close()
 
 
 async def test_no_room_in_the_cache_is_reported_and_nothing_leaks(server):
     script, address = server
-    script.steps = [("info", None), ("body", (0, len(BODY)))]
+    script.steps = WHOLE
     client, cache = _client(address, blocks=8)  # 32 KiB: too small for the body
     try:
         with pytest.raises(HostCacheFull, match="larger than the host cache"):
@@ -198,16 +203,15 @@ async def test_a_dead_worker_fails_its_fetches_and_is_restarted(server):
         _no_leak(cache)
         assert cache.arena.stats().blocks == 0
         script.release.set()
-        script.steps = [("info", None), ("body", (0, len(BODY)))]
-        entry = await client.fetch(AdapterKey("x", 1))  # a new worker
-        assert bytes(cache.arena.view(entry.block)) == BODY
+        script.steps = WHOLE
+        await _fetch_intact(client, cache)  # a new worker
     finally:
         await client.close()
 
 
 async def test_concurrent_fetches_of_one_version_share_one_stream(server):
     script, address = server
-    script.steps = [("info", None), ("body", (0, len(BODY)))]
+    script.steps = WHOLE
     client, cache = _client(address)
     try:
         entries = await asyncio.gather(*(client.fetch(AdapterKey("x", 1)) for _ in range(5)))
@@ -232,7 +236,7 @@ async def test_the_worker_validates_what_it_fetched(server):
         ):
             files = synthetic_adapter(shape, rank=4)
             script.body, script.config_json = files.safetensors, files.config_json.decode()
-            script.steps = [("info", None), ("body", None)]
+            script.steps = WHOLE
             entry = await client.fetch(AdapterKey("x", version))
             assert bytes(cache.arena.view(entry.block)) == files.safetensors
             assert isinstance(entry.verdict, expect), entry.verdict
