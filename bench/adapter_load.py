@@ -8,7 +8,7 @@
 2. Step time: 64 requests decoding (half on resident adapters, contexts held stationary), in
    windows without loads alternating with windows while cold adapters are fetched from the
    store and copied into the pool, under the service's settings, a shorter GIL switch
-   interval and two diagnostic variants of the copy, side by side; slow steps are attributed
+   interval and a diagnostic variant of the copy, side by side; slow steps are attributed
    to the load phases and garbage collections they overlap. Goal: p99 at most 1.05x.
 
 The store runs in a subprocess on the local backend (this script's --serve-store mode, which
@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import platform
-import queue
 import shutil
 import socket
 import subprocess
@@ -69,46 +68,29 @@ _DEFAULT_SWITCH_INTERVAL = sys.getswitchinterval()
 
 class Variant(NamedTuple):
     switch_interval: float  # the GIL's (sys.setswitchinterval)
-    copy: str  # "service"; diagnostics: "dma-only" (no layout kernels: the pool is not
-    # written, the adapter is dropped unused), "inline" (the copy is issued by the step thread)
+    copy: str  # "service"; diagnostic: "dma-only" (no layout kernels: the pool is not
+    # written; the adapter is dropped unused)
 
 
-# Settings compared side by side: the service's, a shorter GIL switch interval, and two
-# diagnostics that take a part of the host -> pool copy away, to tell which part slows steps.
+# Settings compared side by side: the service's, a shorter GIL switch interval, and a
+# diagnostic that takes the layout kernels out of the host -> pool copy (is it the GPU work?).
 VARIANTS = {
     "service": Variant(_DEFAULT_SWITCH_INTERVAL, "service"),
     "switch-0.5ms": Variant(0.0005, "service"),
     "diag-dma-only": Variant(_DEFAULT_SWITCH_INTERVAL, "dma-only"),
-    "diag-copy-inline": Variant(_DEFAULT_SWITCH_INTERVAL, "inline"),
 }
 
 
 @contextlib.contextmanager
-def copy_variant(engine: Engine, mode: str):
+def copy_variant(mode: str):
     """Patches the engine's host -> pool copy for a diagnostic variant (see Variant)."""
-    copier = engine.core.adapters.copier
-    saved_write, saved_submit = adapter_copy.write_adapter, copier.submit
+    saved_write = adapter_copy.write_adapter
     if mode == "dma-only":
         adapter_copy.write_adapter = lambda pool, host, slots, src: None
-    elif mode == "inline" and copier.cuda:
-
-        def inline(host, slots):
-            ticket = adapter_copy.CopyTicket(True)
-            jobs = queue.SimpleQueue()
-            jobs.put((ticket, host, slots, torch.cuda.current_stream(copier.pool.device)))
-            jobs.put(None)
-            loader_jobs, copier._jobs = copier._jobs, jobs
-            try:
-                copier._run()  # this job, on this (the step) thread
-            finally:
-                copier._jobs = loader_jobs
-            return ticket
-
-        copier.submit = inline
     try:
         yield
     finally:
-        adapter_copy.write_adapter, copier.submit = saved_write, saved_submit
+        adapter_copy.write_adapter = saved_write
 
 
 def serve_store(root: str, port: int) -> None:
@@ -380,7 +362,7 @@ async def step_times(args, engine, registry, keys, loads, timer) -> dict:
                 quiet, busy, n = windows[name]
                 quiet += await quiet_window(args.quiet_steps)
                 names = [loads[(r * per_window + j) % len(loads)] for j in range(per_window)]
-                with copy_variant(engine, VARIANTS[name].copy):
+                with copy_variant(VARIANTS[name].copy):
                     busy += await load_window(names)
                 windows[name] = (quiet, busy, n + len(names))
     finally:

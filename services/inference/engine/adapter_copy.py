@@ -1,13 +1,16 @@
 """Host -> pool copies of adapters: one transfer of the file's bytes, then a few batched kernels.
 
-On CUDA a copy is issued by a loader thread on a side stream: a non-blocking copy of the whole
-adapter file from pinned host memory into a device staging buffer, then, per module, the layers'
-A and Bᵀ stacked, converted to the pool's dtype, padded to the pool's chunk width, and scattered
-into the adapter's slots of every layer at once (kernels/lora_layout.py's geometry), then an
-event. The step thread only queues the copy and later polls the event (CopyTicket.done), so it
-never waits on a transfer, and the copy's kernel launches happen while the step thread waits for
-its own step's results (it releases the GIL there). On the CPU the same function runs in place,
-synchronously, reading the host bytes directly.
+On CUDA the step thread issues a copy on a side stream, between two steps: a non-blocking copy
+of the whole adapter file from pinned host memory into a device staging buffer, then, per
+module, the layers' A and Bᵀ stacked, converted to the pool's dtype, padded to the pool's chunk
+width, and scattered into the adapter's slots of every layer at once (kernels/lora_layout.py's
+geometry), then an event. Issuing takes about a millisecond of the step thread's time; the
+transfer and the kernels run while later steps compute, and the step thread only polls the
+event (CopyTicket.done), so it never waits on them. (A loader thread that issued the copies
+instead made the steps it overlapped slower: its Python competed with the step thread's for the
+GIL. bench/adapter_load.py, decode step p99 under loads: 1.087x with the thread, 1.034x
+without.) On the CPU the same function runs in place, synchronously, reading the host bytes
+directly.
 
 The side stream first waits for the stream that scheduled the copy: the slots were taken from
 freed KV pages, which kernels queued before may still read or write.
@@ -16,8 +19,6 @@ freed KV pages, which kernels queued before may still read or write.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 
 import torch
@@ -84,18 +85,16 @@ def write_adapter(pool: torch.Tensor, host: HostAdapter, slots: torch.Tensor, sr
 
 class CopyTicket:
     """One host -> pool copy. done() never blocks; seconds() is the copy's duration (device
-    time between events on CUDA, wall time on the CPU) once done."""
+    time between events on CUDA, wall time on the CPU) once done. A copy that failed to issue
+    raises from done()."""
 
     def __init__(self, cuda: bool) -> None:
-        self._issued = threading.Event()
         self._error: BaseException | None = None
         self._start = torch.cuda.Event(enable_timing=True) if cuda else None
         self._end = torch.cuda.Event(enable_timing=True) if cuda else None
         self._seconds = 0.0
 
     def done(self) -> bool:
-        if not self._issued.is_set():
-            return False
         if self._error is not None:
             raise RuntimeError("copying an adapter into the page pool failed") from self._error
         return self._end is None or self._end.query()
@@ -107,49 +106,39 @@ class CopyTicket:
 
 
 class AdapterCopier:
-    """Issues host -> pool copies: synchronously on the CPU, from a loader thread on CUDA."""
+    """Issues host -> pool copies on the calling thread (the engine's step thread): on CUDA as
+    asynchronous work on a side stream, on the CPU synchronously."""
 
     def __init__(self, pool: torch.Tensor) -> None:
         self.pool = pool
         self.cuda = pool.device.type == "cuda"
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        if self.cuda:
-            self._stream = torch.cuda.Stream(pool.device)
-            self._thread = threading.Thread(target=self._run, name="adapter-loader", daemon=True)
-            self._thread.start()
+        self._stream = torch.cuda.Stream(pool.device) if self.cuda else None
 
     def submit(self, host: HostAdapter, slots: torch.Tensor) -> CopyTicket:
         ticket = CopyTicket(self.cuda)
-        if not self.cuda:
-            start = time.perf_counter()
-            write_adapter(self.pool, host, slots, host.raw)
-            ticket._seconds = time.perf_counter() - start
-            ticket._issued.set()
-            return ticket
-        self._jobs.put((ticket, host, slots, torch.cuda.current_stream(self.pool.device)))
+        try:
+            if self.cuda:
+                self._issue(ticket, host, slots)
+            else:
+                start = time.perf_counter()
+                write_adapter(self.pool, host, slots, host.raw)
+                ticket._seconds = time.perf_counter() - start
+        except BaseException as exc:  # reported to the step thread by done()
+            log.exception("adapter copy failed")
+            ticket._error = exc
         return ticket
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join()
-            self._thread = None
+        """Nothing to stop: copies in flight finish on their stream."""
 
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            ticket, host, slots, scheduler_stream = job
-            try:
-                side = self._stream
-                with torch.cuda.device(self.pool.device), torch.cuda.stream(side):
-                    side.wait_stream(scheduler_stream)
-                    ticket._start.record(side)
-                    staged = host.raw.to(self.pool.device, non_blocking=True)  # pinned -> DMA
-                    write_adapter(self.pool, host, slots, staged)
-                    ticket._end.record(side)
-                # The slot table was made on the scheduler's stream; keep it for this one too.
-                slots.record_stream(side)
-            except BaseException as exc:  # reported to the step thread by done()
-                log.exception("adapter copy failed")
-                ticket._error = exc
-            ticket._issued.set()
+    def _issue(self, ticket: CopyTicket, host: HostAdapter, slots: torch.Tensor) -> None:
+        side = self._stream
+        scheduler_stream = torch.cuda.current_stream(self.pool.device)
+        with torch.cuda.device(self.pool.device), torch.cuda.stream(side):
+            side.wait_stream(scheduler_stream)
+            ticket._start.record(side)
+            staged = host.raw.to(self.pool.device, non_blocking=True)  # pinned -> DMA
+            write_adapter(self.pool, host, slots, staged)
+            ticket._end.record(side)
+        # The slot table was made on the scheduler's stream; keep it for this one too.
+        slots.record_stream(side)

@@ -8,8 +8,8 @@ States, one per adapter:
 begin_load() moves HOST -> LOADING, poll_loads() LOADING -> IN_POOL once the copy is done (on CPU
 at once), evict moves IN_POOL -> HOST. The scheduler admits a request only when its adapter is
 IN_POOL, so a load never stalls the requests already running. The copy itself is
-adapter_copy.py's: on CUDA a loader thread issues it on a side stream, so begin_load() only takes
-pages and a row and queues it.
+adapter_copy.py's: on CUDA begin_load() issues it on a side stream (about a millisecond of the
+step thread's time) and returns; the transfer runs while later steps compute.
 
 Invariant: an adapter with refs > 0 (a request that uses it is queued or running) or pinned is
 never evicted by evict_idle(). Only evict_for_stall() may take one that queued requests are
