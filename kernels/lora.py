@@ -38,8 +38,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Shrink programs wanted per multiprocessor: with fewer, the weights stream through too few
 # SMs (small decode batches) and split_k makes up the difference.
 _SHRINK_PROGRAMS_PER_SM = 4
-# Decode-sized calls (up to this many tokens) choose their path by _fuse; larger ones are
-# prefill-like.
+# Decode-sized calls (up to this many tokens) take the two launches (see _fuse); larger ones
+# are prefill-like.
 FUSED_MAX_TOKENS = 512
 # Fused programs wanted per multiprocessor; parts split a (tile, slice) until there are as many.
 _FUSED_PROGRAMS_PER_SM = 2
@@ -98,25 +98,21 @@ def launch_config(
 
 
 def _fuse(num_tokens: int, d_in: int, max_rank: int, num_slices: int, out_width: int) -> bool:
-    """Fused or two launches, from shapes alone, as measured on the H200 (bench --sweep,
-    distinct adapters, each call's two paths side by side).
+    """Fused or two launches, from shapes alone, as measured on the H200 (one layer's seven
+    projections, bench/results/kernels.json and kernels_sweep.json).
 
-    A fused program streams a whole A and its share of Bᵀ by itself, which is slower per byte
-    than the two-launch shrink's d_in split; it wins once the batch gives the GPU enough
-    (tile, slice) programs that this does not matter, and the launch and h round trip it saves
-    then show. How many is enough depends on the call's shape: an A much longer than the output
-    (down) needs the most, an output much wider than d_in (gate_up) the fewest. Prefill-sized
-    calls fuse when they have several slices (x and h stay on chip for all of them)."""
-    if num_tokens <= 0 or max_rank > FUSED_MAX_RANK:
+    Prefill-sized calls of several slices fuse (x and h stay on chip for all of them): faster
+    with 1, 16 and 256 adapters alike. Decode-sized calls keep the two launches: the fused
+    kernel wins only when tokens have distinct adapters (a layer at batch 512, rank 16: 440 µs
+    against 804), and loses when they share them, since then a few (tile, slice) programs each
+    stream a whole A alone (batch 64, rank 16, one adapter: 79 µs against 40). The batch's
+    popularity is not known from shapes, and a CUDA graph fixes the path for every batch it
+    replays; lora_apply(config=fused_config(...)) takes the fused path where a caller knows
+    that its tokens' adapters are distinct. ``d_in`` and ``out_width`` are unused for now."""
+    del d_in, out_width
+    if num_tokens <= FUSED_MAX_TOKENS or max_rank > FUSED_MAX_RANK:
         return False
-    if num_tokens > FUSED_MAX_TOKENS:
-        return num_slices > 1
-    work = num_tokens * num_slices
-    if d_in >= 2 * out_width:  # down: long A rows, narrow output
-        return work >= 256
-    if out_width >= 2 * d_in:  # gate_up: wide output
-        return work >= 64
-    return work * max(1, max_rank // 16) >= 192  # qkv, o
+    return num_slices > 1
 
 
 def fused_config(

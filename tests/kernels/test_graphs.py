@@ -21,9 +21,9 @@ from tests.kernels.sizes import assert_close
 DEV = torch.device("cuda")
 
 
-@pytest.mark.parametrize("path", ["launcher", "two_launch"])
+@pytest.mark.parametrize("path", ["fused", "launcher"])
 def test_decode_step_replays_with_new_batches(path):
-    """The launcher's choice at batch 64 (the fused kernel) and the two-launch path forced."""
+    """The fused kernel forced, and the launcher's choice at batch 64 (two launches)."""
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
     heads, kv_heads, head_dim, page = 32, 8, 128, 16
@@ -54,9 +54,8 @@ def test_decode_step_replays_with_new_batches(path):
     out = torch.empty_like(q)
     lora_ws = torch.empty(lora.workspace_size(batch, 3, max_rank), device=DEV)
     lora_cfg = None
-    if path == "two_launch":
-        lora_cfg = lora.launch_config(batch, d_in, w, max_rank, 3)
-        assert not lora_cfg.fused
+    if path == "fused":
+        lora_cfg = lora.fused_config(batch, w, max_rank, 3, max(widths))
     splits = attention.decode_splits(batch, kv_heads, kv.block_tables.shape[1] * page, 64)
     attn_ws = torch.empty(
         attention.decode_workspace_size(batch, heads, head_dim, splits),
