@@ -29,7 +29,7 @@ def _varint(value: int) -> bytes:
             return bytes(out)
 
 
-def encode_chunk(chunk: bytes) -> bytes:
+def encode_chunk(chunk: bytes | memoryview) -> bytes:
     """The serialized FetchAdapterResponse carrying ``chunk``."""
     return b"".join((_CHUNK_TAG, _varint(len(chunk)), chunk))
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from store.backends.base import MultipartWriter, ObjectNotFound, ObjectStore
+from store.backends.base import MultipartWriter, ObjectNotFound, ObjectStore, RangeReader
 from store.config import BackendKind, StoreConfig
 
-__all__ = ["MultipartWriter", "ObjectNotFound", "ObjectStore", "open_backend"]
+__all__ = ["MultipartWriter", "ObjectNotFound", "ObjectStore", "RangeReader", "open_backend"]
 
 
 def open_backend(config: StoreConfig) -> ObjectStore:

@@ -8,8 +8,10 @@ a missing object is ObjectNotFound.
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 
 
 class ObjectNotFound(KeyError):
@@ -36,6 +38,31 @@ class MultipartWriter(ABC):
         """Idempotent; safe to call after a failed write or complete."""
 
 
+class RangeReader(ABC):
+    """One byte range of an object, streamed in order into buffers the caller owns.
+
+    readinto() fills the whole view unless the range (or the object, if shorter) ends first;
+    0 means it has ended. Reading into the caller's buffer, rather than returning a new bytes
+    object per read, is what keeps the fetch path at one copy of the bytes in user space.
+    """
+
+    @abstractmethod
+    async def readinto(self, view: memoryview) -> int: ...
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Release the connection or file; idempotent."""
+
+
+async def outlast(read: Future) -> None:
+    """Wait until a blocking read on a worker thread returns, however it ends: a reader closed
+    mid-read must not close its socket or file, or reuse its buffer, under that thread."""
+    done = asyncio.wrap_future(read)
+    await asyncio.wait([done])
+    if not done.cancelled():
+        done.exception()  # retrieved, so that asyncio does not log it: nobody wants it now
+
+
 class ObjectStore(ABC):
     @abstractmethod
     async def put(self, key: str, data: bytes) -> None:
@@ -49,11 +76,10 @@ class ObjectStore(ABC):
     async def get(self, key: str) -> bytes: ...
 
     @abstractmethod
-    def stream_range(
-        self, key: str, start: int, end: int, piece_bytes: int
-    ) -> AsyncIterator[bytes]:
-        """Bytes [start, end) of the object as they arrive, in pieces of at most
-        ``piece_bytes`` (the last may be short if the object is shorter than ``end``)."""
+    async def open_range(self, key: str, start: int, end: int) -> RangeReader:
+        """Bytes [start, end) of the object, as one streaming read (one ranged GET on S3).
+        Reads end early where the object is shorter than ``end``; ObjectNotFound if it is
+        missing."""
 
     @abstractmethod
     async def delete(self, key: str) -> None:

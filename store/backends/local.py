@@ -15,9 +15,10 @@ import errno
 import os
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from store.backends.base import MultipartWriter, ObjectNotFound, ObjectStore
+from store.backends.base import MultipartWriter, ObjectNotFound, ObjectStore, RangeReader, outlast
 from store.errors import StorageError, StorageUnavailable
 
 
@@ -35,6 +36,9 @@ class LocalObjectStore(ObjectStore):
         self._uploads = self.root / ".uploads"
         for directory in (self._objects, self._tmp, self._uploads):
             directory.mkdir(parents=True, exist_ok=True)
+        # Range reads run here rather than through asyncio.to_thread so that a reader closed
+        # mid-read can wait for its thread (see _LocalRange.close).
+        self._readers = ThreadPoolExecutor(8, thread_name_prefix="local-read")
 
     def _path(self, key: str) -> Path:
         parts = key.split("/")
@@ -110,22 +114,9 @@ class LocalObjectStore(ObjectStore):
     async def get(self, key: str) -> bytes:
         return await self._run(self._path(key).read_bytes)
 
-    async def stream_range(
-        self, key: str, start: int, end: int, piece_bytes: int
-    ) -> AsyncIterator[bytes]:
-        f = await self._run(open, self._path(key), "rb")
-        try:
-            position = start
-            while position < end:
-                piece = await self._run(
-                    os.pread, f.fileno(), min(piece_bytes, end - position), position
-                )
-                if not piece:
-                    return
-                yield piece
-                position += len(piece)
-        finally:
-            f.close()
+    async def open_range(self, key: str, start: int, end: int) -> RangeReader:
+        fd = await self._run(os.open, self._path(key), os.O_RDONLY)
+        return _LocalRange(self, fd, start, end)
 
     async def delete(self, key: str) -> None:
         await self._run(self._delete, key)
@@ -149,7 +140,51 @@ class LocalObjectStore(ObjectStore):
         await self._run(os.statvfs, self._objects)
 
     async def close(self) -> None:
-        """Nothing to release: every call opens and closes its own files."""
+        """Every call opens and closes its own files; only the read threads remain."""
+        self._readers.shutdown(wait=False)
+
+
+class _LocalRange(RangeReader):
+    def __init__(self, store: LocalObjectStore, fd: int, start: int, end: int) -> None:
+        self._store = store
+        self._fd: int | None = fd
+        self._position = start
+        self._end = end
+        self._reading: Future | None = None
+
+    def _fill(self, view: memoryview) -> int:
+        filled = 0
+        while filled < len(view):
+            n = os.preadv(self._fd, [view[filled:]], self._position + filled)
+            if n == 0:
+                break  # the file ends before the range does
+            filled += n
+        return filled
+
+    async def readinto(self, view: memoryview) -> int:
+        if self._fd is None:
+            raise ValueError("read from a closed range")
+        want = min(len(view), self._end - self._position)
+        if want <= 0:
+            return 0
+        self._reading = self._store._readers.submit(self._fill, view[:want])
+        try:
+            n = await asyncio.wrap_future(self._reading)
+        except OSError as exc:
+            raise _storage_error(self._store.root, exc) from exc
+        self._position += n
+        if n < want:
+            self._end = self._position  # nothing follows a short read
+        return n
+
+    async def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        if self._reading is not None and not self._reading.done():
+            # Cancelled mid-read: close the file once the thread is done with it.
+            await outlast(self._reading)
+        os.close(fd)
 
 
 class _LocalMultipart(MultipartWriter):

@@ -9,16 +9,20 @@ becomes StorageUnavailable, which the service reports as UNAVAILABLE.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http.client
 import logging
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 import boto3
+import urllib3.exceptions
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+from botocore.response import StreamingBody
 
-from store.backends.base import MultipartWriter, ObjectNotFound, ObjectStore
+from store.backends.base import MultipartWriter, ObjectNotFound, ObjectStore, RangeReader, outlast
 from store.config import StoreConfig
 from store.errors import StorageError, StorageUnavailable
 
@@ -26,6 +30,9 @@ log = logging.getLogger(__name__)
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 _PRECONDITION = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
+# What a body read can raise: socket errors and timeouts (OSError), http.client's and urllib3's
+# errors on a broken response, and botocore's wrappers of those.
+_READ_ERRORS = (BotoCoreError, OSError, http.client.HTTPException, urllib3.exceptions.HTTPError)
 _RETRYABLE = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling"}
 
 
@@ -99,11 +106,9 @@ class S3ObjectStore(ObjectStore):
         response = await self._call(self.client.get_object, Bucket=self.bucket, Key=key)
         return await self._read(response)
 
-    async def stream_range(
-        self, key: str, start: int, end: int, piece_bytes: int
-    ) -> AsyncIterator[bytes]:
+    async def open_range(self, key: str, start: int, end: int) -> RangeReader:
         if start >= end:
-            return
+            return _S3Range(self, key, None, 0)
         try:
             response = await self._call(
                 self.client.get_object,
@@ -114,29 +119,17 @@ class S3ObjectStore(ObjectStore):
         except StorageError as exc:
             cause = exc.__cause__
             if isinstance(cause, ClientError) and _code(cause) == "InvalidRange":
-                return
+                return _S3Range(self, key, None, 0)  # the object ends before the range starts
             raise
-        body = response["Body"]
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                try:
-                    piece = await loop.run_in_executor(self._pool, body.read, piece_bytes)
-                except (BotoCoreError, OSError) as exc:
-                    message = f"reading {key} from {self._endpoint} failed: {exc}"
-                    raise StorageUnavailable(message) from exc
-                if not piece:
-                    return
-                yield piece
-        finally:
-            body.close()
+        length = int(response.get("ContentLength", end - start))
+        return _S3Range(self, key, response["Body"], length)
 
     async def _read(self, response) -> bytes:
         body = response["Body"]
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._pool, body.read)
-        except (BotoCoreError, OSError) as exc:
+        except _READ_ERRORS as exc:
             raise StorageUnavailable(f"reading from {self._endpoint} failed: {exc}") from exc
         finally:
             body.close()
@@ -186,6 +179,77 @@ class S3ObjectStore(ObjectStore):
     async def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()
+
+
+def _socket_response(body: StreamingBody) -> http.client.HTTPResponse | None:
+    """The http.client response under botocore's StreamingBody and urllib3's response, if this
+    botocore and urllib3 have one there. Its readinto fills the buffer straight from the socket;
+    StreamingBody's (through urllib3) reads into a new bytes object and copies that over, one
+    more copy and allocation per read. botocore asks urllib3 for the raw body (no content
+    decoding), so both read the same bytes. The attributes are private: where they are missing
+    this returns None and the reads go through StreamingBody, which costs only the copy."""
+    raw = getattr(body, "_raw_stream", None)
+    response = getattr(raw, "_fp", None)
+    if isinstance(response, http.client.HTTPResponse) and callable(
+        getattr(raw, "release_conn", None)
+    ):
+        return response
+    return None
+
+
+class _S3Range(RangeReader):
+    """One ranged GET's body. ``length`` is the response's Content-Length: a connection that
+    ends before it is a storage failure (UNAVAILABLE), while a range that the object does not
+    fill reads short, which the fetch reports as corruption."""
+
+    def __init__(
+        self, store: S3ObjectStore, key: str, body: StreamingBody | None, length: int
+    ) -> None:
+        self._store = store
+        self._key = key
+        self._body = body
+        self._left = length
+        self._socket = _socket_response(body) if body is not None else None
+        self._reading: Future | None = None
+
+    async def readinto(self, view: memoryview) -> int:
+        want = min(len(view), self._left)
+        if want <= 0:
+            return 0
+        if self._body is None:
+            raise ValueError("read from a closed range")
+        s = self._store
+        source = self._socket if self._socket is not None else self._body
+        self._reading = s._pool.submit(source.readinto, view[:want])
+        try:
+            n = await asyncio.wrap_future(self._reading)
+        except _READ_ERRORS as exc:
+            message = f"reading {self._key} from {s._endpoint} failed: {exc}"
+            raise StorageUnavailable(message) from exc
+        if n == 0:
+            raise StorageUnavailable(
+                f"reading {self._key} from {s._endpoint} failed: the connection closed "
+                f"{self._left} bytes before the end of the response"
+            )
+        self._left -= n
+        return n
+
+    async def close(self) -> None:
+        body, self._body = self._body, None
+        if body is None:
+            return
+        reading = self._reading
+        if reading is not None and not reading.done():
+            # Cancelled mid-read: the thread still reads into the caller's buffer. Shutting
+            # the socket down ends that read now; the socket is closed once it has.
+            with contextlib.suppress(Exception):
+                body._raw_stream.shutdown()
+            await outlast(reading)
+        elif self._left == 0 and self._socket is not None:
+            # Read to the end past urllib3's bookkeeping: hand the connection back to the
+            # pool, as urllib3 does when it reads a body to the end itself.
+            body._raw_stream.release_conn()
+        body.close()  # closes the connection unless it was handed back
 
 
 class _S3Multipart(MultipartWriter):

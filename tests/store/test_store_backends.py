@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import threading
 import uuid
 
 import pytest
@@ -41,7 +44,15 @@ def prefix() -> str:
 
 
 async def read_range(backend, key, start, end, piece_bytes=100):
-    return [p async for p in backend.stream_range(key, start, end, piece_bytes)]
+    """The range as the reads return it, each into a buffer of piece_bytes."""
+    reader = await backend.open_range(key, start, end)
+    pieces = []
+    try:
+        while n := await reader.readinto(memoryview(buffer := bytearray(piece_bytes))):
+            pieces.append(bytes(buffer[:n]))
+    finally:
+        await reader.close()
+    return pieces
 
 
 async def keys(backend, prefix, start_after=""):
@@ -163,3 +174,114 @@ async def test_s3_unreachable_is_unavailable_quickly():
         await store.get("x")
     assert loop.time() - start < 5.0
     await store.close()
+
+
+async def test_s3_range_reads_straight_from_the_socket_or_through_botocore(
+    seaweed, prefix, monkeypatch
+):
+    from store.backends import s3
+
+    store = open_backend(s3_config(seaweed))
+    key = prefix + "big.bin"
+    data = os.urandom(3 * MIB + 5)
+    await store.put(key, data)
+    reader = await store.open_range(key, 0, len(data))
+    # The installed botocore and urllib3 offer http.client's readinto: no copy per read.
+    assert reader._socket is not None
+    await reader.close()
+    assert b"".join(await read_range(store, key, 0, len(data), MIB)) == data
+    monkeypatch.setattr(s3, "_socket_response", lambda body: None)  # another botocore
+    assert b"".join(await read_range(store, key, 7, len(data), MIB)) == data[7:]
+    await store.close()
+
+
+class BrokenHttp:
+    """An S3 endpoint whose every answer promises 1000 bytes, sends 500, then closes the
+    connection (or, with ``stall``, keeps it open and sends nothing more)."""
+
+    def __init__(self, stall: bool) -> None:
+        self.stall = stall
+        self.release = threading.Event()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    request += conn.recv(65536)
+                head = b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\nContent-Type: binary\r\n\r\n"
+                conn.sendall(head + b"x" * 500)
+                if self.stall:
+                    self.release.wait(30)
+
+    def close(self) -> None:
+        self.release.set()
+        self.sock.close()
+
+
+def broken_store(server: BrokenHttp):
+    config = StoreConfig(
+        backend=BackendKind.S3,
+        s3_endpoint=server.endpoint,
+        s3_bucket="b",
+        aws_access_key_id="k",
+        aws_secret_access_key="s",
+        read_timeout_s=20.0,
+    )
+    return open_backend(config)
+
+
+async def test_s3_connection_that_ends_mid_body_is_unavailable():
+    server = BrokenHttp(stall=False)
+    store = broken_store(server)
+    reader = await store.open_range("x", 0, 1000)
+    view = memoryview(bytearray(1000))
+    assert await reader.readinto(view) == 500  # the read ends where the bytes stop
+    with pytest.raises(StorageUnavailable, match="500 bytes before the end"):
+        await reader.readinto(view[500:])
+    await reader.close()
+    await store.close()
+    server.close()
+
+
+async def test_s3_reader_closed_mid_read_stops_the_read_at_once():
+    server = BrokenHttp(stall=True)
+    store = broken_store(server)
+    reader = await store.open_range("x", 0, 1000)
+    buffer = bytearray(1000)
+    read = asyncio.create_task(reader.readinto(memoryview(buffer)))
+    await asyncio.sleep(0.3)  # the read has 500 bytes and waits for the rest
+    read.cancel()
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    await reader.close()  # waits for the read thread, which the socket shutdown ends
+    assert loop.time() - start < 5.0  # not the 20 s read timeout
+    assert read.cancelled()
+    await store.close()
+    server.close()
+
+
+def test_the_weed_binary_can_be_named_by_the_environment(tmp_path, monkeypatch):
+    import subprocess
+
+    from tests.s3server import WEED_BIN_ENV, weed_binary
+
+    monkeypatch.delenv(WEED_BIN_ENV, raising=False)
+    named = tmp_path / "my-weed"
+    named.symlink_to(weed_binary())
+    monkeypatch.setenv(WEED_BIN_ENV, str(named))
+    assert weed_binary() == str(named)
+    version = subprocess.run([weed_binary(), "version"], capture_output=True, text=True)
+    assert "version" in version.stdout
+    plain = tmp_path / "not-executable"
+    plain.write_text("")
+    monkeypatch.setenv(WEED_BIN_ENV, str(plain))
+    with pytest.raises(RuntimeError, match=f"{WEED_BIN_ENV}=.*not an executable"):
+        weed_binary()

@@ -202,6 +202,6 @@ async def test_upload_memory_stays_bounded(tmp_path):
     assert len(files.safetensors) > 3 * config.part_bytes
     # Memory: the parts in flight plus one part being filled, whatever the adapter's size.
     assert CountingStore.most_in_flight == 2
-    body = b"".join([c async for c in store.fetch(record)])
+    body = b"".join([bytes(c) async for c in store.fetch(record)])
     assert body == files.safetensors
     await store.close()
