@@ -247,6 +247,9 @@ class AdapterRegistry:
                 raise entry.verdict
             raw = self.cache.arena.tensor(entry.block)
             self.engine.add_adapter(key, entry.config_json, raw, checked=entry.verdict)
+            # Used once: a parsed header is a thousand objects for the collector to walk on
+            # every full collection (a later add of these bytes validates them here again).
+            entry.verdict = None
         except Exception as exc:
             self.cache.release(key)
             self.cache.remove(key)
