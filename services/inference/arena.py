@@ -24,7 +24,6 @@ import os
 import warnings
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -121,14 +120,9 @@ class HostArena:
         """The block's bytes as a uint8 tensor sharing the arena's (pinned) memory."""
         return self.buffer[block.offset : block.offset + block.size]
 
-    def array(self, block: ArenaBlock) -> np.ndarray:
-        """The block as a writable uint8 numpy array (no copy). np.copyto into it releases the
-        GIL, which a memoryview assignment does not: the engine's step thread keeps running."""
-        return self.tensor(block).numpy()
-
     def view(self, block: ArenaBlock) -> memoryview:
         """A writable memoryview of the block (no copy)."""
-        return memoryview(self.array(block)).cast("B")
+        return memoryview(self.tensor(block).numpy()).cast("B")
 
     def stats(self) -> ArenaStats:
         used = sum(self._live.values())

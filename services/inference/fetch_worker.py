@@ -6,7 +6,8 @@ In the service process that time is taken from the engine's step thread, which n
 between its kernel launches: decode steps slowed down while cold adapters loaded. So the
 adapter bytes never enter the service process. The worker maps the arena (a memfd the service
 shares with it, page-locked there for the GPU) and writes each chunk into the block the service
-reserved for it; per fetch the two processes exchange four small messages over a socket.
+reserved for it; per fetch the two processes exchange four messages over a socket (the largest,
+the parsed header, is tens of kilobytes).
 
 Protocol (pickled tuples over a multiprocessing Connection on a socketpair; fid = fetch id):
   service -> worker: ("fetch", fid, adapter_id, version, timeout_s, check) | ("cancel", fid)
