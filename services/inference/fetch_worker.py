@@ -30,6 +30,7 @@ import logging
 import mmap
 import os
 import queue
+import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
@@ -197,6 +198,9 @@ class _ProtocolError(Exception):
 
 def main(argv: list[str]) -> int:
     """argv: target, arena fd, arena size, connection fd (both fds inherited)."""
+    # The service owns this process's lifetime (it stops it, and its exit closes the
+    # connection, which ends serve()); a Ctrl-C meant for the service is not for this one.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s fetch-worker %(levelname)s: %(message)s"
     )
