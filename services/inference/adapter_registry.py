@@ -246,9 +246,8 @@ class AdapterRegistry:
             if isinstance(entry.verdict, Exception):  # the fetch worker rejected the bytes
                 raise entry.verdict
             raw = self.cache.arena.tensor(entry.block)
-            self.engine.add_adapter(key, entry.config_json, raw, checked=entry.verdict)
-            # Used once: a parsed header is a thousand objects for the collector to walk on
-            # every full collection (a later add of these bytes validates them here again).
+            self.engine.add_adapter(key, entry.config_json, raw, spec=entry.verdict)
+            # Used once (a later add of these bytes validates them here again).
             entry.verdict = None
         except Exception as exc:
             self.cache.release(key)

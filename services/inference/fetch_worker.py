@@ -7,7 +7,7 @@ between its kernel launches: decode steps slowed down while cold adapters loaded
 adapter bytes never enter the service process. The worker maps the arena (a memfd the service
 shares with it, page-locked there for the GPU) and writes each chunk into the block the service
 reserved for it; per fetch the two processes exchange four messages over a socket (the largest,
-the parsed header, is tens of kilobytes).
+the adapter's spec, is a few kilobytes).
 
 Protocol (pickled tuples over a multiprocessing Connection on a socketpair; fid = fetch id):
   service -> worker: ("fetch", fid, adapter_id, version, timeout_s, check) | ("cancel", fid)
@@ -16,7 +16,7 @@ Protocol (pickled tuples over a multiprocessing Connection on a socketpair; fid 
   worker -> service: ("done", fid, nbytes, verdict) | ("error", fid, status name, details)
 ``check`` is None or an AdapterCheck: then the worker also validates the adapter (store.peft,
 as the engine would: its Python would hold the service's GIL for milliseconds too) and the
-verdict is the parsed safetensors header, or the AdapterFormatError that rejects it.
+verdict is its AdapterSpec (engine/adapter_spec.py), or the AdapterFormatError that rejects it.
 Every fetch ends with exactly one "done" or "error", also after "drop" or "cancel": only then
 may the service reuse the block, since the worker could still be writing into it.
 
@@ -40,14 +40,9 @@ import grpc
 import numpy as np
 
 from lorafleet.v1 import adapter_store_pb2 as pb
+from services.inference.engine.adapter_spec import AdapterSpec, describe_adapter
 from services.inference.fetch_wire import FETCH_METHOD, decode_fetch_response
-from store.peft import (
-    AdapterFormatError,
-    BaseModelShape,
-    SafetensorsHeader,
-    check_adapter_file,
-    parse_adapter_config,
-)
+from store.peft import AdapterFormatError, BaseModelShape, check_adapter_file, parse_adapter_config
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +60,10 @@ class AdapterCheck(NamedTuple):
 
 def verdict(
     check: AdapterCheck, config_json: str, data: memoryview
-) -> SafetensorsHeader | AdapterFormatError:
+) -> AdapterSpec | AdapterFormatError:
     try:
         config = parse_adapter_config(config_json, max_rank=check.max_rank)
-        return check_adapter_file(config, data, check.base)
+        return describe_adapter(config, check_adapter_file(config, data, check.base))
     except AdapterFormatError as exc:  # BaseModelMismatch included
         return exc
 

@@ -25,8 +25,9 @@ from typing import NamedTuple
 
 from lorafleet.v1 import adapter_store_pb2 as pb
 from services.inference.arena import ArenaBlock, HostArena
+from services.inference.engine.adapter_spec import AdapterSpec
 from services.inference.fetch_worker import AdapterCheck
-from store.peft import AdapterFormatError, SafetensorsHeader
+from store.peft import AdapterFormatError
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class FetchFailed(Exception):
 class Fetched(NamedTuple):
     info: pb.AdapterInfo
     block: ArenaBlock
-    verdict: SafetensorsHeader | AdapterFormatError | None  # see fetch_worker.AdapterCheck
+    verdict: AdapterSpec | AdapterFormatError | None  # see fetch_worker.AdapterCheck
 
 
 @dataclass
@@ -56,7 +57,7 @@ class _Pending:
     future: asyncio.Future
     info: pb.AdapterInfo | None = None
     block: ArenaBlock | None = None
-    verdict: SafetensorsHeader | AdapterFormatError | None = None
+    verdict: AdapterSpec | AdapterFormatError | None = None
     abandoned: bool = False  # the caller went away; the block goes back when the worker ends
     done: bool = False
 

@@ -29,7 +29,7 @@ class HostEntry:
     block: ArenaBlock
     config_json: str  # the adapter's adapter_config.json
     holds: int = 0  # reasons the entry may not be evicted now; > 0 blocks eviction
-    # The fetch worker's validation of the bytes (a parsed header or the error that rejects
+    # The fetch worker's validation of the bytes (their AdapterSpec or the error that rejects
     # them), None if it did not validate.
     verdict: object = None
 

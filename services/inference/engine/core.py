@@ -20,6 +20,7 @@ import torch
 
 from kernels.lora_layout import MODULES, plan_adapter
 from services.inference.engine.adapter_manager import AdapterManager, AdapterState
+from services.inference.engine.adapter_spec import AdapterSpec
 from services.inference.engine.api import (
     AdapterKey,
     EngineStats,
@@ -49,7 +50,7 @@ from services.inference.engine.token_output import append_token
 from services.inference.models.config import ModelConfig
 from services.inference.models.loader import load_model
 from services.inference.tokenizer import Tokenizer, TokenizerError
-from store.peft import BaseModelShape, SafetensorsHeader
+from store.peft import BaseModelShape
 
 log = logging.getLogger(__name__)
 
@@ -113,18 +114,18 @@ class EngineCore:
         key: AdapterKey,
         config_json: bytes | str | dict,
         weights: bytes | memoryview | torch.Tensor,
-        checked: SafetensorsHeader | None = None,
+        spec: AdapterSpec | None = None,
     ) -> HostAdapter:
         """Validate (store.peft) and keep an adapter in host memory, where ``weights`` lie (not
         copied; on CUDA pass pinned memory, or it is copied once into pinned memory). It is placed
         in the pool when a request needs it. Raises AdapterFormatError, BaseModelMismatch,
         InvalidRequest. The caller keeps ``weights`` unchanged until releasable(key) after
-        remove_adapter(key). ``checked``: see build_host_adapter (validated elsewhere)."""
+        remove_adapter(key). ``spec``: see build_host_adapter (validated elsewhere)."""
         if not isinstance(key, AdapterKey):
             raise TypeError("key must be an AdapterKey")
         host = build_host_adapter(
             key, config_json, weights, self.base_shape, self.pool.width,
-            self.config.max_lora_rank, pin=self.device.type == "cuda", checked=checked,
+            self.config.max_lora_rank, pin=self.device.type == "cuda", spec=spec,
         )  # fmt: skip
         need = self.adapters.pages_of(host)
         if need > self.pool.num_usable:

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from services.inference.engine.adapter_manager import AdapterState, AdapterStatus
+from services.inference.engine.adapter_spec import AdapterSpec
 from services.inference.engine.api import (
     AdapterKey,
     EngineStats,
@@ -38,7 +39,6 @@ from services.inference.engine.core import EngineCore, LogitsHook
 from services.inference.engine.errors import EngineStopped, UnknownAdapter
 from services.inference.engine.host_adapter import HostAdapter
 from services.inference.engine.request import Sequence
-from store.peft import SafetensorsHeader
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +123,9 @@ class Engine:
         key: AdapterKey,
         config_json: bytes | str | dict,
         weights: bytes | memoryview | torch.Tensor,
-        checked: SafetensorsHeader | None = None,
+        spec: AdapterSpec | None = None,
     ) -> HostAdapter:
-        return self.core.add_adapter(key, config_json, weights, checked)
+        return self.core.add_adapter(key, config_json, weights, spec)
 
     def add_adapter_dir(self, key: AdapterKey, path: str | Path) -> HostAdapter:
         return self.core.add_adapter_dir(key, path)

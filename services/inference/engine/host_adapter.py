@@ -21,13 +21,9 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.lora_layout import MODULE_ID, MODULES, NUM_MODULES, AdapterPlan, plan_adapter
-from store.peft import (
-    BaseModelShape,
-    SafetensorsHeader,
-    check_adapter_file,
-    parse_adapter_config,
-)
+from kernels.lora_layout import MODULE_ID, MODULES, AdapterPlan, plan_adapter
+from services.inference.engine.adapter_spec import AdapterSpec, describe_adapter
+from store.peft import BaseModelShape, check_adapter_file, parse_adapter_config
 
 TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
@@ -97,41 +93,29 @@ def build_host_adapter(
     width: int,
     max_rank: int,
     pin: bool,
-    checked: SafetensorsHeader | None = None,
+    spec: AdapterSpec | None = None,
 ) -> HostAdapter:
     """Validate ``adapter_config.json`` + ``adapter_model.safetensors`` against the base model and
     describe its tensors in place. Raises AdapterFormatError / BaseModelMismatch. With ``pin``,
-    bytes that are not page-locked already are copied once into pinned memory. ``checked``: the
-    file's header as check_adapter_file returned it for these bytes, this base model and
-    max_rank (in another process: the fetch worker); the header is then not parsed again."""
-    config = parse_adapter_config(config_json, max_rank=max_rank)
+    bytes that are not page-locked already are copied once into pinned memory. ``spec``: what
+    describe_adapter made of these bytes after validating them against this base model and
+    max_rank (in another process: the fetch worker); then nothing is parsed or checked again."""
     raw = _as_bytes(weights)
-    if checked is None or checked.total_size != raw.numel():
-        checked = check_adapter_file(config, memoryview(raw.numpy()), base)
-    header = checked
+    if spec is None or spec.total_size != raw.numel():
+        config = parse_adapter_config(config_json, max_rank=max_rank)
+        spec = describe_adapter(config, check_adapter_file(config, memoryview(raw.numpy()), base))
     if pin and not raw.is_pinned():
         raw = raw.pin_memory()
-
-    refs: dict[tuple[int, int], dict[str, TensorRef]] = {}
-    for entry in header.tensors:
-        ref = TensorRef(header.data_offset + entry.begin, TORCH_DTYPES[entry.dtype], entry.shape)
-        refs.setdefault((entry.layer, MODULE_ID[entry.module]), {})[entry.kind] = ref
-
-    ranks = [0] * NUM_MODULES
-    layer_scales: list[set[float]] = [set() for _ in range(NUM_MODULES)]
-    for (layer, m), ab in refs.items():
-        ranks[m] = max(ranks[m], ab["A"].shape[0])
-        layer_scales[m].add(config.scale(layer, MODULES[m]))
-    uniform = [len(s) <= 1 for s in layer_scales]
-    scales = tuple(
-        (next(iter(s)) if s else 0.0) if uniform[m] else 1.0 for m, s in enumerate(layer_scales)
-    )
     pairs = {
-        (layer, m): LoraPair(
-            ab["A"], ab["B"], None if uniform[m] else config.scale(layer, MODULES[m])
+        (p.layer, MODULE_ID[p.module]): LoraPair(
+            TensorRef(p.a_offset, TORCH_DTYPES[p.a_dtype], p.a_shape),
+            TensorRef(p.b_offset, TORCH_DTYPES[p.b_dtype], p.b_shape),
+            p.fold,
         )
-        for (layer, m), ab in sorted(refs.items())
+        for p in spec.pairs
     }
+    ranks = tuple(spec.ranks.get(name, 0) for name in MODULES)
+    scales = tuple(spec.scales.get(name, 0.0) for name in MODULES)
     dims = tuple(tuple(base.module_dims(name)) for name in MODULES)
     plan = plan_adapter({m: r for m, r in enumerate(ranks) if r}, dict(enumerate(dims)), width)
-    return HostAdapter(key, tuple(ranks), dims, scales, pairs, plan, raw)
+    return HostAdapter(key, ranks, dims, scales, pairs, plan, raw)

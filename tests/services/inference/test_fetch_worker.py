@@ -17,12 +17,13 @@ import pytest
 from lorafleet.v1 import adapter_store_pb2 as pb
 from services.adapter_store.wire import encode_chunk
 from services.inference.arena import ALIGN, HostArena
+from services.inference.engine.adapter_spec import AdapterSpec
 from services.inference.engine.api import AdapterKey
 from services.inference.errors import AdapterNotFound, StoreUnavailable
 from services.inference.fetch_worker import AdapterCheck
 from services.inference.host_cache import HostCache, HostCacheFull
 from services.inference.store_client import StoreClient
-from store.peft import BaseModelMismatch, BaseModelShape, SafetensorsHeader
+from store.peft import BaseModelMismatch, BaseModelShape
 from store.synthetic import synthetic_adapter
 
 BODY = bytes(range(256)) * 1000 + b"tail"  # 256004 bytes, not a multiple of the chunk size
@@ -224,7 +225,7 @@ async def test_concurrent_fetches_of_one_version_share_one_stream(server):
 
 async def test_the_worker_validates_what_it_fetched(server):
     """With an AdapterCheck the worker parses and validates the adapter against the base model:
-    the entry carries the header the engine then uses, or the error that rejects it."""
+    the entry carries the spec the engine then uses, or the error that rejects it."""
     script, address = server
     base = BaseModelShape(2, 64, 128, 4, 2, 16, 256)
     other = BaseModelShape(2, 32, 128, 4, 2, 8, 256)
@@ -232,7 +233,7 @@ async def test_the_worker_validates_what_it_fetched(server):
     client.adapter_check = AdapterCheck(base, 64)
     try:
         for version, (shape, expect) in enumerate(
-            [(base, SafetensorsHeader), (other, BaseModelMismatch)], start=1
+            [(base, AdapterSpec), (other, BaseModelMismatch)], start=1
         ):
             files = synthetic_adapter(shape, rank=4)
             script.body, script.config_json = files.safetensors, files.config_json.decode()
