@@ -71,6 +71,7 @@ class FetchWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
+        self.starts = 0  # more than one: the worker died (or was stopped) and started again
 
     async def fetch(
         self,
@@ -129,6 +130,7 @@ class FetchWorker:
         finally:
             os.close(arena_fd)
             child.close()
+        self.starts += 1
         self._conn = Connection(parent.detach())
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._conn.fileno(), self._readable)

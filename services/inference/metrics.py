@@ -69,6 +69,11 @@ class _SnapshotCollector(Collector):
         evictions.add_metric(["gpu"], s.evictions_gpu)
         evictions.add_metric(["host"], s.evictions_host)
         yield evictions
+        yield CounterMetricFamily(
+            "lorafleet_fetch_worker_starts",
+            "Starts of the fetch worker process; more than one means it died and was restarted",
+            value=s.fetch_worker_starts,
+        )
 
 
 class ServiceMetrics:

@@ -96,3 +96,4 @@ class StatsSnapshot(NamedTuple):
     adapter_load: LatencySummary
     evictions_gpu: int
     evictions_host: int
+    fetch_worker_starts: int  # 0 without a store; above 1 after the worker died

@@ -184,6 +184,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def snapshot(self) -> StatsSnapshot:
         e = self.engine.stats()
         c = self.registry.cache.stats()
+        store = self.registry.store
         return StatsSnapshot(
             queued=e.num_waiting,
             running=e.num_running,
@@ -205,6 +206,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             adapter_load=self.cold_ttft.summary(),
             evictions_gpu=e.adapter_evictions,
             evictions_host=c.evictions,
+            fetch_worker_starts=store.fetch_worker_starts if store is not None else 0,
         )
 
     # --- shutdown ---------------------------------------------------------------------------

@@ -106,6 +106,11 @@ class StoreClient:
         self._worker.close()
         await self._channel.close()
 
+    @property
+    def fetch_worker_starts(self) -> int:
+        """Starts of the fetch worker process (restarts after it died count too)."""
+        return self._worker.starts
+
     async def lookup(self, adapter_id: str, version: int = 0) -> pb.AdapterInfo:
         """The store's AdapterInfo; version 0 = the latest."""
         what = f"adapter {adapter_id!r}" + (f" version {version}" if version else "")

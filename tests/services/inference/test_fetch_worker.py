@@ -206,6 +206,7 @@ async def test_a_dead_worker_fails_its_fetches_and_is_restarted(server):
         script.release.set()
         script.steps = WHOLE
         await _fetch_intact(client, cache)  # a new worker
+        assert client.fetch_worker_starts == 2
     finally:
         await client.close()
 

@@ -192,6 +192,8 @@ def test_health_reflection_and_metrics(stack):
         'lorafleet_adapter_evictions_total{tier="gpu"}',
     ):  # fmt: skip
         assert name in body, name
+    # The service follows the store from its start, so its fetch worker runs, once.
+    assert "lorafleet_fetch_worker_starts_total 1.0" in body
 
 
 def _metrics_port(stack) -> str | None:
