@@ -29,11 +29,12 @@ from services.inference.fetch_worker import AdapterCheck
 from services.inference.host_cache import HostCache
 from services.inference.service_stats import LatencyWindow
 from services.inference.store_client import AdapterEvent, StoreClient
+from store.errors import InvalidRequest
+from store.layout import check_adapter_id
 from store.peft import AdapterFormatError
 
 log = logging.getLogger(__name__)
 
-_MAX_ID_LEN = 128
 _FETCH_ATTEMPTS = 3  # a fresh entry may be evicted by a concurrent fetch before it is held
 _NO_FETCHES = LatencyWindow()  # without a store
 
@@ -92,8 +93,10 @@ class AdapterRegistry:
 
     async def resolve(self, adapter_id: str, version: int) -> AdapterKey:
         """The concrete version a request names; 0 = the latest (known from the watch)."""
-        if not adapter_id or len(adapter_id) > _MAX_ID_LEN:
-            raise BadArgument(f"adapter_id must be 1..{_MAX_ID_LEN} characters")
+        try:
+            check_adapter_id(adapter_id)  # the store's rule: a bad id is the caller's error
+        except InvalidRequest as exc:
+            raise BadArgument(str(exc)) from None
         if version:
             return AdapterKey(adapter_id, version)
         known = self._latest.get(adapter_id)

@@ -13,6 +13,11 @@ from __future__ import annotations
 from lorafleet.v1 import adapter_store_pb2 as pb
 
 FETCH_METHOD = "/lorafleet.v1.AdapterStore/FetchAdapter"
+# The service's channels to the store: reconnect quickly when it returns, fail fast while away.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
 _CHUNK_TAG = 0x12  # (field 2 << 3) | wire type 2 (length-delimited)
 
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from lorafleet.v1 import adapter_store_pb2 as pb
 from services.inference.engine.adapter_spec import AdapterSpec, describe_adapter
-from services.inference.fetch_wire import FETCH_METHOD, decode_fetch_response
+from services.inference.fetch_wire import FETCH_METHOD, RECONNECT_OPTIONS, decode_fetch_response
 from store.peft import AdapterFormatError, BaseModelShape, check_adapter_file, parse_adapter_config
 
 log = logging.getLogger(__name__)
@@ -86,11 +86,7 @@ class _Worker:
         self._lock = threading.Lock()
         channel = grpc.insecure_channel(
             target,
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.initial_reconnect_backoff_ms", 200),
-                ("grpc.max_reconnect_backoff_ms", 2000),
-            ],
+            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *RECONNECT_OPTIONS],
         )
         self._rpc = channel.unary_stream(
             FETCH_METHOD,

@@ -100,11 +100,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             code = grpc.StatusCode.CANCELLED
             raise
         except Exception as exc:
-            status = status_for(exc)
-            code = status.code
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("Generate %s failed", rid)
-            await context.abort(status.code, status.message)
+            code = status_for(exc).code
+            await _abort(context, exc)
         finally:
             if admitted:
                 self._calls.discard(rid)
@@ -237,6 +234,7 @@ def _prompt(request: pb.GenerateRequest) -> tuple[str | None, list[int] | None]:
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    """Ends the call with the status that status_for gives ``exc`` (logged if INTERNAL)."""
     status = status_for(exc)
     if status.code == grpc.StatusCode.INTERNAL:
         log.error("call failed", exc_info=exc)

@@ -28,6 +28,7 @@ from lorafleet.v1 import adapter_store_pb2 as pb
 from lorafleet.v1 import adapter_store_pb2_grpc as pb_grpc
 from services.inference.engine.api import AdapterKey
 from services.inference.errors import AdapterNotFound, StoreUnavailable
+from services.inference.fetch_wire import RECONNECT_OPTIONS
 from services.inference.fetch_worker import PROTOCOL_ERROR, AdapterCheck
 from services.inference.fetcher import FetchFailed, FetchWorker
 from services.inference.host_cache import HostCache, HostEntry
@@ -83,15 +84,8 @@ class StoreClient:
         self._cache = cache
         self._lookup_timeout = lookup_timeout
         self._fetch_timeout = fetch_timeout
-        # Reconnects quickly when the store returns; calls fail fast while it is away.
-        self._channel = grpc.aio.insecure_channel(
-            target,
-            options=[
-                ("grpc.max_receive_message_length", 16 * 2**20),
-                ("grpc.initial_reconnect_backoff_ms", 200),
-                ("grpc.max_reconnect_backoff_ms", 2000),
-            ],
-        )
+        # Lookups and the watch; fetches have the worker's own channel.
+        self._channel = grpc.aio.insecure_channel(target, options=RECONNECT_OPTIONS)
         self._stub = pb_grpc.AdapterStoreStub(self._channel)
         self._worker = FetchWorker(target, cache.arena)  # fetches run in their own process
         # Set by the owner: fetched adapters are validated by the worker too (AdapterCheck).

@@ -58,6 +58,8 @@ def test_request_id_is_generated_when_empty(stack):
          "no-such-adapter"),
         (dict(prompt="x", adapter_id="a", adapter_version=9), grpc.StatusCode.NOT_FOUND,
          "version 9"),
+        (dict(prompt="x", adapter_id="Bad Id"), grpc.StatusCode.INVALID_ARGUMENT, "adapter_id"),
+        (dict(prompt="x", adapter_id="a" * 129), grpc.StatusCode.INVALID_ARGUMENT, "at most 128"),
         (dict(prompt_token_ids=[5] * 2040, sampling=sampling(max_new_tokens=16)),
          grpc.StatusCode.INVALID_ARGUMENT, "context window"),
         (dict(prompt_token_ids=[5, 100000]), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
