@@ -78,7 +78,8 @@ def freeze_startup_objects() -> None:
     """Moves every object alive now (model, tokenizer, CUDA graphs, ...: they live as long as
     the process) out of the garbage collector's sight, so collections stay short. A collection
     runs on whichever thread allocates, holding the GIL; scanning all of this while adapters
-    loaded made decode steps wait (bench/adapter_load.py: step p99 1.39x -> 1.09x)."""
+    loaded made decode steps wait (bench/adapter_load.py, a variant that froze everything before
+    each window with loads: decode step p99 under loads 1.39x -> 1.09x)."""
     gc.collect()
     gc.freeze()
 
