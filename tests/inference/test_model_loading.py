@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from services.inference.engine.api import GenerationRequest
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.core import EngineCore
-from services.inference.engine.errors import ModelLoadError
+from services.inference.engine.errors import InvalidRequest, ModelLoadError
 from services.inference.engine.pool_sizing import context_window
 from services.inference.models.config import ModelConfig, RopeConfig
 from services.inference.models.llama import rope_inv_freq
@@ -194,3 +195,16 @@ def test_engine_config_validation(tiny_models):
     assert context_window(mc, 100) == 100
     with pytest.raises(ValueError, match="exceeds what the model attends over"):
         context_window(mc, mc.max_position_embeddings + 1)
+
+
+def test_prompt_tokens_beyond_the_models_vocabulary(tiny_models, tmp_path):
+    """A tokenizer larger than the model's embedding table: the prompt is refused by name."""
+    model_dir = shutil.copytree(tiny_models.model("tiny-llama"), tmp_path / "model")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the demo's: 1024 ids, not 512
+        shutil.copy(tiny_models.model("demo") / name, model_dir / name)
+    core = EngineCore(EngineConfig(model_dir=model_dir, device="cpu", num_pages=64))
+    prompt = "The harbour was quiet before dawn."
+    big = [t for t in core.tokenizer.encode(prompt) if t >= 512]
+    assert big, "the demo tokenizer should have merges beyond the tiny model's vocabulary"
+    with pytest.raises(InvalidRequest, match=rf"is {big[0]}, outside the vocabulary \[0, 512\)"):
+        core.prepare(GenerationRequest("r", prompt=prompt))

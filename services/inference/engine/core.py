@@ -164,9 +164,10 @@ class EngineCore:
         vocab = self.model_config.vocab_size
         for i, t in enumerate(ids):
             if t is None or not 0 <= t < vocab:
+                given = t if request.prompt_token_ids is None else request.prompt_token_ids[i]
                 raise InvalidRequest(
                     f"request {request.request_id}: prompt token {i} is "
-                    f"{request.prompt_token_ids[i]!r}, outside the vocabulary [0, {vocab})"
+                    f"{given!r}, outside the vocabulary [0, {vocab})"
                 )
         if len(ids) + sp.max_new_tokens > self.max_len:
             raise InvalidRequest(
