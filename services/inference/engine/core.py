@@ -9,7 +9,6 @@ only through the adapter manager's lock-guarded table.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import operator
 import threading
@@ -47,7 +46,7 @@ from services.inference.engine.request import Sequence, SequenceStatus
 from services.inference.engine.sampler import Sampler, make_generator
 from services.inference.engine.scheduler import Scheduler
 from services.inference.engine.token_output import append_token
-from services.inference.models.config import ModelConfig
+from services.inference.models.config import CONFIG, ModelConfig, read_config_json
 from services.inference.models.loader import load_model
 from services.inference.tokenizer import Tokenizer, TokenizerError
 from store.peft import BaseModelShape
@@ -63,15 +62,15 @@ class EngineCore:
         self.config = config
         self.device, self.dtype = config.torch_device, config.torch_dtype
         model_dir = Path(config.model_dir)
-        self.model_config = ModelConfig.from_model_dir(model_dir)
-        raw_config = json.loads((model_dir / "config.json").read_text())
+        raw_config = read_config_json(model_dir)  # read once: the model, the adapters' shape
+        self.model_config = ModelConfig.from_dict(raw_config, source=str(model_dir / CONFIG))
         self.base_shape = BaseModelShape.from_hf_config(raw_config)
         self.max_len = context_window(self.model_config, config.max_model_len)
         try:
             self.tokenizer = Tokenizer.from_model_dir(model_dir)
         except TokenizerError as e:
             raise ModelLoadError(str(e)) from e
-        self.model = load_model(model_dir, self.device, self.dtype, self.max_len)
+        self.model = load_model(model_dir, self.device, self.dtype, self.max_len, self.model_config)
 
         mc = self.model_config
         width = mc.kv_dim

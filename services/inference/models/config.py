@@ -12,6 +12,7 @@ from services.inference.engine.errors import ModelLoadError
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_ROPE_THETA = 10000.0
+CONFIG = "config.json"
 
 
 @dataclass(frozen=True)
@@ -54,14 +55,7 @@ class ModelConfig:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ModelLoadError(f"{path} is missing: not a Hugging Face model directory")
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(read_config_json(model_dir), source=str(Path(model_dir) / CONFIG))
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -114,6 +108,17 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelLoadError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+
+
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    """The model directory's config.json as a dict (ModelLoadError if missing or not JSON)."""
+    path = Path(model_dir) / CONFIG
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing: not a Hugging Face model directory")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
 
 
 def _rope_config(cfg: dict[str, Any], source: str) -> RopeConfig:

@@ -64,11 +64,16 @@ class WeightFiles:
 
 
 def load_model(
-    model_dir: str | Path, device: torch.device, dtype: torch.dtype, max_len: int
+    model_dir: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_len: int,
+    cfg: ModelConfig | None = None,
 ) -> Transformer:
-    """Build the model for ``model_dir`` on ``device`` in ``dtype``; rope tables up to max_len."""
+    """Build the model for ``model_dir`` on ``device`` in ``dtype``; rope tables up to max_len.
+    ``cfg``: the directory's config, when the caller has read it already."""
     model_dir = Path(model_dir)
-    cfg = ModelConfig.from_model_dir(model_dir)
+    cfg = cfg or ModelConfig.from_model_dir(model_dir)
     with torch.device("meta"):
         model = Transformer(cfg, max_len)
     h, v, i = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
