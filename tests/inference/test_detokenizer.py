@@ -45,7 +45,6 @@ def _stream(tok: Tokenizer, prompt: list[int], ids: list[int]) -> list[str]:
     detok = IncrementalDetokenizer(tok, prompt)
     deltas = [detok.add(i) for i in ids]
     deltas.append(detok.flush())
-    assert detok.text == "".join(deltas)
     return deltas
 
 

@@ -39,7 +39,6 @@ class IncrementalDetokenizer:
         self._window: list[int] = context
         self._read = len(context)
         self._read_text: str | None = None  # decoded lazily, cached until the window moves
-        self.text = ""
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
@@ -66,7 +65,6 @@ class IncrementalDetokenizer:
         self._window = self._window[self._read :]
         self._read = len(self._window)
         self._read_text = None
-        self.text += delta
         return delta
 
 
