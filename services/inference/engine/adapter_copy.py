@@ -128,9 +128,6 @@ class AdapterCopier:
             ticket._error = exc
         return ticket
 
-    def close(self) -> None:
-        """Nothing to stop: copies in flight finish on their stream."""
-
     def _issue(self, ticket: CopyTicket, host: HostAdapter, slots: torch.Tensor) -> None:
         side = self._stream
         scheduler_stream = torch.cuda.current_stream(self.pool.device)

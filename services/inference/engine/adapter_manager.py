@@ -92,9 +92,6 @@ class AdapterManager:
         # Called on the step thread with (key, seconds) when a copy completes.
         self.load_listeners: list[Callable[[Hashable, float], None]] = []
 
-    def close(self) -> None:
-        self.copier.close()
-
     # --- any thread -------------------------------------------------------------------------
 
     def pages_of(self, host: HostAdapter) -> int:

@@ -305,7 +305,6 @@ class Engine:
         for job in self._loads:
             job.loop.call_soon_threadsafe(_resolve, job.future, EngineStopped(reason))
         self._loads = []
-        self.core.adapters.close()
         for rid in ids:
             err = EngineStopped(f"{reason}; request {rid} did not finish")
             if self._failure is not None:
