@@ -36,6 +36,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from store.base_model import BaseModelShape
+
 logger = logging.getLogger(__name__)
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
@@ -368,18 +370,17 @@ def make_adapter(
     about LORA_STRENGTH times the base projection's output: large enough to change greedy
     tokens, small enough to keep activations in range.
     """
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    preset = _preset_from_config(cfg)
+    base = BaseModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
     unknown = set(target_modules) - set(LORA_MODULES)
     if unknown or not target_modules:
         raise ValueError(f"target_modules must be a non-empty subset of {LORA_MODULES}")
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
     layers = (
-        list(range(preset.num_layers)) if layers_to_transform is None else list(layers_to_transform)
+        list(range(base.num_layers)) if layers_to_transform is None else list(layers_to_transform)
     )
-    if not layers or any(not 0 <= i < preset.num_layers for i in layers):
-        raise ValueError(f"layers_to_transform must lie in [0, {preset.num_layers})")
+    if not layers or any(not 0 <= i < base.num_layers for i in layers):
+        raise ValueError(f"layers_to_transform must lie in [0, {base.num_layers})")
     rank_pattern, alpha_pattern = dict(rank_pattern or {}), dict(alpha_pattern or {})
     g = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
@@ -392,7 +393,7 @@ def make_adapter(
             r = int(_pattern_value(rank_pattern, name, rank))
             alpha = _pattern_value(alpha_pattern, name, lora_alpha)
             scaling = alpha / (math.sqrt(r) if use_rslora else r)
-            d_in, d_out = preset.module_shape(m)
+            d_in, d_out = base.module_dims(m)
             a = torch.randn((r, d_in), generator=g) / math.sqrt(d_in)
             b = torch.randn((d_out, r), generator=g) * (LORA_STRENGTH / (scaling * math.sqrt(r)))
             tensors[f"base_model.model.{name}.lora_A.weight"] = a
@@ -427,22 +428,6 @@ def make_adapter(
         "wrote rank-%d adapter on %s (seed %d) to %s", rank, list(target_modules), seed, out
     )
     return out
-
-
-def _preset_from_config(cfg: dict) -> ModelPreset:
-    """The shape fields make_adapter needs, read back from a config.json."""
-    try:
-        return ModelPreset(
-            architecture=cfg["architectures"][0],
-            hidden_size=cfg["hidden_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=cfg["num_attention_heads"],
-            num_kv_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
-            intermediate_size=cfg["intermediate_size"],
-            qkv_bias=cfg["architectures"][0] == "Qwen2ForCausalLM",
-        )
-    except KeyError as e:
-        raise ValueError(f"config.json lacks {e.args[0]!r}") from None
 
 
 def _main(argv: Sequence[str] | None = None) -> None:
