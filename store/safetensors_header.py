@@ -13,7 +13,6 @@ import json
 import re
 import struct
 from dataclasses import dataclass
-from functools import cached_property
 
 from store.base_model import ATTENTION_MODULES, MLP_MODULES
 from store.format_errors import AdapterFormatError
@@ -38,23 +37,12 @@ class TensorEntry:
     begin: int  # byte offsets relative to the data section
     end: int
 
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
 
 @dataclass(frozen=True)
 class SafetensorsHeader:
     data_offset: int  # 8 + header length: where the data section starts in the file
     tensors: tuple[TensorEntry, ...]  # sorted by begin
     total_size: int  # exact size the whole file must have
-
-    @cached_property
-    def _index(self) -> dict[tuple[int, str, str], TensorEntry]:
-        return {(t.layer, t.module, t.kind): t for t in self.tensors}
-
-    def find(self, layer: int, module: str, kind: str) -> TensorEntry | None:
-        return self._index.get((layer, module, kind))
 
     @property
     def layers(self) -> tuple[int, ...]:

@@ -93,10 +93,6 @@ class UploadSession:
         self._writer: MultipartWriter | None = None
         self._parts: list[asyncio.Task[None]] = []
 
-    @property
-    def received(self) -> int:
-        return self._received
-
     async def write(self, chunk: bytes) -> None:
         if self.status is not UploadStatus.RECEIVING:
             raise InvalidRequest(f"upload is {self.status.value}")
