@@ -13,7 +13,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from store.base_model import ATTENTION_MODULES, SUPPORTED_MODULES, BaseModelShape
+from store.base_model import SUPPORTED_MODULES, BaseModelShape
+from store.lora_config import module_key
 
 _NUMPY = {"F16": np.float16, "F32": np.float32}
 
@@ -24,8 +25,7 @@ class AdapterFiles(NamedTuple):
 
 
 def tensor_name(layer: int, module: str, kind: str) -> str:
-    block = "self_attn" if module in ATTENTION_MODULES else "mlp"
-    return f"base_model.model.model.layers.{layer}.{block}.{module}.lora_{kind}.weight"
+    return f"base_model.model.{module_key(layer, module)}.lora_{kind}.weight"
 
 
 def _raw(values: np.ndarray, dtype: str) -> bytes:
