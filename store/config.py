@@ -130,27 +130,31 @@ class StoreConfig:
 
 
 def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    d = StoreConfig  # the flags' defaults are the dataclass's, so the two cannot drift apart
     parser = argparse.ArgumentParser(
         prog="python -m services.adapter_store",
         description="The lorafleet adapter store: a gRPC service keeping versioned LoRA adapters.",
     )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=50051)
-    parser.add_argument("--backend", choices=[k.value for k in BackendKind], default="local")
-    parser.add_argument("--root", default="data/adapters", help="local backend: directory")
+    parser.add_argument("--host", default=d.host)
+    parser.add_argument("--port", type=int, default=d.port)
+    parser.add_argument("--backend", choices=[k.value for k in BackendKind], default=d.backend)
+    parser.add_argument("--root", default=str(d.root), help="local backend: directory")
     parser.add_argument("--s3-endpoint", help="s3 backend: endpoint URL (MinIO, SeaweedFS)")
     parser.add_argument("--s3-bucket", help="s3 backend: bucket name (must exist)")
     parser.add_argument(
         "--s3-region",
-        default=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
+        default=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or d.s3_region,
     )
-    parser.add_argument("--max-adapter-bytes", type=int, default=2048 * MIB)
-    parser.add_argument("--max-rank", type=int, default=128)
+    parser.add_argument("--max-adapter-bytes", type=int, default=d.max_adapter_bytes)
+    parser.add_argument("--max-rank", type=int, default=d.max_rank)
     parser.add_argument(
         "--base-model-config", help="config.json of the base model that adapters must fit"
     )
-    parser.add_argument("--log-level", default=env.get("LORAFLEET_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=env.get("LORAFLEET_LOG_LEVEL", d.log_level))
     parser.add_argument(
-        "--probe-interval-s", type=float, default=5.0, help="seconds between storage checks"
+        "--probe-interval-s",
+        type=float,
+        default=d.probe_interval_s,
+        help="seconds between storage checks",
     )
     return parser
