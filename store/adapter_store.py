@@ -45,6 +45,12 @@ class AdapterStore:
             parts_in_flight=config.upload_parts_in_flight,
             base=config.base_shape,
         )
+        self._fetch_plan = FetchPlan(
+            config.fetch_range_bytes,
+            config.fetch_parallelism,
+            config.fetch_chunk_bytes,
+            config.fetch_queue_chunks,
+        )
         self._uploads: set[asyncio.Task] = set()
         self._cleanups: set[asyncio.Task] = set()
         # Clean-up that failed (storage down): retried by retry_cleanup().
@@ -139,18 +145,8 @@ class AdapterStore:
 
     async def fetch(self, record: AdapterRecord) -> AsyncIterator[bytes]:
         """The record's adapter_model.safetensors, chunk by chunk (see fetch.stream_blob)."""
-        c = self.config
         try:
-            async for chunk in stream_blob(
-                self.backend,
-                record,
-                FetchPlan(
-                    c.fetch_range_bytes,
-                    c.fetch_parallelism,
-                    c.fetch_chunk_bytes,
-                    c.fetch_queue_chunks,
-                ),
-            ):
+            async for chunk in stream_blob(self.backend, record, self._fetch_plan):
                 yield chunk
         except ObjectNotFound:
             # Deleted while we read it, or lost: tell the two apart by the manifest.
