@@ -47,7 +47,16 @@ def status_for(exc: Exception) -> grpc.StatusCode | None:
     return None
 
 
+# What a handler may raise that becomes a status; anything else is a bug (gRPC: UNKNOWN).
+_MAPPED = (StoreError, AdapterFormatError, TimeoutError)
+
+
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
+    """Abort the call with the status for ``exc``; context.abort raises, so this never returns."""
+    if isinstance(exc, TimeoutError):  # within_deadline gave up
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE, "storage did not answer before the call's deadline"
+        )
     code = status_for(exc)
     if code is None:
         log.exception("%s failed unexpectedly", method)
@@ -66,12 +75,8 @@ def map_errors(handler):
     async def wrapper(self, request, context):
         try:
             return await handler(self, request, context)
-        except (StoreError, AdapterFormatError) as exc:
+        except _MAPPED as exc:
             await _abort(context, handler.__name__, exc)
-        except TimeoutError:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, "storage did not answer before the call's deadline"
-            )
 
     return wrapper
 
@@ -84,12 +89,8 @@ def map_stream_errors(handler):
         try:
             async for response in handler(self, request, context):
                 yield response
-        except (StoreError, AdapterFormatError) as exc:
+        except _MAPPED as exc:
             await _abort(context, handler.__name__, exc)
-        except TimeoutError:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, "storage did not answer before the call's deadline"
-            )
 
     return wrapper
 

@@ -10,16 +10,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from lorafleet.v1 import adapter_store_pb2 as pb
 from services.adapter_store.servicer import AdapterStoreServicer
-from services.adapter_store.wire import add_servicer
+from services.adapter_store.wire import SERVICE, add_servicer
 from store.adapter_store import AdapterStore
 from store.backends import open_backend
 from store.config import MAX_UPLOAD_CHUNK_BYTES, MIB, StoreConfig
 from store.errors import StorageError, StorageUnavailable
 
 log = logging.getLogger(__name__)
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdapterStore"].full_name
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # A request carries a chunk of up to 4 MiB, or a header with adapter_config.json (<= 1 MiB).
@@ -33,12 +31,12 @@ async def _probe_storage(store: AdapterStore, status: health.aio.HealthServicer,
     while True:
         try:
             await store.probe()
-            await status.set(SERVICE_NAME, SERVING)
+            await status.set(SERVICE, SERVING)
             if store.leftovers:
                 await store.retry_cleanup()
         except (StorageUnavailable, StorageError) as exc:
             log.warning("storage check failed: %s", exc)
-            await status.set(SERVICE_NAME, NOT_SERVING)
+            await status.set(SERVICE, NOT_SERVING)
         await asyncio.sleep(every)
 
 
@@ -64,7 +62,7 @@ async def serve(config: StoreConfig) -> None:
     status = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(status, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     address = f"{config.host}:{config.port}"
     port = server.add_insecure_port(address)

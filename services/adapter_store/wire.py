@@ -14,7 +14,7 @@ import grpc
 
 from lorafleet.v1 import adapter_store_pb2 as pb
 
-SERVICE = "lorafleet.v1.AdapterStore"
+SERVICE = pb.DESCRIPTOR.services_by_name["AdapterStore"].full_name  # lorafleet.v1.AdapterStore
 _CHUNK_TAG = b"\x12"  # (field 2 << 3) | wire type 2 (length-delimited)
 
 
