@@ -18,7 +18,7 @@ from services.inference.engine.page_allocator import OwnerKind, PageAllocator, P
 
 def page_bytes(num_layers: int, width: int, page_size: int, dtype: torch.dtype) -> int:
     """Bytes one page occupies across all layers and both halves."""
-    return num_layers * 2 * page_size * width * torch.tensor([], dtype=dtype).element_size()
+    return num_layers * 2 * page_size * width * dtype.itemsize
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
