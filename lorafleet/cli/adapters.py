@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 
+from lorafleet.cli.errors import report_rpc_error
 from lorafleet.v1 import adapter_store_pb2 as pb
 from lorafleet.v1 import adapter_store_pb2_grpc as pb_grpc
 
@@ -185,14 +186,7 @@ def _run(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
         except CliError as exc:
             print(f"lorafleet: {exc}", file=sys.stderr)
         except grpc.RpcError as exc:
-            code, details = exc.code(), exc.details()
-            print(f"lorafleet: {code.name}: {details}", file=sys.stderr)
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                print(
-                    f"lorafleet: is the adapter store running at {args.store}? "
-                    f"(set --store or {STORE_ENV})",
-                    file=sys.stderr,
-                )
+            report_rpc_error(exc, "adapter store", args.store, "--store", STORE_ENV)
         return 1
 
     return run

@@ -10,6 +10,8 @@ import time
 
 import grpc
 
+from lorafleet.cli.errors import report_rpc_error as report
+
 INFERENCE_ENV = "LORAFLEET_INFERENCE"
 DEFAULT_INFERENCE = "localhost:50052"
 
@@ -27,15 +29,8 @@ def inference_address_argument(parser: argparse.ArgumentParser) -> None:
 
 def report_rpc_error(exc: grpc.RpcError, server: str) -> None:
     """One line that says what went wrong and, where it helps, what to do."""
-    code = exc.code()
-    print(f"lorafleet: {code.name}: {exc.details()}", file=sys.stderr)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        print(
-            f"lorafleet: is the inference service running at {server}? "
-            f"(set --server or {INFERENCE_ENV})",
-            file=sys.stderr,
-        )
-    elif code == grpc.StatusCode.NOT_FOUND:
+    report(exc, "inference service", server, "--server", INFERENCE_ENV)
+    if exc.code() == grpc.StatusCode.NOT_FOUND:
         print("lorafleet: `lorafleet adapters list` shows the adapters there are", file=sys.stderr)
 
 
