@@ -23,6 +23,7 @@ from store.safetensors_header import (
 
 __all__ = [
     "check_adapter_file",
+    "lora_pairs",
     "DTYPE_SIZES",
     "MAX_HEADER_BYTES",
     "SUPPORTED_MODULES",
@@ -64,7 +65,8 @@ def _listing(pairs: set[tuple[int, str]]) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
-def _pairs(header: SafetensorsHeader) -> dict[tuple[int, str], dict[str, TensorEntry]]:
+def lora_pairs(header: SafetensorsHeader) -> dict[tuple[int, str], dict[str, TensorEntry]]:
+    """The header's tensors by (layer, module), then "A" / "B"; a half pair is an error."""
     pairs: dict[tuple[int, str], dict[str, TensorEntry]] = defaultdict(dict)
     for tensor in header.tensors:
         pairs[(tensor.layer, tensor.module)][tensor.kind] = tensor
@@ -157,7 +159,7 @@ def validate_adapter(
     """Check that the weights are exactly the pairs the config targets, with its ranks, and
     (given the base model) that every layer and dimension fits it. Raises AdapterFormatError or
     its subclass BaseModelMismatch."""
-    pairs = _pairs(header)
+    pairs = lora_pairs(header)
     present = set(pairs)
     last = max(layer for layer, _ in present)
     # First on its own (the layers it has weights for), so that a malformed adapter is an

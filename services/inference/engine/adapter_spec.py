@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from store.lora_config import LoraAdapterConfig
+from store.peft import lora_pairs
 from store.safetensors_header import SafetensorsHeader
 
 
@@ -42,9 +43,7 @@ class AdapterSpec(NamedTuple):
 
 def describe_adapter(config: LoraAdapterConfig, header: SafetensorsHeader) -> AdapterSpec:
     """The spec of an adapter whose config and header passed validate_adapter."""
-    by_pair: dict[tuple[int, str], dict[str, object]] = {}
-    for entry in header.tensors:
-        by_pair.setdefault((entry.layer, entry.module), {})[entry.kind] = entry
+    by_pair = lora_pairs(header)
     ranks: dict[str, int] = {}
     layer_scales: dict[str, set[float]] = {}
     for (layer, module), ab in by_pair.items():
