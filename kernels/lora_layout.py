@@ -91,21 +91,3 @@ def write_module(
     n_a, n_b = place.rank * place.in_chunks, place.rank * place.out_chunks
     pool[layer, 0, slots[place.a_offset : place.a_offset + n_a]] = a_pad.view(n_a, width)
     pool[layer, 1, slots[place.b_offset : place.b_offset + n_b]] = b_pad.view(n_b, width)
-
-
-def read_module(
-    pool: torch.Tensor,
-    layer: int,
-    slots: torch.Tensor,
-    place: ModulePlacement,
-    d_in: int,
-    d_out: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of write_module: (A ``[rank, d_in]``, Bᵀ ``[rank, d_out]``), gathered."""
-    width = pool.shape[-1]
-    n_a, n_b = place.rank * place.in_chunks, place.rank * place.out_chunks
-    a = pool[layer, 0, slots[place.a_offset : place.a_offset + n_a]]  # [rank*cin, W]
-    bt = pool[layer, 1, slots[place.b_offset : place.b_offset + n_b]]  # [rank*cout, W]
-    a = a.reshape(place.rank, place.in_chunks * width)[:, :d_in]  # [rank, d_in]
-    bt = bt.reshape(place.rank, place.out_chunks * width)[:, :d_out]  # [rank, d_out]
-    return a, bt
