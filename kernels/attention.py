@@ -16,16 +16,14 @@ for any mix of sequences, the choice only matters for speed:
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.tiles import CHUNK, find_tile, max_tiles, num_sms
+from kernels.tiles import CHUNK, dot_f32, find_tile, max_tiles, num_sms
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _LOG2E = 1.4426950408889634
 
 
@@ -231,11 +229,6 @@ def _write_kv_kernel(
     tl.store(dst + stride_half, v.to(pool_ptr.dtype.element_ty), mask=ok)
 
 
-def _dot_f32(dtype: torch.dtype) -> bool:
-    # The Triton interpreter computes bf16 dots wrongly: widen there. fp32 stays fp32 (ieee).
-    return dtype == torch.float32 or (_INTERPRET and dtype == torch.bfloat16)
-
-
 def _rows_flat(name: str, t: torch.Tensor) -> torch.Tensor:
     """[T, n_kv, head_dim] with each token's row contiguous (a view when it already is)."""
     if t.dim() != 3:
@@ -409,7 +402,7 @@ def paged_attention(
             BLOCK_N=cfg.block_n,
             SEQ_POW2=seq_pow2,
             SPLITS=splits,
-            DOT_F32=_dot_f32(q.dtype),
+            DOT_F32=dot_f32(q.dtype),
             num_warps=cfg.warps,
             num_stages=cfg.stages,
         )
@@ -445,7 +438,7 @@ def paged_attention(
         BLOCK_Q=cfg.block_q,
         BLOCK_N=cfg.block_n,
         CHUNK=CHUNK,
-        DOT_F32=_dot_f32(q.dtype),
+        DOT_F32=dot_f32(q.dtype),
         num_warps=cfg.warps,
         num_stages=cfg.stages,
     )

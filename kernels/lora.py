@@ -1,11 +1,12 @@
 """Triton multi-LoRA kernels that read adapters in place from the unified page pool.
 
 Geometry: kernels/lora_layout.py; semantics: kernels/lora_ref.py, the float64 reference the
-kernels are tested against. Two launches per call, both over tiles of at most BLOCK_M tokens
-inside one segment of ``LoraTokens`` (one adapter per tile; kernels/tiles.py finds them on the
-device, so no host sync). Prefill runs give full tiles that share each weight load; decode
-tokens of distinct adapters give one-token tiles, which is per-token addressing. Base-only and
-padding segments get no tiles.
+kernels are tested against. Two launches per call (or the fused one of kernels/lora_fused.py
+where launch_config picks it), over tiles of at most BLOCK_M tokens inside one segment of
+``LoraTokens`` (one adapter per tile; kernels/tiles.py finds them on the device, so no host
+sync). Prefill runs give full tiles that share each weight load; decode tokens of distinct
+adapters give one-token tiles, which is per-token addressing. Base-only and padding segments
+get no tiles.
 
 - shrink, grid (tiles, slices x rank blocks x k-splits): h[k, t, s, rows] = x[t, k-part] ·
   A_s[rows]ᵀ in fp32. Rank blocks past an adapter's rank return at once; small batches split
@@ -21,7 +22,6 @@ in bounds; the engine passes EngineConfig.max_lora_rank and refuses larger adapt
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -32,9 +32,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kernels.lora_args import MAX_SLICES, check_call, check_float, check_modules, check_widths
 from kernels.lora_fused import lora_fused_kernel
 from kernels.lora_fused import rank_block as fused_rank_rows
-from kernels.tiles import CHUNK, find_tile, max_tiles, num_sms
+from kernels.tiles import INTERPRET, dot_f32, find_tile, max_tiles, num_sms, scan_chunk
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Shrink programs wanted per multiprocessor: with fewer, the weights stream through too few
 # SMs (small decode batches) and split_k makes up the difference.
 _SHRINK_PROGRAMS_PER_SM = 4
@@ -75,8 +74,10 @@ def launch_config(
     """16-token tiles (a decode token wastes little of a 16-row dot), 32 for big batches where
     tiles are full; K and N blocks inside one pool chunk when the width allows (each row of a
     block is one contiguous run); d_in split when too few programs would stream the weights.
-    With ``out_width`` (the widest slice; lora_apply passes it) small batches get the fused
-    one-launch kernel instead."""
+    With ``out_width`` (the widest slice; lora_apply passes it) prefill-sized calls of several
+    slices get the fused one-launch kernel instead (_fuse)."""
+    if out_width and _fuse(num_tokens, max_rank, num_slices):
+        return fused_config(num_tokens, width, max_rank, num_slices, out_width)
     big = num_tokens > 1024
     shrink_k = _fit_block(256, width)
     rank_block = 16 if max_rank <= 16 else 32
@@ -85,8 +86,6 @@ def launch_config(
     split = 1
     while split * 2 <= want and d_in >= 4 * split * shrink_k:
         split *= 2
-    if out_width and _fuse(num_tokens, d_in, max_rank, num_slices, out_width):
-        return fused_config(num_tokens, width, max_rank, num_slices, out_width)
     return LoraLaunch(
         block_m=32 if big else 16,
         shrink_k=shrink_k,
@@ -97,7 +96,7 @@ def launch_config(
     )
 
 
-def _fuse(num_tokens: int, d_in: int, max_rank: int, num_slices: int, out_width: int) -> bool:
+def _fuse(num_tokens: int, max_rank: int, num_slices: int) -> bool:
     """Fused or two launches, from shapes alone, as measured on the H200 (one layer's seven
     projections, bench/results/kernels.json and kernels_sweep.json).
 
@@ -105,11 +104,10 @@ def _fuse(num_tokens: int, d_in: int, max_rank: int, num_slices: int, out_width:
     with 1, 16 and 256 adapters alike. Decode-sized calls keep the two launches: the fused
     kernel wins only when tokens have distinct adapters (a layer at batch 512, rank 16: 440 µs
     against 804), and loses when they share them, since then a few (tile, slice) programs each
-    stream a whole A alone (batch 64, rank 16, one adapter: 79 µs against 40). The batch's
+    stream a whole A alone (batch 64, rank 16, one adapter: 79 µs against 37). The batch's
     popularity is not known from shapes, and a CUDA graph fixes the path for every batch it
     replays; lora_apply(config=fused_config(...)) takes the fused path where a caller knows
-    that its tokens' adapters are distinct. ``d_in`` and ``out_width`` are unused for now."""
-    del d_in, out_width
+    that its tokens' adapters are distinct."""
     if num_tokens <= FUSED_MAX_TOKENS or max_rank > FUSED_MAX_RANK:
         return False
     return num_slices > 1
@@ -361,12 +359,6 @@ def _lora_expand_kernel(
     tl.store(y_ptrs, (y.to(tl.float32) + acc * scale).to(y_ptr.dtype.element_ty), mask=y_ok)
 
 
-def seg_chunk(num_segs: int) -> int:
-    """Segments find_tile scans per step: the capacity rounded up to a power of two (host
-    knows it), at most tiles.CHUNK; small capacities scan in one short step."""
-    return max(16, min(CHUNK, triton.next_power_of_2(max(num_segs, 1))))
-
-
 def _slice_args(modules: tuple[int, ...], widths: tuple[int, ...] = ()) -> dict:
     mods = list(modules) + [modules[-1]] * (MAX_SLICES - len(modules))
     out = {"M0": mods[0], "M1": mods[1], "M2": mods[2]}
@@ -376,14 +368,8 @@ def _slice_args(modules: tuple[int, ...], widths: tuple[int, ...] = ()) -> dict:
     return out
 
 
-def _dot_f32(dtype: torch.dtype) -> bool:
-    # fp32 gets an exact fp32 dot (not tf32). The Triton interpreter computes bf16 dots wrongly,
-    # so under it bf16 operands are widened first.
-    return dtype == torch.float32 or (_INTERPRET and dtype == torch.bfloat16)
-
-
 def _pdl(cfg: LoraLaunch, device: torch.device) -> bool:
-    return cfg.pdl and not _INTERPRET and torch.cuda.get_device_capability(device)[0] >= 9
+    return cfg.pdl and not INTERPRET and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _shrink(x, h, pool_layer, index, tokens, modules, max_rank, cfg, call, pdl):
@@ -404,8 +390,8 @@ def _shrink(x, h, pool_layer, index, tokens, modules, max_rank, cfg, call, pdl):
         RANK_BLOCKS=rank_blocks, SPLIT_K=split,
         K_PER=triton.cdiv(triton.cdiv(call.d_in, split), cfg.shrink_k) * cfg.shrink_k,
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.shrink_k, BLOCK_R=cfg.shrink_r,
-        CHUNK=seg_chunk(call.num_segs),
-        ALIGNED=call.width % cfg.shrink_k == 0, DOT_F32=_dot_f32(x.dtype), PDL=pdl,
+        CHUNK=scan_chunk(call.num_segs),
+        ALIGNED=call.width % cfg.shrink_k == 0, DOT_F32=dot_f32(x.dtype), PDL=pdl,
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules),
     )  # fmt: skip
@@ -423,8 +409,8 @@ def _expand(y, h, pool_layer, index, tokens, modules, out_widths, max_rank, cfg,
         max_rank,
         W=call.width, NB0=blocks[0], NB1=blocks[1], SPLIT_K=h.shape[0],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.expand_n, BLOCK_R=cfg.expand_r,
-        CHUNK=seg_chunk(call.num_segs),
-        ALIGNED=call.width % cfg.expand_n == 0, DOT_F32=_dot_f32(y.dtype), PDL=pdl,
+        CHUNK=scan_chunk(call.num_segs),
+        ALIGNED=call.width % cfg.expand_n == 0, DOT_F32=dot_f32(y.dtype), PDL=pdl,
         num_warps=cfg.expand_warps, num_stages=1, launch_pdl=pdl,
         **_slice_args(modules, out_widths),
     )  # fmt: skip
@@ -446,7 +432,7 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
         max_rank, cfg.parts,
         D_IN=call.d_in, W=call.width, IN_CHUNKS=call.in_chunks,
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.shrink_k, BLOCK_N=cfg.expand_n, BLOCK_R=cfg.shrink_r,
-        CHUNK=seg_chunk(call.num_segs), DOT_F32=_dot_f32(y.dtype),
+        CHUNK=scan_chunk(call.num_segs), DOT_F32=dot_f32(y.dtype),
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules, out_widths),
     )  # fmt: skip

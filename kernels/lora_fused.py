@@ -1,4 +1,4 @@
-"""One-launch multi-LoRA for small batches: shrink and expand fused in one kernel.
+"""One-launch multi-LoRA: shrink and expand fused in one kernel.
 
 Semantics are kernels/lora_ref.py's lora_apply; geometry kernels/lora_layout.py. Grid (tiles,
 slices x parts): a program owns one tile (at most BLOCK_M tokens of one adapter, found on the
@@ -6,11 +6,13 @@ device by kernels/tiles.py), one slice and one contiguous share (``part``) of th
 output columns. It computes the tile's whole h = x · Aᵀ for its slice in registers (all rank
 rows at once, streaming d_in), then streams its share of Bᵀ and adds scale · h · Bᵀ into y.
 
-Why: at decode sizes a call moves a few MB and the two-launch path (kernels/lora.py) pays two
-launch floors and a chain of dependent loads per launch; here one launch does it all, h never
-goes to memory and no workspace is needed. The price is that the ``parts`` programs of a
-(tile, slice) each read A (the first from memory, the others mostly from L2), so the launcher
-keeps ``parts`` small unless the batch is too small to fill the GPU.
+Why: one launch instead of two (kernels/lora.py), h never goes to memory and no workspace is
+needed. The price is that a program streams a whole A row block alone, and the ``parts``
+programs of a (tile, slice) each read A (the first from memory, the others mostly from L2), so
+fused_config keeps ``parts`` small unless the batch is too small to fill the GPU. The launcher
+takes this path by default for prefill-sized calls of several slices, and on request
+(``config=fused_config(...)``) elsewhere: in decode it wins only when tokens' adapters are
+distinct (kernels/lora.py, _fuse).
 
 Slot lookups are hoisted out of both streaming loops (one per rank row and pool chunk), as in
 the two-launch kernels, so the loops are plain strided streams that software-pipeline.

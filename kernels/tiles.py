@@ -5,6 +5,8 @@ each run into tiles of at most BLOCK rows and launch ``max_tiles(T, BLOCK, runs)
 upper bound. Each program finds its own tile by scanning the run starts CHUNK runs at a time
 and stopping at the chunk that holds its tile, so a tile of run g costs about g / CHUNK steps
 whatever the run capacity; programs past the last tile get run -1 and return.
+
+Also the host-side facts every launcher shares: the interpreter switch and the GPU's size.
 """
 
 from __future__ import annotations
@@ -17,14 +19,28 @@ import triton
 import triton.language as tl
 
 CHUNK = 512  # runs scanned per step (masked lanes past the capacity load nothing)
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.cache
 def num_sms(device_index: int = 0) -> int:
     """Multiprocessors of the GPU (8 under the interpreter or without one): sizes grids."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+    if INTERPRET or not torch.cuda.is_available():
         return 8
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def dot_f32(dtype: torch.dtype) -> bool:
+    """Whether kernels widen dot operands to fp32 (their DOT_F32 switch): fp32 gets an exact
+    fp32 dot (not tf32); the Triton interpreter computes bf16 dots wrongly, so under it bf16
+    operands are widened too."""
+    return dtype == torch.float32 or (INTERPRET and dtype == torch.bfloat16)
+
+
+def scan_chunk(num_runs: int) -> int:
+    """Runs find_tile scans per step: the capacity rounded up to a power of two (the host
+    knows it), at most CHUNK; small capacities scan in one short step."""
+    return max(16, min(CHUNK, triton.next_power_of_2(max(num_runs, 1))))
 
 
 def max_tiles(num_tokens: int, block: int, num_runs: int) -> int:
