@@ -1,4 +1,4 @@
-"""Builders for kernel tests and benchmarks: a page pool with adapters and KV pages in it.
+"""Builders for the kernel tests: a page pool with adapters and KV pages in it.
 
 Adapters are placed with kernels.lora_layout (the engine's own geometry code) at shuffled pool
 slots; every slot nobody owns holds NaN, so a kernel that reads outside what it owns fails.
@@ -17,9 +17,8 @@ POPULARITY = ("distinct", "uniform", "zipf", "identical", "base_mix")
 
 
 class LoraSetup(NamedTuple):
-    pool: torch.Tensor  # [layers, 2, slots, W]
+    pool: torch.Tensor  # [1, 2, slots, W]: one layer
     index: LoraIndex
-    weights: list[dict[int, tuple[torch.Tensor, torch.Tensor]]]  # per adapter: m -> (A, B)
 
 
 def build_adapters(
@@ -30,48 +29,40 @@ def build_adapters(
     device: torch.device,
     gen: torch.Generator,
     spare_slots: int = 8,
-    layers: int = 1,
-    capacity: int | None = None,
 ) -> LoraSetup:
     """Adapters with ranks[i][m] (0 = untargeted) for modules with dims[m] = (d_in, d_out)."""
     plans = [plan_adapter(r, dims, width) for r in ranks]
     total = sum(p.num_slots for p in plans) + spare_slots
-    pool = torch.full((layers, 2, total, width), float("nan"), dtype=dtype, device=device)
+    pool = torch.full((1, 2, total, width), float("nan"), dtype=dtype, device=device)
     perm = torch.randperm(total, generator=gen).to(device)
     dgen = _device_gen(gen, device)
-    n = capacity or len(ranks)
+    n = len(ranks)
     cols = max([p.num_slots for p in plans] + [1])
     table = torch.zeros(n, cols, dtype=torch.int32, device=device)
     rank_t = torch.zeros(n, NUM_MODULES, dtype=torch.int32)
     a_off = torch.zeros(n, NUM_MODULES, dtype=torch.int32)
     b_off = torch.zeros(n, NUM_MODULES, dtype=torch.int32)
     scales = torch.zeros(n, NUM_MODULES, dtype=torch.float32)
-    weights = []
     used = 0
     for i, plan in enumerate(plans):
         slots = perm[used : used + plan.num_slots]
         used += plan.num_slots
         table[i, : plan.num_slots] = slots.to(torch.int32)
-        per = {}
         for m, place in enumerate(plan.placements):
             if place is None:
                 continue
             d_in, d_out = dims[m]
-            for layer in range(layers):
-                a = torch.randn(place.rank, d_in, generator=dgen, device=device) / d_in**0.5
-                b = torch.randn(d_out, place.rank, generator=dgen, device=device)
-                write_module(pool, layer, slots.long(), place, a.to(dtype), b.to(dtype))
-                if layer == 0:
-                    per[m] = (a, b)
+            a = torch.randn(place.rank, d_in, generator=dgen, device=device) / d_in**0.5
+            b = torch.randn(d_out, place.rank, generator=dgen, device=device)
+            write_module(pool, 0, slots.long(), place, a.to(dtype), b.to(dtype))
             rank_t[i, m] = place.rank
             a_off[i, m], b_off[i, m] = place.a_offset, place.b_offset
             scales[i, m] = float(torch.rand((), generator=gen)) + 0.5
-        weights.append(per)
     # Untouched halves of owned slots (A half past the A chunks, say) stay NaN on purpose.
     index = LoraIndex(
         table, rank_t.to(device), a_off.to(device), b_off.to(device), scales.to(device)
     )
-    return LoraSetup(pool, index, weights)
+    return LoraSetup(pool, index)
 
 
 def token_rows(

@@ -113,8 +113,7 @@ def test_write_kv_then_prefill(dtype):
     slots = torch.cat([kv.slot_mapping, torch.full((pad,), -1, device=DEVICE)])
     pool = kv.pool_layer.clone()
     ref_pool = kv.pool_layer.clone()
-    kernels_write = attention.write_kv
-    kernels_write(pool, k, v, slots)
+    attention.write_kv(pool, k, v, slots)
     attention_ref.write_kv(ref_pool, k, v, slots)
     assert torch.equal(pool.nan_to_num(7.0), ref_pool.nan_to_num(7.0))
     q = torch.randn(t, shape.heads, shape.head_dim, generator=gen).to(dtype).to(DEVICE)

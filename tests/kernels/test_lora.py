@@ -39,8 +39,8 @@ PATHS = ("two_launch", "fused")
 
 
 def _config(path: str, shape, t: int, max_rank: int, parts: int = 2):
-    """The launch config of a path: shrink + expand, or the fused one-launch kernel. On a GPU
-    the launcher's own blocks (its fused choice for small batches is forced either way)."""
+    """The launch config of a path: shrink + expand, or the fused one-launch kernel, forced
+    either way. On a GPU the launcher's own blocks (launch_config, fused_config)."""
     slices = len(shape.modules)
     if path == "two_launch":
         if SMALL is not None:
@@ -72,12 +72,11 @@ def _ranks(
 
 
 def _check_apply(shape, ranks, rows, dtype, gen, config=SMALL, workspace=None, path=None):
+    max_rank = max(max(r.values()) for r in ranks)
     if path is not None:
-        max_r = max(max(r.values()) for r in ranks)
-        config = _config(path, shape, rows.numel(), max_r, parts=1 + rows.numel() % 3)
+        config = _config(path, shape, rows.numel(), max_rank, parts=1 + rows.numel() % 3)
     dims = {m: (shape.d_in, w) for m, w in zip(shape.modules, shape.widths, strict=True)}
     setup = build_adapters(ranks, dims, shape.width, dtype, DEVICE, gen)
-    max_rank = max(max(r.values()) for r in ranks)
     tokens = lora_tokens(rows, DEVICE, SEG_CAPACITY)
     t = rows.numel()
     x = torch.randn(t, shape.d_in, generator=gen).to(dtype).to(DEVICE)
@@ -137,7 +136,7 @@ def test_apply_rank_size_batch(shape, rank, batch, path):
 
 @pytest.mark.parametrize("split_k", [2, 3])
 def test_apply_split_k(split_k):
-    """Shrink split over d_in, partial sums added atomically; decode and prefill-like rows."""
+    """Shrink split over d_in, partial sums added by expand; decode and prefill-like rows."""
     gen = torch.Generator().manual_seed(60 + split_k)
     shape = LORA_SHAPES[2 if split_k == 2 else 1]
     cfg = SMALL or lora.launch_config(POP_BATCH, shape.d_in, shape.width, max(RANKS))
