@@ -1,7 +1,7 @@
 """Kernel benchmarks: multi-LoRA decode and prefill, paged decode attention (CUDA).
 
     python -m bench.kernels [--sections lora_decode,lora_prefill,attention] [--quick]
-                            [--json bench/results/kernels.json] [--tune]
+                            [--json bench/results/kernels.json] [--tune] [--sweep OUT.json]
 
 Every figure is a median of CUDA-event timings (triton.testing.do_bench, L2 flushed before each
 run), in a CUDA graph and launch by launch. Bytes are the fewest a kernel must move: each
