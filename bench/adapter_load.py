@@ -7,9 +7,11 @@
    base model.
 2. Step time: 64 requests decoding (half on resident adapters, contexts held stationary), in
    windows without loads alternating with windows while cold adapters are fetched from the
-   store and copied into the pool, under the service's settings, a shorter GIL switch
-   interval and a diagnostic variant of the copy, side by side; slow steps are attributed
-   to the load phases and garbage collections they overlap. Goal: p99 at most 1.05x.
+   store and copied into the pool, under the service's settings (garbage collections paced by
+   the step thread) and CPython's automatic collection side by side (selectable too: a shorter
+   GIL switch interval, a diagnostic variant of the copy); slow steps are attributed to the
+   load phases and garbage collections they overlap, and each collection to the thread that
+   ran it. Goal: p99 at most 1.05x.
 
 The store runs in a subprocess on the local backend (this script's --serve-store mode, which
 needs neither boto3 nor grpcio-health-checking); the engine and the service's adapter path
@@ -18,7 +20,7 @@ process. The model is a random
 Llama-7B-shaped one, generated on first use.
 
     python bench/adapter_load.py                                # CUDA, Llama-7B shape, bf16
-    python bench/adapter_load.py --shape tiny --device cpu --cold 2 --loads 4 --decode-len 32
+    python bench/adapter_load.py --shape tiny --device cpu --cold 2 --loads 8 --decode-len 32
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -50,10 +53,10 @@ from lorafleet.v1 import adapter_store_pb2 as store_pb  # noqa: E402
 from lorafleet.v1 import adapter_store_pb2_grpc as store_grpc  # noqa: E402
 from services.inference.adapter_registry import AdapterRegistry  # noqa: E402
 from services.inference.arena import HostArena  # noqa: E402
-from services.inference.engine import adapter_copy  # noqa: E402
+from services.inference.engine import adapter_copy, gc_pacing  # noqa: E402
 from services.inference.engine.api import GenerationRequest  # noqa: E402
 from services.inference.engine.config import EngineConfig  # noqa: E402
-from services.inference.engine.engine import Engine, freeze_startup_objects  # noqa: E402
+from services.inference.engine.engine import Engine  # noqa: E402
 from services.inference.engine.sampling_params import SamplingParams  # noqa: E402
 from services.inference.host_cache import HostCache  # noqa: E402
 from services.inference.service_stats import summarize  # noqa: E402
@@ -70,15 +73,20 @@ class Variant(NamedTuple):
     switch_interval: float  # the GIL's (sys.setswitchinterval)
     copy: str  # "service"; diagnostic: "dma-only" (no layout kernels: the pool is not
     # written; the adapter is dropped unused)
+    gc: str  # "paced" (the service's: engine/gc_pacing.py) or "auto" (CPython's automatic
+    # collection, on whichever thread allocates)
 
 
-# Settings compared side by side: the service's, a shorter GIL switch interval, and a
-# diagnostic that takes the layout kernels out of the host -> pool copy (is it the GPU work?).
+# Settings compared side by side: the service's, CPython's automatic garbage collection, a
+# shorter GIL switch interval, and a diagnostic that takes the layout kernels out of the host
+# -> pool copy (is it the GPU work?).
 VARIANTS = {
-    "service": Variant(_DEFAULT_SWITCH_INTERVAL, "service"),
-    "switch-0.5ms": Variant(0.0005, "service"),
-    "diag-dma-only": Variant(_DEFAULT_SWITCH_INTERVAL, "dma-only"),
+    "service": Variant(_DEFAULT_SWITCH_INTERVAL, "service", "paced"),
+    "auto-gc": Variant(_DEFAULT_SWITCH_INTERVAL, "service", "auto"),
+    "switch-0.5ms": Variant(0.0005, "service", "paced"),
+    "diag-dma-only": Variant(_DEFAULT_SWITCH_INTERVAL, "dma-only", "paced"),
 }
+DEFAULT_VARIANTS = ("service", "auto-gc")
 
 
 @contextlib.contextmanager
@@ -91,6 +99,19 @@ def copy_variant(mode: str):
         yield
     finally:
         adapter_copy.write_adapter = saved_write
+
+
+@contextlib.contextmanager
+def gc_variant(mode: str):
+    """CPython's automatic collection for the "auto" variant, paced again after (no new freeze:
+    the heap stays the one the service would have by now)."""
+    if mode == "auto":
+        gc_pacing.release()
+    try:
+        yield
+    finally:
+        if mode == "auto":
+            gc_pacing.pace_collections(freeze=False)
 
 
 def serve_store(root: str, port: int) -> None:
@@ -149,6 +170,17 @@ def upload_all(address: str, shape, names: list[str]) -> float:
 
             size = stub.UploadAdapter(requests(), timeout=300).size_bytes
     return size / 1e6
+
+
+class Collection(NamedTuple):
+    start: float
+    seconds: float
+    generation: int
+    thread: str  # the thread that ran it
+
+    @property
+    def end(self) -> float:
+        return self.start + self.seconds
 
 
 class StepTime(NamedTuple):
@@ -243,7 +275,7 @@ async def measure(args, device, model, address, warm, cold, loads, mb) -> dict:
         pool_memory_bytes=None if device.type == "cuda" else 512 << 20,
     ))  # fmt: skip
     await engine.start()
-    freeze_startup_objects()  # as the service does
+    gc_pacing.pace_collections()  # as the service does
     cache = HostCache(HostArena(int((n_adapters + 2) * mb * 1e6), pin=device.type == "cuda"))
     store = StoreClient(address, cache, lookup_timeout=30, fetch_timeout=300)
     registry = AdapterRegistry(engine, store, cache)
@@ -266,6 +298,7 @@ async def measure(args, device, model, address, warm, cold, loads, mb) -> dict:
             registry.release(key)
         await store.close()
         await engine.stop()
+        gc_pacing.release()
     keys_of = ("lookup_s", "fetch_s", "validate_s", "copy_s", "first_step_s", "ttft_s")
     median = {k: sorted(r[k] for r in rows)[len(rows) // 2] for k in keys_of}
     return {
@@ -338,15 +371,17 @@ async def step_times(args, engine, registry, keys, loads, timer) -> dict:
             validate.append(time.perf_counter() - t)
 
     engine.add_adapter = timed_add
-    collections: list[tuple[float, float, int]] = []  # (start, seconds, generation)
-    gc_start: list[float] = []
+    collections: list[Collection] = []
+    gc_start: list[tuple[float, str]] = []
 
     def on_gc(phase: str, info: dict) -> None:
+        # Paced collections (gc.collect on the step thread) call back too. Collections never
+        # overlap (each holds the GIL throughout), so a start's stop is the next one.
         if phase == "start":
-            gc_start.append(time.perf_counter())
+            gc_start.append((time.perf_counter(), threading.current_thread().name))
         elif gc_start:
-            t = gc_start.pop()
-            collections.append((t, time.perf_counter() - t, info["generation"]))
+            t, thread = gc_start.pop()
+            collections.append(Collection(t, time.perf_counter() - t, info["generation"], thread))
 
     gc.callbacks.append(on_gc)
 
@@ -354,16 +389,20 @@ async def step_times(args, engine, registry, keys, loads, timer) -> dict:
     try:
         await quiet_window(args.decode_len)  # one full cycle: contexts spread out
         windows = {name: ([], [], 0) for name in args.variants}
+        spans: dict[str, list[tuple[float, float]]] = {name: [] for name in args.variants}
         per_window = 2
         rounds = max(1, args.loads // (per_window * len(args.variants)))
         for r in range(rounds):
             for name in args.variants:
                 sys.setswitchinterval(VARIANTS[name].switch_interval)
                 quiet, busy, n = windows[name]
-                quiet += await quiet_window(args.quiet_steps)
                 names = [loads[(r * per_window + j) % len(loads)] for j in range(per_window)]
-                with copy_variant(VARIANTS[name].copy):
-                    busy += await load_window(names)
+                t0 = time.perf_counter()
+                with gc_variant(VARIANTS[name].gc):
+                    quiet += await quiet_window(args.quiet_steps)
+                    with copy_variant(VARIANTS[name].copy):
+                        busy += await load_window(names)
+                spans[name].append((t0, time.perf_counter()))
                 windows[name] = (quiet, busy, n + len(names))
     finally:
         gc.callbacks.remove(on_gc)
@@ -382,16 +421,24 @@ async def step_times(args, engine, registry, keys, loads, timer) -> dict:
     def overlapping(step: StepTime) -> str:
         end = step.start + step.seconds
         hit = {name for name, a, b in phases if a < end and step.start < b}
-        hit |= {f"gc{g}" for t, d, g in collections if t < end and step.start < t + d}
+        hit |= {f"gc{c.generation}" for c in collections if c.start < end and step.start < c.end}
         return "+".join(sorted(hit)) or "none"
 
     def gc_in(steps: list[StepTime]) -> dict:
         """Collections that overlapped these steps: count and longest, per generation."""
         out = {}
         for g in (0, 1, 2):
-            d = [c[1] for c in collections if c[2] == g and any(
-                c[0] < s.start + s.seconds and s.start < c[0] + c[1] for s in steps)]  # fmt: skip
+            d = [c.seconds for c in collections if c.generation == g and any(
+                c.start < s.start + s.seconds and s.start < c.end for s in steps)]  # fmt: skip
             out[f"gen{g}"] = {"count": len(d), "max_s": max(d, default=0.0)}
+        return out
+
+    def gc_threads(name: str) -> dict:
+        """Collections during the variant's windows, per thread that ran them and generation."""
+        out: dict[str, list[int]] = {}
+        for c in collections:
+            if any(a <= c.start < b for a, b in spans[name]):
+                out.setdefault(c.thread, [0, 0, 0])[c.generation] += 1
         return out
 
     by_interval = []
@@ -405,14 +452,18 @@ async def step_times(args, engine, registry, keys, loads, timer) -> dict:
             "variant": name, **VARIANTS[name]._asdict(), "loads": n,
             "step_no_loads": a, "step_with_loads": b,
             "gc_no_loads": gc_in(quiet), "gc_with_loads": gc_in(busy),
+            "gc_threads": gc_threads(name),
             "p99_ratio": b["p99_s"] / a["p99_s"] if a["p99_s"] else None,
             "p50_ratio": b["p50_s"] / a["p50_s"] if a["p50_s"] else None,
             "with_loads_by_phase": {k: stats(v) for k, v in sorted(by_phase.items())},
             "slowest_with_loads": [(x.seconds, overlapping(x)) for x in slowest],
         })  # fmt: skip
-    total = {g: sum(1 for c in collections if c[2] == g) for g in (0, 1, 2)}
+    total = {g: sum(1 for c in collections if c.generation == g) for g in (0, 1, 2)}
+    paced = gc_pacing.stats()
+    gen2 = [c.seconds for c in collections if c.generation == 2]
     return {"batch": args.batch, "decode_len": args.decode_len, "steps": by_interval,
-            "gc_collections": total}  # fmt: skip
+            "gc_collections": total, "gc_gen2_max_s": max(gen2, default=0.0),
+            "gc_paced": {"collections": paced.collections, "seconds": paced.seconds}}  # fmt: skip
 
 
 def machine() -> dict:
@@ -435,7 +486,13 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=64, help="decoding requests")
     parser.add_argument("--warm", type=int, default=8, help="resident adapters in the batch")
     parser.add_argument("--cold", type=int, default=8, help="cold loads timed for TTFT")
-    parser.add_argument("--loads", type=int, default=64, help="cold loads while stepping, in all")
+    parser.add_argument(
+        "--loads",
+        type=int,
+        default=256,
+        help="cold loads while stepping, in all (shared by the variants; 128 each by default: "
+        "about 380 steps with loads, so p99 is not one outlier)",
+    )
     parser.add_argument(
         "--load-adapters",
         type=int,
@@ -450,7 +507,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--variants",
-        default=",".join(VARIANTS),
+        default=",".join(DEFAULT_VARIANTS),
         help=f"process settings to compare, comma-separated, of {', '.join(VARIANTS)}",
     )
     parser.add_argument("--out", default=str(REPO / "bench/results/adapter_load.json"))
@@ -508,6 +565,16 @@ def report(r: dict) -> str:
                 f"{k} {v['count']} (max {v['max_s'] * 1000:.1f} ms)" for k, v in w[side].items()
             ]
             lines.append(f"    {side}: " + ", ".join(gens))
+        threads = "; ".join(
+            f"{t} gen0 {n[0]} gen1 {n[1]} gen2 {n[2]}" for t, n in sorted(w["gc_threads"].items())
+        )
+        lines.append(f"    collections ran on: {threads or 'none'}")
+    p = r["gc_paced"]
+    lines.append(
+        f"paced collections (whole run): gen0 {p['collections'][0]}, gen1 "
+        f"{p['collections'][1]}, gen2 {p['collections'][2]} ({sum(p['seconds']) * 1000:.1f} ms "
+        f"in all); longest gen2 seen {r['gc_gen2_max_s'] * 1000:.1f} ms"
+    )
     return "\n".join(lines)
 
 

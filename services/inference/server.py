@@ -19,8 +19,9 @@ from lorafleet.v1 import inference_pb2_grpc as pb_grpc
 from services.inference.adapter_registry import AdapterRegistry
 from services.inference.arena import HostArena
 from services.inference.config import ServiceConfig
+from services.inference.engine import gc_pacing
 from services.inference.engine.config import EngineConfig
-from services.inference.engine.engine import Engine, freeze_startup_objects
+from services.inference.engine.engine import Engine
 from services.inference.host_cache import HostCache
 from services.inference.metrics import ServiceMetrics
 from services.inference.servicer import InferenceServicer
@@ -102,7 +103,7 @@ class InferenceServer:
         log.info("listening on %s:%d; loading %s", cfg.host, self.port, cfg.model)
         self.engine = await asyncio.to_thread(Engine, engine_config(cfg))
         await self.engine.start()
-        freeze_startup_objects()
+        gc_pacing.pace_collections()  # the step thread collects from now on
         device = self.engine.config.torch_device
         cache = HostCache(HostArena(cfg.host_cache_bytes, pin=device.type == "cuda"))
         if cfg.adapter_store is not None:
@@ -143,6 +144,7 @@ class InferenceServer:
             await self._store.close()
         if self.engine is not None:
             await self.engine.stop()
+        gc_pacing.release()  # no step thread collects any more
         if self.servicer is not None:
             self.servicer.metrics.close()
         log.info("stopped")

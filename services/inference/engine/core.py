@@ -37,6 +37,7 @@ from services.inference.engine.errors import (
     ModelLoadError,
     UnknownAdapter,
 )
+from services.inference.engine.gc_pacing import collect_if_due
 from services.inference.engine.host_adapter import HostAdapter, build_host_adapter
 from services.inference.engine.model_runner import ModelRunner
 from services.inference.engine.page_allocator import OwnerKind
@@ -259,6 +260,9 @@ class EngineCore:
             for s in scheduled
         ]
         logits = self.runner.execute(entries)  # [sampling sequences, vocab]
+        # The GPU computes meanwhile (the step's work is queued; the sampler's sync waits for
+        # it), so a collection due now costs nothing; on CPU it simply runs after the forward.
+        collect_if_due()
         self.steps += 1
         sampling = [s.seq for s in scheduled if s.samples]
         for s in scheduled:

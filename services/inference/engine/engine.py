@@ -16,7 +16,6 @@ loop.call_soon_threadsafe.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import queue
 import threading
@@ -37,6 +36,7 @@ from services.inference.engine.api import (
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.core import EngineCore, LogitsHook
 from services.inference.engine.errors import EngineStopped, UnknownAdapter
+from services.inference.engine.gc_pacing import collect_if_due
 from services.inference.engine.host_adapter import HostAdapter
 from services.inference.engine.request import Sequence
 
@@ -72,16 +72,6 @@ def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
-
-
-def freeze_startup_objects() -> None:
-    """Moves every object alive now (model, tokenizer, CUDA graphs, ...: they live as long as
-    the process) out of the garbage collector's sight, so collections stay short. A collection
-    runs on whichever thread allocates, holding the GIL; scanning all of this while adapters
-    loaded made decode steps wait (bench/adapter_load.py, a variant that froze everything before
-    each window with loads: decode step p99 under loads 1.39x -> 1.09x)."""
-    gc.collect()
-    gc.freeze()
 
 
 class Engine:
@@ -229,6 +219,7 @@ class Engine:
                     self._deliver(core.step())
                 elif not core.has_work:
                     core.adapters.reap()
+                    collect_if_due()  # idle: garbage must not pile up while no step runs
         except BaseException as e:  # a failed step must not leave callers waiting forever
             log.exception("engine step loop failed")
             self._failure = e
