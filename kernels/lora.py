@@ -2,9 +2,9 @@
 
 Geometry: kernels/lora_layout.py; semantics: kernels/lora_ref.py, the float64 reference the
 kernels are tested against. Two launches per call (or the fused one of kernels/lora_fused.py
-where launch_config picks it), over tiles of at most BLOCK_M tokens inside one segment of
-``LoraTokens`` (one adapter per tile; kernels/tiles.py finds them on the device, so no host
-sync). Prefill runs give full tiles that share each weight load; decode tokens of distinct
+where launch_config or the caller picks it), over tiles of at most BLOCK_M tokens inside one
+segment of ``LoraTokens`` (one adapter per tile; kernels/tiles.py finds them on the device, so
+no host sync). Prefill runs give full tiles that share each weight load; decode tokens of distinct
 adapters give one-token tiles, which is per-token addressing. Base-only and padding segments
 get no tiles.
 
@@ -31,19 +31,19 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.lora_args import MAX_SLICES, check_call, check_float, check_modules, check_widths
 from kernels.lora_fused import lora_fused_kernel
-from kernels.lora_fused import rank_block as fused_rank_rows
+from kernels.lora_paths import (
+    FUSED_MAX_RANK,
+    FUSED_MAX_TOKENS,
+    fused_rank_rows,
+    shapes_prefer_fused,
+)
 from kernels.tiles import INTERPRET, dot_f32, find_tile, max_tiles, num_sms, scan_chunk
 
 # Shrink programs wanted per multiprocessor: with fewer, the weights stream through too few
 # SMs (small decode batches) and split_k makes up the difference.
 _SHRINK_PROGRAMS_PER_SM = 4
-# Decode-sized calls (up to this many tokens) take the two launches (see _fuse); larger ones
-# are prefill-like.
-FUSED_MAX_TOKENS = 512
 # Fused programs wanted per multiprocessor; parts split a (tile, slice) until there are as many.
 _FUSED_PROGRAMS_PER_SM = 2
-# The fused kernel holds every rank row in registers; above this the two launches are used.
-FUSED_MAX_RANK = 128
 
 
 class LoraLaunch(NamedTuple):
@@ -75,8 +75,8 @@ def launch_config(
     tiles are full; K and N blocks inside one pool chunk when the width allows (each row of a
     block is one contiguous run); d_in split when too few programs would stream the weights.
     With ``out_width`` (the widest slice; lora_apply passes it) prefill-sized calls of several
-    slices get the fused one-launch kernel instead (_fuse)."""
-    if out_width and _fuse(num_tokens, max_rank, num_slices):
+    slices get the fused one-launch kernel instead (kernels/lora_paths.py)."""
+    if out_width and shapes_prefer_fused(num_tokens, max_rank, num_slices):
         return fused_config(num_tokens, width, max_rank, num_slices, out_width)
     big = num_tokens > 1024
     shrink_k = _fit_block(256, width)
@@ -94,23 +94,6 @@ def launch_config(
         split_k=split,
         expand_r=rank_block,
     )
-
-
-def _fuse(num_tokens: int, max_rank: int, num_slices: int) -> bool:
-    """Fused or two launches, from shapes alone, as measured on the H200 (one layer's seven
-    projections, bench/results/kernels.json and kernels_sweep.json).
-
-    Prefill-sized calls of several slices fuse (x and h stay on chip for all of them): faster
-    with 1, 16 and 256 adapters alike. Decode-sized calls keep the two launches: the fused
-    kernel wins only when tokens have distinct adapters (a layer at batch 512, rank 16: 440 µs
-    against 804), and loses when they share them, since then a few (tile, slice) programs each
-    stream a whole A alone (batch 64, rank 16, one adapter: 79 µs against 37). The batch's
-    popularity is not known from shapes, and a CUDA graph fixes the path for every batch it
-    replays; lora_apply(config=fused_config(...)) takes the fused path where a caller knows
-    that its tokens' adapters are distinct."""
-    if num_tokens <= FUSED_MAX_TOKENS or max_rank > FUSED_MAX_RANK:
-        return False
-    return num_slices > 1
 
 
 def fused_config(
@@ -173,7 +156,7 @@ def _lora_shrink_kernel(
     rb = q // SPLIT_K % RANK_BLOCKS
     ks = q % SPLIT_K
     _, a, m_start, m_end = find_tile(
-        seg_starts_ptr, seg_lora_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK, True
+        seg_starts_ptr, seg_lora_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK, True, False
     )
     if a < 0:
         return
@@ -278,26 +261,23 @@ def _lora_expand_kernel(
     NB0: tl.constexpr, NB1: tl.constexpr,  # column blocks of slices 0 and 1
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, ALIGNED: tl.constexpr, DOT_F32: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, OVERWRITE: tl.constexpr,
 ):  # fmt: skip
-    # Everything up to gdc_wait reads only what existed before shrink started.
+    # Everything up to gdc_wait reads only what existed before shrink started. OVERWRITE: y is
+    # written, not added to, and every token's columns are (base-only tokens and modules the
+    # adapter does not target get zeros), so the base GEMM can accumulate onto it afterwards.
     nb = tl.program_id(1)
-    _, a, m_start, m_end = find_tile(
-        seg_starts_ptr, seg_lora_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK, True
+    run, a, m_start, m_end = find_tile(
+        seg_starts_ptr, seg_lora_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK, True, OVERWRITE
     )
-    if a < 0:
+    if run < 0:
         return
     s = tl.where(nb < NB0, 0, tl.where(nb < NB0 + NB1, 1, 2))  # this block's slice
     n0 = (nb - _pick3(s, 0, NB0, NB0 + NB1)) * BLOCK_N  # first column inside the slice
     width = _pick3(s, N0, N1, N2)
-    a64 = a.to(tl.int64)
+    a64 = tl.maximum(a, 0).to(tl.int64)
     m = _pick3(s, M0, M1, M2)
-    rank = tl.minimum(tl.load(ranks_ptr + a64 * stride_idx + m), MAX_RANK)
-    if rank == 0:
-        return
-    table_row = table_ptr + a64 * stride_table + tl.load(b_off_ptr + a64 * stride_idx + m)
-    scale = tl.load(scales_ptr + a64 * stride_scale + m)
-    out_chunks = (width + W - 1) // W
+    rank = tl.where(a < 0, 0, tl.minimum(tl.load(ranks_ptr + a64 * stride_idx + m), MAX_RANK))
     offs_m = m_start + tl.arange(0, BLOCK_M)
     m_ok = offs_m < m_end
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -309,7 +289,17 @@ def _lora_expand_kernel(
         + offs_n[None, :]
     )
     y_ok = m_ok[:, None] & n_ok[None, :]
-    y = tl.load(y_ptrs, mask=y_ok, other=0.0)
+    if rank == 0:
+        if OVERWRITE:
+            tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_N), y_ptr.dtype.element_ty), mask=y_ok)
+        return
+    table_row = table_ptr + a64 * stride_table + tl.load(b_off_ptr + a64 * stride_idx + m)
+    scale = tl.load(scales_ptr + a64 * stride_scale + m)
+    out_chunks = (width + W - 1) // W
+    if OVERWRITE:
+        y = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    else:
+        y = tl.load(y_ptrs, mask=y_ok, other=0.0)
     rows = tl.arange(0, BLOCK_R)
     bt = _bt_block(
         table_row,
@@ -397,7 +387,9 @@ def _shrink(x, h, pool_layer, index, tokens, modules, max_rank, cfg, call, pdl):
     )  # fmt: skip
 
 
-def _expand(y, h, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, call, pdl):
+def _expand(
+    y, h, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, call, pdl, overwrite
+):
     blocks = [triton.cdiv(w, cfg.expand_n) for w in out_widths] + [0, 0]
     grid = (max_tiles(call.num_tokens, cfg.block_m, call.num_segs), sum(blocks))
     _lora_expand_kernel[grid](
@@ -411,12 +403,12 @@ def _expand(y, h, pool_layer, index, tokens, modules, out_widths, max_rank, cfg,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.expand_n, BLOCK_R=cfg.expand_r,
         CHUNK=scan_chunk(call.num_segs),
         ALIGNED=call.width % cfg.expand_n == 0, DOT_F32=dot_f32(y.dtype), PDL=pdl,
-        num_warps=cfg.expand_warps, num_stages=1, launch_pdl=pdl,
+        OVERWRITE=overwrite, num_warps=cfg.expand_warps, num_stages=1, launch_pdl=pdl,
         **_slice_args(modules, out_widths),
     )  # fmt: skip
 
 
-def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, call):
+def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, call, overwrite):
     if cfg.shrink_r < max_rank:
         raise ValueError(f"a fused config holds {cfg.shrink_r} rank rows, max_rank is {max_rank}")
     grid = (
@@ -432,7 +424,7 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
         max_rank, cfg.parts,
         D_IN=call.d_in, W=call.width, IN_CHUNKS=call.in_chunks,
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.shrink_k, BLOCK_N=cfg.expand_n, BLOCK_R=cfg.shrink_r,
-        CHUNK=scan_chunk(call.num_segs), DOT_F32=dot_f32(y.dtype),
+        CHUNK=scan_chunk(call.num_segs), DOT_F32=dot_f32(y.dtype), OVERWRITE=overwrite,
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules, out_widths),
     )  # fmt: skip
@@ -474,8 +466,11 @@ def lora_shrink(x, pool_layer, index, tokens, modules, max_rank, *, out=None, co
     return out
 
 
-def lora_expand(y, h, pool_layer, index, tokens, modules, out_widths, *, config=None):
-    """y[t, slice s] += scale · h[t, s, :rank] · Bᵀ in place; h as lora_shrink returns it."""
+def lora_expand(
+    y, h, pool_layer, index, tokens, modules, out_widths, *, config=None, accumulate=True
+):
+    """y[t, slice s] += scale · h[t, s, :rank] · Bᵀ in place; h as lora_shrink returns it.
+    accumulate=False writes instead of adding (see lora_apply)."""
     check_float("y", y)
     check_widths(y, modules, out_widths)
     if h.dim() != 3 or h.shape[:2] != (y.shape[0], len(modules)) or h.stride(2) != 1:
@@ -499,17 +494,37 @@ def lora_expand(y, h, pool_layer, index, tokens, modules, out_widths, *, config=
             cfg,
             call,
             False,
+            not accumulate,
         )
 
 
 def lora_apply(
-    y, x, pool_layer, index, tokens, modules, out_widths, max_rank, *, workspace=None, config=None
+    y,
+    x,
+    pool_layer,
+    index,
+    tokens,
+    modules,
+    out_widths,
+    max_rank,
+    *,
+    workspace=None,
+    config=None,
+    fused: bool | None = None,
+    accumulate: bool = True,
 ):
-    """The model's LoRA hook: y[:, slices] += scale · x · Aᵀ · Bᵀ, two launches.
+    """The model's LoRA hook: y[:, slices] += scale · x · Aᵀ · Bᵀ, two launches or one.
+
+    ``accumulate=False`` writes y = scale · x · Aᵀ · Bᵀ instead, zeros for base-only tokens and
+    untargeted modules, so that the base GEMM can then add onto it in its epilogue (beta = 1)
+    and y's read-modify-write leaves the LoRA pass; the segments must then cover every token
+    (StepBatch and make_lora_tokens always do).
 
     ``workspace`` (optional): a contiguous fp32 device buffer of at least
     ``workspace_size(T, len(modules), max_rank)`` elements; without it one is allocated
-    (from the graph's pool when capturing).
+    (from the graph's pool when capturing). ``config`` fixes the launch; otherwise ``fused``
+    picks the path (True: the fused kernel, if it can hold max_rank rows; False: two
+    launches) or, None, launch_config picks it from the shapes.
     """
     check_modules(modules, max_rank)
     check_float("x", x)
@@ -519,7 +534,7 @@ def lora_apply(
     if y.shape[0] != t:
         raise ValueError(f"x has {t} tokens, y has {y.shape[0]}")
     call = check_call(x, pool_layer, index, tokens, modules, max_rank, d_in)
-    cfg = config or launch_config(t, d_in, call.width, max_rank, len(modules), max(out_widths))
+    cfg = config or _path_config(t, d_in, call.width, max_rank, len(modules), out_widths, fused)
     need = 0 if cfg.fused else cfg.split_k * t * len(modules) * max_rank
     if workspace is not None and (
         workspace.dtype != torch.float32
@@ -534,11 +549,25 @@ def lora_apply(
     if t == 0:
         return
     if cfg.fused:  # one launch, h stays in registers: no workspace
-        _fused(y, x, pool_layer, index, tokens, modules, tuple(out_widths), max_rank, cfg, call)
+        _fused(
+            y, x, pool_layer, index, tokens, modules, tuple(out_widths), max_rank, cfg, call,
+            not accumulate,
+        )  # fmt: skip
         return
     if workspace is None:
         workspace = torch.empty(need, dtype=torch.float32, device=x.device)
     h = workspace[:need].view(cfg.split_k, t, len(modules), max_rank)
     pdl = _pdl(cfg, x.device)
     _shrink(x, h, pool_layer, index, tokens, modules, max_rank, cfg, call, pdl)
-    _expand(y, h, pool_layer, index, tokens, modules, tuple(out_widths), max_rank, cfg, call, pdl)
+    _expand(
+        y, h, pool_layer, index, tokens, modules, tuple(out_widths), max_rank, cfg, call, pdl,
+        not accumulate,
+    )  # fmt: skip
+
+
+def _path_config(t, d_in, width, max_rank, num_slices, out_widths, fused) -> LoraLaunch:
+    if fused is None:
+        return launch_config(t, d_in, width, max_rank, num_slices, max(out_widths))
+    if fused and max_rank <= FUSED_MAX_RANK:
+        return fused_config(t, width, max_rank, num_slices, max(out_widths))
+    return launch_config(t, d_in, width, max_rank, num_slices)  # no out_width: never fused

@@ -142,7 +142,12 @@ def lora_apply(
     modules: tuple[int, ...],
     out_widths: tuple[int, ...],
     max_rank: int,
+    accumulate: bool = True,
 ) -> None:
-    """The model's LoRA hook: y[:, slices] += scale · x · Aᵀ · Bᵀ for every token's adapter."""
+    """The model's LoRA hook: y[:, slices] += scale · x · Aᵀ · Bᵀ for every token's adapter;
+    accumulate=False writes the delta instead (zeros for base-only tokens and untargeted
+    modules): the base GEMM then adds onto it."""
     h = lora_shrink(x, pool_layer, index, tokens, modules, max_rank)
+    if not accumulate:
+        y.zero_()
     lora_expand(y, h, pool_layer, index, tokens, modules, out_widths)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import lora, lora_ref
+from kernels import lora, lora_paths, lora_ref
 from kernels.lora_layout import DOWN, GATE, UP, K, O, Q, V
 from tests.kernels.pools import POPULARITY, build_adapters, lora_tokens, token_rows
 from tests.kernels.sizes import (
@@ -71,7 +71,9 @@ def _ranks(
     return out
 
 
-def _check_apply(shape, ranks, rows, dtype, gen, config=SMALL, workspace=None, path=None):
+def _check_apply(
+    shape, ranks, rows, dtype, gen, config=SMALL, workspace=None, path=None, accumulate=True
+):
     max_rank = max(max(r.values()) for r in ranks)
     if path is not None:
         config = _config(path, shape, rows.numel(), max_rank, parts=1 + rows.numel() % 3)
@@ -81,6 +83,8 @@ def _check_apply(shape, ranks, rows, dtype, gen, config=SMALL, workspace=None, p
     t = rows.numel()
     x = torch.randn(t, shape.d_in, generator=gen).to(dtype).to(DEVICE)
     y0 = torch.randn(t, sum(shape.widths), generator=gen).to(dtype).to(DEVICE)
+    if not accumulate:
+        y0.fill_(float("nan"))  # poisoned: every element must be written
     y = y0.clone()
     lora.lora_apply(
         y,
@@ -93,14 +97,26 @@ def _check_apply(shape, ranks, rows, dtype, gen, config=SMALL, workspace=None, p
         max_rank,
         config=config,
         workspace=workspace,
+        accumulate=accumulate,
     )
     ref = y0.double()
     lora_ref.lora_apply(
-        ref, x.double(), setup.pool[0], setup.index, tokens, shape.modules, shape.widths, max_rank
+        ref,
+        x.double(),
+        setup.pool[0],
+        setup.index,
+        tokens,
+        shape.modules,
+        shape.widths,
+        max_rank,
+        accumulate,
     )
     assert_close(y, ref, dtype)
     base = rows.to(DEVICE) < 0
-    assert torch.equal(y[base], y0[base]), "base-only rows must stay untouched"
+    if accumulate:
+        assert torch.equal(y[base], y0[base]), "base-only rows must stay untouched"
+    else:
+        assert not y[base].any(), "base-only rows must be written with zeros"
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -164,6 +180,23 @@ def test_apply_prefill_segments(dtype, path):
     _check_apply(shape, ranks, rows.to(torch.int32), dtype, gen, path=path)
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("popularity", ["base_mix", "distinct", "prefill"])
+def test_apply_write_first(popularity, path):
+    """accumulate=False: the delta written over a poisoned y, zeros for base-only tokens and
+    untargeted modules (the base GEMM adds onto it afterwards)."""
+    i = ["base_mix", "distinct", "prefill"].index(popularity)
+    gen = torch.Generator().manual_seed(300 + i)
+    shape = LORA_SHAPES[i % 2]
+    ranks = _ranks(ADAPTERS, shape.modules, RANKS, gen)
+    if popularity == "prefill":
+        t = PREFILL_TOKENS
+        rows = torch.cat([torch.full((t // 4,), r) for r in (-1, 0, 1, 2)]).int()
+    else:
+        rows = token_rows(popularity, POP_BATCH, ADAPTERS, gen, grouped=i == 0)
+    _check_apply(shape, ranks, rows, DTYPES[i % len(DTYPES)], gen, path=path, accumulate=False)
+
+
 def test_apply_reuses_workspace():
     """One preallocated workspace across calls: nothing stale leaks from the first call."""
     gen = torch.Generator().manual_seed(11)
@@ -197,6 +230,42 @@ def test_launch_config_chooses_paths():
     cfg = lora.fused_config(1, 4096, 64, 3, 4096)
     assert cfg.fused and cfg.shrink_r >= 64 and cfg.parts > 1 and cfg.block_m == 16
     assert lora.fused_config(4096, 4096, 16, 3, 4096).block_m == 32
+
+
+def test_decode_path_rule():
+    """The engine's per-step choice (kernels/lora_paths.py): fused only for decode steps whose
+    adapter tokens are mostly on distinct adapters, hold enough rank rows, and use the rank
+    rows the calls are sized for."""
+    rule = lora_paths.decode_prefers_fused
+    assert rule(256, 256, 16, 16) and rule(64, 64, 64, 64) and rule(512, 400, 16, 16)
+    assert not rule(128, 128, 16, 16)  # too few rank rows to fill the GPU
+    assert not rule(256, 64, 16, 16)  # tokens share adapters
+    assert not rule(256, 256, 16, 64)  # rank-16 adapters in calls sized for 64 rows
+    assert rule(64, 64, 40, 64)  # 40 and 64 both take 64 rows
+    assert not rule(512, 512, 256, 256)  # too many rows to hold
+    assert not rule(0, 0, 0, 16)
+
+
+@pytest.mark.parametrize("fused", [True, False, None])
+def test_apply_fused_flag_picks_the_path(monkeypatch, fused):
+    """lora_apply(fused=...) runs the path asked for (None: the shapes' choice, two launches
+    for 3 tokens) and matches the reference either way."""
+    setup, tokens, x, y = _small_call()
+    ran = []
+    for name in ("_fused", "_shrink"):
+        real = getattr(lora, name)
+        monkeypatch.setattr(lora, name, lambda *a, _n=name, _f=real: (ran.append(_n), _f(*a)))
+    args = (setup.pool[0], setup.index, tokens, (Q, K, V), (32, 16, 16), 16)
+    lora.lora_apply(y, x, *args, fused=fused)
+    assert ran == (["_fused"] if fused else ["_shrink"])
+    want = torch.zeros(3, 64, dtype=torch.float64)
+    pool = setup.pool[0].cpu().double()
+    lora_ref.lora_apply(want, x.cpu().double(), pool, *_cpu(args[1:3]), *args[3:])
+    torch.testing.assert_close(y.cpu().double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _cpu(items):
+    return [type(i)(*(t.cpu() for t in i)) for i in items]
 
 
 def test_fused_config_must_hold_every_rank_row():

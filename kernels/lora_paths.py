@@ -1,0 +1,61 @@
+"""Which multi-LoRA kernel path a call takes: two launches (shrink, expand: kernels/lora.py) or
+one (kernels/lora_fused.py). Plain Python, no Triton: the engine consults it on the host every
+step, and CPU serving never imports Triton.
+
+Measured on the H200 (bench/results/kernels.json and kernels_sweep.json; one layer's seven
+projections, Llama-2-7B shapes, bf16):
+
+- Prefill-sized calls of several slices fuse: x and h stay on chip for all the slices; faster
+  with 1, 16 and 256 adapters alike. Shapes alone decide (launch_config).
+- Decode-sized calls fuse only when the step's adapter tokens are (nearly) all on distinct
+  adapters and hold enough rank rows to give every SM work: rank 16 from 256 such tokens (343 µs
+  against 408), rank 64 from 64 (284 against 310). Where tokens share adapters a fused program
+  streams a whole A alone (batch 64 on one adapter: 79 µs against 37), and small batches lose
+  too (rank 16, 64 tokens: 168 against 131). Shapes cannot tell these apart; the engine can
+  (decode_prefers_fused), and passes its choice as lora_apply(fused=...).
+"""
+
+from __future__ import annotations
+
+# Calls of up to this many tokens are decode-sized: the shapes do not pick the fused path.
+FUSED_MAX_TOKENS = 512
+# The fused kernel holds every rank row in registers; above this the two launches are used.
+FUSED_MAX_RANK = 128
+# Decode steps fuse from this many adapter tokens x rank rows (decode_prefers_fused).
+FUSED_DECODE_MIN_ROWS = 4096
+# Projections of at least this many tokens write their LoRA delta first (lora_apply with
+# accumulate=False) and the base GEMM adds onto it (services/inference/models/llama.py,
+# linear_lora): prefill-sized calls, where y's read-modify-write is the LoRA pass's main cost.
+WRITE_FIRST_MIN_TOKENS = FUSED_MAX_TOKENS + 1
+
+
+def fused_rank_rows(max_rank: int) -> int:
+    """Rank rows a fused program holds: every row up to max_rank, a power of two >= 16."""
+    rows = 16
+    while rows < max_rank:
+        rows *= 2
+    return rows
+
+
+def shapes_prefer_fused(num_tokens: int, max_rank: int, num_slices: int) -> bool:
+    """The path from shapes alone: fused for prefill-sized calls of several slices."""
+    if num_tokens <= FUSED_MAX_TOKENS or max_rank > FUSED_MAX_RANK:
+        return False
+    return num_slices > 1
+
+
+def decode_prefers_fused(adapter_tokens: int, distinct: int, step_rank: int, max_rank: int) -> bool:
+    """Whether a decode-sized step should run all its LoRA calls on the fused kernel.
+
+    adapter_tokens: the step's tokens that use an adapter; distinct: how many adapters they
+    use; step_rank: the largest rank among those adapters; max_rank: the rank width the calls
+    are made with (the engine's max_lora_rank), which sets the rows a fused program holds. The
+    measurements above hold when those rows are the adapters' own: a step of rank-16 adapters
+    in an engine sized for rank 64 would make each fused program carry four times the rows, so
+    it keeps the two launches (which skip rank blocks past each adapter's rank)."""
+    if adapter_tokens <= 0 or max_rank > FUSED_MAX_RANK:
+        return False
+    if fused_rank_rows(step_rank) != fused_rank_rows(max_rank):
+        return False
+    mostly_distinct = 3 * distinct >= 2 * adapter_tokens
+    return mostly_distinct and adapter_tokens * max_rank >= FUSED_DECODE_MIN_ROWS
