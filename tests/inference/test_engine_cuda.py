@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import lora_paths
 from services.inference.engine.api import AdapterKey
 from tests.inference.engine_harness import Recorder, hf_greedy, make_core, relative_error, run
 from tests.inference.models import PARITY_ADAPTERS
@@ -20,10 +21,13 @@ from tests.inference.test_engine_parity import PLAN, _requests
 BF16_RTOL = 4e-2
 
 
-def _mixed_run(tiny_models, preset: str, dtype: str):
+def _mixed_run(tiny_models, preset: str, dtype: str, write_first: bool = False, **overrides):
     model_dir = tiny_models.model(preset)
     recorder = Recorder()
-    core = make_core(model_dir, recorder, device="cuda", dtype=dtype, max_num_batched_tokens=48)
+    config = dict(device="cuda", dtype=dtype, max_num_batched_tokens=48, **overrides)
+    core = make_core(model_dir, recorder, **config)
+    if write_first:  # eager steps write the LoRA delta first, whatever their size
+        core.runner.lora.write_first_tokens = 1
     for name in PARITY_ADAPTERS:
         core.add_adapter_dir(AdapterKey(name, 1), tiny_models.adapter(preset, name))
     requests = _requests(core.model_config.vocab_size)
@@ -36,12 +40,29 @@ def _mixed_run(tiny_models, preset: str, dtype: str):
     assert core.runner.graph_steps < core.steps
     core.check_integrity()
     assert core.stats().kv_pages == 0
-    return model_dir, requests, results
+    return model_dir, requests, results, core
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
-def test_cuda_float32_mixed_batch_matches_hf_peft(tiny_models, preset):
-    model_dir, requests, results = _mixed_run(tiny_models, preset, "float32")
+@pytest.mark.parametrize(
+    ("preset", "write_first"), [("tiny-llama", False), ("tiny-qwen2", False), ("tiny-llama", True)]
+)
+def test_cuda_float32_mixed_batch_matches_hf_peft(tiny_models, preset, write_first):
+    run = _mixed_run(tiny_models, preset, "float32", write_first=write_first)
+    _check_float32(tiny_models, preset, *run[:3])
+
+
+def test_cuda_fused_decode_path_matches_hf_peft(tiny_models, monkeypatch):
+    """Decode steps on the fused LoRA kernel (the per-step choice, with the threshold lowered
+    so that the parity run's small batches of distinct adapters take it), graphs included."""
+    monkeypatch.setattr(lora_paths, "FUSED_DECODE_MIN_ROWS", 32)  # one rank-32 token suffices
+    run = _mixed_run(tiny_models, "tiny-llama", "float32", max_lora_rank=32)
+    core = run[3]
+    assert core.runner.fused_graph_sizes and core.runner.fused_steps > 0
+    assert core.runner.fused_steps < core.steps  # the others took the two launches
+    _check_float32(tiny_models, "tiny-llama", *run[:3])
+
+
+def _check_float32(tiny_models, preset, model_dir, requests, results):
     for req, name in requests:
         adapter_dir = None if name is None else tiny_models.adapter(preset, name)
         n = req.sampling.max_new_tokens
@@ -57,7 +78,7 @@ def test_cuda_float32_mixed_batch_matches_hf_peft(tiny_models, preset):
 def test_cuda_bfloat16_mixed_batch_tracks_hf_peft(tiny_models, preset):
     from tests.inference.engine_harness import _hf_model
 
-    model_dir, requests, results = _mixed_run(tiny_models, preset, "bfloat16")
+    model_dir, requests, results, _ = _mixed_run(tiny_models, preset, "bfloat16")
     for req, name in requests:
         adapter_dir = None if name is None else tiny_models.adapter(preset, name)
         got = results[req.request_id]

@@ -79,6 +79,9 @@ class AdapterManager:
             scales=torch.zeros(max_loras, NUM_MODULES, dtype=torch.float32, device=dev),
         )
         self._free_rows = list(range(max_loras - 1, -1, -1))
+        # Host copy of each index row's largest rank (0 = free): the model runner picks the
+        # step's kernel path from it without reading the device.
+        self.row_ranks = [0] * max_loras
         self._entries: dict[Hashable, AdapterEntry] = {}
         # Kept beside the table so the per-step reap() and poll_loads() touch only these,
         # not every registered adapter.
@@ -292,6 +295,7 @@ class AdapterManager:
         entry = self._entries[key]
         self.pool.free_adapter(key)
         self.index.ranks[entry.row].zero_()  # a stale row must add nothing if it were read
+        self.row_ranks[entry.row] = 0
         self._free_rows.append(entry.row)
         entry.state, entry.row = AdapterState.HOST, None
         self.evictions += 1
@@ -311,3 +315,4 @@ class AdapterManager:
             [p.b_offset if p else 0 for p in places], dtype=torch.int32, device=dev
         )
         idx.scales[row] = torch.tensor(host.scales, dtype=torch.float32, device=dev)
+        self.row_ranks[row] = host.max_rank

@@ -91,6 +91,7 @@ class EngineCore:
         self.runner = ModelRunner(
             self.model, self.pool, self.adapters.index, config.max_lora_rank,
             config.max_num_seqs, config.max_num_batched_tokens, self.max_len, config.max_loras,
+            self.adapters.row_ranks,
         )  # fmt: skip
         if config.cuda_graphs and self.device.type == "cuda":
             self.runner.capture_graphs(config.graph_batch_sizes)

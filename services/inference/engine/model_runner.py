@@ -10,6 +10,11 @@ adapters from the LoRA index, both filled in place, so one capture serves every 
 Padding rows decode token 0 at position 0 of the engine's reserved pool page with no adapter:
 their K/V writes land in that page and their logits are dropped, so they touch no sequence's
 state.
+
+The LoRA kernels' path (two launches or the fused kernel, kernels.lora_apply) is chosen per
+step from what only the host knows: how many of the step's tokens use an adapter, on how many
+distinct adapters, of which rank (kernels.lora.decode_prefers_fused). A graph fixes the path it
+was captured with, so batch sizes where the fused path can win get a second graph.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import LoraIndex
+from kernels import LoraIndex, lora_paths
 from services.inference.engine.batch import BatchEntry, StepBatch
 from services.inference.engine.page_pool import PagePool
 from services.inference.models.llama import LoraContext, Transformer
@@ -39,8 +44,13 @@ class ModelRunner:
         max_num_batched_tokens: int,
         max_model_len: int,
         max_loras: int,
+        row_ranks: Sequence[int] | None = None,
     ) -> None:
+        """``row_ranks``: each LoRA index row's largest rank, kept current by the adapter
+        manager (read per step to choose the kernel path; None: all max_lora_rank)."""
         self.model, self.pool = model, pool
+        self.max_lora_rank = max_lora_rank
+        self.row_ranks = row_ranks if row_ranks is not None else [max_lora_rank] * max_loras
         # The shrunk activations are max_lora_rank wide whatever the step holds: a fixed shape
         # for CUDA graphs; the kernels only compute up to each adapter's own rank.
         self.lora = LoraContext(lora_index, max_lora_rank)
@@ -53,13 +63,36 @@ class ModelRunner:
             page_size=pool.page_size,
             device=pool.tensor.device,
         )
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (batch size, fused LoRA path) -> the graph and its output
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pad: BatchEntry | None = None
         self.graph_steps = 0  # steps served by a graph replay
+        self.fused_steps = 0  # steps whose LoRA calls took the fused kernel
 
     @property
     def graph_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted(self._graphs))
+        return tuple(sorted(size for size, fused in self._graphs if not fused))
+
+    @property
+    def fused_graph_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(size for size, fused in self._graphs if fused))
+
+    def _fusable(self, size: int) -> bool:
+        """Whether a decode step of ``size`` sequences could prefer the fused path."""
+        r = self.max_lora_rank
+        return lora_paths.decode_prefers_fused(size, size, r, r)
+
+    def prefers_fused(self, entries: Sequence[BatchEntry]) -> bool | None:
+        """The step's LoRA path: None (the shapes decide) for prefill-sized steps, else
+        kernels.lora_paths.decode_prefers_fused over the step's adapter tokens."""
+        if sum(len(e.token_ids) for e in entries) > lora_paths.FUSED_MAX_TOKENS:
+            return None
+        rows = [e.lora_row for e in entries if e.lora_row is not None]
+        if not rows:
+            return False
+        distinct = set(rows)
+        rank = max(self.row_ranks[r] for r in distinct)
+        return lora_paths.decode_prefers_fused(len(rows), len(distinct), rank, self.max_lora_rank)
 
     @torch.inference_mode()
     def capture_graphs(self, sizes: Sequence[int]) -> None:
@@ -72,8 +105,11 @@ class ModelRunner:
         memory = torch.cuda.graph_pool_handle()
         start = time.perf_counter()
         side = torch.cuda.Stream()
-        for size in sorted(sizes, reverse=True):
+        keys = [(size, False) for size in sizes]
+        keys += [(size, True) for size in sizes if self._fusable(size)]
+        for size, fused in sorted(keys, reverse=True):
             self.batch.fill([self._pad] * size)
+            self.lora.fused = fused
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up: compiles kernels, settles the allocator
                 for _ in range(2):
@@ -82,32 +118,39 @@ class ModelRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=memory):
                 logits = self.model(self.batch, self.pool.tensor, self.lora)  # [size, vocab]
-            self._graphs[size] = (graph, logits)
+            self._graphs[size, fused] = (graph, logits)
+        self.lora.fused = None
         torch.cuda.synchronize()
         log.info(
-            "captured decode CUDA graphs for batch sizes %s in %.1f s",
-            list(self.graph_sizes), time.perf_counter() - start,
+            "captured decode CUDA graphs for batch sizes %s (and with fused LoRA kernels for "
+            "%s) in %.1f s",
+            list(self.graph_sizes), list(self.fused_graph_sizes), time.perf_counter() - start,
         )  # fmt: skip
 
     def _graph_for(self, entries: Sequence[BatchEntry]) -> int | None:
-        if not self._graphs or len(entries) > max(self._graphs):
+        sizes = self.graph_sizes
+        if not sizes or len(entries) > sizes[-1]:
             return None
         if any(len(e.token_ids) != 1 or not e.sample for e in entries):
             return None
-        return min(size for size in self._graphs if size >= len(entries))
+        return min(size for size in sizes if size >= len(entries))
 
     @torch.inference_mode()
     def execute(self, entries: Sequence[BatchEntry]) -> torch.Tensor:
         """Run one step; returns float32 logits [number of sampling entries, vocab], in order.
         After a graph replay the rows are a view of the graph's output, valid until the next
         step."""
+        fused = self.prefers_fused(entries)
+        self.fused_steps += bool(fused)
         size = self._graph_for(entries)
         if size is not None:
             self.batch.fill([*entries, *[self._pad] * (size - len(entries))])
-            graph, logits = self._graphs[size]
+            # a size without a fused graph cannot prefer it (_fusable); kept safe regardless
+            graph, logits = self._graphs.get((size, bool(fused)), self._graphs[size, False])
             graph.replay()
             self.graph_steps += 1
             return logits[: len(entries)]
         self.batch.fill(entries)
+        self.lora.fused = fused
         lora = self.lora if self.batch.has_lora else None
         return self.model(self.batch, self.pool.tensor, lora)

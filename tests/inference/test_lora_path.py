@@ -1,0 +1,58 @@
+"""The model runner's per-step choice of the LoRA kernel path (kernels/lora_paths.py), from the
+host's view of the step: which tokens use which adapters, of which rank. The path itself runs
+on CUDA only (test_engine_cuda.py checks its output there); the choice is made on any device.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kernels import lora_paths
+from services.inference.engine.api import AdapterKey
+from services.inference.engine.batch import BatchEntry
+from tests.inference.engine_harness import make_core
+
+
+def _decode(rows):
+    return [BatchEntry((5,), 3, (0,), row, True) for row in rows]
+
+
+@pytest.fixture
+def core(tiny_models):
+    core = make_core(tiny_models.model("tiny-llama"), max_lora_rank=32, max_loras=4)
+    for name in ("r16", "r32"):
+        core.add_adapter_dir(AdapterKey(name, 1), tiny_models.adapter("tiny-llama", name))
+    return core
+
+
+def _load(core, name: str) -> int:
+    key = AdapterKey(name, 1)
+    assert core.adapters.begin_load(key)
+    core.adapters.poll_loads()
+    return core.adapters.row(key)
+
+
+def test_row_ranks_follow_loads_and_evictions(core):
+    r32, r16 = _load(core, "r32"), _load(core, "r16")
+    assert core.adapters.row_ranks[r32] == 32 and core.adapters.row_ranks[r16] == 16
+    assert core.adapters.evict_idle() and core.adapters.evict_idle()
+    assert core.adapters.row_ranks == [0] * 4
+
+
+def test_runner_prefers_fused_for_many_distinct_adapters(core, monkeypatch):
+    monkeypatch.setattr(lora_paths, "FUSED_DECODE_MIN_ROWS", 64)  # 2 tokens x 32 rank rows
+    r32, r16 = _load(core, "r32"), _load(core, "r16")
+    row_ranks = core.adapters.row_ranks
+    free = [r for r in range(4) if r not in (r32, r16)]
+    row_ranks[free[0]] = 32  # a second rank-32 and a second rank-16 adapter's rows, as
+    row_ranks[free[1]] = 16  # the manager writes them
+    prefers = core.runner.prefers_fused
+    assert prefers(_decode([r32, free[0]]))  # two distinct rank-32 adapters
+    assert prefers(_decode([None, r32, free[0]]))  # base-model tokens do not count
+    assert not prefers(_decode([r32]))  # one token: too few rank rows
+    assert not prefers(_decode([r32, r32, r32]))  # a shared adapter
+    assert not prefers(_decode([r16, free[1]]))  # rank 16 in calls sized for 32 rows
+    assert prefers(_decode([r16, r32]))  # the step's largest rank fills the rows
+    assert not prefers(_decode([None, None]))
+    prefill = [BatchEntry(tuple(range(600)), 0, tuple(range(150)), r32, True)]
+    assert prefers(prefill) is None  # prefill-sized: the shapes decide
