@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 from triton.testing import do_bench
 
-from kernels import attention, lora
+from kernels import attention, lora, lora_paths
 from kernels.lora_layout import DOWN, GATE, NUM_MODULES, UP, K, O, Q, V, plan_adapter
 from kernels.lora_ref import LoraIndex, make_lora_tokens
 
@@ -303,14 +303,24 @@ def bench_lora_decode(copy_bw: float, quick: bool, cfg=None) -> list[dict]:
                 nbytes = lora_bytes(rows, rank, batch)
                 layers = layers_for(nbytes)
                 case = build_lora(n, rank, layers, rows)
-                run_triton, run_torch = lora_layer_fns(case, rank, layers, cfg)
+                # The engine's per-step path (kernels/lora_paths.py) unless --config fixes one.
+                distinct = int(torch.unique(rows).numel())
+                fused = lora_paths.decode_prefers_fused(batch, distinct, rank, rank)
+                path = {"path": "fused" if fused else "two_launch"}
+                run_triton, run_torch = lora_layer_fns(case, rank, layers, cfg or path)
                 tri = timed(run_triton, layers)
                 ref = timed(run_torch, layers, eager=False)
+                other = {}
+                if fused and cfg is None:  # side by side with the shapes' default
+                    run_two, _ = lora_layer_fns(case, rank, layers, {"path": "two_launch"})
+                    other["two_launch_graph_us"] = timed(run_two, layers, eager=False).graph_us
                 row = dict(
                     rank=rank,
                     batch=batch,
                     popularity=kind,
                     adapters=n,
+                    distinct_in_batch=distinct,
+                    path=path["path"] if cfg is None else "config",
                     layers=layers,
                     mbytes=round(nbytes / 1e6, 2),
                     triton_graph_us=tri.graph_us,
@@ -320,6 +330,7 @@ def bench_lora_decode(copy_bw: float, quick: bool, cfg=None) -> list[dict]:
                     bw_share_graph=round(nbytes / (tri.graph_us * 1e-6) / copy_bw, 3),
                     bw_share_eager=round(nbytes / (tri.eager_us * 1e-6) / copy_bw, 3),
                     lora_over_base=round(tri.graph_us / base[batch], 3),
+                    **other,
                 )
                 log.info("lora_decode %s", row)
                 out.append(row)
@@ -339,6 +350,9 @@ def bench_lora_prefill(copy_bw: float, quick: bool, cfg=None) -> list[dict]:
         run_triton, _ = lora_layer_fns(case, rank, 1, cfg)
         tri = timed(run_triton, 1)
         ref = timed(_segment_loop_fn(case, rank, n, t), 1, eager=False)
+        layer = timed_side_by_side(prefill_layer_fns(case, rank, t))
+        add_after, write_first = layer["add_after"], layer["write_first"]
+        base_here = layer["base"]  # the same GEMMs on this row's tensors, timed alongside
         row = dict(
             tokens=t,
             adapters=n,
@@ -350,10 +364,81 @@ def bench_lora_prefill(copy_bw: float, quick: bool, cfg=None) -> list[dict]:
             base_gemm_graph_us=base,
             bw_share_graph=round(nbytes / (tri.graph_us * 1e-6) / copy_bw, 3),
             lora_over_base=round(tri.graph_us / base, 3),
+            layer_base_graph_us=base_here,
+            layer_add_after_graph_us=add_after,
+            layer_write_first_graph_us=write_first,
+            gemms_beta1_graph_us=layer["gemms_beta1"],
+            lora_write_graph_us=layer["lora_write"],
+            add_after_over_base=round((add_after - base_here) / base_here, 3),
+            write_first_over_base=round((write_first - base_here) / base_here, 3),
         )
         log.info("lora_prefill %s", row)
         out.append(row)
     return out
+
+
+def timed_side_by_side(fns: dict[str, Callable[[], None]], rounds: int = 5) -> dict[str, float]:
+    """Graph time of each fn (one layer), the median of ``rounds`` measurements taken in turn:
+    clock drift then shifts all alike, so their differences hold within the run."""
+    graphs = {}
+    for name, fn in fns.items():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name]):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            times[name].append(median_us(graph.replay))
+    return {name: round(sorted(v)[rounds // 2], 2) for name, v in times.items()}
+
+
+def prefill_layer_fns(case: LoraCase, rank: int, t: int) -> dict[str, Callable[[], None]]:
+    """One layer's four projections with their LoRA, both ways the model can run them
+    (services/inference/models/llama.py, linear_lora): the base GEMM then the LoRA delta
+    added in place ("add_after", what decode does), or the delta written first and the GEMM
+    adding onto it (beta = 1: "write_first", what prefill does); and for reference the base
+    GEMMs alone ("base"), the beta = 1 GEMMs alone and the LoRA writes alone."""
+    n_segs = int(torch.unique_consecutive(case.rows).numel())
+    tokens = make_lora_tokens(case.rows, capacity=n_segs + 2)
+    ws = [torch.randn(sum(w), d_in, dtype=DT, device=DEV) * 0.02 for _, d_in, w in CALLS]
+    xs = [torch.randn(t, d_in, dtype=DT, device=DEV) for _, d_in, _ in CALLS]
+    ys = [torch.empty(t, sum(w), dtype=DT, device=DEV) for _, _, w in CALLS]
+    args = [(case.pool[0], case.index, tokens, mods, widths, rank) for mods, _, widths in CALLS]
+
+    def add_after():
+        for c in range(len(CALLS)):
+            torch.mm(xs[c], ws[c].t(), out=ys[c])
+            lora.lora_apply(ys[c], xs[c], *args[c])
+
+    def write_first():
+        for c in range(len(CALLS)):
+            lora.lora_apply(ys[c], xs[c], *args[c], accumulate=False)
+            ys[c].addmm_(xs[c], ws[c].t())
+
+    def base():
+        for c in range(len(CALLS)):
+            torch.mm(xs[c], ws[c].t(), out=ys[c])
+
+    def gemms_beta1():
+        for c in range(len(CALLS)):
+            ys[c].addmm_(xs[c], ws[c].t())
+
+    def lora_write():
+        for c in range(len(CALLS)):
+            lora.lora_apply(ys[c], xs[c], *args[c], accumulate=False)
+
+    return dict(
+        base=base,
+        add_after=add_after,
+        write_first=write_first,
+        gemms_beta1=gemms_beta1,
+        lora_write=lora_write,
+    )
 
 
 def _segment_loop_fn(case: LoraCase, rank: int, n: int, t: int):
@@ -663,6 +748,19 @@ def goals(result: dict) -> dict:
         out["decode_lora_large_bw_share"] = dict(
             goal=">= 0.70", min=shares[0], median=shares[len(shares) // 2], cases=len(shares)
         )
+        # The same cases where bandwidth rather than the launch floor decides: 100 MB a layer
+        # and more (rank 64 at batch 1 moves 9 MB, a few µs of bandwidth).
+        heavy = [r for r in big if r["mbytes"] >= 100]
+        out["decode_lora_large_bw_share"]["cases_100mb_plus"] = [
+            dict(
+                rank=r["rank"],
+                batch=r["batch"],
+                popularity=r["popularity"],
+                path=r.get("path"),
+                share=r["bw_share_graph"],
+            )
+            for r in heavy
+        ]
     attn = {(r["layout"], r["batch"], r["context"]): r for r in result.get("attention", [])}
     mid = [
         r
@@ -696,7 +794,14 @@ def goals(result: dict) -> dict:
     if pre:
         out["prefill_lora_r16"] = dict(
             goal="<= 0.10 of base GEMMs",
-            rows=[dict(adapters=r["adapters"], over_base=r["lora_over_base"]) for r in pre],
+            rows=[
+                dict(
+                    adapters=r["adapters"],
+                    over_base=r.get("write_first_over_base", r["lora_over_base"]),
+                    lora_pass_alone_over_base=r["lora_over_base"],
+                )
+                for r in pre
+            ],
         )
     at = [r for r in result.get("attention", []) if r["batch"] == 64 and r["context"] >= 1024]
     if at:
@@ -720,8 +825,11 @@ def print_tables(result: dict) -> None:
                     "rank",
                     "batch",
                     "popularity",
+                    "distinct_in_batch",
                     "mbytes",
+                    "path",
                     "triton_graph_us",
+                    "two_launch_graph_us",
                     "triton_eager_us",
                     "torch_graph_us",
                     "base_gemm_graph_us",
@@ -746,6 +854,13 @@ def print_tables(result: dict) -> None:
                     "base_gemm_graph_us",
                     "bw_share_graph",
                     "lora_over_base",
+                    "layer_base_graph_us",
+                    "layer_add_after_graph_us",
+                    "layer_write_first_graph_us",
+                    "gemms_beta1_graph_us",
+                    "lora_write_graph_us",
+                    "add_after_over_base",
+                    "write_first_over_base",
                 ],
             )
         )
