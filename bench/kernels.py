@@ -350,9 +350,6 @@ def bench_lora_prefill(copy_bw: float, quick: bool, cfg=None) -> list[dict]:
         run_triton, _ = lora_layer_fns(case, rank, 1, cfg)
         tri = timed(run_triton, 1)
         ref = timed(_segment_loop_fn(case, rank, n, t), 1, eager=False)
-        layer = timed_side_by_side(prefill_layer_fns(case, rank, t))
-        add_after, write_first = layer["add_after"], layer["write_first"]
-        base_here = layer["base"]  # the same GEMMs on this row's tensors, timed alongside
         row = dict(
             tokens=t,
             adapters=n,
@@ -364,81 +361,10 @@ def bench_lora_prefill(copy_bw: float, quick: bool, cfg=None) -> list[dict]:
             base_gemm_graph_us=base,
             bw_share_graph=round(nbytes / (tri.graph_us * 1e-6) / copy_bw, 3),
             lora_over_base=round(tri.graph_us / base, 3),
-            layer_base_graph_us=base_here,
-            layer_add_after_graph_us=add_after,
-            layer_write_first_graph_us=write_first,
-            gemms_beta1_graph_us=layer["gemms_beta1"],
-            lora_write_graph_us=layer["lora_write"],
-            add_after_over_base=round((add_after - base_here) / base_here, 3),
-            write_first_over_base=round((write_first - base_here) / base_here, 3),
         )
         log.info("lora_prefill %s", row)
         out.append(row)
     return out
-
-
-def timed_side_by_side(fns: dict[str, Callable[[], None]], rounds: int = 5) -> dict[str, float]:
-    """Graph time of each fn (one layer), the median of ``rounds`` measurements taken in turn:
-    clock drift then shifts all alike, so their differences hold within the run."""
-    graphs = {}
-    for name, fn in fns.items():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graphs[name] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[name]):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, graph in graphs.items():
-            times[name].append(median_us(graph.replay))
-    return {name: round(sorted(v)[rounds // 2], 2) for name, v in times.items()}
-
-
-def prefill_layer_fns(case: LoraCase, rank: int, t: int) -> dict[str, Callable[[], None]]:
-    """One layer's four projections with their LoRA, both ways the model can run them
-    (services/inference/models/llama.py, linear_lora): the base GEMM then the LoRA delta
-    added in place ("add_after", what decode does), or the delta written first and the GEMM
-    adding onto it (beta = 1: "write_first", what prefill does); and for reference the base
-    GEMMs alone ("base"), the beta = 1 GEMMs alone and the LoRA writes alone."""
-    n_segs = int(torch.unique_consecutive(case.rows).numel())
-    tokens = make_lora_tokens(case.rows, capacity=n_segs + 2)
-    ws = [torch.randn(sum(w), d_in, dtype=DT, device=DEV) * 0.02 for _, d_in, w in CALLS]
-    xs = [torch.randn(t, d_in, dtype=DT, device=DEV) for _, d_in, _ in CALLS]
-    ys = [torch.empty(t, sum(w), dtype=DT, device=DEV) for _, _, w in CALLS]
-    args = [(case.pool[0], case.index, tokens, mods, widths, rank) for mods, _, widths in CALLS]
-
-    def add_after():
-        for c in range(len(CALLS)):
-            torch.mm(xs[c], ws[c].t(), out=ys[c])
-            lora.lora_apply(ys[c], xs[c], *args[c])
-
-    def write_first():
-        for c in range(len(CALLS)):
-            lora.lora_apply(ys[c], xs[c], *args[c], accumulate=False)
-            ys[c].addmm_(xs[c], ws[c].t())
-
-    def base():
-        for c in range(len(CALLS)):
-            torch.mm(xs[c], ws[c].t(), out=ys[c])
-
-    def gemms_beta1():
-        for c in range(len(CALLS)):
-            ys[c].addmm_(xs[c], ws[c].t())
-
-    def lora_write():
-        for c in range(len(CALLS)):
-            lora.lora_apply(ys[c], xs[c], *args[c], accumulate=False)
-
-    return dict(
-        base=base,
-        add_after=add_after,
-        write_first=write_first,
-        gemms_beta1=gemms_beta1,
-        lora_write=lora_write,
-    )
 
 
 def _segment_loop_fn(case: LoraCase, rank: int, n: int, t: int):
@@ -794,14 +720,7 @@ def goals(result: dict) -> dict:
     if pre:
         out["prefill_lora_r16"] = dict(
             goal="<= 0.10 of base GEMMs",
-            rows=[
-                dict(
-                    adapters=r["adapters"],
-                    over_base=r.get("write_first_over_base", r["lora_over_base"]),
-                    lora_pass_alone_over_base=r["lora_over_base"],
-                )
-                for r in pre
-            ],
+            rows=[dict(adapters=r["adapters"], over_base=r["lora_over_base"]) for r in pre],
         )
     at = [r for r in result.get("attention", []) if r["batch"] == 64 and r["context"] >= 1024]
     if at:
@@ -854,13 +773,6 @@ def print_tables(result: dict) -> None:
                     "base_gemm_graph_us",
                     "bw_share_graph",
                     "lora_over_base",
-                    "layer_base_graph_us",
-                    "layer_add_after_graph_us",
-                    "layer_write_first_graph_us",
-                    "gemms_beta1_graph_us",
-                    "lora_write_graph_us",
-                    "add_after_over_base",
-                    "write_first_over_base",
                 ],
             )
         )

@@ -67,20 +67,16 @@ def lora_apply(
     *,
     workspace: torch.Tensor | None = None,
     fused: bool | None = None,
-    accumulate: bool = True,
 ) -> None:
-    """The model's LoRA hook: y[:, slices] += scale · x · Aᵀ · Bᵀ in place (accumulate=False:
-    written instead, zeros where no adapter applies). ``fused`` picks the Triton path
-    (kernels/lora.py, lora_apply); the result is the same either way."""
+    """The model's LoRA hook: y[:, slices] += scale · x · Aᵀ · Bᵀ in place. ``fused`` picks
+    the Triton path (kernels/lora.py, lora_apply); the result is the same either way."""
     if y.is_cuda:
         _triton_lora().lora_apply(
             y, x, pool_layer, index, tokens, modules, out_widths, max_rank,
-            workspace=workspace, fused=fused, accumulate=accumulate,
+            workspace=workspace, fused=fused,
         )  # fmt: skip
     else:
-        lora_ref.lora_apply(
-            y, x, pool_layer, index, tokens, modules, out_widths, max_rank, accumulate
-        )
+        lora_ref.lora_apply(y, x, pool_layer, index, tokens, modules, out_widths, max_rank)
 
 
 def write_kv(pool_layer, k, v, slot_mapping) -> None:

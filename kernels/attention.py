@@ -156,9 +156,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, DOT_F32: tl.constexpr,
 ):  # fmt: skip
-    b, _, r0, r1 = find_tile(
-        qs_ptr, qs_ptr, num_seqs, tl.program_id(0), BLOCK_Q, CHUNK, False, False
-    )
+    b, _, r0, r1 = find_tile(qs_ptr, qs_ptr, num_seqs, tl.program_id(0), BLOCK_Q, CHUNK, False)
     if b < 0:
         return
     h = tl.program_id(1)

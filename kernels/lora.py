@@ -156,7 +156,7 @@ def _lora_shrink_kernel(
     rb = q // SPLIT_K % RANK_BLOCKS
     ks = q % SPLIT_K
     _, a, m_start, m_end = find_tile(
-        seg_starts_ptr, seg_lora_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK, True, False
+        seg_starts_ptr, seg_lora_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK, True
     )
     if a < 0:
         return
@@ -261,23 +261,26 @@ def _lora_expand_kernel(
     NB0: tl.constexpr, NB1: tl.constexpr,  # column blocks of slices 0 and 1
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, ALIGNED: tl.constexpr, DOT_F32: tl.constexpr,
-    PDL: tl.constexpr, OVERWRITE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
-    # Everything up to gdc_wait reads only what existed before shrink started. OVERWRITE: y is
-    # written, not added to, and every token's columns are (base-only tokens and modules the
-    # adapter does not target get zeros), so the base GEMM can accumulate onto it afterwards.
+    # Everything up to gdc_wait reads only what existed before shrink started.
     nb = tl.program_id(1)
-    run, a, m_start, m_end = find_tile(
-        seg_starts_ptr, seg_lora_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK, True, OVERWRITE
+    _, a, m_start, m_end = find_tile(
+        seg_starts_ptr, seg_lora_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK, True
     )
-    if run < 0:
+    if a < 0:
         return
     s = tl.where(nb < NB0, 0, tl.where(nb < NB0 + NB1, 1, 2))  # this block's slice
     n0 = (nb - _pick3(s, 0, NB0, NB0 + NB1)) * BLOCK_N  # first column inside the slice
     width = _pick3(s, N0, N1, N2)
-    a64 = tl.maximum(a, 0).to(tl.int64)
+    a64 = a.to(tl.int64)
     m = _pick3(s, M0, M1, M2)
-    rank = tl.where(a < 0, 0, tl.minimum(tl.load(ranks_ptr + a64 * stride_idx + m), MAX_RANK))
+    rank = tl.minimum(tl.load(ranks_ptr + a64 * stride_idx + m), MAX_RANK)
+    if rank == 0:
+        return
+    table_row = table_ptr + a64 * stride_table + tl.load(b_off_ptr + a64 * stride_idx + m)
+    scale = tl.load(scales_ptr + a64 * stride_scale + m)
+    out_chunks = (width + W - 1) // W
     offs_m = m_start + tl.arange(0, BLOCK_M)
     m_ok = offs_m < m_end
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -289,17 +292,7 @@ def _lora_expand_kernel(
         + offs_n[None, :]
     )
     y_ok = m_ok[:, None] & n_ok[None, :]
-    if rank == 0:
-        if OVERWRITE:
-            tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_N), y_ptr.dtype.element_ty), mask=y_ok)
-        return
-    table_row = table_ptr + a64 * stride_table + tl.load(b_off_ptr + a64 * stride_idx + m)
-    scale = tl.load(scales_ptr + a64 * stride_scale + m)
-    out_chunks = (width + W - 1) // W
-    if OVERWRITE:
-        y = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    else:
-        y = tl.load(y_ptrs, mask=y_ok, other=0.0)
+    y = tl.load(y_ptrs, mask=y_ok, other=0.0)
     rows = tl.arange(0, BLOCK_R)
     bt = _bt_block(
         table_row,
@@ -387,9 +380,7 @@ def _shrink(x, h, pool_layer, index, tokens, modules, max_rank, cfg, call, pdl):
     )  # fmt: skip
 
 
-def _expand(
-    y, h, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, call, pdl, overwrite
-):
+def _expand(y, h, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, call, pdl):
     blocks = [triton.cdiv(w, cfg.expand_n) for w in out_widths] + [0, 0]
     grid = (max_tiles(call.num_tokens, cfg.block_m, call.num_segs), sum(blocks))
     _lora_expand_kernel[grid](
@@ -403,12 +394,12 @@ def _expand(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.expand_n, BLOCK_R=cfg.expand_r,
         CHUNK=scan_chunk(call.num_segs),
         ALIGNED=call.width % cfg.expand_n == 0, DOT_F32=dot_f32(y.dtype), PDL=pdl,
-        OVERWRITE=overwrite, num_warps=cfg.expand_warps, num_stages=1, launch_pdl=pdl,
+        num_warps=cfg.expand_warps, num_stages=1, launch_pdl=pdl,
         **_slice_args(modules, out_widths),
     )  # fmt: skip
 
 
-def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, call, overwrite):
+def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, call):
     if cfg.shrink_r < max_rank:
         raise ValueError(f"a fused config holds {cfg.shrink_r} rank rows, max_rank is {max_rank}")
     grid = (
@@ -424,7 +415,7 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
         max_rank, cfg.parts,
         D_IN=call.d_in, W=call.width, IN_CHUNKS=call.in_chunks,
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.shrink_k, BLOCK_N=cfg.expand_n, BLOCK_R=cfg.shrink_r,
-        CHUNK=scan_chunk(call.num_segs), DOT_F32=dot_f32(y.dtype), OVERWRITE=overwrite,
+        CHUNK=scan_chunk(call.num_segs), DOT_F32=dot_f32(y.dtype),
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules, out_widths),
     )  # fmt: skip
@@ -466,11 +457,8 @@ def lora_shrink(x, pool_layer, index, tokens, modules, max_rank, *, out=None, co
     return out
 
 
-def lora_expand(
-    y, h, pool_layer, index, tokens, modules, out_widths, *, config=None, accumulate=True
-):
-    """y[t, slice s] += scale · h[t, s, :rank] · Bᵀ in place; h as lora_shrink returns it.
-    accumulate=False writes instead of adding (see lora_apply)."""
+def lora_expand(y, h, pool_layer, index, tokens, modules, out_widths, *, config=None):
+    """y[t, slice s] += scale · h[t, s, :rank] · Bᵀ in place; h as lora_shrink returns it."""
     check_float("y", y)
     check_widths(y, modules, out_widths)
     if h.dim() != 3 or h.shape[:2] != (y.shape[0], len(modules)) or h.stride(2) != 1:
@@ -494,7 +482,6 @@ def lora_expand(
             cfg,
             call,
             False,
-            not accumulate,
         )
 
 
@@ -511,14 +498,8 @@ def lora_apply(
     workspace=None,
     config=None,
     fused: bool | None = None,
-    accumulate: bool = True,
 ):
     """The model's LoRA hook: y[:, slices] += scale · x · Aᵀ · Bᵀ, two launches or one.
-
-    ``accumulate=False`` writes y = scale · x · Aᵀ · Bᵀ instead, zeros for base-only tokens and
-    untargeted modules, so that the base GEMM can then add onto it in its epilogue (beta = 1)
-    and y's read-modify-write leaves the LoRA pass; the segments must then cover every token
-    (StepBatch and make_lora_tokens always do).
 
     ``workspace`` (optional): a contiguous fp32 device buffer of at least
     ``workspace_size(T, len(modules), max_rank)`` elements; without it one is allocated
@@ -549,20 +530,14 @@ def lora_apply(
     if t == 0:
         return
     if cfg.fused:  # one launch, h stays in registers: no workspace
-        _fused(
-            y, x, pool_layer, index, tokens, modules, tuple(out_widths), max_rank, cfg, call,
-            not accumulate,
-        )  # fmt: skip
+        _fused(y, x, pool_layer, index, tokens, modules, tuple(out_widths), max_rank, cfg, call)
         return
     if workspace is None:
         workspace = torch.empty(need, dtype=torch.float32, device=x.device)
     h = workspace[:need].view(cfg.split_k, t, len(modules), max_rank)
     pdl = _pdl(cfg, x.device)
     _shrink(x, h, pool_layer, index, tokens, modules, max_rank, cfg, call, pdl)
-    _expand(
-        y, h, pool_layer, index, tokens, modules, tuple(out_widths), max_rank, cfg, call, pdl,
-        not accumulate,
-    )  # fmt: skip
+    _expand(y, h, pool_layer, index, tokens, modules, tuple(out_widths), max_rank, cfg, call, pdl)
 
 
 def _path_config(t, d_in, width, max_rank, num_slices, out_widths, fused) -> LoraLaunch:

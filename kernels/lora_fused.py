@@ -4,8 +4,7 @@ Semantics are kernels/lora_ref.py's lora_apply; geometry kernels/lora_layout.py.
 slices x parts): a program owns one tile (at most BLOCK_M tokens of one adapter, found on the
 device by kernels/tiles.py), one slice and one contiguous share (``part``) of that slice's
 output columns. It computes the tile's whole h = x · Aᵀ for its slice in registers (all rank
-rows at once, streaming d_in), then streams its share of Bᵀ and adds scale · h · Bᵀ into y
-(or writes it there, OVERWRITE: see lora_apply's accumulate).
+rows at once, streaming d_in), then streams its share of Bᵀ and adds scale · h · Bᵀ into y.
 
 Why: one launch instead of two (kernels/lora.py), h never goes to memory and no workspace is
 needed. The price is that a program streams a whole A row block alone, and the ``parts``
@@ -48,17 +47,14 @@ def lora_fused_kernel(
     N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,  # slice widths
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, DOT_F32: tl.constexpr,
-    OVERWRITE: tl.constexpr,
 ):  # fmt: skip
-    # OVERWRITE: y is written, not added to, and every token's columns are (zeros for base-only
-    # tokens and modules the adapter does not target): the base GEMM adds onto it afterwards.
     q = tl.program_id(1)
     s = q // PARTS
     p = q % PARTS
-    run, a, m_start, m_end = find_tile(
-        seg_starts_ptr, seg_lora_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK, True, OVERWRITE
+    _, a, m_start, m_end = find_tile(
+        seg_starts_ptr, seg_lora_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK, True
     )
-    if run < 0:
+    if a < 0:
         return
     width = _pick3(s, N0, N1, N2)
     per = tl.cdiv(tl.cdiv(width, BLOCK_N), PARTS) * BLOCK_N  # columns of one part
@@ -66,22 +62,15 @@ def lora_fused_kernel(
     hi = tl.minimum(lo + per, width)
     if lo >= hi:  # a narrow slice (GQA k, v) has fewer blocks than parts
         return
-    a64 = tl.maximum(a, 0).to(tl.int64)
+    a64 = a.to(tl.int64)
     m = _pick3(s, M0, M1, M2)
-    rank = tl.where(a < 0, 0, tl.minimum(tl.load(ranks_ptr + a64 * stride_idx + m), MAX_RANK))
-    offs_m = m_start + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < m_end
-    y_rows = y_ptr + offs_m[:, None].to(tl.int64) * stride_yt + _pick3(s, 0, N0, N0 + N1)
-    offs_n = tl.arange(0, BLOCK_N)
+    rank = tl.minimum(tl.load(ranks_ptr + a64 * stride_idx + m), MAX_RANK)
     if rank == 0:
-        if OVERWRITE:
-            zeros = tl.zeros((BLOCK_M, BLOCK_N), y_ptr.dtype.element_ty)
-            for n0 in range(lo, hi, BLOCK_N):
-                nn = n0 + offs_n
-                tl.store(y_rows + nn[None, :], zeros, mask=m_ok[:, None] & (nn < hi)[None, :])
         return
     rows = tl.arange(0, BLOCK_R)  # every rank row at once: BLOCK_R >= MAX_RANK
     row_ok = rows < rank
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < m_end
     table_row = table_ptr + a64 * stride_table
 
     # shrink: h = x · Aᵀ over all of d_in; A row j, chunk c at position a_off + j*IN_CHUNKS + c
@@ -109,10 +98,12 @@ def lora_fused_kernel(
     scale = tl.load(scales_ptr + a64 * stride_scale + m)
     out_chunks = (width + W - 1) // W
     b_pos = table_row + tl.load(b_off_ptr + a64 * stride_idx + m) + rows * out_chunks
+    y_rows = y_ptr + offs_m[:, None].to(tl.int64) * stride_yt + _pick3(s, 0, N0, N0 + N1)
     if DOT_F32:
         hd = h
     else:
         hd = h.to(y_ptr.dtype.element_ty)  # rounded once, as the two-launch path rounds h
+    offs_n = tl.arange(0, BLOCK_N)
     for c in range(lo // W, tl.cdiv(hi, W)):
         slot = tl.load(b_pos + c, mask=row_ok, other=0).to(tl.int64)
         bt_rows = pool_ptr + stride_half + slot[:, None] * stride_slot - c * W
@@ -124,13 +115,10 @@ def lora_fused_kernel(
             n_ok = nn < c_end
             bt = tl.load(bt_rows + nn[None, :], mask=row_ok[:, None] & n_ok[None, :], other=0.0)
             y_ok = m_ok[:, None] & n_ok[None, :]
-            if OVERWRITE:
-                yb = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            else:
-                yb = tl.load(y_rows + nn[None, :], mask=y_ok, other=0.0).to(tl.float32)
+            yb = tl.load(y_rows + nn[None, :], mask=y_ok, other=0.0)
             if DOT_F32:
                 acc = tl.dot(hd, bt.to(tl.float32), input_precision="ieee")
             else:
                 acc = tl.dot(hd, bt.to(hd.dtype))  # [M, R] x [R, N]
-            out = yb + acc * scale
+            out = yb.to(tl.float32) + acc * scale
             tl.store(y_rows + nn[None, :], out.to(y_ptr.dtype.element_ty), mask=y_ok)

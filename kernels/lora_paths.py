@@ -23,10 +23,6 @@ FUSED_MAX_TOKENS = 512
 FUSED_MAX_RANK = 128
 # Decode steps fuse from this many adapter tokens x rank rows (decode_prefers_fused).
 FUSED_DECODE_MIN_ROWS = 4096
-# Projections of at least this many tokens write their LoRA delta first (lora_apply with
-# accumulate=False) and the base GEMM adds onto it (services/inference/models/llama.py,
-# linear_lora): prefill-sized calls, where y's read-modify-write is the LoRA pass's main cost.
-WRITE_FIRST_MIN_TOKENS = FUSED_MAX_TOKENS + 1
 
 
 def fused_rank_rows(max_rank: int) -> int:

@@ -142,12 +142,7 @@ def lora_apply(
     modules: tuple[int, ...],
     out_widths: tuple[int, ...],
     max_rank: int,
-    accumulate: bool = True,
 ) -> None:
-    """The model's LoRA hook: y[:, slices] += scale · x · Aᵀ · Bᵀ for every token's adapter;
-    accumulate=False writes the delta instead (zeros for base-only tokens and untargeted
-    modules): the base GEMM then adds onto it."""
+    """The model's LoRA hook: y[:, slices] += scale · x · Aᵀ · Bᵀ for every token's adapter."""
     h = lora_shrink(x, pool_layer, index, tokens, modules, max_rank)
-    if not accumulate:
-        y.zero_()
     lora_expand(y, h, pool_layer, index, tokens, modules, out_widths)

@@ -71,9 +71,7 @@ def _ranks(
     return out
 
 
-def _check_apply(
-    shape, ranks, rows, dtype, gen, config=SMALL, workspace=None, path=None, accumulate=True
-):
+def _check_apply(shape, ranks, rows, dtype, gen, config=SMALL, workspace=None, path=None):
     max_rank = max(max(r.values()) for r in ranks)
     if path is not None:
         config = _config(path, shape, rows.numel(), max_rank, parts=1 + rows.numel() % 3)
@@ -83,8 +81,6 @@ def _check_apply(
     t = rows.numel()
     x = torch.randn(t, shape.d_in, generator=gen).to(dtype).to(DEVICE)
     y0 = torch.randn(t, sum(shape.widths), generator=gen).to(dtype).to(DEVICE)
-    if not accumulate:
-        y0.fill_(float("nan"))  # poisoned: every element must be written
     y = y0.clone()
     lora.lora_apply(
         y,
@@ -97,26 +93,14 @@ def _check_apply(
         max_rank,
         config=config,
         workspace=workspace,
-        accumulate=accumulate,
     )
     ref = y0.double()
     lora_ref.lora_apply(
-        ref,
-        x.double(),
-        setup.pool[0],
-        setup.index,
-        tokens,
-        shape.modules,
-        shape.widths,
-        max_rank,
-        accumulate,
+        ref, x.double(), setup.pool[0], setup.index, tokens, shape.modules, shape.widths, max_rank
     )
     assert_close(y, ref, dtype)
     base = rows.to(DEVICE) < 0
-    if accumulate:
-        assert torch.equal(y[base], y0[base]), "base-only rows must stay untouched"
-    else:
-        assert not y[base].any(), "base-only rows must be written with zeros"
+    assert torch.equal(y[base], y0[base]), "base-only rows must stay untouched"
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -178,23 +162,6 @@ def test_apply_prefill_segments(dtype, path):
     rows = torch.cat([torch.full((b - a,), r) for a, b, r in spans])
     rows[n // 2] = 3  # a one-token run inside a long one
     _check_apply(shape, ranks, rows.to(torch.int32), dtype, gen, path=path)
-
-
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("popularity", ["base_mix", "distinct", "prefill"])
-def test_apply_write_first(popularity, path):
-    """accumulate=False: the delta written over a poisoned y, zeros for base-only tokens and
-    untargeted modules (the base GEMM adds onto it afterwards)."""
-    i = ["base_mix", "distinct", "prefill"].index(popularity)
-    gen = torch.Generator().manual_seed(300 + i)
-    shape = LORA_SHAPES[i % 2]
-    ranks = _ranks(ADAPTERS, shape.modules, RANKS, gen)
-    if popularity == "prefill":
-        t = PREFILL_TOKENS
-        rows = torch.cat([torch.full((t // 4,), r) for r in (-1, 0, 1, 2)]).int()
-    else:
-        rows = token_rows(popularity, POP_BATCH, ADAPTERS, gen, grouped=i == 0)
-    _check_apply(shape, ranks, rows, DTYPES[i % len(DTYPES)], gen, path=path, accumulate=False)
 
 
 def test_apply_reuses_workspace():

@@ -2,10 +2,9 @@
 
 One forward pass serves a whole engine step: packed tokens of many sequences ([T] = the step's
 tokens), each sequence's K/V in pages of the unified pool, each token's adapter in the LoRA index.
-Every projection is one base GEMM for all tokens plus the LoRA hook, kernels.lora_apply, which
-adds scale * x·Aᵀ·Bᵀ for the tokens whose request uses an adapter (linear_lora: after the GEMM in
-decode, before it in prefill so that the GEMM adds onto it). q/k/v and gate/up are fused into
-one GEMM each, so their hooks cover several output slices in one call.
+Every projection is one base GEMM for all tokens followed by the LoRA hook, kernels.lora_apply,
+which adds scale * x·Aᵀ·Bᵀ for the tokens whose request uses an adapter (linear_lora). q/k/v and
+gate/up are fused into one GEMM each, so their hooks cover several output slices in one call.
 
 Weights are buffers created on the meta device and filled by models/loader.py.
 """
@@ -19,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels import LoraIndex, lora_paths
+from kernels import LoraIndex
 from kernels.lora_layout import DOWN, GATE, UP, K, O, Q, V
 from services.inference.engine.batch import StepBatch
 from services.inference.models.config import ModelConfig, RopeConfig
@@ -70,14 +69,12 @@ class RMSNorm(nn.Module):
 class LoraContext:
     """What the LoRA hooks need besides the activations and the step's token -> row addressing
     (StepBatch.lora_tokens): the resident adapters' index rows, the width of the shrunk
-    activations, the kernel path of this step (``fused``, see kernels.lora_apply; the engine
-    sets it per step, None leaves it to the shapes), and from how many tokens a projection
-    writes its LoRA delta first and lets the base GEMM add onto it (linear_lora)."""
+    activations, and the kernel path of this step (``fused``, see kernels.lora_apply; the
+    engine sets it per step, None leaves it to the shapes)."""
 
     def __init__(self, index: LoraIndex, max_rank: int) -> None:
         self.index, self.max_rank = index, max_rank
         self.fused: bool | None = None
-        self.write_first_tokens = lora_paths.WRITE_FIRST_MIN_TOKENS
 
 
 def linear_lora(
@@ -90,22 +87,14 @@ def linear_lora(
     modules: tuple[int, ...],
     widths: tuple[int, ...],
 ) -> torch.Tensor:
-    """x · Wᵀ + b plus each token's LoRA delta on the output slices ``modules`` [T, d_out].
-
-    Small (decode) calls run the base GEMM, then add the delta in place: tokens without an
-    adapter cost the LoRA kernels nothing. Large (prefill) calls without a bias write the delta
-    first (zeros where no adapter applies) and the base GEMM adds onto it in its epilogue
-    (beta = 1): the GEMM is compute-bound, so reading y there is nearly free, while adding in
-    the LoRA pass costs y's whole read-modify-write in memory bandwidth."""
-    if lora is None:
-        return F.linear(x, weight, bias)
-    args = (pool_layer, lora.index, batch.lora_tokens, modules, widths, lora.max_rank)
-    if bias is None and x.shape[0] >= lora.write_first_tokens:
-        y = x.new_empty(x.shape[0], weight.shape[0])
-        kernels.lora_apply(y, x, *args, fused=lora.fused, accumulate=False)
-        return y.addmm_(x, weight.t())
+    """x · Wᵀ + b, then each token's LoRA delta added in place on the output slices
+    ``modules`` (tokens without an adapter cost the LoRA kernels nothing): [T, d_out]."""
     y = F.linear(x, weight, bias)
-    kernels.lora_apply(y, x, *args, fused=lora.fused)
+    if lora is not None:
+        kernels.lora_apply(
+            y, x, pool_layer, lora.index, batch.lora_tokens, modules, widths, lora.max_rank,
+            fused=lora.fused,
+        )  # fmt: skip
     return y
 
 
@@ -132,16 +121,9 @@ class Attention(nn.Module):
         lora: LoraContext | None,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = linear_lora(
-            x,
-            self.wqkv,
-            self.bqkv,
-            batch,
-            pool_layer,
-            lora,
-            (Q, K, V),
-            (self.q_dim, self.kv_dim, self.kv_dim),
-        )  # fmt: skip  [T, q_dim + 2 * kv_dim]
+        widths = (self.q_dim, self.kv_dim, self.kv_dim)
+        qkv = linear_lora(x, self.wqkv, self.bqkv, batch, pool_layer, lora, (Q, K, V), widths)
+        # qkv: [T, q_dim + 2 * kv_dim]
         q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
         q = q.reshape(t, self.n_heads, self.head_dim)  # [T, n_heads, head_dim]
         k = k.reshape(t, self.n_kv, self.head_dim)  # [T, n_kv, head_dim]
@@ -175,15 +157,10 @@ class MLP(nn.Module):
         lora: LoraContext | None,
     ) -> torch.Tensor:
         gate_up = linear_lora(
-            x,
-            self.w_gate_up,
-            self.b_gate_up,
-            batch,
-            pool_layer,
-            lora,
-            (GATE, UP),
+            x, self.w_gate_up, self.b_gate_up, batch, pool_layer, lora, (GATE, UP),
             (self.inter, self.inter),
-        )  # fmt: skip  [T, 2 * inter]
+        )  # fmt: skip
+        # gate_up: [T, 2 * inter]
         gate, up = gate_up.split([self.inter, self.inter], dim=-1)  # [T, inter] each
         h = F.silu(gate) * up  # [T, inter]
         return linear_lora(
