@@ -217,3 +217,26 @@ async def test_engine_collects_on_its_step_thread(gc_state, tiny_models):
         await engine.stop()
     assert stepping and {thread for _, thread in gc_state} == {"engine-step-loop"}
     assert sum(gc_pacing.stats().collections) > sum(before.collections)
+
+
+async def test_failed_step_loop_gives_collection_back(gc_state, tiny_models):
+    """Pacing needs the step loop: once it has died, CPython's automatic collection is back."""
+    gc_pacing.pace_collections(freeze=False)
+    engine = Engine(
+        EngineConfig(
+            model_dir=tiny_models.model("tiny-llama"), device="cpu", page_size=4,
+            num_pages=512, max_model_len=128,
+        )
+    )  # fmt: skip
+
+    def broken_step():
+        raise RuntimeError("a broken step")
+
+    engine.core.step = broken_step
+    await engine.start()
+    request = GenerationRequest("r", prompt_token_ids=[3, 5, 7], sampling=SamplingParams())
+    with pytest.raises(Exception, match="engine step failed"):
+        async for _ in engine.generate(request):
+            pass
+    await engine.stop()
+    assert gc.isenabled() and not gc_pacing.stats().active

@@ -36,7 +36,7 @@ from services.inference.engine.api import (
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.core import EngineCore, LogitsHook
 from services.inference.engine.errors import EngineStopped, UnknownAdapter
-from services.inference.engine.gc_pacing import collect_if_due
+from services.inference.engine.gc_pacing import collect_if_due, release
 from services.inference.engine.host_adapter import HostAdapter
 from services.inference.engine.request import Sequence
 
@@ -226,6 +226,8 @@ class Engine:
         finally:
             self._stopping.set()
             self._shutdown()
+            if self._failure is not None:
+                release()  # nothing paces collections any more: CPython's own come back
 
     def _drain(self, timeout: float | None) -> None:
         """Apply the inbox's commands; with a timeout, wait that long for the first one."""
