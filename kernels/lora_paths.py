@@ -8,11 +8,12 @@ projections, Llama-2-7B shapes, bf16):
 - Prefill-sized calls of several slices fuse: x and h stay on chip for all the slices; faster
   with 1, 16 and 256 adapters alike. Shapes alone decide (launch_config).
 - Decode-sized calls fuse only when the step's adapter tokens are (nearly) all on distinct
-  adapters and hold enough rank rows to give every SM work: rank 16 from 256 such tokens (343 µs
-  against 408), rank 64 from 64 (284 against 310). Where tokens share adapters a fused program
-  streams a whole A alone (batch 64 on one adapter: 79 µs against 37), and small batches lose
-  too (rank 16, 64 tokens: 168 against 131). Shapes cannot tell these apart; the engine can
-  (decode_prefers_fused), and passes its choice as lora_apply(fused=...).
+  adapters and hold enough rank rows to give every SM work: rank 16 from 256 such tokens (279 µs
+  against 409; 512: 460 against 806), rank 64 from 64 (308 against 310; 256: 726 against 850).
+  Where tokens share adapters a fused program streams a whole A alone (batch 64 on one adapter:
+  79 µs against 37), and small batches lose too (rank 16, 64 distinct tokens: 168 against 131).
+  Shapes cannot tell these apart; the engine can (decode_prefers_fused), and passes its choice
+  as lora_apply(fused=...).
 """
 
 from __future__ import annotations
