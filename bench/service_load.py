@@ -143,6 +143,8 @@ async def run(args) -> dict:
     from services.inference.config import ServiceConfig
     from services.inference.server import InferenceServer
 
+    if args.switch_interval_ms is not None:  # the GIL's: how long a thread may hold it when
+        sys.setswitchinterval(args.switch_interval_ms / 1000)  # another waits (default 5 ms)
     device = torch.device(args.device)
     shape = SHAPES[args.shape]
     work = Path(args.work_dir)
@@ -228,6 +230,7 @@ def analyse(args, report: dict, steps, collections: list[Collection], mb: float)
     cold = sorted(ttft["cold_adapter_s"])
     return {
         "machine": machine(), "shape": args.shape, "rank": RANK, "adapter_mb": mb,
+        "switch_interval_s": sys.getswitchinterval(),
         "prompt_tokens": PROMPT_TOKENS, "batch": args.batch, "decode_len": args.decode_len,
         "loads": report["loads"],
         "ttft": {**ttft, "cold_adapter_median_s": cold[len(cold) // 2] if cold else None},
@@ -281,6 +284,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=64, help="quiet + load windows (2 loads)")
     parser.add_argument("--quiet-s", type=float, default=0.35, help="length of a quiet window")
     parser.add_argument("--decode-len", type=int, default=256, help="tokens per stream request")
+    parser.add_argument(
+        "--switch-interval-ms", type=float, default=None, help="the service process's GIL switch"
+    )
     parser.add_argument("--out", default=str(REPO / "bench/results/service_load.json"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
