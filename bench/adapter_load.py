@@ -183,6 +183,32 @@ class Collection(NamedTuple):
         return self.start + self.seconds
 
 
+class CollectionLog:
+    """Every garbage collection while installed (``with CollectionLog() as log``), paced ones
+    included, with the thread that ran it. Collections never overlap (each holds the GIL
+    throughout), so a start's stop is the next one."""
+
+    def __init__(self) -> None:
+        self.collections: list[Collection] = []
+        self._start: tuple[float, str] | None = None
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = (time.perf_counter(), threading.current_thread().name)
+        elif self._start is not None:
+            t, thread = self._start
+            self._start = None
+            seconds = time.perf_counter() - t
+            self.collections.append(Collection(t, seconds, info["generation"], thread))
+
+    def __enter__(self) -> CollectionLog:
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+
 class StepTime(NamedTuple):
     start: float
     seconds: float
@@ -371,41 +397,30 @@ async def step_times(args, engine, registry, keys, loads, timer) -> dict:
             validate.append(time.perf_counter() - t)
 
     engine.add_adapter = timed_add
-    collections: list[Collection] = []
-    gc_start: list[tuple[float, str]] = []
-
-    def on_gc(phase: str, info: dict) -> None:
-        # Paced collections (gc.collect on the step thread) call back too. Collections never
-        # overlap (each holds the GIL throughout), so a start's stop is the next one.
-        if phase == "start":
-            gc_start.append((time.perf_counter(), threading.current_thread().name))
-        elif gc_start:
-            t, thread = gc_start.pop()
-            collections.append(Collection(t, time.perf_counter() - t, info["generation"], thread))
-
-    gc.callbacks.append(on_gc)
+    gc_log = CollectionLog()
+    collections = gc_log.collections
 
     tasks = [asyncio.create_task(stream(i)) for i in range(args.batch)]
     try:
-        await quiet_window(args.decode_len)  # one full cycle: contexts spread out
-        windows = {name: ([], [], 0) for name in args.variants}
-        spans: dict[str, list[tuple[float, float]]] = {name: [] for name in args.variants}
-        per_window = 2
-        rounds = max(1, args.loads // (per_window * len(args.variants)))
-        for r in range(rounds):
-            for name in args.variants:
-                sys.setswitchinterval(VARIANTS[name].switch_interval)
-                quiet, busy, n = windows[name]
-                names = [loads[(r * per_window + j) % len(loads)] for j in range(per_window)]
-                t0 = time.perf_counter()
-                with gc_variant(VARIANTS[name].gc):
-                    quiet += await quiet_window(args.quiet_steps)
-                    with copy_variant(VARIANTS[name].copy):
-                        busy += await load_window(names)
-                spans[name].append((t0, time.perf_counter()))
-                windows[name] = (quiet, busy, n + len(names))
+        with gc_log:
+            await quiet_window(args.decode_len)  # one full cycle: contexts spread out
+            windows = {name: ([], [], 0) for name in args.variants}
+            spans: dict[str, list[tuple[float, float]]] = {name: [] for name in args.variants}
+            per_window = 2
+            rounds = max(1, args.loads // (per_window * len(args.variants)))
+            for r in range(rounds):
+                for name in args.variants:
+                    sys.setswitchinterval(VARIANTS[name].switch_interval)
+                    quiet, busy, n = windows[name]
+                    names = [loads[(r * per_window + j) % len(loads)] for j in range(per_window)]
+                    t0 = time.perf_counter()
+                    with gc_variant(VARIANTS[name].gc):
+                        quiet += await quiet_window(args.quiet_steps)
+                        with copy_variant(VARIANTS[name].copy):
+                            busy += await load_window(names)
+                    spans[name].append((t0, time.perf_counter()))
+                    windows[name] = (quiet, busy, n + len(names))
     finally:
-        gc.callbacks.remove(on_gc)
         sys.setswitchinterval(_DEFAULT_SWITCH_INTERVAL)
         stop.set()
         for t in tasks:

@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import logging
 import shutil
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -46,6 +44,7 @@ from bench.adapter_load import (  # noqa: E402
     PROMPT_TOKENS,
     RANK,
     Collection,
+    CollectionLog,
     StepTimer,
     machine,
     start_store,
@@ -170,36 +169,21 @@ async def run(args) -> dict:
         )  # fmt: skip
         await server.start()
         timer = StepTimer(server.engine.core)
-        collections: list[Collection] = []
-        started: list[tuple[float, str]] = []
-
-        def on_gc(phase: str, info: dict) -> None:
-            if phase == "start":
-                started.append((time.perf_counter(), threading.current_thread().name))
-            elif started:
-                t, thread = started.pop()
-                collections.append(
-                    Collection(t, time.perf_counter() - t, info["generation"], thread)
-                )
-
-        gc.callbacks.append(on_gc)
         spec = {
             "address": f"127.0.0.1:{server.port}", "batch": args.batch,
             "decode_len": args.decode_len, "rounds": args.rounds, "quiet_s": args.quiet_s,
             "warm": warm, "cold": cold, "loads": loads,
         }  # fmt: skip
-        try:
+        with CollectionLog() as gc_log:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, __file__, "--client", json.dumps(spec),
                 stdout=asyncio.subprocess.PIPE,
             )  # fmt: skip
             out, _ = await proc.communicate()
-        finally:
-            gc.callbacks.remove(on_gc)
         if proc.returncode != 0:
             raise RuntimeError(f"the client failed (exit {proc.returncode})")
         report = json.loads(out)
-        return analyse(args, report, timer.steps, collections, mb)
+        return analyse(args, report, timer.steps, gc_log.collections, mb)
     finally:
         if server is not None:
             await server.stop()
