@@ -273,24 +273,45 @@ async def cold_ttft(engine, registry, names, prompt) -> list[dict]:
     return rows
 
 
-async def run(args) -> dict:
-    device = torch.device(args.device)
+class Setup(NamedTuple):
+    model: Path
+    store: subprocess.Popen  # the store process: the caller terminates it
+    address: str
+    warm: list[str]  # adapter names: resident during the step windows
+    cold: list[str]  # timed cold for TTFT
+    loads: list[str]  # loaded cold during the step windows, in turn
+    mb: float  # one adapter's size
+
+
+def set_up(args, store_dir: str) -> Setup:
+    """The model (generated on first use), the store in its own process on a fresh root, and
+    args.warm + args.cold + args.load_adapters adapters uploaded to it."""
     shape = SHAPES[args.shape]
     work = Path(args.work_dir)
-    model = make_model(work / f"model-{args.shape}", shape, device)
-    store_root = work / "store"
-    shutil.rmtree(store_root, ignore_errors=True)
-    proc, address = start_store(store_root)
+    model = make_model(work / f"model-{args.shape}", shape, torch.device(args.device))
+    shutil.rmtree(work / store_dir, ignore_errors=True)
+    proc, address = start_store(work / store_dir)
     try:
         warm = [f"bench/warm-{i}" for i in range(args.warm)]
         cold = [f"bench/cold-{i}" for i in range(args.cold)]
         loads = [f"bench/load-{i}" for i in range(args.load_adapters)]
         mb = upload_all(address, shape, warm + cold + loads)
-        log.info("uploaded %d adapters of %.1f MB", len(warm + cold + loads), mb)
-        return await measure(args, device, model, address, warm, cold, loads, mb)
-    finally:
+    except BaseException:
         proc.terminate()
-        proc.wait()
+        raise
+    log.info("uploaded %d adapters of %.1f MB", len(warm + cold + loads), mb)
+    return Setup(model, proc, address, warm, cold, loads, mb)
+
+
+async def run(args) -> dict:
+    s = set_up(args, "store")
+    try:
+        return await measure(
+            args, torch.device(args.device), s.model, s.address, s.warm, s.cold, s.loads, s.mb
+        )
+    finally:
+        s.store.terminate()
+        s.store.wait()
 
 
 async def measure(args, device, model, address, warm, cold, loads, mb) -> dict:

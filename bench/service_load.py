@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import json
 import logging
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -47,8 +46,7 @@ from bench.adapter_load import (  # noqa: E402
     CollectionLog,
     StepTimer,
     machine,
-    start_store,
-    upload_all,
+    set_up,
 )
 from lorafleet.v1 import inference_pb2 as pb  # noqa: E402
 from lorafleet.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
@@ -138,30 +136,20 @@ async def client(spec: dict) -> dict:
 async def run(args) -> dict:
     import torch
 
-    from bench.bench_models import SHAPES, make_model
     from services.inference.config import ServiceConfig
     from services.inference.server import InferenceServer
 
     if args.switch_interval_ms is not None:  # the GIL's: how long a thread may hold it when
         sys.setswitchinterval(args.switch_interval_ms / 1000)  # another waits (default 5 ms)
     device = torch.device(args.device)
-    shape = SHAPES[args.shape]
-    work = Path(args.work_dir)
-    model = make_model(work / f"model-{args.shape}", shape, device)
-    store_root = work / "store-service"
-    shutil.rmtree(store_root, ignore_errors=True)
-    store, address = start_store(store_root)
+    setup = set_up(args, "store-service")
+    warm, cold, loads, mb = setup.warm, setup.cold, setup.loads, setup.mb
     server = None
     try:
-        warm = [f"bench/warm-{i}" for i in range(args.warm)]
-        cold = [f"bench/cold-{i}" for i in range(args.cold)]
-        loads = [f"bench/load-{i}" for i in range(args.load_adapters)]
         n_adapters = len(warm) + len(cold) + len(loads)
-        mb = upload_all(address, shape, warm + cold + loads)
-        log.info("uploaded %d adapters of %.1f MB", n_adapters, mb)
         server = InferenceServer(
             ServiceConfig(
-                model=model, adapter_store=address, port=0, device=args.device,
+                model=setup.model, adapter_store=setup.address, port=0, device=args.device,
                 max_num_seqs=args.batch + 8, max_loras=n_adapters + 4, max_lora_rank=RANK,
                 host_cache_mb=int((n_adapters + 2) * mb), max_queue=4 * args.batch,
                 pool_memory_mb=None if device.type == "cuda" else 512,
@@ -187,8 +175,8 @@ async def run(args) -> dict:
     finally:
         if server is not None:
             await server.stop()
-        store.terminate()
-        store.wait()
+        setup.store.terminate()
+        setup.store.wait()
 
 
 def analyse(args, report: dict, steps, collections: list[Collection], mb: float) -> dict:
