@@ -13,7 +13,7 @@ state.
 
 The LoRA kernels' path (two launches or the fused kernel, kernels.lora_apply) is chosen per
 step from what only the host knows: how many of the step's tokens use an adapter, on how many
-distinct adapters, of which rank (kernels.lora.decode_prefers_fused). A graph fixes the path it
+distinct adapters, of which rank (kernels/lora_paths.py). A graph fixes the path it
 was captured with, so batch sizes where the fused path can win get a second graph.
 """
 
