@@ -3,8 +3,8 @@
 The step loop runs on a dedicated thread, so an asyncio server on the caller's loop stays
 responsive while a step computes. Callers talk to it through an inbox of commands (queue a
 request, abort one, load an adapter into the pool) that the loop drains between steps; outputs
-travel back to each request's asyncio.Queue (or the load's future) with
-loop.call_soon_threadsafe.
+travel back to each request's asyncio.Queue through the OutputRouter (one
+loop.call_soon_threadsafe per event loop per step), a load's answer to its future.
 
     engine = Engine(EngineConfig(model_dir="..."))
     await engine.start()
@@ -38,17 +38,13 @@ from services.inference.engine.core import EngineCore, LogitsHook
 from services.inference.engine.errors import EngineStopped, UnknownAdapter
 from services.inference.engine.gc_pacing import collect_if_due, release
 from services.inference.engine.host_adapter import HostAdapter
+from services.inference.engine.output_router import OutputRouter
 from services.inference.engine.request import Sequence
 
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5  # how long an idle loop blocks on the inbox before checking for stop
 _STALLED_WAIT_S = 0.001  # pause when requests wait but nothing could run (an adapter copy)
-
-
-class _Sink(NamedTuple):
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
 
 
 class _Enqueue(NamedTuple):
@@ -80,8 +76,7 @@ class Engine:
         self.core = EngineCore(config, logits_hook)
         self.tokenizer = self.core.tokenizer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, _Sink] = {}
-        self._sinks_lock = threading.Lock()
+        self._outputs = OutputRouter()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._failure: BaseException | None = None
@@ -174,14 +169,12 @@ class Engine:
         if not self.running:
             raise EngineStopped("the engine is not running; call start() first")
         seq = self.core.prepare(request)  # raises before anything is queued
-        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
-        with self._sinks_lock:
-            self._sinks[request.request_id] = sink
+        outputs = self._outputs.open(request.request_id)
         self._inbox.put(_Enqueue(seq))
         done = False
         try:
             while True:
-                item = await sink.queue.get()
+                item = await outputs.get()
                 if isinstance(item, BaseException):
                     done = True
                     raise item
@@ -190,8 +183,7 @@ class Engine:
                 if done:
                     return
         finally:
-            with self._sinks_lock:
-                self._sinks.pop(request.request_id, None)
+            self._outputs.close(request.request_id)
             if not done:
                 self.abort(request.request_id)
 
@@ -272,18 +264,7 @@ class Engine:
         self._loads = waiting
 
     def _deliver(self, outputs: list[GenerationOutput]) -> None:
-        for out in outputs:
-            self._send(out.request_id, out)
-
-    def _send(self, request_id: str, item: GenerationOutput | BaseException) -> None:
-        with self._sinks_lock:
-            sink = self._sinks.get(request_id)
-        if sink is None:
-            return  # the caller went away; its abort is in the inbox
-        try:
-            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
-        except RuntimeError:  # the caller's event loop is closed
-            pass
+        self._outputs.post((out.request_id, out) for out in outputs)
 
     def _shutdown(self) -> None:
         """Free every request's pages and end every stream (loads still queued included)."""
@@ -292,8 +273,7 @@ class Engine:
             self.core.abort_all()
         except Exception:  # after a failed step the core may be inconsistent; streams still end
             log.exception("could not abort the requests in flight")
-        with self._sinks_lock:
-            ids = list(self._sinks)
+        ids = self._outputs.ids()
         reason = "the engine stopped" if self._failure is None else "the engine step failed"
         for job in self._loads:
             job.loop.call_soon_threadsafe(_resolve, job.future, EngineStopped(reason))
@@ -302,4 +282,4 @@ class Engine:
             err = EngineStopped(f"{reason}; request {rid} did not finish")
             if self._failure is not None:
                 err.__cause__ = self._failure
-            self._send(rid, err)
+            self._outputs.post([(rid, err)])

@@ -1,0 +1,64 @@
+"""OutputRouter: hands each step's outputs from the engine's step thread to the asyncio queues of
+the requests' streams, on their event loops.
+
+One ``call_soon_threadsafe`` per event loop per step carries every output of the step, instead
+of one per output: each such call takes the loop's lock and writes its wake-up pipe, and a loop
+woken once per output contends for the GIL with the step thread at every one. The step thread
+delivers between steps, while the GPU waits for the next one (bench/deliver.py, side by side
+on a 2-core CPU: 64 streams, 0.07 ms a step against 1.1-1.2 ms with one call per output).
+
+Any thread may open and close streams; post() is the step thread's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterable
+from typing import NamedTuple
+
+
+class _Sink(NamedTuple):
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+class OutputRouter:
+    def __init__(self) -> None:
+        self._sinks: dict[str, _Sink] = {}
+        self._lock = threading.Lock()
+
+    def open(self, request_id: str) -> asyncio.Queue:
+        """The queue that receives ``request_id``'s outputs; call from its event loop."""
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            self._sinks[request_id] = sink
+        return sink.queue
+
+    def close(self, request_id: str) -> None:
+        with self._lock:
+            self._sinks.pop(request_id, None)
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            return list(self._sinks)
+
+    def post(self, items: Iterable[tuple[str, object]]) -> None:
+        """Deliver (request_id, output or exception) pairs, in order, one call per event loop.
+        Outputs of requests whose stream is closed are dropped (their abort is on its way)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        with self._lock:
+            for request_id, item in items:
+                sink = self._sinks.get(request_id)
+                if sink is not None:
+                    by_loop.setdefault(sink.loop, []).append((sink.queue, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the caller's event loop is closed
+                pass
