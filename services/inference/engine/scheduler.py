@@ -20,6 +20,7 @@ The step's sequences are sorted by LoRA index row, so each adapter's tokens form
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from typing import NamedTuple
@@ -115,10 +116,15 @@ class Scheduler:
                 budget -= n
 
         # 2. Loads for queued sequences' adapters, in queue order (only the head's when not
-        # prefetching), each leaving a page per running sequence for its next decode.
-        for seq in list(self.waiting) if prefetch else list(self.waiting)[:1]:
+        # prefetching), each leaving a page per running sequence for its next decode. Each
+        # adapter is looked at once however many queued sequences use it.
+        seen: set = set()
+        for seq in self.waiting if prefetch else itertools.islice(self.waiting, 1):
             key = seq.adapter
-            if key is not None and self.adapters.state(key) is AdapterState.HOST:
+            if key is None or key in seen:
+                continue
+            seen.add(key)
+            if self.adapters.state(key) is AdapterState.HOST:
                 if not self.adapters.begin_load(key, reserve=len(self.running)):
                     break
         self.adapters.poll_loads()
@@ -143,6 +149,8 @@ class Scheduler:
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Give the sequence pages for ``num_tokens`` tokens, evicting idle adapters if needed."""
         missing = self.pool.kv_pages_missing(seq.seq_id, num_tokens)
+        if missing == 0:
+            return True  # most decode steps: the last page still has room
         while self.pool.num_free < missing:
             if not self.adapters.evict_idle():
                 return False
