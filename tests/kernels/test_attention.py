@@ -45,15 +45,7 @@ def _attend(shape, lens, queries, dtype, gen, decode=None):
         decode=decode,
         prefill=SMALL_PREFILL,
     )
-    ref = attention_ref.paged_attention(
-        q.double(),
-        kv.pool_layer,
-        kv.block_tables,
-        kv.seq_lens,
-        kv.query_starts,
-        shape.page_size,
-        scale,
-    )
+    ref = _reference(q, kv, shape.page_size, scale)
     assert_close(out, ref, dtype)
 
 
@@ -128,9 +120,7 @@ def test_write_kv_then_prefill(dtype):
         scale,
         prefill=SMALL_PREFILL,
     )
-    ref = attention_ref.paged_attention(
-        q.double(), ref_pool, kv.block_tables, kv.seq_lens, kv.query_starts, shape.page_size, scale
-    )
+    ref = _reference(q, kv, shape.page_size, scale, pool_layer=ref_pool)
     assert_close(out, ref, dtype)
 
 
@@ -154,15 +144,7 @@ def test_dispatch_and_out_buffer():
         out=out,
     )
     assert got is out
-    ref = attention_ref.paged_attention(
-        q.double(),
-        kv.pool_layer,
-        kv.block_tables,
-        kv.seq_lens,
-        kv.query_starts,
-        shape.page_size,
-        0.25,
-    )
+    ref = _reference(q, kv, shape.page_size, 0.25)
     assert torch.allclose(out.double(), ref, atol=1e-3 if ON_GPU else 1e-5)
 
 
@@ -210,3 +192,11 @@ def test_write_kv_rejects_bad_input():
         )
     with pytest.raises(ValueError, match="slot_mapping must be"):
         attention.write_kv(pool, k, k, torch.zeros(2, dtype=torch.int64, device=DEVICE))
+
+
+def _reference(q, kv, page_size, scale, pool_layer=None):
+    """The float64 reference over ``kv``'s pages (or ``pool_layer`` in their place)."""
+    pool = kv.pool_layer if pool_layer is None else pool_layer
+    return attention_ref.paged_attention(
+        q.double(), pool, kv.block_tables, kv.seq_lens, kv.query_starts, page_size, scale
+    )
