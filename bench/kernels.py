@@ -160,10 +160,11 @@ def popularity(kind: str, batch: int, gen: torch.Generator) -> tuple[torch.Tenso
 
 
 def lora_bytes(rows: torch.Tensor, rank: int, t: int, calls=None) -> int:
-    """Fewest bytes of one layer's LoRA work: each used adapter once, x once, y read + written."""
+    """Fewest bytes of one layer's LoRA work: each used adapter's A (one per module: q, k and v
+    each have their own) and Bᵀ once, x once, y read + written."""
     calls = calls or CALLS
     n_used = int(torch.unique(rows).numel())
-    weights = sum(rank * (d_in + sum(w)) for _, d_in, w in calls) * n_used
+    weights = sum(rank * (len(mods) * d_in + sum(w)) for mods, d_in, w in calls) * n_used
     acts = sum(t * d_in + 2 * t * sum(w) for _, d_in, w in calls)
     return (weights + acts) * EL
 
