@@ -6,8 +6,9 @@ write_kv(pool_layer, k, v, slot_mapping)
 paged_attention(q, pool_layer, block_tables, seq_lens, query_starts, page_size, scale)
 
 The Triton modules are imported on the first CUDA call, so CPU serving never loads Triton.
-Optional keywords (``workspace=``, ``out=``) pass preallocated buffers for CUDA graphs; the
-reference path accepts and fills them the same way.
+Optional keywords pass preallocated buffers (``lora_apply(workspace=)``, ``lora_shrink(out=)``,
+``paged_attention(out=)``); the reference path accepts and fills them the same way. The engine
+passes none: inside a CUDA-graph capture the launchers allocate from the graph's own pool.
 """
 
 from __future__ import annotations

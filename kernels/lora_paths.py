@@ -2,8 +2,9 @@
 one (kernels/lora_fused.py). Plain Python, no Triton: the engine consults it on the host every
 step, and CPU serving never imports Triton.
 
-Measured on the H200 (bench/results/kernels.json and kernels_sweep.json; one layer's seven
-projections, Llama-2-7B shapes, bf16):
+Measured on the H200 (bench/results/kernels.json and kernels_sweep.json; the shared-adapter
+figures from the fused-by-size revision's rows, ``lora_decode_fused_rule`` in kernels.json as
+committed at 4a8bb31; one layer's seven projections, Llama-2-7B shapes, bf16):
 
 - Prefill-sized calls of several slices fuse: x and h stay on chip for all the slices; faster
   with 1, 16 and 256 adapters alike. Shapes alone decide (launch_config).

@@ -49,7 +49,7 @@ def _config(path: str, shape, t: int, max_rank: int, parts: int = 2):
     if ON_GPU:
         return lora.fused_config(t, shape.width, max_rank, slices, max(shape.widths))
     rows = lora.fused_rank_rows(max_rank)
-    block_m = 32 if t > 20 else 16  # prefill tiles as fused_config makes them
+    block_m = 32 if t > 20 else 16  # 32-token tiles for the small shapes' prefill-like calls
     return lora.LoraLaunch(
         block_m=block_m, shrink_k=16, shrink_r=rows, expand_n=16, fused=True, parts=parts
     )
@@ -290,8 +290,14 @@ def test_shrink_and_expand_match_reference():
     assert_close(y, ref, dtype)
 
 
-def test_dispatch_routes_by_device():
+def test_dispatch_routes_by_device(monkeypatch):
     """kernels.lora_apply: Triton for CUDA tensors, the reference for CPU ones; same numbers."""
+    if not ON_GPU:  # CPU tensors must never reach the Triton launcher
+
+        def no_triton():
+            raise AssertionError("CPU tensors were routed to the Triton launcher")
+
+        monkeypatch.setattr(kernels, "_triton_lora", no_triton)
     gen = torch.Generator().manual_seed(3)
     shape = LORA_SHAPES[0]
     ranks = _ranks(3, shape.modules, RANKS, gen)
