@@ -54,5 +54,8 @@ def test_runner_prefers_fused_for_many_distinct_adapters(core, monkeypatch):
     assert not prefers(_decode([r16, free[1]]))  # rank 16 in calls sized for 32 rows
     assert prefers(_decode([r16, r32]))  # the step's largest rank fills the rows
     assert not prefers(_decode([None, None]))
+    # A prefill chunk counts its tokens: 30 tokens of one adapter make the step shared.
+    chunk = BatchEntry(tuple(range(30)), 0, tuple(range(8)), r32, False)
+    assert not prefers([*_decode([r32, free[0]]), chunk])
     prefill = [BatchEntry(tuple(range(600)), 0, tuple(range(150)), r32, True)]
     assert prefers(prefill) is None  # prefill-sized: the shapes decide

@@ -249,6 +249,7 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         self.last_step_ran = bool(scheduled)
         if not scheduled:
+            collect_if_due()  # nothing runs while queued requests wait: collect meanwhile
             return []
         entries = [
             BatchEntry(

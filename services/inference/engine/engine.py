@@ -278,8 +278,10 @@ class Engine:
         for job in self._loads:
             job.loop.call_soon_threadsafe(_resolve, job.future, EngineStopped(reason))
         self._loads = []
+        errors = []
         for rid in ids:
             err = EngineStopped(f"{reason}; request {rid} did not finish")
             if self._failure is not None:
                 err.__cause__ = self._failure
-            self._outputs.post([(rid, err)])
+            errors.append((rid, err))
+        self._outputs.post(errors)

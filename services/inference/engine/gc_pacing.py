@@ -92,16 +92,12 @@ class GcPacer:
         self._full_end = clock()
         self._full_seconds = 0.0
 
-    @property
-    def active(self) -> bool:
-        return self._active
-
     def pace(self, freeze: bool = True) -> None:
         """Turn automatic collection off; collect_if_due() collects from now on. ``freeze``
         (once, after start-up): collect everything first, then move every object alive (model,
         tokenizer, CUDA graphs, imported modules: they live as long as the process) out of the
-        collector's sight, so later collections stay short (gc.freeze: with them scanned,
-        bench/adapter_load.py measured decode step p99 under loads 1.39x; frozen, 1.09x)."""
+        collector's sight, so later collections stay short (with the tiny model a full
+        collection took 58 ms before the freeze and 0.4 ms after, on a 2-core CPU)."""
         if freeze:
             t = self._clock()
             gc.collect()

@@ -44,13 +44,13 @@ class ModelRunner:
         max_num_batched_tokens: int,
         max_model_len: int,
         max_loras: int,
-        row_ranks: Sequence[int] | None = None,
+        row_ranks: Sequence[int],
     ) -> None:
         """``row_ranks``: each LoRA index row's largest rank, kept current by the adapter
-        manager (read per step to choose the kernel path; None: all max_lora_rank)."""
+        manager (read per step to choose the kernel path)."""
         self.model, self.pool = model, pool
         self.max_lora_rank = max_lora_rank
-        self.row_ranks = row_ranks if row_ranks is not None else [max_lora_rank] * max_loras
+        self.row_ranks = row_ranks
         # The shrunk activations are max_lora_rank wide whatever the step holds: a fixed shape
         # for CUDA graphs; the kernels only compute up to each adapter's own rank.
         self.lora = LoraContext(lora_index, max_lora_rank)
@@ -66,12 +66,13 @@ class ModelRunner:
         # (batch size, fused LoRA path) -> the graph and its output
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pad: BatchEntry | None = None
+        self._sizes: tuple[int, ...] = ()  # captured batch sizes, ascending
         self.graph_steps = 0  # steps served by a graph replay
-        self.fused_steps = 0  # steps whose LoRA calls took the fused kernel
+        self.fused_steps = 0  # steps whose LoRA path was the fused one (CUDA only runs it)
 
     @property
     def graph_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted(size for size, fused in self._graphs if not fused))
+        return self._sizes
 
     @property
     def fused_graph_sizes(self) -> tuple[int, ...]:
@@ -87,12 +88,12 @@ class ModelRunner:
         kernels.lora_paths.decode_prefers_fused over the step's adapter tokens."""
         if sum(len(e.token_ids) for e in entries) > lora_paths.FUSED_MAX_TOKENS:
             return None
-        rows = [e.lora_row for e in entries if e.lora_row is not None]
-        if not rows:
+        distinct = {e.lora_row for e in entries if e.lora_row is not None}
+        if not distinct:
             return False
-        distinct = set(rows)
+        tokens = sum(len(e.token_ids) for e in entries if e.lora_row is not None)
         rank = max(self.row_ranks[r] for r in distinct)
-        return lora_paths.decode_prefers_fused(len(rows), len(distinct), rank, self.max_lora_rank)
+        return lora_paths.decode_prefers_fused(tokens, len(distinct), rank, self.max_lora_rank)
 
     @torch.inference_mode()
     def capture_graphs(self, sizes: Sequence[int]) -> None:
@@ -120,6 +121,7 @@ class ModelRunner:
                 logits = self.model(self.batch, self.pool.tensor, self.lora)  # [size, vocab]
             self._graphs[size, fused] = (graph, logits)
         self.lora.fused = None
+        self._sizes = tuple(sorted(size for size, fused in self._graphs if not fused))
         torch.cuda.synchronize()
         log.info(
             "captured decode CUDA graphs for batch sizes %s (and with fused LoRA kernels for "

@@ -5,7 +5,7 @@ One ``call_soon_threadsafe`` per event loop per step carries every output of the
 of one per output: each such call takes the loop's lock and writes its wake-up pipe, and a loop
 woken once per output contends for the GIL with the step thread at every one. The step thread
 delivers between steps, while the GPU waits for the next one (bench/deliver.py, side by side
-on a 2-core CPU: 64 streams, 0.07 ms a step against 1.1-1.2 ms with one call per output).
+on a 2-core CPU: 64 streams, 0.07 ms a step against 1.1 ms with one call per output).
 
 Any thread may open and close streams; post() is the step thread's.
 """
