@@ -78,5 +78,8 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
 
     @map_stream_errors
     async def WatchAdapters(self, request, context):
+        # Headers first: a watcher learns that the store answered (and that its replay starts)
+        # even when there is nothing to replay.
+        await context.send_initial_metadata(())
         async for event in self._store.watch(request.prefix, request.include_existing):
             yield messages.adapter_event(event)

@@ -165,20 +165,20 @@ class StoreClient:
     ) -> None:
         """Follows WatchAdapters until cancelled. On each (re)connect the store replays the
         latest version of every adapter (include_existing) before new events; on_connect is
-        called once the stream answers, before its first event."""
+        called once the stream answers (the store sends its headers first, so also when it
+        holds no adapter), before its first event."""
         self._worker.start()  # the service follows the store from its start: fetch soon
         backoff = 0.1
         while True:
             call = self._stub.WatchAdapters(pb.WatchAdaptersRequest(include_existing=True))
-            connected = False
             try:
-                async for event in call:
-                    if not connected:  # the replay that starts here tells the latest versions
-                        connected = True
-                        on_connect()
+                await call.initial_metadata()
+                if not call.done():  # headers came (a call that failed ends without them)
+                    on_connect()  # the replay that starts now tells the latest versions
                     if backoff > 0.1:
                         log.info("watching the adapter store at %s again", self.target)
                     backoff = 0.1
+                async for event in call:  # a failed call raises here
                     created = event.type == pb.ADAPTER_EVENT_TYPE_CREATED
                     if created or event.type == pb.ADAPTER_EVENT_TYPE_DELETED:
                         info = event.adapter

@@ -159,6 +159,20 @@ def test_concurrent_uploads_of_one_id_get_distinct_versions(store, adapter_id):
         assert fetch(store, adapter_id, info.version)[1] == f.safetensors
 
 
+def test_watch_answers_before_any_event(store, adapter_id):
+    """The watch's headers come at once, even with nothing to replay: a watcher can tell that
+    the store answered (the inference service then forgets the latest versions it knew)."""
+    call = store.stub.WatchAdapters(
+        pb.WatchAdaptersRequest(prefix=f"{adapter_id}/", include_existing=True)
+    )
+    got = []
+    thread = threading.Thread(target=lambda: got.append(call.initial_metadata()), daemon=True)
+    thread.start()
+    thread.join(10)
+    call.cancel()
+    assert got, "no headers from a watch with nothing to replay"
+
+
 def test_watch_streams_creates_and_deletes(store, adapter_id):
     store.stub.UploadAdapter(upload_requests(f"{adapter_id}/old", SMALL))
     events: queue.Queue = queue.Queue()

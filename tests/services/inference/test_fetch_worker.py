@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 
 import grpc
 import pytest
@@ -76,6 +77,12 @@ async def server():
         async for message in _serve(script, request, context):
             yield message
 
+    async def watch(request, context):  # a store that holds no adapter: headers, then quiet
+        await context.send_initial_metadata(())
+        await script.release.wait()
+        return
+        yield
+
     handler = grpc.method_handlers_generic_handler(
         "lorafleet.v1.AdapterStore",
         {
@@ -83,7 +90,12 @@ async def server():
                 fetch,
                 request_deserializer=pb.FetchAdapterRequest.FromString,
                 response_serializer=lambda b: b,
-            )
+            ),
+            "WatchAdapters": grpc.unary_stream_rpc_method_handler(
+                watch,
+                request_deserializer=pb.WatchAdaptersRequest.FromString,
+                response_serializer=pb.AdapterEvent.SerializeToString,
+            ),
         },
     )
     srv.add_generic_rpc_handlers((handler,))
@@ -246,3 +258,29 @@ async def test_the_worker_validates_what_it_fetched(server):
         _no_leak(cache)
     finally:
         await client.close()
+
+
+async def test_the_watch_follower_connects_to_a_store_with_no_adapters(server):
+    """on_connect (which makes the registry forget the latest versions it knew) follows the
+    store's answer even when the store has nothing to replay, and never a failed attempt."""
+    _, address = server
+    for target, answers in ((address, True), (f"127.0.0.1:{_free_port()}", False)):
+        client, _ = _client(target)
+        connected = asyncio.Event()
+        follower = asyncio.create_task(client.follow(lambda event: None, connected.set))
+        try:
+            if answers:
+                await asyncio.wait_for(connected.wait(), 10)
+            else:
+                await asyncio.sleep(0.5)  # a few failed attempts
+                assert not connected.is_set()
+        finally:
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
+            await client.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
