@@ -4,8 +4,8 @@ A chunk message is ``FetchAdapterResponse{chunk}``: the byte 0x12 (field 2, wire
 length as a varint, then the bytes. Decoding it by hand yields a memoryview of the received
 buffer, so the only copy of an adapter's bytes on this side is the one into the pinned host
 arena; through the generated code a chunk would be copied twice more (into the message, then
-out of it), with the GIL held, on the event loop the engine's step thread shares. Any other
-message (AdapterInfo) goes through protobuf.
+out of it). The inference service's fetch worker process (fetch_worker.py) and bench/store.py
+decode with it. Any other message (AdapterInfo) goes through protobuf.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Protocol (pickled tuples over a multiprocessing Connection on a socketpair; fid 
   service -> worker: ("fetch", fid, adapter_id, version, timeout_s, check) | ("cancel", fid)
   worker -> service: ("info", fid, AdapterInfo bytes)
   service -> worker: ("block", fid, offset, size) | ("drop", fid)
-  worker -> service: ("done", fid, nbytes, verdict) | ("error", fid, status name, details)
+  worker -> service: ("done", fid, verdict) | ("error", fid, status name, details)
 ``check`` is None or an AdapterCheck: then the worker also validates the adapter (store.peft,
 as the engine would: its Python would hold the service's GIL for milliseconds too) and the
 verdict is its AdapterSpec (engine/adapter_spec.py), or the AdapterFormatError that rejects it.
@@ -40,9 +40,9 @@ import grpc
 import numpy as np
 
 from lorafleet.v1 import adapter_store_pb2 as pb
-from services.inference.engine.adapter_spec import AdapterSpec, describe_adapter
+from services.inference.engine.adapter_spec import AdapterSpec, validate_and_describe
 from services.inference.fetch_wire import FETCH_METHOD, RECONNECT_OPTIONS, decode_fetch_response
-from store.peft import AdapterFormatError, BaseModelShape, check_adapter_file, parse_adapter_config
+from store.peft import AdapterFormatError, BaseModelShape
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,7 @@ def verdict(
     check: AdapterCheck, config_json: str, data: memoryview
 ) -> AdapterSpec | AdapterFormatError:
     try:
-        config = parse_adapter_config(config_json, max_rank=check.max_rank)
-        return describe_adapter(config, check_adapter_file(config, data, check.base))
+        return validate_and_describe(config_json, data, check.base, check.max_rank)
     except AdapterFormatError as exc:  # BaseModelMismatch included
         return exc
 
@@ -180,7 +179,7 @@ class _Worker:
         result = None
         if check is not None:
             result = verdict(check, info.adapter_config_json, memoryview(view))
-        self.send("done", fid, pos, result)
+        self.send("done", fid, result)
 
 
 class _ProtocolError(Exception):

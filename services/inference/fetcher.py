@@ -171,7 +171,7 @@ class FetchWorker:
         del self._pending[fid]  # "done" or "error": the worker has ended this fetch
         pending.done = True
         if kind == "done" and pending.block is not None and not pending.abandoned:
-            pending.verdict = msg[3]
+            pending.verdict = msg[2]
             if not pending.future.done():
                 pending.future.set_result(None)
                 return

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from store.lora_config import LoraAdapterConfig
-from store.peft import lora_pairs
+from store.peft import BaseModelShape, check_adapter_file, lora_pairs, parse_adapter_config
 from store.safetensors_header import SafetensorsHeader
 
 
@@ -67,3 +67,12 @@ def describe_adapter(config: LoraAdapterConfig, header: SafetensorsHeader) -> Ad
         for (layer, module), ab in sorted(by_pair.items())
     )
     return AdapterSpec(header.total_size, ranks, scales, pairs)
+
+
+def validate_and_describe(
+    config_json: bytes | str | dict, data: memoryview, base: BaseModelShape, max_rank: int
+) -> AdapterSpec:
+    """Check an adapter's config and file against the base model and rank limit (store.peft)
+    and describe its tensors. Raises AdapterFormatError (BaseModelMismatch included)."""
+    config = parse_adapter_config(config_json, max_rank=max_rank)
+    return describe_adapter(config, check_adapter_file(config, data, base))

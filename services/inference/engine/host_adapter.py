@@ -22,8 +22,8 @@ from typing import NamedTuple
 import torch
 
 from kernels.lora_layout import MODULE_ID, MODULES, AdapterPlan, plan_adapter
-from services.inference.engine.adapter_spec import AdapterSpec, describe_adapter
-from store.peft import BaseModelShape, check_adapter_file, parse_adapter_config
+from services.inference.engine.adapter_spec import AdapterSpec, validate_and_describe
+from store.peft import BaseModelShape
 
 TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
@@ -102,8 +102,7 @@ def build_host_adapter(
     max_rank (in another process: the fetch worker); then nothing is parsed or checked again."""
     raw = _as_bytes(weights)
     if spec is None or spec.total_size != raw.numel():
-        config = parse_adapter_config(config_json, max_rank=max_rank)
-        spec = describe_adapter(config, check_adapter_file(config, memoryview(raw.numpy()), base))
+        spec = validate_and_describe(config_json, memoryview(raw.numpy()), base, max_rank)
     if pin and not raw.is_pinned():
         raw = raw.pin_memory()
     pairs = {
