@@ -25,17 +25,21 @@ async def serve(config: ServiceConfig) -> None:
         loop.add_signal_handler(sig, stop_requested.set)
     start = asyncio.create_task(server.start())
     stopper = asyncio.create_task(stop_requested.wait())
+    failed = asyncio.create_task(server.failed.wait())
     try:
         done, _ = await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if start in done:
             start.result()  # a failed start-up raises here
-            await stopper
+            await asyncio.wait({stopper, failed}, return_when=asyncio.FIRST_COMPLETED)
         else:
             log.info("stop requested during start-up")
             start.cancel()
     finally:
         stopper.cancel()
+        failed.cancel()
         await server.stop()
+    if server.failed.is_set():
+        raise RuntimeError("the engine process ended unexpectedly")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,7 +68,7 @@ class AdapterRegistry:
         if store is not None:
             store.on_fetched = on_fetched
             # Validated in the fetch worker, off this process's GIL (fetch_worker.py).
-            store.adapter_check = AdapterCheck(engine.core.base_shape, engine.config.max_lora_rank)
+            store.adapter_check = AdapterCheck(engine.base_shape, engine.config.max_lora_rank)
 
     # --- lookups --------------------------------------------------------------------------
 

@@ -62,6 +62,19 @@ def _page_lock(buffer: torch.Tensor) -> None:
         raise RuntimeError("the host arena is registered with CUDA, yet torch sees it unpinned")
 
 
+def map_shared(fd: int, size: int, pin: bool) -> torch.Tensor:
+    """The arena's memfd mapped shared in this process, as a uint8 tensor; with ``pin``,
+    page-locked for CUDA (each process that copies from it to a GPU locks its own mapping).
+    The mapping lives as long as the tensor."""
+    mapping = mmap.mmap(fd, size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": it is writable
+        buffer = torch.frombuffer(mapping, dtype=torch.uint8)
+    if pin:
+        _page_lock(buffer)
+    return buffer
+
+
 class HostArena:
     """Contiguous blocks of one preallocated host buffer. Not thread-safe: one owner (the
     service's event loop) allocates and frees; readers only view blocks they were given."""
@@ -73,12 +86,7 @@ class HostArena:
         self.pinned = pin
         self.fd = os.memfd_create("lorafleet-host-arena", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, capacity)
-        self._mapping = mmap.mmap(self.fd, capacity)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": it is writable
-            self.buffer = torch.frombuffer(self._mapping, dtype=torch.uint8)
-        if pin:
-            _page_lock(self.buffer)
+        self.buffer = map_shared(self.fd, capacity, pin)
         # Free ranges (offset, size), sorted by offset, never adjacent (coalesced).
         self._free: list[tuple[int, int]] = [(0, capacity)]
         self._live: dict[int, int] = {}  # offset -> reserved size of each allocated block

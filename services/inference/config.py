@@ -17,6 +17,7 @@ from pathlib import Path
 ENV_PREFIX = "LORAFLEET_INFERENCE_"
 DEVICES = ("cpu", "cuda", "auto")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+ENGINE_MODES = ("process", "thread")
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,15 @@ class ServiceConfig:
     fetch_timeout_s: float = 120.0  # deadline of one adapter fetch
     shutdown_grace_s: float = 5.0  # in-flight streams may finish within this after SIGTERM
     log_level: str = "INFO"
+    engine: str = "process"  # where the step loop runs: its own process, or a thread here
 
     def __post_init__(self) -> None:
         if not str(self.model):
             raise ValueError("--model is required: a Hugging Face-format model directory")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
+        if self.engine not in ENGINE_MODES:
+            raise ValueError(f"--engine must be one of {ENGINE_MODES}, got {self.engine!r}")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         object.__setattr__(self, "log_level", self.log_level.upper())
@@ -143,6 +147,8 @@ _HELP = {
     "fetch_timeout_s": "deadline in seconds of one adapter download (default 120)",
     "shutdown_grace_s": "seconds in-flight streams may finish after SIGTERM (default 5)",
     "log_level": "DEBUG, INFO, WARNING or ERROR (also LORAFLEET_LOG_LEVEL)",
+    "engine": "where the engine's step loop runs: 'process' (default: its own process, so no "
+    "gRPC Python shares its GIL) or 'thread' (a thread of the service process)",
 }
 
 
@@ -170,5 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         kwargs: dict = {"default": None, "help": _HELP[f.name], "type": _TYPES.get(f.name, str)}
         if f.name == "device":
             kwargs["choices"] = DEVICES
+        elif f.name == "engine":
+            kwargs["choices"] = ENGINE_MODES
         parser.add_argument("--" + _flag(f.name), dest=f.name, **kwargs)
     return parser

@@ -22,6 +22,7 @@ from services.inference.config import ServiceConfig
 from services.inference.engine import gc_pacing
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.engine import Engine
+from services.inference.engine_client import RemoteEngine
 from services.inference.host_cache import HostCache
 from services.inference.metrics import ServiceMetrics
 from services.inference.servicer import InferenceServicer
@@ -87,11 +88,14 @@ class InferenceServer:
         self._health = _add_health_and_reflection(self.server)
         self.port: int | None = None
         self.metrics_port: int | None = None
-        self.engine: Engine | None = None
+        self.engine: Engine | RemoteEngine | None = None
         self.servicer: InferenceServicer | None = None
         self._store: StoreClient | None = None
         self._follower: asyncio.Task | None = None
         self._stopped = asyncio.Event()
+        # Set when the server cannot serve any more (the engine process died): the entry point
+        # then stops it and exits non-zero, so that a supervisor starts a fresh one.
+        self.failed = asyncio.Event()
 
     async def start(self) -> None:
         cfg = self.config
@@ -101,11 +105,19 @@ class InferenceServer:
         await self.server.start()
         await self._set_serving(False)
         log.info("listening on %s:%d; loading %s", cfg.host, self.port, cfg.model)
-        self.engine = await asyncio.to_thread(Engine, engine_config(cfg))
-        await self.engine.start()
-        gc_pacing.pace_collections()  # the step thread collects from now on
-        device = self.engine.config.torch_device
-        cache = HostCache(HostArena(cfg.host_cache_bytes, pin=device.type == "cuda"))
+        if cfg.engine == "process":
+            arena = HostArena(cfg.host_cache_bytes, pin=False)  # the engine process pins it
+            self.engine = RemoteEngine(
+                engine_config(cfg), arena, cfg.log_level, on_exit=self._engine_exited
+            )
+            await self.engine.start()
+        else:
+            self.engine = await asyncio.to_thread(Engine, engine_config(cfg))
+            await self.engine.start()
+            gc_pacing.pace_collections()  # the step thread collects from now on
+            arena = HostArena(cfg.host_cache_bytes, pin=self.engine.device.type == "cuda")
+        device = self.engine.device
+        cache = HostCache(arena)
         if cfg.adapter_store is not None:
             self._store = StoreClient(
                 cfg.adapter_store, cache, cfg.store_timeout_s, cfg.fetch_timeout_s
@@ -148,6 +160,10 @@ class InferenceServer:
         if self.servicer is not None:
             self.servicer.metrics.close()
         log.info("stopped")
+
+    def _engine_exited(self, reason: str) -> None:
+        log.error("the engine process ended unexpectedly (%s); stopping the service", reason)
+        self.failed.set()
 
     async def _set_serving(self, serving: bool) -> None:
         if self._health is None:

@@ -55,6 +55,19 @@ class AdapterStatus(NamedTuple):
     pinned: bool
 
 
+class AdapterEntryStatus(NamedTuple):
+    """An entry as take_changes() reports it: a removed one still counts while in use."""
+
+    state: AdapterState
+    refs: int
+    pinned: bool
+    removed: bool
+
+    @property
+    def releasable(self) -> bool:
+        return self.refs == 0 and self.state is not AdapterState.LOADING
+
+
 @dataclass
 class AdapterEntry:
     host: HostAdapter
@@ -94,6 +107,9 @@ class AdapterManager:
         self.copy_seconds: deque[float] = deque(maxlen=1024)  # recent host->pool copies
         # Called on the step thread with (key, seconds) when a copy completes.
         self.load_listeners: list[Callable[[Hashable, float], None]] = []
+        # Keys whose status changed since take_changes(); None = not tracked (only an engine
+        # in its own process reports them: services/inference/engine_process.py).
+        self._changed: set[Hashable] | None = None
 
     # --- any thread -------------------------------------------------------------------------
 
@@ -106,6 +122,7 @@ class AdapterManager:
         is immutable, so the pages it may still hold are the same)."""
         with self._lock:
             entry = self._entries.get(host.key)
+            self._mark(host.key)
             if entry is None:
                 self._entries[host.key] = AdapterEntry(host)
                 return True
@@ -124,6 +141,7 @@ class AdapterManager:
             if entry is None or entry.removed:
                 raise UnknownAdapter(f"adapter {key} is not loaded in this engine")
             entry.removed = True
+            self._mark(key)
             if entry.refs == 0 and entry.state is AdapterState.HOST:
                 del self._entries[key]
             else:
@@ -136,6 +154,7 @@ class AdapterManager:
             if entry is None or entry.removed:
                 raise UnknownAdapter(f"adapter {key} is not loaded in this engine")
             entry.refs += 1
+            self._mark(key)
             return entry.host
 
     def release(self, key: Hashable) -> None:
@@ -144,6 +163,7 @@ class AdapterManager:
             if entry.refs <= 0:
                 raise AssertionError(f"adapter {key} released more often than acquired")
             entry.refs -= 1
+            self._mark(key)
 
     def get(self, key: Hashable) -> HostAdapter | None:
         with self._lock:
@@ -170,6 +190,7 @@ class AdapterManager:
             if entry is None or entry.removed:
                 raise UnknownAdapter(f"adapter {key} is not loaded in this engine")
             entry.pinned = pinned
+            self._mark(key)
 
     def state_counts(self) -> dict[AdapterState, int]:
         with self._lock:
@@ -177,6 +198,24 @@ class AdapterManager:
             for entry in self._entries.values():
                 counts[entry.state] += 1
             return counts
+
+    def track_changes(self) -> None:
+        """From now on remember which adapters' status changed, for take_changes()."""
+        with self._lock:
+            self._changed = set()
+
+    def take_changes(self) -> dict[Hashable, AdapterEntryStatus | None]:
+        """Each adapter whose status changed since the last call: its status, removed ones
+        included, or None once it is gone from the table."""
+        with self._lock:
+            changed, self._changed = self._changed, set()
+            out = {}
+            for key in changed:
+                e = self._entries.get(key)
+                out[key] = (
+                    None if e is None else AdapterEntryStatus(e.state, e.refs, e.pinned, e.removed)
+                )
+            return out
 
     # --- step thread ------------------------------------------------------------------------
 
@@ -217,6 +256,7 @@ class AdapterManager:
             slots = self.pool.allocate_adapter(key, entry.host.plan.num_slots)
             entry.state = AdapterState.LOADING
             self._loading.add(key)
+            self._mark(key)
         self._write_row(entry.row, entry.host, slots)
         entry.ready = self.copier.submit(entry.host, slots)
         self.loads += 1
@@ -232,6 +272,7 @@ class AdapterManager:
                     done.append((key, entry.ready.seconds()))
                     entry.state, entry.ready = AdapterState.IN_POOL, None
                     self._loading.discard(key)
+                    self._mark(key)
         for key, seconds in done:
             self.copy_seconds.append(seconds)
             for listener in self.load_listeners:
@@ -276,8 +317,13 @@ class AdapterManager:
                     self._evict(key)
                 del self._entries[key]
                 self._removed.discard(key)
+                self._mark(key)
 
     # --- internals (lock held, or step thread only) -----------------------------------------
+
+    def _mark(self, key: Hashable) -> None:
+        if self._changed is not None:
+            self._changed.add(key)
 
     def _idle(self) -> list[Hashable]:
         """Resident adapters with no request, least recently used first."""
@@ -298,6 +344,7 @@ class AdapterManager:
         self.row_ranks[entry.row] = 0
         self._free_rows.append(entry.row)
         entry.state, entry.row = AdapterState.HOST, None
+        self._mark(key)
         self.evictions += 1
         log.debug("evicted adapter %s from the pool", key)
 

@@ -40,6 +40,7 @@ from services.inference.engine.gc_pacing import collect_if_due, release
 from services.inference.engine.host_adapter import HostAdapter
 from services.inference.engine.output_router import OutputRouter
 from services.inference.engine.request import Sequence
+from store.peft import BaseModelShape
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,7 @@ class _Abort(NamedTuple):
 
 class _Load(NamedTuple):
     key: AdapterKey
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
+    done: Callable[[BaseException | None], None]  # called once, on the step thread
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
@@ -88,19 +88,31 @@ class Engine:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
 
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the step loop died, if it did."""
+        return self._failure
+
     async def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
-        self._thread.start()
+        self.start_blocking()
 
     async def stop(self) -> None:
         """Stop the loop; requests still in flight end with EngineStopped, their pages freed."""
+        await asyncio.to_thread(self.stop_blocking)
+
+    def stop_blocking(self) -> None:
+        """stop() for a caller without an event loop: returns once the loop has ended."""
         if self._thread is None:
             return
         self._stopping.set()
         self._inbox.put(None)  # wake an idle loop
-        await asyncio.to_thread(self._thread.join)
+        self._thread.join()
+
+    def start_blocking(self) -> None:
+        """start() for a caller without an event loop."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
+            self._thread.start()
 
     # --- adapters ---------------------------------------------------------------------------
 
@@ -131,8 +143,13 @@ class Engine:
             raise UnknownAdapter(f"adapter {key} is not loaded in this engine")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._inbox.put(_Load(key, loop, future))
+        self.submit_load(key, lambda error: loop.call_soon_threadsafe(_resolve, future, error))
         await future
+
+    def submit_load(self, key: AdapterKey, done: Callable[[BaseException | None], None]) -> None:
+        """Queue a pool load of ``key``; ``done(None)`` (or ``done(error)``) is called on the step
+        thread once its copy completed (or failed)."""
+        self._inbox.put(_Load(key, done))
 
     def pin_adapter(self, key: AdapterKey, pinned: bool) -> None:
         self.core.adapters.set_pinned(key, pinned)
@@ -148,6 +165,11 @@ class Engine:
     def adapter_releasable(self, key: AdapterKey) -> bool:
         """Whether the host bytes given to add_adapter(key) are unused now (see core)."""
         return self.core.adapters.releasable(key)
+
+    @property
+    def base_shape(self) -> BaseModelShape:
+        """The base model's module shapes, which adapters must fit."""
+        return self.core.base_shape
 
     def adapter_copy_seconds(self) -> list[float]:
         """Durations of the recent host -> pool copies, oldest first."""
@@ -171,21 +193,13 @@ class Engine:
         seq = self.core.prepare(request)  # raises before anything is queued
         outputs = self._outputs.open(request.request_id)
         self._inbox.put(_Enqueue(seq))
-        done = False
-        try:
-            while True:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                done = item.finished
-                yield item
-                if done:
-                    return
-        finally:
-            self._outputs.close(request.request_id)
-            if not done:
-                self.abort(request.request_id)
+        async for item in self._outputs.follow(request.request_id, outputs, self.abort):
+            yield item
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue a request whose outputs this engine's stream does not carry: the caller
+        overrides _deliver (engine_process.py). Raises as generate() does."""
+        self._inbox.put(_Enqueue(self.core.prepare(request)))
 
     def abort(self, request_id: str) -> None:
         """End a request; its pages are freed before the next step."""
@@ -193,6 +207,10 @@ class Engine:
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+    def wake(self) -> None:
+        """Make an idle step loop take one turn now (it reports news in _iteration_done)."""
+        self._inbox.put(None)
 
     # --- the step loop (its own thread) -----------------------------------------------------
 
@@ -212,6 +230,7 @@ class Engine:
                 elif not core.has_work:
                     core.adapters.reap()
                     collect_if_due()  # idle: garbage must not pile up while no step runs
+                self._iteration_done()
         except BaseException as e:  # a failed step must not leave callers waiting forever
             log.exception("engine step loop failed")
             self._failure = e
@@ -252,11 +271,10 @@ class Engine:
         for job in self._loads:
             status = adapters.status(job.key)
             if status is None:
-                error = UnknownAdapter(f"adapter {job.key} was removed while it loaded")
-                job.loop.call_soon_threadsafe(_resolve, job.future, error)
+                job.done(UnknownAdapter(f"adapter {job.key} was removed while it loaded"))
                 continue
             if status.state is AdapterState.IN_POOL:
-                job.loop.call_soon_threadsafe(_resolve, job.future, None)
+                job.done(None)
                 continue
             if status.state is AdapterState.HOST:
                 adapters.begin_load(job.key, reserve=len(self.core.scheduler.running))
@@ -265,6 +283,10 @@ class Engine:
 
     def _deliver(self, outputs: list[GenerationOutput]) -> None:
         self._outputs.post((out.request_id, out) for out in outputs)
+
+    def _iteration_done(self) -> None:
+        """Called on the step thread after each turn of the loop; engine_process.py reports
+        to the service here."""
 
     def _shutdown(self) -> None:
         """Free every request's pages and end every stream (loads still queued included)."""
@@ -276,7 +298,7 @@ class Engine:
         ids = self._outputs.ids()
         reason = "the engine stopped" if self._failure is None else "the engine step failed"
         for job in self._loads:
-            job.loop.call_soon_threadsafe(_resolve, job.future, EngineStopped(reason))
+            job.done(EngineStopped(reason))
         self._loads = []
         errors = []
         for rid in ids:

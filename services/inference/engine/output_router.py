@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import NamedTuple
 
 
@@ -43,6 +43,32 @@ class OutputRouter:
     def close(self, request_id: str) -> None:
         with self._lock:
             self._sinks.pop(request_id, None)
+
+    def is_open(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._sinks
+
+    async def follow(
+        self, request_id: str, queue: asyncio.Queue, abort: Callable[[str], None]
+    ) -> AsyncIterator:
+        """Yield the outputs that arrive on ``queue`` (open(request_id)'s) until the finished
+        one; an exception posted instead is raised. Leaving early (break, cancellation)
+        closes the stream and calls ``abort(request_id)``."""
+        done = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finished
+                yield item
+                if done:
+                    return
+        finally:
+            self.close(request_id)
+            if not done:
+                abort(request_id)
 
     def ids(self) -> list[str]:
         with self._lock:

@@ -4,6 +4,8 @@ the store on SeaweedFS."""
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import threading
 import time
@@ -179,6 +181,11 @@ def test_sigterm_ends_streams_with_a_clear_status(svc_models, tmp_path):
                 seen_ready = status == health_pb2.HealthCheckResponse.SERVING
                 if not seen_ready:
                     early = collect(stub, pb.GenerateRequest(prompt="x"))
+                    if early.code == grpc.StatusCode.OK:
+                        # The model finished loading between the two calls: health says so now.
+                        now = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                        assert now == health_pb2.HealthCheckResponse.SERVING
+                        continue
                     assert early.code == grpc.StatusCode.UNAVAILABLE and "loading" in early.details
             streams = [
                 Recorder(stub, pb.GenerateRequest(prompt=p, sampling=sampling(**LONG)))
@@ -207,3 +214,18 @@ def test_store_on_seaweedfs(seaweed, svc_models, reference, tmp_path, stack_fact
         streams = list(pool.map(lambda r: collect(stack.stub, r), requests))
     for request, stream in zip(requests, streams, strict=True):
         assert_matches(stream, reference.expect(request, version=1), request)
+
+
+def test_service_exits_when_its_engine_process_dies(stack_factory):
+    stack = stack_factory(uploads=())
+    long = pb.GenerateRequest(
+        prompt="x", sampling=pb.SamplingParams(max_new_tokens=2000, ignore_eos=True)
+    )
+    stream = Recorder(stack.stub, long)
+    wait_for(lambda: stream.messages, what="a stream flowing")
+    pid = int(re.search(r"engine process started \(pid (\d+)\)", stack.inference.log()).group(1))
+    os.kill(pid, signal.SIGKILL)
+    stream.join(30)
+    assert stream.code == grpc.StatusCode.UNAVAILABLE and "engine process" in stream.details
+    assert stack.inference.popen.wait(30) == 1
+    assert "ended unexpectedly" in stack.inference.log()

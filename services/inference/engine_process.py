@@ -1,0 +1,245 @@
+"""The engine process: the engine's step loop in a process of its own, apart from the gRPC server.
+
+Why: in one process the step thread shares the GIL with the event loop that streams tokens,
+serves RPCs and follows the store; every millisecond of that Python which falls between two
+steps delays the next one. On the H200, 64 streams through gRPC with cold loads gave a decode
+step p99 1.02-1.10x of the quiet step, against 1.03x for the engine alone
+(bench/service_load.py, bench/adapter_load.py). Here the step thread's only neighbour is the
+thread that reads commands, which sleeps in a socket read between them.
+
+The service keeps everything else: the registry, the host cache and its arena, the fetch
+worker, the gRPC server. Adapter bytes do not travel: the arena is a memfd that this process
+maps too (and page-locks on CUDA), and an "add" names a block of it. The service's side is
+engine_client.RemoteEngine.
+
+Protocol (pickled objects over a multiprocessing Connection on a socketpair):
+  service -> engine: the EngineConfig, first
+  engine -> service: ("ready", EngineInfo) | ("failed", message)
+  service -> engine, each command numbered n = 1, 2, ... in the order sent:
+    ("generate", n, GenerationRequest)    ("abort", n, request_id)
+    ("add", n, key, offset, size, config_json, AdapterSpec)
+    ("remove", n, key)    ("pin", n, key, pinned)    ("load", n, key)    ("stop",)
+  engine -> service: ("report", Report) after each turn of the step loop that has news;
+    ("stopped", None | reason) last.
+A Report's ``applied`` is the number of the latest command applied: its adapter statuses
+reflect every command up to it (the service decides from that when an adapter's host bytes
+are free to reuse, engine_client.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import NamedTuple
+
+from services.inference.arena import map_shared
+from services.inference.engine import gc_pacing
+from services.inference.engine.adapter_manager import AdapterEntryStatus
+from services.inference.engine.api import AdapterKey, EngineStats, GenerationOutput
+from services.inference.engine.config import EngineConfig
+from services.inference.engine.engine import Engine
+from store.peft import BaseModelShape
+
+log = logging.getLogger(__name__)
+
+_STATS_EVERY_S = 0.05  # a busy engine's stats reach the service this often
+_POLL_S = 0.5  # the command reader checks this often that the step loop is still alive
+
+
+class EngineInfo(NamedTuple):
+    """What the service needs to know of the engine, sent once it is ready."""
+
+    device: str
+    base_shape: BaseModelShape
+    pool_width: int  # elements per pool slot (kernels/lora_layout.py)
+    page_size: int
+    num_pages: int  # usable pages: an adapter needing more never fits
+    arena_pinned: bool
+    stats: EngineStats
+
+
+class Report(NamedTuple):
+    applied: int  # every command up to this number is applied
+    outputs: list[GenerationOutput]
+    errors: list[tuple[str, BaseException]]  # (request_id, why it was refused)
+    adapters: dict[AdapterKey, AdapterEntryStatus | None]  # changed; None = gone
+    copies: list[tuple[AdapterKey, float]]  # host -> pool copies completed, seconds
+    loaded: list[tuple[int, BaseException | None]]  # "load" commands answered
+    stats: EngineStats | None
+
+
+class ProcessEngine(Engine):
+    """An Engine whose outputs and news go to the service over ``conn``."""
+
+    def __init__(self, config: EngineConfig, conn: Connection) -> None:
+        super().__init__(config)
+        self._conn = conn
+        self._lock = threading.Lock()  # guards the fields below (command and step threads)
+        self._applied = 0
+        self._reported = 0
+        self._outputs_out: list[GenerationOutput] = []
+        self._errors: list[tuple[str, BaseException]] = []
+        self._loaded: list[tuple[int, BaseException | None]] = []
+        self._copies: list[tuple[AdapterKey, float]] = []
+        self._failed_adds: dict[AdapterKey, None] = {}
+        self._stats_at = 0.0
+        self._last_stats: EngineStats | None = None
+        self._gone = False  # the connection broke
+        self.core.adapters.track_changes()
+        self.add_load_listener(self._copied)
+
+    # --- the command thread ---------------------------------------------------------------
+
+    def apply(self, msg: tuple, arena) -> None:
+        kind, n = msg[0], msg[1]
+        try:
+            if kind == "generate":
+                self._generate(msg[2])
+            elif kind == "abort":
+                self.abort(msg[2])
+            elif kind == "add":
+                self._add(msg[2], arena[msg[3] : msg[3] + msg[4]], msg[5], msg[6])
+            elif kind == "remove":
+                self.remove_adapter(msg[2])
+            elif kind == "pin":
+                self.pin_adapter(msg[2], msg[3])
+            elif kind == "load":
+                self.submit_load(msg[2], lambda error: self._answer(n, error))
+            else:
+                log.error("unknown command %r from the service", kind)
+        except Exception:  # the service checked first: this is a bug, not bad input
+            log.exception("command %s (%d) failed", kind, n)
+        with self._lock:
+            self._applied = n
+
+    def _generate(self, request) -> None:
+        try:
+            self.submit(request)
+        except Exception as exc:  # invalid request, unknown adapter, overloaded: the caller's
+            with self._lock:
+                self._errors.append((request.request_id, exc))
+
+    def _add(self, key, raw, config_json, spec) -> None:
+        try:
+            self.add_adapter(key, config_json, raw, spec=spec)
+        except Exception:
+            log.exception("adapter %s could not be added", key)
+            with self._lock:
+                self._failed_adds[key] = None
+
+    def _answer(self, n: int, error: BaseException | None) -> None:
+        with self._lock:
+            self._loaded.append((n, error))
+
+    def _copied(self, key: AdapterKey, seconds: float) -> None:
+        with self._lock:
+            self._copies.append((key, seconds))
+
+    # --- the step thread ------------------------------------------------------------------
+
+    def _deliver(self, outputs: list[GenerationOutput]) -> None:
+        with self._lock:
+            self._outputs_out.extend(outputs)
+
+    def _iteration_done(self) -> None:
+        self.report(final=False)
+
+    def report(self, final: bool) -> None:
+        """Send what happened since the last report, if anything did."""
+        with self._lock:
+            applied = self._applied  # read first: the statuses taken below include its effects
+            outputs, self._outputs_out = self._outputs_out, []
+            errors, self._errors = self._errors, []
+            loaded, self._loaded = self._loaded, []
+            copies, self._copies = self._copies, []
+            failed, self._failed_adds = self._failed_adds, {}
+        adapters = self.core.adapters.take_changes()
+        adapters.update(failed)
+        stats = None
+        now = time.monotonic()
+        if final or not self.core.has_work or now - self._stats_at >= _STATS_EVERY_S:
+            self._stats_at = now
+            current = self.core.stats()
+            if current != self._last_stats:
+                stats = self._last_stats = current
+        news = outputs or errors or loaded or copies or adapters or stats is not None
+        if not news and applied == self._reported:
+            return
+        self._reported = applied
+        if self._gone:
+            return
+        report = Report(applied, outputs, errors, adapters, copies, loaded, stats)
+        try:
+            self._conn.send(("report", report))
+        except OSError:  # the service is gone; the command reader sees it and stops the engine
+            self._gone = True
+
+
+def serve(conn: Connection, arena_fd: int, arena_bytes: int) -> int:
+    config: EngineConfig = conn.recv()
+    try:
+        engine = ProcessEngine(config, conn)
+        pinned = engine.device.type == "cuda"
+        arena = map_shared(arena_fd, arena_bytes, pin=pinned)
+        os.close(arena_fd)
+    except Exception as exc:
+        log.exception("the engine could not start")
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return 1
+    core = engine.core
+    info = EngineInfo(
+        str(engine.device), core.base_shape, core.pool.width, config.page_size,
+        core.pool.num_usable, pinned, core.stats(),
+    )  # fmt: skip
+    engine.start_blocking()
+    gc_pacing.pace_collections()  # the step thread collects from now on
+    conn.send(("ready", info))
+    reason = None
+    try:
+        while True:
+            if not conn.poll(_POLL_S):
+                if not engine.running:
+                    reason = f"the engine step failed: {engine.failure!r}"
+                    break
+                continue
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            engine.apply(msg, arena)
+            if not conn.poll(0):
+                engine.wake()  # report the applied commands at once, also when idle
+    except EOFError:  # the service is gone
+        log.warning("the service closed the connection; stopping")
+    engine.stop_blocking()
+    gc_pacing.release()
+    try:
+        engine.report(final=True)
+        conn.send(("stopped", reason))
+    except OSError:
+        pass
+    return 0 if reason is None else 1
+
+
+def main(argv: list[str]) -> int:
+    """argv: connection fd, arena fd, arena size in bytes, log level (the fds inherited)."""
+    # The service owns this process's lifetime: it sends "stop", and its exit ends the
+    # connection; a Ctrl-C or SIGTERM sent to the whole process group is the service's to
+    # handle (it stops this process in order, after ending its streams).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(
+        level=argv[3], format="%(asctime)s engine-process %(name)s %(levelname)s: %(message)s"
+    )
+    return serve(Connection(int(argv[0])), int(argv[1]), int(argv[2]))
+
+
+if __name__ == "__main__":
+    # Run the imported module's main, so that pickled types name their real module.
+    from services.inference import engine_process
+
+    sys.exit(engine_process.main(sys.argv[1:]))

@@ -1,0 +1,159 @@
+"""The engine in its own process (engine_process.py, engine_client.py): the service's handle
+behaves as the in-process engine does, never frees an adapter's bytes before the engine is done
+with them, and a dead engine process ends every stream (test_service_lifecycle.py: and stops
+the service)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from services.inference.arena import HostArena
+from services.inference.engine.adapter_manager import AdapterState
+from services.inference.engine.api import AdapterKey, GenerationRequest
+from services.inference.engine.config import EngineConfig
+from services.inference.engine.engine import Engine
+from services.inference.engine.errors import (
+    DuplicateRequest,
+    EngineStopped,
+    InvalidRequest,
+    UnknownAdapter,
+)
+from services.inference.engine.sampling_params import SamplingParams
+from services.inference.engine_client import RemoteEngine
+
+A, B, C = (AdapterKey(n, 1) for n in ("a", "b", "c"))
+THREE = SamplingParams(max_new_tokens=3)
+
+
+def _config(svc_models) -> EngineConfig:
+    return EngineConfig(model_dir=svc_models.model, device="cpu", max_loras=2, num_pages=256)
+
+
+def _in_arena(arena: HostArena, path) -> tuple[bytes, object]:
+    """An adapter's config and its weights copied into a block of the arena."""
+    body = (path / "adapter_model.safetensors").read_bytes()
+    block = arena.alloc(len(body))
+    arena.view(block)[:] = body
+    return (path / "adapter_config.json").read_bytes(), arena.tensor(block)
+
+
+async def _tokens(engine, request: GenerationRequest) -> tuple[int, ...]:
+    return tuple([t async for out in engine.generate(request) for t in out.token_ids])
+
+
+async def _scenario(engine, files) -> list:
+    """The adapter API as the registry and servicer drive it; returns what a caller sees."""
+    seen = []
+    for key, name in ((A, "a"), (B, "b"), (C, "c")):
+        engine.add_adapter(key, *files[name])
+    seen.append(engine.adapter_status(A))
+    await engine.load_adapter(A, pin=True)
+    seen.append((engine.adapter_status(A), engine.adapter_in_pool(A)))
+    for key in (B, C, B, C):  # two index rows: b and c take turns; the pinned a stays
+        await engine.load_adapter(key)
+        seen.append((engine.adapter_in_pool(A), engine.adapter_in_pool(key)))
+    engine.pin_adapter(A, False)
+    await engine.load_adapter(B)
+    await engine.load_adapter(C)  # now a, the least recently used idle one, goes
+    seen.append(engine.adapter_status(A))
+    seen.append(len(engine.adapter_copy_seconds()))
+    engine.remove_adapter(C)
+    seen.append(engine.adapter_status(C))
+    engine.add_adapter(C, *files["c"])  # back before its pages are freed
+    for key in (None, A, B, C):
+        seen.append(await _tokens(engine, GenerationRequest(f"r-{key}", "hi", None, key, THREE)))
+    with pytest.raises(UnknownAdapter):
+        await engine.load_adapter(AdapterKey("missing", 1))
+    with pytest.raises(UnknownAdapter):
+        await _tokens(engine, GenerationRequest("u", "hi", adapter=AdapterKey("missing", 1)))
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        await _tokens(engine, GenerationRequest("v", prompt_token_ids=[1, 10**6]))
+    return seen
+
+
+async def test_remote_engine_answers_as_the_engine_in_process(svc_models):
+    arena = HostArena(4 << 20, pin=False)
+    files = {n: _in_arena(arena, svc_models.adapters[n]) for n in ("a", "b", "c")}
+    local = Engine(_config(svc_models))
+    await local.start()
+    try:
+        expected = await _scenario(local, files)
+    finally:
+        await local.stop()
+    remote = RemoteEngine(_config(svc_models), arena)
+    await remote.start()
+    try:
+        assert await _scenario(remote, files) == expected
+        assert expected[1] == ((AdapterState.IN_POOL, 0, True), True)
+        assert expected[6].state is AdapterState.HOST and expected[8] is None
+        stats = remote.stats()
+        assert stats.adapter_loads == len(remote.adapter_copy_seconds()) > 0
+        with pytest.raises(TypeError, match="host arena"):
+            remote.add_adapter(AdapterKey("d", 1), files["a"][0], files["a"][1].clone())
+        with pytest.raises(InvalidRequest, match="already loaded"):
+            remote.add_adapter(A, *files["a"])
+    finally:
+        await remote.stop()
+    assert not remote.running
+    with pytest.raises(EngineStopped):
+        await _tokens(remote, GenerationRequest("late", "hi"))
+
+
+async def _until(condition, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_bytes_stay_in_use_until_the_engine_reports_them_free(svc_models):
+    arena = HostArena(4 << 20, pin=False)
+    files = {n: _in_arena(arena, svc_models.adapters[n]) for n in ("a", "b")}
+    remote = RemoteEngine(_config(svc_models), arena)
+    await remote.start()
+    try:
+        remote.add_adapter(A, *files["a"])
+        assert not remote.adapter_releasable(A)  # the engine has not applied the add yet
+        await _until(lambda: remote.adapter_releasable(A))
+        long = SamplingParams(max_new_tokens=40, ignore_eos=True)
+        stream = remote.generate(GenerationRequest("long", "hi", adapter=A, sampling=long))
+        first = await anext(stream)  # running: a request uses a's pool copy
+        assert first.token_ids and not remote.adapter_releasable(A)
+        with pytest.raises(DuplicateRequest):
+            await anext(remote.generate(GenerationRequest("long", "hi")))
+        rest = [out async for out in stream]
+        assert rest[-1].finished
+        await _until(lambda: remote.adapter_releasable(A))
+        remote.add_adapter(B, *files["b"])
+        await _until(lambda: remote.adapter_releasable(B))
+        load = asyncio.ensure_future(remote.load_adapter(B))
+        await asyncio.sleep(0)  # the command is out; the answer cannot have come back yet
+        assert not remote.adapter_releasable(B)
+        await load
+        assert remote.adapter_in_pool(B)
+        remote.remove_adapter(B)
+        assert remote.adapter_status(B) is None
+        await _until(lambda: remote.adapter_releasable(B))
+    finally:
+        await remote.stop()
+
+
+async def test_a_dead_engine_process_ends_every_stream(svc_models):
+    exits = []
+    remote = RemoteEngine(_config(svc_models), HostArena(1 << 20, pin=False), on_exit=exits.append)
+    await remote.start()
+    long = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    stream = remote.generate(GenerationRequest("r", "hi", sampling=long))
+    assert (await anext(stream)).token_ids
+    remote._proc.kill()
+    with pytest.raises(EngineStopped, match="engine process exited"):
+        async for _ in stream:
+            pass
+    assert not remote.running and len(exits) == 1
+    with pytest.raises(EngineStopped):
+        await remote.load_adapter(A)
+    await remote.stop()
+    assert exits == [exits[0]]  # stop() after the death reports nothing more
