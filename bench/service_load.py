@@ -3,10 +3,13 @@ through the service's own RPCs, and time to first token over gRPC.
 
 bench/adapter_load.py drives the engine and the service's adapter path in one process. This one
 adds everything else the service does per token and per load: the gRPC server, the servicer, the
-event loop streaming every token to its client. Three processes:
+event loop streaming every token to its client. It runs once per engine placement (--engines),
+over the same store and adapters:
 
-- this one runs InferenceServer (as ``python -m services.inference`` does: gRPC, health, the
-  engine's step thread, collections paced by it) and times every engine step inside it;
+- this process runs InferenceServer (as ``python -m services.inference`` does: gRPC, health);
+  with ``--engine process`` (the default) the engine runs in a fourth process,
+  bench/traced_engine.py (services/inference/engine_process.py with every step and collection
+  recorded); with ``--engine thread`` its step thread runs here and is timed here;
 - the adapter store, on the local backend (bench/adapter_load.py's --serve-store mode);
 - the client (this file's --client mode): ``batch`` Generate streams, half of them on resident
   adapters, issuing requests back to back with staggered lengths so contexts stay stationary;
@@ -28,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -44,6 +49,7 @@ from bench.adapter_load import (  # noqa: E402
     RANK,
     Collection,
     CollectionLog,
+    StepTime,
     StepTimer,
     machine,
     set_up,
@@ -134,29 +140,47 @@ async def client(spec: dict) -> dict:
 
 
 async def run(args) -> dict:
-    import torch
-
-    from services.inference.config import ServiceConfig
-    from services.inference.server import InferenceServer
-
+    """Each engine placement in turn, over one store and one set of adapters."""
     if args.switch_interval_ms is not None:  # the GIL's: how long a thread may hold it when
         sys.setswitchinterval(args.switch_interval_ms / 1000)  # another waits (default 5 ms)
-    device = torch.device(args.device)
     setup = set_up(args, "store-service")
-    warm, cold, loads, mb = setup.warm, setup.cold, setup.loads, setup.mb
-    server = None
     try:
-        n_adapters = len(warm) + len(cold) + len(loads)
-        server = InferenceServer(
-            ServiceConfig(
-                model=setup.model, adapter_store=setup.address, port=0, device=args.device,
-                max_num_seqs=args.batch + 8, max_loras=n_adapters + 4, max_lora_rank=RANK,
-                host_cache_mb=int((n_adapters + 2) * mb), max_queue=4 * args.batch,
-                pool_memory_mb=None if device.type == "cuda" else 512,
-            )
-        )  # fmt: skip
+        variants = {}
+        for engine in args.engines.split(","):
+            log.info("--- engine: %s", engine)
+            variants[engine] = await run_variant(args, setup, engine)
+    finally:
+        setup.store.terminate()
+        setup.store.wait()
+    return {"machine": machine(), "variants": variants}
+
+
+async def run_variant(args, setup, engine: str) -> dict:
+    import torch
+
+    from services.inference import server as server_module
+    from services.inference.config import ServiceConfig
+    from services.inference.engine_client import RemoteEngine
+
+    device = torch.device(args.device)
+    warm, cold, loads, mb = setup.warm, setup.cold, setup.loads, setup.mb
+    trace = Path(args.work_dir) / "engine-trace.json"
+    trace.unlink(missing_ok=True)
+    os.environ["LORAFLEET_BENCH_TRACE"] = str(trace)
+    # The engine process runs bench/traced_engine.py, which times its steps there.
+    server_module.RemoteEngine = functools.partial(RemoteEngine, module="bench.traced_engine")
+    n_adapters = len(warm) + len(cold) + len(loads)
+    server = server_module.InferenceServer(
+        ServiceConfig(
+            model=setup.model, adapter_store=setup.address, port=0, device=args.device,
+            max_num_seqs=args.batch + 8, max_loras=n_adapters + 4, max_lora_rank=RANK,
+            host_cache_mb=int((n_adapters + 2) * mb), max_queue=4 * args.batch,
+            pool_memory_mb=None if device.type == "cuda" else 512, engine=engine,
+        )
+    )  # fmt: skip
+    try:
         await server.start()
-        timer = StepTimer(server.engine.core)
+        timer = StepTimer(server.engine.core) if engine == "thread" else None
         spec = {
             "address": f"127.0.0.1:{server.port}", "batch": args.batch,
             "decode_len": args.decode_len, "rounds": args.rounds, "quiet_s": args.quiet_s,
@@ -170,13 +194,15 @@ async def run(args) -> dict:
             out, _ = await proc.communicate()
         if proc.returncode != 0:
             raise RuntimeError(f"the client failed (exit {proc.returncode})")
-        report = json.loads(out)
-        return analyse(args, report, timer.steps, gc_log.collections, mb)
     finally:
-        if server is not None:
-            await server.stop()
-        setup.store.terminate()
-        setup.store.wait()
+        await server.stop()
+    if timer is not None:  # the step thread ran here, beside the event loop
+        steps, collections = timer.steps, gc_log.collections
+    else:  # the engine process wrote its steps and collections when it stopped
+        recorded = json.loads(trace.read_text())
+        steps = [StepTime(**s) for s in recorded["steps"]]
+        collections = [Collection(**c) for c in recorded["collections"]]
+    return analyse(args, json.loads(out), steps, collections, mb)
 
 
 def analyse(args, report: dict, steps, collections: list[Collection], mb: float) -> dict:
@@ -201,7 +227,7 @@ def analyse(args, report: dict, steps, collections: list[Collection], mb: float)
     ttft = report["ttft"]
     cold = sorted(ttft["cold_adapter_s"])
     return {
-        "machine": machine(), "shape": args.shape, "rank": RANK, "adapter_mb": mb,
+        "shape": args.shape, "rank": RANK, "adapter_mb": mb,
         "switch_interval_s": sys.getswitchinterval(),
         "prompt_tokens": PROMPT_TOKENS, "batch": args.batch, "decode_len": args.decode_len,
         "loads": report["loads"],
@@ -259,13 +285,20 @@ def main() -> int:
     parser.add_argument(
         "--switch-interval-ms", type=float, default=None, help="the service process's GIL switch"
     )
+    parser.add_argument(
+        "--engines", default="process,thread",
+        help="where the engine runs, each in turn: its own process, a thread of the service",
+    )  # fmt: skip
     parser.add_argument("--out", default=str(REPO / "bench/results/service_load.json"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     result = asyncio.run(run(args))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(report_text(result))
+    print(f"machine: {result['machine']}")
+    for engine, r in result["variants"].items():
+        print(f"\n=== engine: {engine}")
+        print(report_text(r))
     return 0
 
 

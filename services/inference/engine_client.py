@@ -78,9 +78,12 @@ class RemoteEngine:
         arena: HostArena,
         log_level: str = "INFO",
         on_exit: Callable[[str], None] | None = None,
+        module: str = "services.inference.engine_process",
     ) -> None:
-        """``on_exit(reason)`` is called on the event loop if the process ends unasked."""
+        """``on_exit(reason)`` is called on the event loop if the process ends unasked;
+        ``module`` is what the process runs (a benchmark runs one that times every step)."""
         self.config = config
+        self._module = module
         self._on_exit = on_exit
         self.arena = arena
         self._log_level = log_level
@@ -121,7 +124,7 @@ class RemoteEngine:
         try:
             self._proc = subprocess.Popen(
                 [
-                    sys.executable, "-m", "services.inference.engine_process",
+                    sys.executable, "-m", self._module,
                     str(child.fileno()), str(arena_fd), str(self.arena.capacity),
                     self._log_level,
                 ],
