@@ -344,7 +344,7 @@ class RemoteEngine:
             _resolve(future, error)
         if report.stats is not None:
             self._stats = report.stats
-        items = [(out.request_id, out) for out in report.outputs]
+        items = [(row[0], GenerationOutput(*row)) for row in report.outputs]
         items.extend(report.errors)
         if items:
             self._outputs.post(items)

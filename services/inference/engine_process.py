@@ -65,7 +65,7 @@ class EngineInfo(NamedTuple):
 
 class Report(NamedTuple):
     applied: int  # every command up to this number is applied
-    outputs: list[GenerationOutput]
+    outputs: list[tuple]  # GenerationOutput's fields in order: plain tuples pickle 8x faster
     errors: list[tuple[str, BaseException]]  # (request_id, why it was refused)
     adapters: dict[AdapterKey, AdapterEntryStatus | None]  # changed; None = gone
     copies: list[tuple[AdapterKey, float]]  # host -> pool copies completed, seconds
@@ -82,7 +82,7 @@ class ProcessEngine(Engine):
         self._lock = threading.Lock()  # guards the fields below (command and step threads)
         self._applied = 0
         self._reported = 0
-        self._outputs_out: list[GenerationOutput] = []
+        self._outputs_out: list[tuple] = []
         self._errors: list[tuple[str, BaseException]] = []
         self._loaded: list[tuple[int, BaseException | None]] = []
         self._copies: list[tuple[AdapterKey, float]] = []
@@ -143,8 +143,13 @@ class ProcessEngine(Engine):
     # --- the step thread ------------------------------------------------------------------
 
     def _deliver(self, outputs: list[GenerationOutput]) -> None:
+        rows = [
+            (o.request_id, o.token_ids, o.text, o.finish_reason, o.prompt_tokens,
+             o.completion_tokens)
+            for o in outputs
+        ]  # fmt: skip
         with self._lock:
-            self._outputs_out.extend(outputs)
+            self._outputs_out.extend(rows)
 
     def _iteration_done(self) -> None:
         self.report(final=False)
