@@ -181,6 +181,7 @@ async def run_variant(args, setup, engine: str) -> dict:
     try:
         await server.start()
         timer = StepTimer(server.engine.core) if engine == "thread" else None
+        spans: dict = {}  # the engine process records what else ran (bench/traced_engine.py)
         spec = {
             "address": f"127.0.0.1:{server.port}", "batch": args.batch,
             "decode_len": args.decode_len, "rounds": args.rounds, "quiet_s": args.quiet_s,
@@ -202,10 +203,13 @@ async def run_variant(args, setup, engine: str) -> dict:
         recorded = json.loads(trace.read_text())
         steps = [StepTime(**s) for s in recorded["steps"]]
         collections = [Collection(**c) for c in recorded["collections"]]
-    return analyse(args, json.loads(out), steps, collections, mb)
+        spans = recorded["spans"]
+    return analyse(args, json.loads(out), steps, collections, mb, spans)
 
 
-def analyse(args, report: dict, steps, collections: list[Collection], mb: float) -> dict:
+def analyse(
+    args, report: dict, steps, collections: list[Collection], mb: float, spans: dict
+) -> dict:
     full = [s for s in steps if s.outputs == s.tokens == args.batch]
     by_kind: dict[str, list] = {"quiet": [], "load": []}
     for kind, a, b in report["windows"]:
@@ -218,7 +222,21 @@ def analyse(args, report: dict, steps, collections: list[Collection], mb: float)
     def overlapping(step) -> str:
         end = step.start + step.seconds
         hit = {f"gc{c.generation}" for c in collections if c.start < end and step.start < c.end}
+        for what, rows in spans.items():
+            if any(t < end and step.start < t + d for t, d in rows):
+                hit.add(what)
         return "+".join(sorted(hit)) or "none"
+
+    def span_stats(rows) -> dict:
+        s = summarize([d for _, d in rows], len(rows))
+        return {"count": len(rows), "p50_s": s.p50, "p99_s": s.p99, "max_s": s.max}
+
+    # Load-window steps that began a pool load against those that did not.
+    began = spans.get("begin_load", [])
+    with_load = [
+        x for x in by_kind["load"] if any(x.start <= t < x.start + x.seconds for t, _ in began)
+    ]
+    without_load = [x for x in by_kind["load"] if x not in with_load]
 
     quiet, load = stats(by_kind["quiet"]), stats(by_kind["load"])
     threads: dict[str, list[int]] = {}
@@ -240,6 +258,9 @@ def analyse(args, report: dict, steps, collections: list[Collection], mb: float)
             for s in sorted(by_kind["load"], key=lambda x: -x.seconds)[:6]
         ],
         "gc_threads": threads,
+        "load_window_steps_beginning_a_load": stats(with_load) if with_load else None,
+        "load_window_steps_without": stats(without_load) if without_load else None,
+        "engine_process_spans": {k: span_stats(v) for k, v in spans.items() if v},
     }  # fmt: skip
 
 
@@ -264,6 +285,16 @@ def report_text(r: dict) -> str:
         "  collections ran on: "
         + "; ".join(f"{k} gen0 {v[0]} gen1 {v[1]} gen2 {v[2]}" for k, v in r["gc_threads"].items()),
     ]
+    for label, key in (
+        ("load-window steps that began a pool load", "load_window_steps_beginning_a_load"),
+        ("load-window steps that did not", "load_window_steps_without"),
+    ):
+        if r.get(key):
+            lines.append(f"  {label}: p50 {ms(r[key]['p50_s'])}, p99 {ms(r[key]['p99_s'])} "
+                         f"({r[key]['steps']} steps)")  # fmt: skip
+    for what, v in r.get("engine_process_spans", {}).items():
+        lines.append(f"  engine process {what}: {v['count']}x, p50 {ms(v['p50_s'])}, "
+                     f"p99 {ms(v['p99_s'])}, max {ms(v['max_s'])}")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -1,7 +1,8 @@
-"""The engine process with every step and every garbage collection recorded, for
+"""The engine process with every step, garbage collection, pool load and command recorded, for
 bench/service_load.py: it runs services/inference/engine_process.py unchanged, wraps the
-engine's step with bench/adapter_load.py's StepTimer, and writes what it recorded as JSON to
-the file named by LORAFLEET_BENCH_TRACE when the process ends.
+engine's step with bench/adapter_load.py's StepTimer, the adapter manager's begin_load (step
+thread) and the command reader's apply (the other thread that takes the GIL) with timers, and
+writes what it recorded as JSON to the file named by LORAFLEET_BENCH_TRACE when it ends.
 
 Times are time.perf_counter (CLOCK_MONOTONIC on Linux), so they compare with the client's.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,12 +22,35 @@ from bench.adapter_load import CollectionLog, StepTimer  # noqa: E402
 from services.inference import engine_process  # noqa: E402
 
 _timers: list[StepTimer] = []
+_spans: dict[str, list[tuple[float, float]]] = {}  # what -> (start, seconds)
+
+
+def _timed(what: str, fn):
+    spans = _spans.setdefault(what, [])
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spans.append((t, time.perf_counter() - t))
+
+    return wrapper
 
 
 class _TracedEngine(engine_process.ProcessEngine):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         _timers.append(StepTimer(self.core))
+        adapters = self.core.adapters
+        adapters.begin_load = _timed("begin_load", adapters.begin_load)
+
+    def apply(self, msg: tuple, arena) -> None:
+        t = time.perf_counter()
+        try:
+            super().apply(msg, arena)
+        finally:
+            _spans.setdefault("cmd_" + msg[0], []).append((t, time.perf_counter() - t))
 
 
 def main(argv: list[str]) -> int:
@@ -35,6 +60,7 @@ def main(argv: list[str]) -> int:
     trace = {
         "steps": [s._asdict() for t in _timers for s in t.steps],
         "collections": [c._asdict() for c in collections.collections],
+        "spans": _spans,
     }
     Path(os.environ["LORAFLEET_BENCH_TRACE"]).write_text(json.dumps(trace))
     return code
