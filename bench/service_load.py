@@ -239,6 +239,17 @@ def analyse(
     without_load = [x for x in by_kind["load"] if x not in with_load]
 
     quiet, load = stats(by_kind["quiet"]), stats(by_kind["load"])
+    # What a stream sees between two tokens: a step plus whatever the step thread did before
+    # the next one (e.g. a LoadAdapter's copy issued between steps), start to next start.
+    ordered = sorted(steps, key=lambda x: x.start)
+    next_start = {id(a): b.start for a, b in zip(ordered, ordered[1:], strict=False)}
+
+    def periods(samples) -> dict:
+        rows = [StepTime(x.start, next_start[id(x)] - x.start, x.outputs, x.tokens,
+                         x.cpu_seconds) for x in samples if id(x) in next_start]  # fmt: skip
+        return stats(rows)
+
+    quiet_period, load_period = periods(by_kind["quiet"]), periods(by_kind["load"])
     threads: dict[str, list[int]] = {}
     for c in collections:
         threads.setdefault(c.thread, [0, 0, 0])[c.generation] += 1
@@ -253,6 +264,9 @@ def analyse(
         "step_no_loads": quiet, "step_with_loads": load,
         "p99_ratio": load["p99_s"] / quiet["p99_s"] if quiet["p99_s"] else None,
         "p50_ratio": load["p50_s"] / quiet["p50_s"] if quiet["p50_s"] else None,
+        "period_no_loads": quiet_period, "period_with_loads": load_period,
+        "period_p99_ratio": load_period["p99_s"] / quiet_period["p99_s"]
+        if quiet_period["p99_s"] else None,
         "slowest_with_loads": [
             (s.seconds, overlapping(s))
             for s in sorted(by_kind["load"], key=lambda x: -x.seconds)[:6]
@@ -280,6 +294,9 @@ def report_text(r: dict) -> str:
         f"  with loads           {ms(b['p50_s'])} {ms(b['p99_s'])}  ({b['steps']} steps, "
         f"{r['loads']} loads)",
         f"  p99 ratio {r['p99_ratio']:.3f}, p50 ratio {r['p50_ratio']:.3f} (goal: p99 <= 1.05)",
+        f"  step period (start to next start): no loads {ms(r['period_no_loads']['p50_s'])} "
+        f"{ms(r['period_no_loads']['p99_s'])}; with loads {ms(r['period_with_loads']['p50_s'])} "
+        f"{ms(r['period_with_loads']['p99_s'])}; p99 ratio {r['period_p99_ratio']:.3f}",
         "  slowest with loads: "
         + ", ".join(f"{s * 1000:.1f} ms ({p})" for s, p in r["slowest_with_loads"]),
         "  collections ran on: "

@@ -1,8 +1,9 @@
 """The engine process with every step, garbage collection, pool load and command recorded, for
 bench/service_load.py: it runs services/inference/engine_process.py unchanged, wraps the
-engine's step with bench/adapter_load.py's StepTimer, the adapter manager's begin_load (step
-thread) and the command reader's apply (the other thread that takes the GIL) with timers, and
-writes what it recorded as JSON to the file named by LORAFLEET_BENCH_TRACE when it ends.
+engine's step with bench/adapter_load.py's StepTimer, and the adapter manager's begin_load and
+issue_loads (step thread) and the command reader's apply (the other thread that takes the GIL)
+with timers, and writes what it recorded as JSON to the file named by LORAFLEET_BENCH_TRACE
+when it ends.
 
 Times are time.perf_counter (CLOCK_MONOTONIC on Linux), so they compare with the client's.
 """
@@ -44,6 +45,7 @@ class _TracedEngine(engine_process.ProcessEngine):
         _timers.append(StepTimer(self.core))
         adapters = self.core.adapters
         adapters.begin_load = _timed("begin_load", adapters.begin_load)
+        adapters.issue_loads = _timed("issue_loads", adapters.issue_loads)
 
     def apply(self, msg: tuple, arena) -> None:
         t = time.perf_counter()

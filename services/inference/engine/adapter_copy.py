@@ -1,19 +1,22 @@
 """Host -> pool copies of adapters: one transfer of the file's bytes, then a few batched kernels.
 
-On CUDA the step thread issues a copy on a side stream, between two steps: a non-blocking copy
-of the whole adapter file from pinned host memory into a device staging buffer, then, per
-module, the layers' A and Bᵀ stacked, converted to the pool's dtype, padded to the pool's chunk
-width, and scattered into the adapter's slots of every layer at once (kernels/lora_layout.py's
-geometry), then an event. Issuing takes about a millisecond of the step thread's time; the
-transfer and the kernels run while later steps compute, and the step thread only polls the
-event (CopyTicket.done), so it never waits on them. (A loader thread that issued the copies
-instead made the steps it overlapped slower: its Python competed with the step thread's for the
-GIL. bench/adapter_load.py, decode step p99 under loads: 1.087x with the thread, 1.034x
-without.) On the CPU the same function runs in place, synchronously, reading the host bytes
-directly.
+On CUDA the step thread issues a copy on a side stream: a non-blocking copy of the whole
+adapter file from pinned host memory into a device staging buffer, then, per module, the
+layers' A and Bᵀ stacked, converted to the pool's dtype, padded to the pool's chunk width, and
+scattered into the adapter's slots of every layer at once (kernels/lora_layout.py's geometry),
+then an event. The step thread only polls the event (CopyTicket.done), so it never waits on the
+transfer or the kernels. (A loader thread that issued the copies instead made the steps it
+overlapped slower: its Python competed with the step thread's for the GIL. bench/adapter_load.py,
+decode step p99 under loads: 1.087x with the thread, 1.034x without.)
 
-The side stream first waits for the stream that scheduled the copy: the slots were taken from
-freed KV pages, which kernels queued before may still read or write.
+Issuing is two calls. prepare(), when the scheduler takes the pages, records an event on the
+scheduling stream: the slots were taken from freed pages and rows, which work queued before
+(the last use of those KV pages, an evicted adapter's index row being cleared) may still touch.
+issue(), which the engine calls once the step's own GPU work is queued (AdapterManager.
+issue_loads), makes the side stream wait for that event only, not for the step, and queues the
+copy; so the milliseconds of host time that issuing takes (about 60 operations and an 80 MB
+transfer for a Llama-7B rank-16 adapter) pass while the GPU computes the step. On the CPU the
+same function runs in place, synchronously, at prepare(), reading the host bytes directly.
 """
 
 from __future__ import annotations
@@ -84,20 +87,22 @@ def write_adapter(pool: torch.Tensor, host: HostAdapter, slots: torch.Tensor, sr
 
 
 class CopyTicket:
-    """One host -> pool copy. done() never blocks; seconds() is the copy's duration (device
-    time between events on CUDA, wall time on the CPU) once done. A copy that failed to issue
-    raises from done()."""
+    """One host -> pool copy. done() never blocks (False until issued, on CUDA); seconds() is
+    the copy's duration (device time between events on CUDA, wall time on the CPU) once done.
+    A copy that failed to issue raises from done()."""
 
     def __init__(self, cuda: bool) -> None:
         self._error: BaseException | None = None
         self._start = torch.cuda.Event(enable_timing=True) if cuda else None
         self._end = torch.cuda.Event(enable_timing=True) if cuda else None
+        self._after = torch.cuda.Event() if cuda else None  # the scheduling stream's work
+        self._job: tuple[HostAdapter, torch.Tensor] | None = None  # prepared, not yet issued
         self._seconds = 0.0
 
     def done(self) -> bool:
         if self._error is not None:
             raise RuntimeError("copying an adapter into the page pool failed") from self._error
-        return self._end is None or self._end.query()
+        return self._end is None or (self._job is None and self._end.query())
 
     def seconds(self) -> float:
         if self._end is not None:
@@ -114,11 +119,14 @@ class AdapterCopier:
         self.cuda = pool.device.type == "cuda"
         self._stream = torch.cuda.Stream(pool.device) if self.cuda else None
 
-    def submit(self, host: HostAdapter, slots: torch.Tensor) -> CopyTicket:
+    def prepare(self, host: HostAdapter, slots: torch.Tensor) -> CopyTicket:
+        """A copy of ``host`` into ``slots``, ordered after the work queued so far on the
+        current stream; on CUDA issue(ticket) queues it, on the CPU it is done already."""
         ticket = CopyTicket(self.cuda)
         try:
             if self.cuda:
-                self._issue(ticket, host, slots)
+                ticket._after.record(torch.cuda.current_stream(self.pool.device))
+                ticket._job = (host, slots)
             else:
                 start = time.perf_counter()
                 write_adapter(self.pool, host, slots, host.raw)
@@ -128,14 +136,23 @@ class AdapterCopier:
             ticket._error = exc
         return ticket
 
-    def _issue(self, ticket: CopyTicket, host: HostAdapter, slots: torch.Tensor) -> None:
-        side = self._stream
-        scheduler_stream = torch.cuda.current_stream(self.pool.device)
-        with torch.cuda.device(self.pool.device), torch.cuda.stream(side):
-            side.wait_stream(scheduler_stream)
-            ticket._start.record(side)
-            staged = host.raw.to(self.pool.device, non_blocking=True)  # pinned -> DMA
-            write_adapter(self.pool, host, slots, staged)
-            ticket._end.record(side)
-        # The slot table was made on the scheduler's stream; keep it for this one too.
-        slots.record_stream(side)
+    def issue(self, ticket: CopyTicket) -> None:
+        """Queue a prepared copy on the side stream (no-op once issued, and on the CPU)."""
+        if ticket._job is None:
+            return
+        host, slots = ticket._job
+        try:
+            side = self._stream
+            with torch.cuda.device(self.pool.device), torch.cuda.stream(side):
+                side.wait_event(ticket._after)
+                ticket._start.record(side)
+                staged = host.raw.to(self.pool.device, non_blocking=True)  # pinned -> DMA
+                write_adapter(self.pool, host, slots, staged)
+                ticket._end.record(side)
+            # The slot table was made on the scheduler's stream; keep it for this one too.
+            slots.record_stream(side)
+        except BaseException as exc:  # reported to the step thread by done()
+            log.exception("adapter copy failed")
+            ticket._error = exc
+        finally:
+            ticket._job = None

@@ -2,14 +2,15 @@
 
 States, one per adapter:
     HOST     weights in host memory only (pinned on CUDA)
-    LOADING  pool pages and an index row taken; the host->pool copy was issued (on CUDA on a
-             side stream, completion marked by an event)
+    LOADING  pool pages and an index row taken; the host->pool copy prepared, then issued (on
+             CUDA on a side stream, completion marked by an event)
     IN_POOL  the copy completed: requests using the adapter may join a step
 begin_load() moves HOST -> LOADING, poll_loads() LOADING -> IN_POOL once the copy is done (on CPU
 at once), evict moves IN_POOL -> HOST. The scheduler admits a request only when its adapter is
 IN_POOL, so a load never stalls the requests already running. The copy itself is
-adapter_copy.py's: on CUDA begin_load() issues it on a side stream (about a millisecond of the
-step thread's time) and returns; the transfer runs while later steps compute.
+adapter_copy.py's: on CUDA begin_load() prepares it and issue_loads(), called once the step's
+GPU work is queued, issues it on a side stream (milliseconds of the step thread's time, spent
+while the GPU computes); the transfer runs while later steps compute.
 
 Invariant: an adapter with refs > 0 (a request that uses it is queued or running) or pinned is
 never evicted by evict_idle(). Only evict_for_stall() may take one that queued requests are
@@ -99,6 +100,7 @@ class AdapterManager:
         # Kept beside the table so the per-step reap() and poll_loads() touch only these,
         # not every registered adapter.
         self._loading: set[Hashable] = set()
+        self._unissued: list[CopyTicket] = []  # prepared copies (step thread)
         self._removed: set[Hashable] = set()
         self._lock = threading.Lock()
         self._clock = 0
@@ -237,9 +239,9 @@ class AdapterManager:
         return bool(self._loading)
 
     def begin_load(self, key: Hashable, reserve: int = 0) -> bool:
-        """Take pages and a row (evicting idle adapters if that suffices) and issue the copy,
-        leaving at least ``reserve`` pages free. False when there is no room now; nothing is
-        evicted then."""
+        """Take pages and a row (evicting idle adapters if that suffices) and prepare the copy,
+        leaving at least ``reserve`` pages free; issue_loads() then queues it. False when there
+        is no room now; nothing is evicted then."""
         with self._lock:
             entry = self._entries[key]
             if entry.state is not AdapterState.HOST:
@@ -258,9 +260,18 @@ class AdapterManager:
             self._loading.add(key)
             self._mark(key)
         self._write_row(entry.row, entry.host, slots)
-        entry.ready = self.copier.submit(entry.host, slots)
+        entry.ready = self.copier.prepare(entry.host, slots)
+        self._unissued.append(entry.ready)
         self.loads += 1
         return True
+
+    def issue_loads(self) -> None:
+        """Queue the copies begin_load prepared (adapter_copy.py). The engine calls this once
+        the step's GPU work is queued, so their host time passes while the GPU computes."""
+        if self._unissued:
+            tickets, self._unissued = self._unissued, []
+            for ticket in tickets:
+                self.copier.issue(ticket)
 
     def poll_loads(self) -> None:
         """LOADING -> IN_POOL for every load whose copy has completed (never blocks)."""

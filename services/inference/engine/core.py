@@ -249,6 +249,7 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         self.last_step_ran = bool(scheduled)
         if not scheduled:
+            self.adapters.issue_loads()  # no step to overlap with
             collect_if_due()  # nothing runs while queued requests wait: collect meanwhile
             return []
         entries = [
@@ -263,7 +264,9 @@ class EngineCore:
         ]
         logits = self.runner.execute(entries)  # [sampling sequences, vocab]
         # The GPU computes meanwhile (the step's work is queued; the sampler's sync waits for
-        # it), so a collection due now costs nothing; on CPU it simply runs after the forward.
+        # it), so the adapter copies prepared for this step are issued now, and a collection
+        # due now costs nothing; on CPU both simply run after the forward.
+        self.adapters.issue_loads()
         collect_if_due()
         self.steps += 1
         sampling = [s.seq for s in scheduled if s.samples]

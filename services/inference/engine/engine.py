@@ -228,6 +228,7 @@ class Engine:
                 if core.has_work and not self._stopping.is_set():
                     self._deliver(core.step())
                 elif not core.has_work:
+                    core.adapters.issue_loads()  # LoadAdapter's, with no step to overlap
                     core.adapters.reap()
                     collect_if_due()  # idle: garbage must not pile up while no step runs
                 self._iteration_done()
