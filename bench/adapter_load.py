@@ -227,10 +227,10 @@ class StepTimer:
         self._step = core.step
         core.step = self
 
-    def __call__(self):
+    def __call__(self, during=None):
         t, cpu = time.perf_counter(), time.thread_time()
         before = self._core.computed_tokens
-        out = self._step()
+        out = self._step(during)
         tokens = self._core.computed_tokens - before
         wall = time.perf_counter() - t
         self.steps.append(StepTime(t, wall, len(out), tokens, time.thread_time() - cpu))

@@ -1,7 +1,7 @@
 """The engine process with every step, garbage collection, pool load and command recorded, for
 bench/service_load.py: it runs services/inference/engine_process.py unchanged, wraps the
 engine's step with bench/adapter_load.py's StepTimer, and the adapter manager's begin_load and
-issue_loads (step thread) and the command reader's apply (the other thread that takes the GIL)
+issue_loads (step thread) and the commands it applies for the service
 with timers, and writes what it recorded as JSON to the file named by LORAFLEET_BENCH_TRACE
 when it ends.
 
@@ -47,12 +47,13 @@ class _TracedEngine(engine_process.ProcessEngine):
         adapters.begin_load = _timed("begin_load", adapters.begin_load)
         adapters.issue_loads = _timed("issue_loads", adapters.issue_loads)
 
-    def apply(self, msg: tuple, arena) -> None:
+    def _apply(self, cmd: object) -> None:
         t = time.perf_counter()
         try:
-            super().apply(msg, arena)
+            super()._apply(cmd)
         finally:
-            _spans.setdefault("cmd_" + msg[0], []).append((t, time.perf_counter() - t))
+            if isinstance(cmd, engine_process._Command):
+                _spans.setdefault("cmd_" + cmd.msg[0], []).append((t, time.perf_counter() - t))
 
 
 def main(argv: list[str]) -> int:

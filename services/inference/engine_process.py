@@ -5,7 +5,9 @@ serves RPCs and follows the store; every millisecond of that Python which falls 
 steps delays the next one. On the H200, 64 streams through gRPC with cold loads gave a decode
 step p99 1.02-1.10x of the quiet step, against 1.03x for the engine alone
 (bench/service_load.py, bench/adapter_load.py). Here the step thread's only neighbour is the
-thread that reads commands, which sleeps in a socket read between them.
+thread that reads commands: it sleeps in a socket read between them and only unpickles each
+one into the engine's inbox. The step thread applies them, in order, between steps or while a
+step computes (Engine._drain), so their Python does not compete with it for the GIL either.
 
 The service keeps everything else: the registry, the host cache and its arena, the fetch
 worker, the gRPC server. Adapter bytes do not travel: the arena is a memfd that this process
@@ -32,7 +34,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from multiprocessing.connection import Connection
 from typing import NamedTuple
@@ -73,13 +74,18 @@ class Report(NamedTuple):
     stats: EngineStats | None
 
 
+class _Command(NamedTuple):
+    msg: tuple  # as the service sent it (see the protocol above)
+
+
 class ProcessEngine(Engine):
     """An Engine whose outputs and news go to the service over ``conn``."""
 
     def __init__(self, config: EngineConfig, conn: Connection) -> None:
         super().__init__(config)
         self._conn = conn
-        self._lock = threading.Lock()  # guards the fields below (command and step threads)
+        self.arena = None  # the shared host arena, mapped by serve()
+        # The step thread's alone, except after it stopped (the final report).
         self._applied = 0
         self._reported = 0
         self._outputs_out: list[tuple] = []
@@ -93,17 +99,37 @@ class ProcessEngine(Engine):
         self.core.adapters.track_changes()
         self.add_load_listener(self._copied)
 
-    # --- the command thread ---------------------------------------------------------------
+    # --- the command reader (main thread) ---------------------------------------------------
 
-    def apply(self, msg: tuple, arena) -> None:
+    def post(self, msg: tuple) -> None:
+        """Queue a command from the service for the step thread, which applies them all, in
+        order: between steps, or while a step computes (Engine._drain), so that their Python
+        (validating a request, describing an adapter) never holds the GIL the step thread
+        needs between its launches."""
+        self._inbox.put(_Command(msg))
+
+    # --- the step thread ------------------------------------------------------------------
+
+    def _applies_during_step(self, cmd: object) -> bool:
+        if isinstance(cmd, _Command):
+            return cmd.msg[0] != "abort"
+        return super()._applies_during_step(cmd)
+
+    def _apply(self, cmd: object) -> None:
+        if not isinstance(cmd, _Command):
+            super()._apply(cmd)
+            return
+        msg = cmd.msg
         kind, n = msg[0], msg[1]
         try:
             if kind == "generate":
                 self._generate(msg[2])
             elif kind == "abort":
-                self.abort(msg[2])
+                out = self.core.abort(msg[2])
+                if out is not None:
+                    self._deliver([out])
             elif kind == "add":
-                self._add(msg[2], arena[msg[3] : msg[3] + msg[4]], msg[5], msg[6])
+                self._add(msg[2], self.arena[msg[3] : msg[3] + msg[4]], msg[5], msg[6])
             elif kind == "remove":
                 self.remove_adapter(msg[2])
             elif kind == "pin":
@@ -114,55 +140,45 @@ class ProcessEngine(Engine):
                 log.error("unknown command %r from the service", kind)
         except Exception:  # the service checked first: this is a bug, not bad input
             log.exception("command %s (%d) failed", kind, n)
-        with self._lock:
-            self._applied = n
+        self._applied = n
 
     def _generate(self, request) -> None:
         try:
-            self.submit(request)
+            self.core.enqueue(self.core.prepare(request))
         except Exception as exc:  # invalid request, unknown adapter, overloaded: the caller's
-            with self._lock:
-                self._errors.append((request.request_id, exc))
+            self._errors.append((request.request_id, exc))
 
     def _add(self, key, raw, config_json, spec) -> None:
         try:
             self.add_adapter(key, config_json, raw, spec=spec)
         except Exception:
             log.exception("adapter %s could not be added", key)
-            with self._lock:
-                self._failed_adds[key] = None
+            self._failed_adds[key] = None
 
     def _answer(self, n: int, error: BaseException | None) -> None:
-        with self._lock:
-            self._loaded.append((n, error))
+        self._loaded.append((n, error))
 
     def _copied(self, key: AdapterKey, seconds: float) -> None:
-        with self._lock:
-            self._copies.append((key, seconds))
-
-    # --- the step thread ------------------------------------------------------------------
+        self._copies.append((key, seconds))
 
     def _deliver(self, outputs: list[GenerationOutput]) -> None:
-        rows = [
+        self._outputs_out.extend(
             (o.request_id, o.token_ids, o.text, o.finish_reason, o.prompt_tokens,
              o.completion_tokens)
             for o in outputs
-        ]  # fmt: skip
-        with self._lock:
-            self._outputs_out.extend(rows)
+        )  # fmt: skip
 
     def _iteration_done(self) -> None:
         self.report(final=False)
 
     def report(self, final: bool) -> None:
         """Send what happened since the last report, if anything did."""
-        with self._lock:
-            applied = self._applied  # read first: the statuses taken below include its effects
-            outputs, self._outputs_out = self._outputs_out, []
-            errors, self._errors = self._errors, []
-            loaded, self._loaded = self._loaded, []
-            copies, self._copies = self._copies, []
-            failed, self._failed_adds = self._failed_adds, {}
+        applied = self._applied
+        outputs, self._outputs_out = self._outputs_out, []
+        errors, self._errors = self._errors, []
+        loaded, self._loaded = self._loaded, []
+        copies, self._copies = self._copies, []
+        failed, self._failed_adds = self._failed_adds, {}
         adapters = self.core.adapters.take_changes()
         adapters.update(failed)
         stats = None
@@ -190,7 +206,7 @@ def serve(conn: Connection, arena_fd: int, arena_bytes: int) -> int:
     try:
         engine = ProcessEngine(config, conn)
         pinned = engine.device.type == "cuda"
-        arena = map_shared(arena_fd, arena_bytes, pin=pinned)
+        engine.arena = map_shared(arena_fd, arena_bytes, pin=pinned)
         os.close(arena_fd)
     except Exception as exc:
         log.exception("the engine could not start")
@@ -215,9 +231,7 @@ def serve(conn: Connection, arena_fd: int, arena_bytes: int) -> int:
             msg = conn.recv()
             if msg[0] == "stop":
                 break
-            engine.apply(msg, arena)
-            if not conn.poll(0):
-                engine.wake()  # report the applied commands at once, also when idle
+            engine.post(msg)
     except EOFError:  # the service is gone
         log.warning("the service closed the connection; stopping")
     engine.stop_blocking()

@@ -217,10 +217,34 @@ async def test_stop_ends_streams_and_refuses_new_requests(engine):
 
 
 async def test_step_failure_reaches_the_caller(engine):
-    def broken():
+    def broken(during=None):
         raise RuntimeError("device lost")
 
     engine.core.step = broken
     with pytest.raises(EngineStopped, match="step failed") as info:
         await collect(engine, greedy("z", [5, 6, 7], 4))
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_commands_during_a_step_stop_at_the_first_abort(tiny_models):
+    """While a step's batch is on the GPU the loop applies queued commands only up to the first
+    abort, which would free pages the step still uses; it and everything after it wait, in
+    order, for the drain between steps."""
+    from services.inference.engine.engine import _Abort, _Enqueue
+
+    engine = Engine(
+        EngineConfig(model_dir=tiny_models.model("tiny-llama"), device="cpu", num_pages=64)
+    )
+    core = engine.core
+    first, second = (
+        core.prepare(GenerationRequest(rid, prompt_token_ids=[3, 5])) for rid in ("a", "b")
+    )
+    for cmd in (_Enqueue(first), _Abort("a"), _Enqueue(second)):
+        engine._inbox.put(cmd)
+    engine._drain(timeout=None, during_step=True)
+    assert list(core.scheduler.waiting) == [first]  # "b" is behind the held abort
+    engine._drain(timeout=None, during_step=True)  # still held: nothing moves
+    assert list(core.scheduler.waiting) == [first]
+    engine._drain(timeout=None)  # between steps: the abort, then "b"
+    assert list(core.scheduler.waiting) == [second]
+    assert first.finish_reason is FinishReason.ABORT

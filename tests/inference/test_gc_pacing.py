@@ -231,7 +231,7 @@ async def test_failed_step_loop_gives_collection_back(gc_state, tiny_models):
         )
     )  # fmt: skip
 
-    def broken_step():
+    def broken_step(during=None):
         raise RuntimeError("a broken step")
 
     engine.core.step = broken_step

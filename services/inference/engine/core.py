@@ -241,10 +241,11 @@ class EngineCore:
 
     # --- the step ---------------------------------------------------------------------------
 
-    def step(self) -> list[GenerationOutput]:
+    def step(self, during: Callable[[], None] | None = None) -> list[GenerationOutput]:
         """Schedule, run one forward pass, sample, detokenize; returns this step's outputs.
-        ``last_step_ran`` tells whether anything could run (it cannot while every queued
-        request waits for an adapter copy)."""
+        ``during`` runs once the step's GPU work is queued, before waiting for it (Engine
+        applies its queued commands there). ``last_step_ran`` tells whether anything could
+        run (it cannot while every queued request waits for an adapter copy)."""
         self.adapters.reap()
         scheduled = self.scheduler.schedule()
         self.last_step_ran = bool(scheduled)
@@ -267,6 +268,8 @@ class EngineCore:
         # it), so the adapter copies prepared for this step are issued now, and a collection
         # due now costs nothing; on CPU both simply run after the forward.
         self.adapters.issue_loads()
+        if during is not None:
+            during()
         collect_if_due()
         self.steps += 1
         sampling = [s.seq for s in scheduled if s.samples]

@@ -81,6 +81,7 @@ class Engine:
         self._stopping = threading.Event()
         self._failure: BaseException | None = None
         self._loads: list[_Load] = []  # LoadAdapter calls waiting for their copy (step thread)
+        self._held: list[object] = []  # a command taken from the inbox, applied next (0 or 1)
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -208,10 +209,6 @@ class Engine:
     def stats(self) -> EngineStats:
         return self.core.stats()
 
-    def wake(self) -> None:
-        """Make an idle step loop take one turn now (it reports news in _iteration_done)."""
-        self._inbox.put(None)
-
     # --- the step loop (its own thread) -----------------------------------------------------
 
     def _loop(self) -> None:
@@ -226,7 +223,7 @@ class Engine:
                     self._drain(timeout=_IDLE_WAIT_S)
                 self._advance_loads()
                 if core.has_work and not self._stopping.is_set():
-                    self._deliver(core.step())
+                    self._deliver(core.step(during=self._during_step))
                 elif not core.has_work:
                     core.adapters.issue_loads()  # LoadAdapter's, with no step to overlap
                     core.adapters.reap()
@@ -241,25 +238,46 @@ class Engine:
             if self._failure is not None:
                 release()  # nothing paces collections any more: CPython's own come back
 
-    def _drain(self, timeout: float | None) -> None:
-        """Apply the inbox's commands; with a timeout, wait that long for the first one."""
-        try:
-            cmd = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
-        except queue.Empty:
-            return
+    def _drain(self, timeout: float | None, during_step: bool = False) -> None:
+        """Apply the inbox's commands in order; with a timeout, wait that long for the first
+        one. ``during_step``: the step's GPU work is queued and its batch not yet done, so only
+        commands that leave the running batch alone are applied (their Python runs while the
+        GPU computes); the first other one (an abort), and all after it, wait for the next
+        drain, between steps."""
+        if self._held:
+            cmd = self._held.pop()
+        else:
+            try:
+                cmd = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
+            except queue.Empty:
+                return
         while True:
-            if isinstance(cmd, _Enqueue):
-                self.core.enqueue(cmd.seq)
-            elif isinstance(cmd, _Abort):
-                out = self.core.abort(cmd.request_id)
-                if out is not None:
-                    self._deliver([out])
-            elif isinstance(cmd, _Load):
-                self._loads.append(cmd)
+            if during_step and not self._applies_during_step(cmd):
+                self._held.append(cmd)
+                return
+            self._apply(cmd)
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _apply(self, cmd: object) -> None:
+        if isinstance(cmd, _Enqueue):
+            self.core.enqueue(cmd.seq)
+        elif isinstance(cmd, _Abort):
+            out = self.core.abort(cmd.request_id)
+            if out is not None:
+                self._deliver([out])
+        elif isinstance(cmd, _Load):
+            self._loads.append(cmd)
+
+    def _applies_during_step(self, cmd: object) -> bool:
+        """Whether ``cmd`` may be applied while a step's batch is on the GPU: not an abort,
+        which frees pages the step still uses and finishes a sequence it samples for."""
+        return not isinstance(cmd, _Abort)
+
+    def _during_step(self) -> None:
+        self._drain(timeout=None, during_step=True)
 
     def _advance_loads(self) -> None:
         """Start the copies LoadAdapter asked for (when there is room) and answer the callers
