@@ -7,8 +7,9 @@ Pinning is slow (hundreds of milliseconds per GiB) and a pinned allocation per a
 fragment the driver's page-locked memory, hence one arena with its own allocator.
 
 The buffer is a memfd mapped shared, so the fetch worker process (fetch_worker.py) can map the
-same memory (``fd``) and write fetched bytes into it; on CUDA this process page-locks its
-mapping with cudaHostRegister, which makes it pinned memory like torch's own.
+same memory (``fd``) and write fetched bytes into it, and the engine process
+(engine_process.py) read them there; on CUDA the process that copies to the GPU page-locks its
+own mapping with cudaHostRegister (map_shared), which makes it pinned memory like torch's own.
 
 The allocator is pure host-side bookkeeping: a list of free ranges sorted by offset, first fit,
 neighbours coalesced on free. Every block starts on an ALIGN-byte boundary so that tensors of
