@@ -231,13 +231,6 @@ def analyse(
         s = summarize([d for _, d in rows], len(rows))
         return {"count": len(rows), "p50_s": s.p50, "p99_s": s.p99, "max_s": s.max}
 
-    # Load-window steps that began a pool load against those that did not.
-    began = spans.get("begin_load", [])
-    with_load = [
-        x for x in by_kind["load"] if any(x.start <= t < x.start + x.seconds for t, _ in began)
-    ]
-    without_load = [x for x in by_kind["load"] if x not in with_load]
-
     quiet, load = stats(by_kind["quiet"]), stats(by_kind["load"])
     # What a stream sees between two tokens: a step plus whatever the step thread did before
     # the next one (e.g. a LoadAdapter's copy issued between steps), start to next start.
@@ -272,8 +265,6 @@ def analyse(
             for s in sorted(by_kind["load"], key=lambda x: -x.seconds)[:6]
         ],
         "gc_threads": threads,
-        "load_window_steps_beginning_a_load": stats(with_load) if with_load else None,
-        "load_window_steps_without": stats(without_load) if without_load else None,
         "engine_process_spans": {k: span_stats(v) for k, v in spans.items() if v},
     }  # fmt: skip
 
@@ -302,13 +293,6 @@ def report_text(r: dict) -> str:
         "  collections ran on: "
         + "; ".join(f"{k} gen0 {v[0]} gen1 {v[1]} gen2 {v[2]}" for k, v in r["gc_threads"].items()),
     ]
-    for label, key in (
-        ("load-window steps that began a pool load", "load_window_steps_beginning_a_load"),
-        ("load-window steps that did not", "load_window_steps_without"),
-    ):
-        if r.get(key):
-            lines.append(f"  {label}: p50 {ms(r[key]['p50_s'])}, p99 {ms(r[key]['p99_s'])} "
-                         f"({r[key]['steps']} steps)")  # fmt: skip
     for what, v in r.get("engine_process_spans", {}).items():
         lines.append(f"  engine process {what}: {v['count']}x, p50 {ms(v['p50_s'])}, "
                      f"p99 {ms(v['p99_s'])}, max {ms(v['max_s'])}")  # fmt: skip

@@ -17,6 +17,7 @@ only say "not yet".
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -44,6 +45,7 @@ from services.inference.engine.api import (
     GenerationRequest,
 )
 from services.inference.engine.config import EngineConfig
+from services.inference.engine.engine import resolve
 from services.inference.engine.errors import (
     DuplicateRequest,
     EngineStopped,
@@ -51,7 +53,7 @@ from services.inference.engine.errors import (
     ModelLoadError,
     UnknownAdapter,
 )
-from services.inference.engine.host_adapter import HostAdapter, build_host_adapter
+from services.inference.engine.host_adapter import plan_for
 from services.inference.engine.output_router import OutputRouter
 from services.inference.engine.page_pool import pages_needed
 from services.inference.engine_process import EngineInfo, Report
@@ -99,6 +101,8 @@ class RemoteEngine:
         self._intents: dict[AdapterKey, _Intent] = {}
         self._loads: dict[int, tuple[AdapterKey, asyncio.Future]] = {}
         self._loading = Counter()  # keys with an unanswered "load"
+        self._aborting = Counter()  # request ids with an unconfirmed abort
+        self._stats_waiters: list[tuple[int, asyncio.Future]] = []
         self._copy_seconds: deque[float] = deque(maxlen=1024)
         self._listeners: list[Callable[[AdapterKey, float], None]] = []
         self._stats: EngineStats | None = None
@@ -164,9 +168,12 @@ class RemoteEngine:
             try:
                 await asyncio.wait_for(self._stopped.wait(), _STOP_TIMEOUT_S)
             except TimeoutError:
-                log.warning("the engine process did not stop in %.0f s", _STOP_TIMEOUT_S)
+                log.warning("the engine process did not stop in %.0f s: killed", _STOP_TIMEOUT_S)
+                self._proc.kill()
+        if self._conn is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._conn.fileno())
+        await asyncio.to_thread(self._close)  # exited: nothing reads the arena any more
         self._teardown("the engine stopped")
-        await asyncio.to_thread(self._close)
 
     # --- adapters ---------------------------------------------------------------------------
 
@@ -176,8 +183,9 @@ class RemoteEngine:
         config_json: bytes | str | dict,
         weights: torch.Tensor,
         spec: AdapterSpec | None = None,
-    ) -> HostAdapter:
-        """As Engine.add_adapter; ``weights`` must be a block of the shared arena."""
+    ) -> None:
+        """As Engine.add_adapter (the same errors, raised here); ``weights`` must be a block of
+        the shared arena. The engine process describes the adapter over its own mapping."""
         if not isinstance(key, AdapterKey):
             raise TypeError("key must be an AdapterKey")
         self._check_running()
@@ -190,18 +198,14 @@ class RemoteEngine:
                 config_json, memoryview(weights.numpy()), info.base_shape,
                 self.config.max_lora_rank,
             )  # fmt: skip
-        host = build_host_adapter(
-            key, config_json, weights, info.base_shape, info.pool_width,
-            self.config.max_lora_rank, pin=False, spec=spec,
-        )  # fmt: skip
-        need = pages_needed(host.plan.num_slots, info.page_size)
+        plan = plan_for(spec, info.base_shape, info.pool_width)
+        need = pages_needed(plan.num_slots, info.page_size)
         if need > info.num_pages:
             raise InvalidRequest(
                 f"adapter {key} needs {need} pool pages; the pool has {info.num_pages}"
             )
         n = self._send("add", key, offset, weights.numel(), config_json, spec)
         self._intents[key] = _Intent(n, True, None)
-        return host
 
     def remove_adapter(self, key: AdapterKey) -> None:
         if self.adapter_status(key) is None:
@@ -266,16 +270,27 @@ class RemoteEngine:
         is raised by the first iteration."""
         self._check_running()
         rid = request.request_id
-        if self._outputs.is_open(rid):
+        if self._outputs.is_open(rid) or self._aborting[rid]:
             raise DuplicateRequest(f"request id {rid!r} is already in flight")
         outputs = self._outputs.open(rid)
         self._send("generate", request, named=request.adapter)
-        async for item in self._outputs.follow(rid, outputs, self.abort):
-            yield item
+        follow = self._outputs.follow(rid, outputs, self.abort)
+        async with contextlib.aclosing(follow):  # leaving early aborts now, not when collected
+            async for item in follow:
+                yield item
 
     def abort(self, request_id: str) -> None:
+        """End a request; its id is in use until the engine confirms the abort."""
         if self._alive:
+            self._aborting[request_id] += 1
             self._send("abort", request_id)
+
+    async def sync_stats(self) -> None:
+        """Wait for stats that reflect every command sent so far (GetStats)."""
+        self._check_running()
+        future = self._loop.create_future()
+        self._stats_waiters.append((self._send("stats"), future))
+        await future
 
     def stats(self) -> EngineStats:
         """The engine's stats as of its latest report (at most about 50 ms old while busy)."""
@@ -341,9 +356,20 @@ class RemoteEngine:
             self._loading[key] -= 1
             if not self._loading[key]:
                 del self._loading[key]
-            _resolve(future, error)
+            resolve(future, error)
+        for rid in report.aborted:
+            self._aborting[rid] -= 1
+            if not self._aborting[rid]:
+                del self._aborting[rid]
         if report.stats is not None:
             self._stats = report.stats
+            waiting = []
+            for n, future in self._stats_waiters:
+                if n <= report.applied:
+                    resolve(future, None)
+                else:
+                    waiting.append((n, future))
+            self._stats_waiters = waiting
         items = [(row[0], GenerationOutput(*row)) for row in report.outputs]
         items.extend(report.errors)
         if items:
@@ -361,10 +387,12 @@ class RemoteEngine:
             self._loop.remove_reader(self._conn.fileno())
         level = logging.ERROR if unasked else logging.INFO
         log.log(level, "engine process: %s", reason)
-        for _, future in self._loads.values():
-            _resolve(future, EngineStopped(reason))
+        for future in [f for _, f in self._loads.values()] + [f for _, f in self._stats_waiters]:
+            resolve(future, EngineStopped(reason))
         self._loads.clear()
         self._loading.clear()
+        self._stats_waiters.clear()
+        self._aborting.clear()
         # No request uses any adapter now: the host bytes are free.
         self._reported.clear()
         self._intents.clear()
@@ -409,13 +437,3 @@ class RemoteEngine:
 
 
 _KEYED = frozenset({"add", "remove", "pin", "load"})
-
-
-def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
-        future.exception()  # retrieved: a caller that gave up leaves no "unhandled" warning

@@ -20,12 +20,15 @@ Protocol (pickled objects over a multiprocessing Connection on a socketpair):
   service -> engine, each command numbered n = 1, 2, ... in the order sent:
     ("generate", n, GenerationRequest)    ("abort", n, request_id)
     ("add", n, key, offset, size, config_json, AdapterSpec)
-    ("remove", n, key)    ("pin", n, key, pinned)    ("load", n, key)    ("stop",)
+    ("remove", n, key)    ("pin", n, key, pinned)    ("load", n, key)    ("stats", n)
+    ("stop",)
   engine -> service: ("report", Report) after each turn of the step loop that has news;
     ("stopped", None | reason) last.
 A Report's ``applied`` is the number of the latest command applied: its adapter statuses
 reflect every command up to it (the service decides from that when an adapter's host bytes
-are free to reuse, engine_client.py).
+are free to reuse, engine_client.py). Every abort is confirmed, whether or not the request was
+still running, so the service knows when its id may be used again. Stats ride along at most
+every 50 ms, and in the report that follows a "stats" command (GetStats wants them current).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from services.inference.engine import gc_pacing
 from services.inference.engine.adapter_manager import AdapterEntryStatus
 from services.inference.engine.api import AdapterKey, EngineStats, GenerationOutput
 from services.inference.engine.config import EngineConfig
-from services.inference.engine.engine import Engine
+from services.inference.engine.engine import Engine, _Abort, _Load
 from store.peft import BaseModelShape
 
 log = logging.getLogger(__name__)
@@ -71,6 +74,7 @@ class Report(NamedTuple):
     adapters: dict[AdapterKey, AdapterEntryStatus | None]  # changed; None = gone
     copies: list[tuple[AdapterKey, float]]  # host -> pool copies completed, seconds
     loaded: list[tuple[int, BaseException | None]]  # "load" commands answered
+    aborted: list[str]  # request ids whose abort was applied
     stats: EngineStats | None
 
 
@@ -93,6 +97,8 @@ class ProcessEngine(Engine):
         self._loaded: list[tuple[int, BaseException | None]] = []
         self._copies: list[tuple[AdapterKey, float]] = []
         self._failed_adds: dict[AdapterKey, None] = {}
+        self._aborted: list[str] = []
+        self._stats_wanted = False  # a "stats" command asked for them
         self._stats_at = 0.0
         self._last_stats: EngineStats | None = None
         self._gone = False  # the connection broke
@@ -125,17 +131,18 @@ class ProcessEngine(Engine):
             if kind == "generate":
                 self._generate(msg[2])
             elif kind == "abort":
-                out = self.core.abort(msg[2])
-                if out is not None:
-                    self._deliver([out])
+                super()._apply(_Abort(msg[2]))
+                self._aborted.append(msg[2])
             elif kind == "add":
                 self._add(msg[2], self.arena[msg[3] : msg[3] + msg[4]], msg[5], msg[6])
             elif kind == "remove":
-                self.remove_adapter(msg[2])
+                self.core.remove_adapter(msg[2])
             elif kind == "pin":
                 self.pin_adapter(msg[2], msg[3])
             elif kind == "load":
-                self.submit_load(msg[2], lambda error: self._answer(n, error))
+                super()._apply(_Load(msg[2], lambda error: self._answer(n, error)))
+            elif kind == "stats":
+                self._stats_wanted = True
             else:
                 log.error("unknown command %r from the service", kind)
         except Exception:  # the service checked first: this is a bug, not bad input
@@ -179,22 +186,24 @@ class ProcessEngine(Engine):
         loaded, self._loaded = self._loaded, []
         copies, self._copies = self._copies, []
         failed, self._failed_adds = self._failed_adds, {}
+        aborted, self._aborted = self._aborted, []
         adapters = self.core.adapters.take_changes()
         adapters.update(failed)
         stats = None
         now = time.monotonic()
-        if final or not self.core.has_work or now - self._stats_at >= _STATS_EVERY_S:
+        if final or self._stats_wanted or now - self._stats_at >= _STATS_EVERY_S:
             self._stats_at = now
             current = self.core.stats()
-            if current != self._last_stats:
+            if current != self._last_stats or self._stats_wanted:
                 stats = self._last_stats = current
-        news = outputs or errors or loaded or copies or adapters or stats is not None
+            self._stats_wanted = False
+        news = outputs or errors or loaded or copies or adapters or aborted or stats is not None
         if not news and applied == self._reported:
             return
         self._reported = applied
         if self._gone:
             return
-        report = Report(applied, outputs, errors, adapters, copies, loaded, stats)
+        report = Report(applied, outputs, errors, adapters, copies, loaded, aborted, stats)
         try:
             self._conn.send(("report", report))
         except OSError:  # the service is gone; the command reader sees it and stops the engine
@@ -217,9 +226,9 @@ def serve(conn: Connection, arena_fd: int, arena_bytes: int) -> int:
         str(engine.device), core.base_shape, core.pool.width, config.page_size,
         core.pool.num_usable, pinned, core.stats(),
     )  # fmt: skip
-    engine.start_blocking()
     gc_pacing.pace_collections()  # the step thread collects from now on
-    conn.send(("ready", info))
+    conn.send(("ready", info))  # before the step loop, whose reports must come after it
+    engine.start_blocking()
     reason = None
     try:
         while True:
@@ -232,12 +241,15 @@ def serve(conn: Connection, arena_fd: int, arena_bytes: int) -> int:
             if msg[0] == "stop":
                 break
             engine.post(msg)
-    except EOFError:  # the service is gone
+    except (EOFError, OSError):  # the service is gone
         log.warning("the service closed the connection; stopping")
     engine.stop_blocking()
     gc_pacing.release()
     try:
         engine.report(final=True)
+    except Exception:  # after a failed step the core may be inconsistent; still say why
+        log.exception("the final report failed")
+    try:
         conn.send(("stopped", reason))
     except OSError:
         pass

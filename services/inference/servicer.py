@@ -176,6 +176,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     # --- stats ------------------------------------------------------------------------------
 
     async def GetStats(self, request, context) -> pb.GetStatsResponse:
+        try:
+            await self.engine.sync_stats()
+        except Exception as exc:
+            await _abort(context, exc)
         return convert.stats_response(self.snapshot(), self._model_name, self._device)
 
     def snapshot(self) -> StatsSnapshot:

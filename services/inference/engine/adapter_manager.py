@@ -56,6 +56,11 @@ class AdapterStatus(NamedTuple):
     pinned: bool
 
 
+def _releasable(refs: int, state: AdapterState) -> bool:
+    """No request uses the adapter and no copy reads its host bytes."""
+    return refs == 0 and state is not AdapterState.LOADING
+
+
 class AdapterEntryStatus(NamedTuple):
     """An entry as take_changes() reports it: a removed one still counts while in use."""
 
@@ -66,7 +71,7 @@ class AdapterEntryStatus(NamedTuple):
 
     @property
     def releasable(self) -> bool:
-        return self.refs == 0 and self.state is not AdapterState.LOADING
+        return _releasable(self.refs, self.state)
 
 
 @dataclass
@@ -184,7 +189,7 @@ class AdapterManager:
         copy reads them (the adapter must then be removed before the bytes are reused)."""
         with self._lock:
             entry = self._entries.get(key)
-            return entry is None or (entry.refs == 0 and entry.state is not AdapterState.LOADING)
+            return entry is None or _releasable(entry.refs, entry.state)
 
     def set_pinned(self, key: Hashable, pinned: bool) -> None:
         with self._lock:

@@ -16,6 +16,7 @@ loop.call_soon_threadsafe per event loop per step), a load's answer to its futur
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -61,13 +62,15 @@ class _Load(NamedTuple):
     done: Callable[[BaseException | None], None]  # called once, on the step thread
 
 
-def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.done():  # the caller gave up (cancelled)
+def resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    """Complete ``future`` with None or ``error``, unless its caller gave up (cancelled)."""
+    if future.done():
         return
     if error is None:
         future.set_result(None)
     else:
         future.set_exception(error)
+        future.exception()  # retrieved: a caller that left leaves no "never retrieved" warning
 
 
 class Engine:
@@ -144,7 +147,7 @@ class Engine:
             raise UnknownAdapter(f"adapter {key} is not loaded in this engine")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self.submit_load(key, lambda error: loop.call_soon_threadsafe(_resolve, future, error))
+        self.submit_load(key, lambda error: loop.call_soon_threadsafe(resolve, future, error))
         await future
 
     def submit_load(self, key: AdapterKey, done: Callable[[BaseException | None], None]) -> None:
@@ -194,13 +197,10 @@ class Engine:
         seq = self.core.prepare(request)  # raises before anything is queued
         outputs = self._outputs.open(request.request_id)
         self._inbox.put(_Enqueue(seq))
-        async for item in self._outputs.follow(request.request_id, outputs, self.abort):
-            yield item
-
-    def submit(self, request: GenerationRequest) -> None:
-        """Queue a request whose outputs this engine's stream does not carry: the caller
-        overrides _deliver (engine_process.py). Raises as generate() does."""
-        self._inbox.put(_Enqueue(self.core.prepare(request)))
+        follow = self._outputs.follow(request.request_id, outputs, self.abort)
+        async with contextlib.aclosing(follow):  # leaving early aborts now, not when collected
+            async for item in follow:
+                yield item
 
     def abort(self, request_id: str) -> None:
         """End a request; its pages are freed before the next step."""
@@ -208,6 +208,9 @@ class Engine:
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+    async def sync_stats(self) -> None:
+        """Make stats() current: it always is here (RemoteEngine's must ask its process)."""
 
     # --- the step loop (its own thread) -----------------------------------------------------
 

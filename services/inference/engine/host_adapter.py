@@ -116,5 +116,11 @@ def build_host_adapter(
     ranks = tuple(spec.ranks.get(name, 0) for name in MODULES)
     scales = tuple(spec.scales.get(name, 0.0) for name in MODULES)
     dims = tuple(tuple(base.module_dims(name)) for name in MODULES)
-    plan = plan_adapter({m: r for m, r in enumerate(ranks) if r}, dict(enumerate(dims)), width)
-    return HostAdapter(key, ranks, dims, scales, pairs, plan, raw)
+    return HostAdapter(key, ranks, dims, scales, pairs, plan_for(spec, base, width), raw)
+
+
+def plan_for(spec: AdapterSpec, base: BaseModelShape, width: int) -> AdapterPlan:
+    """Where a described adapter's weights go in its slot table (and so how many it needs)."""
+    ranks = {MODULE_ID[name]: r for name, r in spec.ranks.items() if r}
+    dims = {m: tuple(base.module_dims(name)) for m, name in enumerate(MODULES)}
+    return plan_adapter(ranks, dims, width)

@@ -89,6 +89,7 @@ async def test_remote_engine_answers_as_the_engine_in_process(svc_models):
         assert await _scenario(remote, files) == expected
         assert expected[1] == ((AdapterState.IN_POOL, 0, True), True)
         assert expected[6].state is AdapterState.HOST and expected[8] is None
+        await remote.sync_stats()
         stats = remote.stats()
         assert stats.adapter_loads == len(remote.adapter_copy_seconds()) > 0
         with pytest.raises(TypeError, match="host arena"):
@@ -157,3 +158,47 @@ async def test_a_dead_engine_process_ends_every_stream(svc_models):
         await remote.load_adapter(A)
     await remote.stop()
     assert exits == [exits[0]]  # stop() after the death reports nothing more
+
+
+async def test_an_aborted_id_is_reused_only_after_the_engine_confirms(svc_models):
+    """A stream left early aborts at once; its id stays taken until the engine confirms the
+    abort, so a retry under the same id never receives the old request's tokens, and no
+    request is left running without a reader."""
+    arena = HostArena(4 << 20, pin=False)
+    remote = RemoteEngine(_config(svc_models), arena)
+    await remote.start()
+    try:
+        long = SamplingParams(max_new_tokens=400, ignore_eos=True)
+        stream = remote.generate(GenerationRequest("same", "hi", sampling=long))
+        assert (await anext(stream)).token_ids
+        await stream.aclose()  # the caller goes away
+        assert not remote._outputs.is_open("same")  # closed now, not when collected
+        with pytest.raises(DuplicateRequest):
+            await anext(remote.generate(GenerationRequest("same", "hi", sampling=THREE)))
+        await _until(lambda: not remote._aborting)  # the engine confirmed the abort
+        outs = [o async for o in remote.generate(GenerationRequest("same", "hi", sampling=THREE))]
+        assert outs[-1].completion_tokens == 3 and outs[-1].finish_reason is not None
+        await remote.sync_stats()  # current, not up to 50 ms old
+        assert remote.stats().num_running == 0 and remote.stats().kv_pages == 0
+    finally:
+        await remote.stop()
+
+
+async def test_sync_stats_reflect_a_running_request(svc_models):
+    arena = HostArena(4 << 20, pin=False)
+    config, weights = _in_arena(arena, svc_models.adapters["b"])
+    remote = RemoteEngine(_config(svc_models), arena)
+    await remote.start()
+    try:
+        remote.add_adapter(B, config, weights)
+        long = SamplingParams(max_new_tokens=400, ignore_eos=True)
+        stream = remote.generate(GenerationRequest("r", "hi", adapter=B, sampling=long))
+        assert (await anext(stream)).token_ids
+        await remote.sync_stats()
+        stats = remote.stats()
+        assert stats.num_running == 1 and stats.adapter_pages > 0 and stats.adapters_in_pool == 1
+        await stream.aclose()
+    finally:
+        await remote.stop()
+    with pytest.raises(EngineStopped):
+        await remote.sync_stats()
