@@ -19,19 +19,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
 import subprocess
-import sys
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from services.inference.arena import HostArena
+from services.inference.child_process import spawn
 from services.inference.engine.adapter_manager import (
     AdapterEntryStatus,
     AdapterState,
@@ -61,7 +58,6 @@ from store.peft import BaseModelShape
 
 log = logging.getLogger(__name__)
 
-_REPO = Path(__file__).resolve().parents[2]
 _STOP_TIMEOUT_S = 30.0
 
 
@@ -121,24 +117,7 @@ class RemoteEngine:
         """Start the process and wait until its model is loaded (ModelLoadError if it fails)."""
         if self._proc is not None:
             return
-        parent, child = socket.socketpair()
-        arena_fd = os.dup(self.arena.fd)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env.get("PYTHONPATH")]))
-        try:
-            self._proc = subprocess.Popen(
-                [
-                    sys.executable, "-m", self._module,
-                    str(child.fileno()), str(arena_fd), str(self.arena.capacity),
-                    self._log_level,
-                ],
-                pass_fds=(arena_fd, child.fileno()),
-                env=env,
-            )  # fmt: skip
-        finally:
-            os.close(arena_fd)
-            child.close()
-        self._conn = Connection(parent.detach())
+        self._proc, self._conn = spawn(self._module, self.arena, self._log_level)
         self._conn.send(self.config)
         log.info("engine process started (pid %d); loading the model", self._proc.pid)
         try:

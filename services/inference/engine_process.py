@@ -257,7 +257,7 @@ def serve(conn: Connection, arena_fd: int, arena_bytes: int) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """argv: connection fd, arena fd, arena size in bytes, log level (the fds inherited)."""
+    """argv: connection fd, arena fd, arena size in bytes, log level (child_process.spawn)."""
     # The service owns this process's lifetime: it sends "stop", and its exit ends the
     # connection; a Ctrl-C or SIGTERM sent to the whole process group is the service's to
     # handle (it stops this process in order, after ending its streams).

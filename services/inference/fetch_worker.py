@@ -187,14 +187,14 @@ class _ProtocolError(Exception):
 
 
 def main(argv: list[str]) -> int:
-    """argv: target, arena fd, arena size, connection fd (both fds inherited)."""
+    """argv: connection fd, arena fd, arena size, target (child_process.spawn)."""
     # The service owns this process's lifetime (it stops it, and its exit closes the
     # connection, which ends serve()); a Ctrl-C meant for the service is not for this one.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s fetch-worker %(levelname)s: %(message)s"
     )
-    target, arena_fd, size, conn_fd = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+    conn_fd, arena_fd, size, target = int(argv[0]), int(argv[1]), int(argv[2]), argv[3]
     mapping = mmap.mmap(arena_fd, size)
     os.close(arena_fd)
     arena = np.frombuffer(mapping, dtype=np.uint8)

@@ -13,25 +13,21 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
-import socket
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import NamedTuple
 
 from lorafleet.v1 import adapter_store_pb2 as pb
 from services.inference.arena import ArenaBlock, HostArena
+from services.inference.child_process import spawn
 from services.inference.engine.adapter_spec import AdapterSpec
 from services.inference.fetch_worker import AdapterCheck
 from store.peft import AdapterFormatError
 
 log = logging.getLogger(__name__)
 
-_REPO = Path(__file__).resolve().parents[2]
 _STOPPED = "the fetch worker was stopped"
 
 
@@ -114,24 +110,8 @@ class FetchWorker:
         """Starts the worker now if it is not running (fetch() does so too): on the event loop."""
         if self._proc is not None:
             return
-        parent, child = socket.socketpair()
-        arena_fd = os.dup(self.arena.fd)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env.get("PYTHONPATH")]))
-        try:
-            self._proc = subprocess.Popen(
-                [
-                    sys.executable, "-m", "services.inference.fetch_worker",
-                    self.target, str(arena_fd), str(self.arena.capacity), str(child.fileno()),
-                ],
-                pass_fds=(arena_fd, child.fileno()),
-                env=env,
-            )  # fmt: skip
-        finally:
-            os.close(arena_fd)
-            child.close()
+        self._proc, self._conn = spawn("services.inference.fetch_worker", self.arena, self.target)
         self.starts += 1
-        self._conn = Connection(parent.detach())
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._conn.fileno(), self._readable)
         log.info("fetch worker started (pid %d) for the store at %s", self._proc.pid, self.target)

@@ -147,13 +147,8 @@ class Engine:
             raise UnknownAdapter(f"adapter {key} is not loaded in this engine")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self.submit_load(key, lambda error: loop.call_soon_threadsafe(resolve, future, error))
+        self._inbox.put(_Load(key, lambda error: loop.call_soon_threadsafe(resolve, future, error)))
         await future
-
-    def submit_load(self, key: AdapterKey, done: Callable[[BaseException | None], None]) -> None:
-        """Queue a pool load of ``key``; ``done(None)`` (or ``done(error)``) is called on the step
-        thread once its copy completed (or failed)."""
-        self._inbox.put(_Load(key, done))
 
     def pin_adapter(self, key: AdapterKey, pinned: bool) -> None:
         self.core.adapters.set_pinned(key, pinned)
