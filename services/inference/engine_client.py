@@ -143,7 +143,7 @@ class RemoteEngine:
         if self._info is None and self._proc.poll() is None:
             self._proc.kill()  # still loading the model: nothing to end in order
         elif self._alive:
-            self._send("stop")
+            self._post(("stop",))
             try:
                 await asyncio.wait_for(self._stopped.wait(), _STOP_TIMEOUT_S)
             except TimeoutError:
@@ -183,18 +183,18 @@ class RemoteEngine:
             raise InvalidRequest(
                 f"adapter {key} needs {need} pool pages; the pool has {info.num_pages}"
             )
-        n = self._send("add", key, offset, weights.numel(), config_json, spec)
+        n = self._send("add", key, offset, weights.numel(), config_json, spec, named=key)
         self._intents[key] = _Intent(n, True, None)
 
     def remove_adapter(self, key: AdapterKey) -> None:
         if self.adapter_status(key) is None:
             raise UnknownAdapter(f"adapter {key} is not loaded in this engine")
-        self._intents[key] = _Intent(self._send("remove", key), False, None)
+        self._intents[key] = _Intent(self._send("remove", key, named=key), False, None)
 
     def pin_adapter(self, key: AdapterKey, pinned: bool) -> None:
         if self.adapter_status(key) is None:
             raise UnknownAdapter(f"adapter {key} is not loaded in this engine")
-        self._intents[key] = _Intent(self._send("pin", key, pinned), True, pinned)
+        self._intents[key] = _Intent(self._send("pin", key, pinned, named=key), True, pinned)
 
     async def load_adapter(self, key: AdapterKey, pin: bool = False) -> None:
         """As Engine.load_adapter: returns once the adapter is in the pool."""
@@ -204,7 +204,7 @@ class RemoteEngine:
         elif self.adapter_status(key) is None:
             raise UnknownAdapter(f"adapter {key} is not loaded in this engine")
         future = self._loop.create_future()
-        n = self._send("load", key)
+        n = self._send("load", key, named=key)
         self._loads[n] = (key, future)
         self._loading[key] += 1
         # Shielded: a caller that gives up leaves the load registered until the engine answers,
@@ -291,16 +291,20 @@ class RemoteEngine:
         return reported._replace(removed=False, pinned=pinned)
 
     def _send(self, kind: str, *args, named: AdapterKey | None = None) -> int:
+        """Send command number n (returned); ``named``: the adapter it may make the engine
+        read, whose bytes then stay in use until a report covers n."""
         self._sent += 1
         n = self._sent
-        key = named if named is not None else (args[0] if kind in _KEYED else None)
-        if key is not None:
-            self._named[key] = n
+        if named is not None:
+            self._named[named] = n
+        self._post((kind, n, *args))
+        return n
+
+    def _post(self, msg: tuple) -> None:
         try:
-            self._conn.send((kind, n, *args) if kind != "stop" else (kind,))
+            self._conn.send(msg)
         except (OSError, AttributeError):  # the process is gone; _readable reports it
             pass
-        return n
 
     def _readable(self) -> None:
         try:
@@ -413,6 +417,3 @@ class RemoteEngine:
             if 0 <= offset <= base.numel() - weights.numel():
                 return offset
         raise TypeError("an engine in its own process takes adapter bytes from the host arena only")
-
-
-_KEYED = frozenset({"add", "remove", "pin", "load"})
