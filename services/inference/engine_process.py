@@ -46,7 +46,7 @@ from services.inference.engine import gc_pacing
 from services.inference.engine.adapter_manager import AdapterEntryStatus
 from services.inference.engine.api import AdapterKey, EngineStats, GenerationOutput
 from services.inference.engine.config import EngineConfig
-from services.inference.engine.engine import Engine, _Abort, _Load
+from services.inference.engine.engine import CommandKind, Engine, _Abort, _Load
 from store.peft import BaseModelShape
 
 log = logging.getLogger(__name__)
@@ -116,10 +116,13 @@ class ProcessEngine(Engine):
 
     # --- the step thread ------------------------------------------------------------------
 
-    def _applies_during_step(self, cmd: object) -> bool:
+    def _kind(self, cmd: object) -> CommandKind:
         if isinstance(cmd, _Command):
-            return cmd.msg[0] != "abort"
-        return super()._applies_during_step(cmd)
+            kind = cmd.msg[0]
+            if kind == "generate":
+                return CommandKind.REQUEST
+            return CommandKind.ABORT if kind == "abort" else CommandKind.ADAPTER
+        return super()._kind(cmd)
 
     def _apply(self, cmd: object) -> None:
         if not isinstance(cmd, _Command):

@@ -9,14 +9,20 @@ transfer or the kernels. (A loader thread that issued the copies instead made th
 overlapped slower: its Python competed with the step thread's for the GIL. bench/adapter_load.py,
 decode step p99 under loads: 1.087x with the thread, 1.034x without.)
 
-Issuing is two calls. prepare(), when the scheduler takes the pages, records an event on the
-scheduling stream: the slots were taken from freed pages and rows, which work queued before
-(the last use of those KV pages, an evicted adapter's index row being cleared) may still touch.
-issue(), which the engine calls once the step's own GPU work is queued (AdapterManager.
-issue_loads), makes the side stream wait for that event only, not for the step, and queues the
-copy; so the milliseconds of host time that issuing takes (about 60 operations and an 80 MB
-transfer for a Llama-7B rank-16 adapter) pass while the GPU computes the step. On the CPU the
-same function runs in place, synchronously, at prepare(), reading the host bytes directly.
+Issuing is two calls. prepare(), when the scheduler takes the pages, does host work only: it
+writes the adapter's LoRA index row (slot table, ranks, offsets, scales) into a pinned host copy
+of the index and records an event on the scheduling stream: the slots were taken from freed pages
+and rows, which work queued before (the last use of those KV pages, an evicted adapter's index
+row being cleared) may still touch. issue(), which the engine calls once the step's own GPU work
+is queued (AdapterManager.issue_loads), makes the side stream wait for that event only, not for
+the step, and queues there the row's copy into the device index (non-blocking, from pinned
+memory), the transfer and the scatter; so the milliseconds of host time that issuing takes
+(about 60 operations and an 80 MB transfer for a Llama-7B rank-16 adapter) pass while the GPU
+computes the step, and nothing between steps waits for the GPU. (Writing the row with pageable
+copies on the scheduling stream took 0.7 ms, at most 1.1 ms, between steps.) The row reaches the
+device before the copy's end event, and a step reads it only once that event has passed (the
+adapter is IN_POOL then). On the CPU the same function runs in place, synchronously, at
+prepare(), writing the index row and reading the host bytes directly.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import time
 
 import torch
 
+from kernels import LoraIndex
 from services.inference.engine.host_adapter import HostAdapter, LoraPair, TensorRef, typed_view
 
 log = logging.getLogger(__name__)
@@ -96,7 +103,7 @@ class CopyTicket:
         self._start = torch.cuda.Event(enable_timing=True) if cuda else None
         self._end = torch.cuda.Event(enable_timing=True) if cuda else None
         self._after = torch.cuda.Event() if cuda else None  # the scheduling stream's work
-        self._job: tuple[HostAdapter, torch.Tensor] | None = None  # prepared, not yet issued
+        self._job: tuple[HostAdapter, int, int] | None = None  # prepared: (host, row, slots)
         self._seconds = 0.0
 
     def done(self) -> bool:
@@ -110,23 +117,43 @@ class CopyTicket:
         return self._seconds
 
 
-class AdapterCopier:
-    """Issues host -> pool copies on the calling thread (the engine's step thread): on CUDA as
-    asynchronous work on a side stream, on the CPU synchronously."""
+def write_row(index: LoraIndex, row: int, host: HostAdapter, slots: torch.Tensor) -> None:
+    """Fill ``row`` of ``index`` (host tensors) for ``host`` stored in ``slots``."""
+    index.slot_table[row].zero_()
+    index.slot_table[row, : slots.numel()] = slots
+    places = host.plan.placements
+    index.ranks[row] = torch.tensor(host.ranks, dtype=torch.int32)
+    index.a_offsets[row] = torch.tensor([p.a_offset if p else 0 for p in places], dtype=torch.int32)
+    index.b_offsets[row] = torch.tensor([p.b_offset if p else 0 for p in places], dtype=torch.int32)
+    index.scales[row] = torch.tensor(host.scales, dtype=torch.float32)
 
-    def __init__(self, pool: torch.Tensor) -> None:
-        self.pool = pool
+
+class AdapterCopier:
+    """Issues host -> pool copies, with their index rows, on the calling thread (the engine's
+    step thread): on CUDA as asynchronous work on a side stream, on the CPU synchronously."""
+
+    def __init__(self, pool: torch.Tensor, index: LoraIndex) -> None:
+        self.pool, self.index = pool, index
         self.cuda = pool.device.type == "cuda"
         self._stream = torch.cuda.Stream(pool.device) if self.cuda else None
+        # The index rows as prepare() writes them, in pinned memory, for non-blocking copies. A
+        # row is written again only after it was freed, which needs its copy to have completed.
+        self._staged = (
+            LoraIndex(*(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in index))
+            if self.cuda
+            else index
+        )
 
-    def prepare(self, host: HostAdapter, slots: torch.Tensor) -> CopyTicket:
-        """A copy of ``host`` into ``slots``, ordered after the work queued so far on the
-        current stream; on CUDA issue(ticket) queues it, on the CPU it is done already."""
+    def prepare(self, host: HostAdapter, row: int, slots: torch.Tensor) -> CopyTicket:
+        """A copy of ``host`` into ``slots`` (host tensor) and of its index ``row``, ordered after
+        the work queued so far on the current stream; on CUDA issue(ticket) queues it, on the
+        CPU it is done already."""
         ticket = CopyTicket(self.cuda)
         try:
+            write_row(self._staged, row, host, slots)
             if self.cuda:
                 ticket._after.record(torch.cuda.current_stream(self.pool.device))
-                ticket._job = (host, slots)
+                ticket._job = (host, row, slots.numel())
             else:
                 start = time.perf_counter()
                 write_adapter(self.pool, host, slots, host.raw)
@@ -140,17 +167,18 @@ class AdapterCopier:
         """Queue a prepared copy on the side stream (no-op once issued, and on the CPU)."""
         if ticket._job is None:
             return
-        host, slots = ticket._job
+        host, row, num_slots = ticket._job
         try:
             side = self._stream
             with torch.cuda.device(self.pool.device), torch.cuda.stream(side):
                 side.wait_event(ticket._after)
                 ticket._start.record(side)
+                for dst, src in zip(self.index, self._staged, strict=True):
+                    dst[row].copy_(src[row], non_blocking=True)
+                slots = self.index.slot_table[row, :num_slots].long()
                 staged = host.raw.to(self.pool.device, non_blocking=True)  # pinned -> DMA
                 write_adapter(self.pool, host, slots, staged)
                 ticket._end.record(side)
-            # The slot table was made on the scheduler's stream; keep it for this one too.
-            slots.record_stream(side)
         except BaseException as exc:  # reported to the step thread by done()
             log.exception("adapter copy failed")
             ticket._error = exc

@@ -109,7 +109,7 @@ class AdapterManager:
         self._removed: set[Hashable] = set()
         self._lock = threading.Lock()
         self._clock = 0
-        self.copier = AdapterCopier(pool.tensor)
+        self.copier = AdapterCopier(pool.tensor, self.index)
         self.loads = self.evictions = 0
         self.copy_seconds: deque[float] = deque(maxlen=1024)  # recent host->pool copies
         # Called on the step thread with (key, seconds) when a copy completes.
@@ -264,8 +264,8 @@ class AdapterManager:
             entry.state = AdapterState.LOADING
             self._loading.add(key)
             self._mark(key)
-        self._write_row(entry.row, entry.host, slots)
-        entry.ready = self.copier.prepare(entry.host, slots)
+        self.row_ranks[entry.row] = entry.host.max_rank
+        entry.ready = self.copier.prepare(entry.host, entry.row, slots)
         self._unissued.append(entry.ready)
         self.loads += 1
         return True
@@ -363,19 +363,3 @@ class AdapterManager:
         self._mark(key)
         self.evictions += 1
         log.debug("evicted adapter %s from the pool", key)
-
-    def _write_row(self, row: int, host: HostAdapter, slots: torch.Tensor) -> None:
-        idx = self.index
-        idx.slot_table[row].zero_()
-        idx.slot_table[row, : slots.numel()] = slots.to(torch.int32)
-        places = host.plan.placements
-        dev = idx.ranks.device
-        idx.ranks[row] = torch.tensor(host.ranks, dtype=torch.int32, device=dev)
-        idx.a_offsets[row] = torch.tensor(
-            [p.a_offset if p else 0 for p in places], dtype=torch.int32, device=dev
-        )
-        idx.b_offsets[row] = torch.tensor(
-            [p.b_offset if p else 0 for p in places], dtype=torch.int32, device=dev
-        )
-        idx.scales[row] = torch.tensor(host.scales, dtype=torch.float32, device=dev)
-        self.row_ranks[row] = host.max_rank

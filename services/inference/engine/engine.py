@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import queue
 import threading
@@ -47,6 +48,19 @@ log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5  # how long an idle loop blocks on the inbox before checking for stop
 _STALLED_WAIT_S = 0.001  # pause when requests wait but nothing could run (an adapter copy)
+
+
+class Phase(enum.Enum):
+    """Where the step loop applies commands while steps run (Engine._drain)."""
+
+    BETWEEN = "between steps"  # the GPU waits for the next step
+    DURING = "during a step"  # the step's GPU work is queued, its batch not yet done
+
+
+class CommandKind(enum.Enum):
+    REQUEST = "request"  # a new request
+    ABORT = "abort"
+    ADAPTER = "adapter"  # adapter work (load; in engine_process.py also add, remove, pin, stats)
 
 
 class _Enqueue(NamedTuple):
@@ -214,7 +228,7 @@ class Engine:
         try:
             while not self._stopping.is_set():
                 if core.has_work and core.last_step_ran:
-                    self._drain(timeout=None)  # steps are running: never wait
+                    self._drain(timeout=None, phase=Phase.BETWEEN)  # steps are running: never wait
                 elif core.has_work or self._loads:
                     self._drain(timeout=_STALLED_WAIT_S)  # only copies to wait for
                 else:
@@ -236,12 +250,14 @@ class Engine:
             if self._failure is not None:
                 release()  # nothing paces collections any more: CPython's own come back
 
-    def _drain(self, timeout: float | None, during_step: bool = False) -> None:
+    def _drain(self, timeout: float | None, phase: Phase | None = None) -> None:
         """Apply the inbox's commands in order; with a timeout, wait that long for the first
-        one. ``during_step``: the step's GPU work is queued and its batch not yet done, so only
-        commands that leave the running batch alone are applied (their Python runs while the
-        GPU computes); the first other one (an abort), and all after it, wait for the next
-        drain, between steps."""
+        one. ``phase``: while steps run, a command is applied only where it costs the GPU no
+        time or must be: DURING (the step's GPU work is queued and its batch not yet done)
+        takes every command but an abort, which frees pages the step still uses and finishes a
+        sequence it samples for; BETWEEN (the GPU waits for the next step) takes only new
+        requests and aborts, which change the coming batch. The first command a phase does not
+        take, and all after it, wait for the next drain (order is kept)."""
         if self._held:
             cmd = self._held.pop()
         else:
@@ -250,7 +266,7 @@ class Engine:
             except queue.Empty:
                 return
         while True:
-            if during_step and not self._applies_during_step(cmd):
+            if phase is not None and not self._applies(self._kind(cmd), phase):
                 self._held.append(cmd)
                 return
             self._apply(cmd)
@@ -269,13 +285,19 @@ class Engine:
         elif isinstance(cmd, _Load):
             self._loads.append(cmd)
 
-    def _applies_during_step(self, cmd: object) -> bool:
-        """Whether ``cmd`` may be applied while a step's batch is on the GPU: not an abort,
-        which frees pages the step still uses and finishes a sequence it samples for."""
-        return not isinstance(cmd, _Abort)
+    @staticmethod
+    def _applies(kind: CommandKind, phase: Phase) -> bool:
+        if phase is Phase.DURING:
+            return kind is not CommandKind.ABORT
+        return kind is not CommandKind.ADAPTER
+
+    def _kind(self, cmd: object) -> CommandKind:
+        if isinstance(cmd, _Enqueue):
+            return CommandKind.REQUEST
+        return CommandKind.ABORT if isinstance(cmd, _Abort) else CommandKind.ADAPTER
 
     def _during_step(self) -> None:
-        self._drain(timeout=None, during_step=True)
+        self._drain(timeout=None, phase=Phase.DURING)
 
     def _advance_loads(self) -> None:
         """Start the copies LoadAdapter asked for (when there is room) and answer the callers

@@ -83,7 +83,8 @@ class PagePool:
     # Adapters
 
     def allocate_adapter(self, key: Hashable, num_slots: int) -> torch.Tensor:
-        """Pages for an adapter of ``num_slots`` slots; returns its slot table (int64, device)."""
+        """Pages for an adapter of ``num_slots`` slots; returns its slot table (int64, host
+        memory: adapter_copy.py stages it with the adapter's index row)."""
         n = pages_needed(num_slots, self.page_size)
         pages = self.allocator.allocate(PageOwner(OwnerKind.ADAPTER, key), n)
         return self.slot_table(pages)
@@ -92,7 +93,7 @@ class PagePool:
         return self.allocator.release(PageOwner(OwnerKind.ADAPTER, key))
 
     def slot_table(self, pages: list[int]) -> torch.Tensor:
-        """Slots of ``pages`` in order: page p covers slots [p * page_size, (p + 1) * page_size)."""
+        """Slots of ``pages`` in order (host memory): page p covers slots [p * page_size,
+        (p + 1) * page_size)."""
         p = torch.tensor(pages, dtype=torch.int64)
-        slots = (p[:, None] * self.page_size + torch.arange(self.page_size)).flatten()
-        return slots.to(self.tensor.device)
+        return (p[:, None] * self.page_size + torch.arange(self.page_size)).flatten()
