@@ -48,6 +48,7 @@ CALLS = (
     ((GATE, UP), H, (INTER, INTER)),
     ((DOWN,), INTER, (H,)),
 )
+CALL_NAMES = (("qkv", 0), ("o", 1), ("gate_up", 2), ("down", 3))
 BASE_GEMMS = ((H, 3 * H), (H, H), (H, 2 * INTER), (INTER, H))  # (d_in, d_out), fused qkv/gate_up
 DT = torch.bfloat16
 DEV = torch.device("cuda")
@@ -181,8 +182,13 @@ def lora_layer_fns(case: LoraCase, rank: int, layers: int, cfg=None, calls=None)
     ys = [
         [torch.zeros(t, sum(w), dtype=DT, device=DEV) for _, _, w in calls] for _ in range(layers)
     ]
-    # cfg: a LoraLaunch for every call, or a dict of changes to each call's own default
-    cfgs = [_call_config(t, d_in, rank, m, w, cfg) for m, d_in, w in calls]
+    # cfg: a LoraLaunch for every call, or a dict of changes to each call's own default, or a
+    # list of those, one per call
+    per_call = cfg if isinstance(cfg, list) else [cfg] * len(calls)
+    cfgs = [
+        _call_config(t, d_in, rank, m, w, c)
+        for (m, d_in, w), c in zip(calls, per_call, strict=True)
+    ]
     ws = torch.empty(
         max(
             lora.workspace_size(t, len(m), rank, c)
@@ -307,8 +313,19 @@ def bench_lora_decode(copy_bw: float, quick: bool, cfg=None) -> list[dict]:
                 # The engine's per-step path (kernels/lora_paths.py) unless --config fixes one.
                 distinct = int(torch.unique(rows).numel())
                 fused = lora_paths.decode_prefers_fused(batch, distinct, rank, rank)
-                path = {"path": "fused" if fused else "two_launch"}
-                run_triton, run_torch = lora_layer_fns(case, rank, layers, cfg or path)
+                paths = [
+                    {"path": "fused" if f else "two_launch"}
+                    for f in (
+                        lora_paths.decode_call_fused(fused, batch, len(mods), rank)
+                        for mods, _, _ in CALLS
+                    )
+                ]
+                names = [
+                    n for (n, _), p in zip(CALL_NAMES, paths, strict=True) if p["path"] == "fused"
+                ]
+                label = "fused" if len(names) == len(CALLS) else "fused " + "+".join(names)
+                path = {"path": label if fused else "two_launch"}  # the step's, per call
+                run_triton, run_torch = lora_layer_fns(case, rank, layers, cfg or paths)
                 tri = timed(run_triton, layers)
                 ref = timed(run_torch, layers, eager=False)
                 other = {}

@@ -9,12 +9,18 @@ committed at 4a8bb31; one layer's seven projections, Llama-2-7B shapes, bf16):
 - Prefill-sized calls of several slices fuse: x and h stay on chip for all the slices; faster
   with 1, 16 and 256 adapters alike. Shapes alone decide (launch_config).
 - Decode-sized calls fuse only when the step's adapter tokens are (nearly) all on distinct
-  adapters and hold enough rank rows to give every SM work: rank 16 from 256 such tokens (279 µs
-  against 409; 512: 460 against 806), rank 64 from 64 (308 against 310; 256: 726 against 850).
-  Where tokens share adapters a fused program streams a whole A alone (batch 64 on one adapter:
-  79 µs against 37), and small batches lose too (rank 16, 64 distinct tokens: 168 against 131).
-  Shapes cannot tell these apart; the engine can (decode_prefers_fused), and passes its choice
-  as lora_apply(fused=...).
+  adapters and hold enough rank rows to give every SM work. Where tokens share adapters a fused
+  program streams a whole A alone (batch 64 on one adapter: 79 µs against 37). Shapes cannot
+  tell these apart; the engine can (decode_prefers_fused), and passes its choice per call
+  (decode_call_fused) as lora_apply(fused=...).
+- Calls of several slices (q, k, v; gate, up) gain from the fused kernel sooner than calls of
+  one (o, down), whose tokens alone give too few programs to fill the GPU, each streaming a
+  whole A. Per call, fused_config's launch against the two launches (kernels_sweep.json at
+  7f63a91), rank 16, 64 distinct tokens: qkv 31.8 µs against 34.5, gate_up 44.6 against 55.2,
+  but o 24.8 against 18.2 and down 52.5 against 23.1; 128 tokens: qkv 45.4 against 62.0,
+  gate_up 63.0 against 97.6, down 43.9 against 38.4 (one part). So a fused step runs its
+  multi-slice calls fused from 1024 adapter tokens x rank rows (64 rank-16 tokens) and its
+  single-slice calls from 4096 rows of the batch (256 rank-16 tokens, 64 rank-64 tokens).
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ from __future__ import annotations
 FUSED_MAX_TOKENS = 512
 # The fused kernel holds every rank row in registers; above this the two launches are used.
 FUSED_MAX_RANK = 128
-# Decode steps fuse from this many adapter tokens x rank rows (decode_prefers_fused).
-FUSED_DECODE_MIN_ROWS = 4096
+# Decode steps fuse from this many adapter tokens x rank rows (decode_prefers_fused)...
+FUSED_DECODE_MIN_ROWS = 1024
+# ... and their single-slice calls (o, down) from this many tokens x rank rows (decode_call_fused).
+FUSED_SINGLE_SLICE_MIN_ROWS = 4096
 
 
 def fused_rank_rows(max_rank: int) -> int:
@@ -43,7 +51,8 @@ def shapes_prefer_fused(num_tokens: int, max_rank: int, num_slices: int) -> bool
 
 
 def decode_prefers_fused(adapter_tokens: int, distinct: int, step_rank: int, max_rank: int) -> bool:
-    """Whether a decode-sized step should run all its LoRA calls on the fused kernel.
+    """Whether a decode-sized step should run its LoRA calls on the fused kernel (each call's
+    own path: decode_call_fused).
 
     adapter_tokens: the step's tokens that use an adapter; distinct: how many adapters they
     use; step_rank: the largest rank among those adapters; max_rank: the rank width the calls
@@ -57,3 +66,15 @@ def decode_prefers_fused(adapter_tokens: int, distinct: int, step_rank: int, max
         return False
     mostly_distinct = 3 * distinct >= 2 * adapter_tokens
     return mostly_distinct and adapter_tokens * max_rank >= FUSED_DECODE_MIN_ROWS
+
+
+def decode_call_fused(
+    step_fused: bool | None, num_tokens: int, num_slices: int, max_rank: int
+) -> bool | None:
+    """One call's path in a step whose rule said ``step_fused`` (None: the shapes decide, False:
+    two launches): in a fused step, calls of several slices fuse and a call of one slice fuses
+    from FUSED_SINGLE_SLICE_MIN_ROWS tokens x rank rows (``num_tokens``: the call's, padding
+    included, so a CUDA graph's choice is fixed by its batch size)."""
+    if not step_fused or num_slices > 1:
+        return step_fused
+    return num_tokens * fused_rank_rows(max_rank) >= FUSED_SINGLE_SLICE_MIN_ROWS

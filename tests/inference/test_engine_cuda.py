@@ -46,10 +46,13 @@ def test_cuda_float32_mixed_batch_matches_hf_peft(tiny_models, preset):
     _check_float32(tiny_models, preset, *_mixed_run(tiny_models, preset, "float32")[:3])
 
 
-def test_cuda_fused_decode_path_matches_hf_peft(tiny_models, monkeypatch):
+@pytest.mark.parametrize("single_slice_rows", [32, 1 << 20], ids=["all-fused", "mixed"])
+def test_cuda_fused_decode_path_matches_hf_peft(tiny_models, monkeypatch, single_slice_rows):
     """Decode steps on the fused LoRA kernel (the per-step choice, with the threshold lowered
-    so that the parity run's small batches of distinct adapters take it), graphs included."""
+    so that the parity run's small batches of distinct adapters take it), graphs included;
+    "mixed": q/k/v and gate/up fused while o and down keep the two launches."""
     monkeypatch.setattr(lora_paths, "FUSED_DECODE_MIN_ROWS", 32)  # one rank-32 token suffices
+    monkeypatch.setattr(lora_paths, "FUSED_SINGLE_SLICE_MIN_ROWS", single_slice_rows)
     run = _mixed_run(tiny_models, "tiny-llama", "float32", max_lora_rank=32)
     core = run[3]
     assert core.runner.fused_graph_sizes and core.runner.fused_steps > 0

@@ -205,12 +205,24 @@ def test_decode_path_rule():
     rows the calls are sized for."""
     rule = lora_paths.decode_prefers_fused
     assert rule(256, 256, 16, 16) and rule(64, 64, 64, 64) and rule(512, 400, 16, 16)
-    assert not rule(128, 128, 16, 16)  # too few rank rows to fill the GPU
+    assert rule(64, 64, 16, 16) and rule(16, 16, 64, 64)
+    assert not rule(32, 32, 16, 16)  # too few rank rows to fill the GPU
     assert not rule(256, 64, 16, 16)  # tokens share adapters
     assert not rule(256, 256, 16, 64)  # rank-16 adapters in calls sized for 64 rows
     assert rule(64, 64, 40, 64)  # 40 and 64 both take 64 rows
     assert not rule(512, 512, 256, 256)  # too many rows to hold
     assert not rule(0, 0, 0, 16)
+
+
+def test_decode_call_rule():
+    """Each call's path in a step (kernels/lora_paths.py): in a fused step, calls of several
+    slices fuse, and calls of one slice only from 4096 tokens x rank rows of the batch; other
+    steps' choice passes through."""
+    call = lora_paths.decode_call_fused
+    assert call(True, 64, 3, 16) and call(True, 64, 2, 16)  # qkv, gate_up
+    assert not call(True, 64, 1, 16) and not call(True, 255, 1, 16)  # o, down: too few rows
+    assert call(True, 256, 1, 16) and call(True, 64, 1, 64) and call(True, 64, 1, 40)
+    assert call(False, 512, 3, 16) is False and call(None, 512, 1, 16) is None
 
 
 @pytest.mark.parametrize("fused", [True, False, None])

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels import LoraIndex
+from kernels import LoraIndex, lora_paths
 from kernels.lora_layout import DOWN, GATE, UP, K, O, Q, V
 from services.inference.engine.batch import StepBatch
 from services.inference.models.config import ModelConfig, RopeConfig
@@ -69,8 +69,8 @@ class RMSNorm(nn.Module):
 class LoraContext:
     """What the LoRA hooks need besides the activations and the step's token -> row addressing
     (StepBatch.lora_tokens): the resident adapters' index rows, the width of the shrunk
-    activations, and the kernel path of this step (``fused``, see kernels.lora_apply; the
-    engine sets it per step, None leaves it to the shapes)."""
+    activations, and the kernel path of this step (``fused``: the engine sets it per step, None
+    leaves it to the shapes; each call's own path is kernels.lora_paths.decode_call_fused)."""
 
     def __init__(self, index: LoraIndex, max_rank: int) -> None:
         self.index, self.max_rank = index, max_rank
@@ -93,7 +93,7 @@ def linear_lora(
     if lora is not None:
         kernels.lora_apply(
             y, x, pool_layer, lora.index, batch.lora_tokens, modules, widths, lora.max_rank,
-            fused=lora.fused,
+            fused=lora_paths.decode_call_fused(lora.fused, x.shape[0], len(modules), lora.max_rank),
         )  # fmt: skip
     return y
 
