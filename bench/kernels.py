@@ -233,7 +233,7 @@ def _call_config(t: int, d_in: int, rank: int, mods, widths, cfg):
     if path == "two_launch":
         base = lora.launch_config(t, d_in, POOL_W, rank, len(mods))
     elif path == "fused":
-        base = lora.fused_config(t, POOL_W, rank, len(mods), max(widths))
+        base = lora.fused_config(t, POOL_W, rank, len(mods), max(widths), d_in)
     else:
         base = lora.launch_config(t, d_in, POOL_W, rank, len(mods), max(widths))
     return base._replace(**cfg)
@@ -576,21 +576,23 @@ def sweep(copy_bw: float, out_path: str | None) -> list[dict]:
     """Per call (qkv, o, gate_up, down), distinct adapters: the two-launch path against the
     fused kernel at several parts, and launch parameters of the fused kernel."""
     res = []
-    variants = [{"path": "two_launch"}] + [{"path": "fused", "parts": p} for p in (1, 2, 4, 8, 16)]
+    variants = [{"path": "two_launch"}, {"path": "fused"}]  # fused: fused_config's own launch
+    variants += [{"path": "fused", "parts": p} for p in (1, 2, 4, 8, 16)]
     extra = [
+        {"path": "fused", "shrink_warps": 4},
         {"path": "fused", "shrink_warps": 8},
         {"path": "fused", "stages": 2},
         {"path": "fused", "stages": 4},
-        {"path": "fused", "block_m": 16, "shrink_k": 128, "expand_n": 128},
+        {"path": "fused", "shrink_k": 128, "expand_n": 128, "shrink_warps": 4},
     ]
-    grid = [(16, b) for b in (1, 8, 32, 64, 128, 256, 512)] + [(64, b) for b in (1, 64, 256, 512)]
+    grid = [(16, b) for b in (1, 32, 64, 128, 256, 512)] + [(64, b) for b in (32, 64, 128, 256)]
     for rank, batch in grid:
         rows = torch.arange(batch, dtype=torch.int32)
         for ci, call in enumerate(CALLS):
             nbytes = lora_bytes(rows, rank, batch, (call,))
             layers = layers_for(nbytes)
             case = build_lora(batch, rank, layers, rows)
-            vs = variants + (extra if batch in (64, 512) else [])
+            vs = variants + (extra if batch >= 32 else [])
             for v in vs:
                 if batch * v.get("parts", 1) > 512:
                     continue

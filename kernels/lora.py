@@ -77,7 +77,7 @@ def launch_config(
     With ``out_width`` (the widest slice; lora_apply passes it) prefill-sized calls of several
     slices get the fused one-launch kernel instead (kernels/lora_paths.py)."""
     if out_width and shapes_prefer_fused(num_tokens, max_rank, num_slices):
-        return fused_config(num_tokens, width, max_rank, num_slices, out_width)
+        return fused_config(num_tokens, width, max_rank, num_slices, out_width, d_in)
     big = num_tokens > 1024
     shrink_k = _fit_block(256, width)
     rank_block = 16 if max_rank <= 16 else 32
@@ -97,24 +97,34 @@ def launch_config(
 
 
 def fused_config(
-    num_tokens: int, width: int, max_rank: int, num_slices: int, out_width: int
+    num_tokens: int, width: int, max_rank: int, num_slices: int, out_width: int, d_in: int
 ) -> LoraLaunch:
-    """One launch; blocks sized so that a weight block is about 8 KB whatever the rank (all
-    rank rows are held at once); parts chosen for the distinct-adapter worst case (a tile a
-    token) to give every SM about two programs, at most one part per column block (measured:
-    more parts re-read A from L2 for little gain); 32-token tiles for prefill."""
+    """One launch. Weight blocks of 256 columns (rank rows x 256: 8 KB at rank 16, 32 KB at
+    rank 64, streamed by 8 warps from 64 rows) and 128 from 128 rank rows. ``parts`` programs
+    share a (tile, slice)'s output columns when tokens alone give an SM fewer than two
+    programs (the distinct-adapter worst case, a tile a token), at most one per column block,
+    and at most 1 + out_width // d_in: each part reads the tile's whole A (all but one from
+    L2), so the extra A reads stay within the slice's Bᵀ bytes (o: 2 parts, down: 1).
+    32-token tiles for prefill.
+
+    Measured per call on the H200: bench/results/kernels_sweep_blocks.json, docs/kernels.md."""
     rows = fused_rank_rows(max_rank)
-    blk = _fit_block(max(32, min(256, 8192 // rows)), width)
+    blk = _fit_block(max(32, min(256, 16384 // rows)), width)
     programs = num_tokens * num_slices
-    parts = max(1, min(_FUSED_PROGRAMS_PER_SM * num_sms() // programs, -(-out_width // blk)))
+    parts = min(
+        _FUSED_PROGRAMS_PER_SM * num_sms() // programs,
+        -(-out_width // blk),
+        1 + out_width // d_in,
+    )
     return LoraLaunch(
         block_m=32 if num_tokens > FUSED_MAX_TOKENS else 16,
         shrink_k=blk,
         shrink_r=rows,
         expand_n=blk,
         expand_r=rows,
+        shrink_warps=8 if rows >= 64 else 4,
         fused=True,
-        parts=parts,
+        parts=max(1, parts),
         stages=3,
     )
 
@@ -544,5 +554,5 @@ def _path_config(t, d_in, width, max_rank, num_slices, out_widths, fused) -> Lor
     if fused is None:
         return launch_config(t, d_in, width, max_rank, num_slices, max(out_widths))
     if fused and max_rank <= FUSED_MAX_RANK:
-        return fused_config(t, width, max_rank, num_slices, max(out_widths))
+        return fused_config(t, width, max_rank, num_slices, max(out_widths), d_in)
     return launch_config(t, d_in, width, max_rank, num_slices)  # no out_width: never fused

@@ -47,7 +47,7 @@ def _config(path: str, shape, t: int, max_rank: int, parts: int = 2):
             return SMALL
         return lora.launch_config(t, shape.d_in, shape.width, max_rank, slices)
     if ON_GPU:
-        return lora.fused_config(t, shape.width, max_rank, slices, max(shape.widths))
+        return lora.fused_config(t, shape.width, max_rank, slices, max(shape.widths), shape.d_in)
     rows = lora.fused_rank_rows(max_rank)
     block_m = 32 if t > 20 else 16  # 32-token tiles for the small shapes' prefill-like calls
     return lora.LoraLaunch(
@@ -194,9 +194,9 @@ def test_launch_config_chooses_paths():
     assert not fused(4096, down) and fused(513, qkv)
     assert not fused(4096, qkv, rank=256)  # too many rank rows to hold
     assert not lora.launch_config(512, 4096, 4096, 16, 3).fused  # shrink / expand alone
-    cfg = lora.fused_config(1, 4096, 64, 3, 4096)
+    cfg = lora.fused_config(1, 4096, 64, 3, 4096, 4096)
     assert cfg.fused and cfg.shrink_r >= 64 and cfg.parts > 1 and cfg.block_m == 16
-    assert lora.fused_config(4096, 4096, 16, 3, 4096).block_m == 32
+    assert lora.fused_config(4096, 4096, 16, 3, 4096, 4096).block_m == 32
 
 
 def test_decode_path_rule():
