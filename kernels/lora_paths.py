@@ -15,12 +15,14 @@ committed at 4a8bb31; one layer's seven projections, Llama-2-7B shapes, bf16):
   (decode_call_fused) as lora_apply(fused=...).
 - Calls of several slices (q, k, v; gate, up) gain from the fused kernel sooner than calls of
   one (o, down), whose tokens alone give too few programs to fill the GPU, each streaming a
-  whole A. Per call, fused_config's launch against the two launches (kernels_sweep.json at
-  7f63a91), rank 16, 64 distinct tokens: qkv 31.8 µs against 34.5, gate_up 44.6 against 55.2,
-  but o 24.8 against 18.2 and down 52.5 against 23.1; 128 tokens: qkv 45.4 against 62.0,
-  gate_up 63.0 against 97.6, down 43.9 against 38.4 (one part). So a fused step runs its
-  multi-slice calls fused from 1024 adapter tokens x rank rows (64 rank-16 tokens) and its
-  single-slice calls from 4096 rows of the batch (256 rank-16 tokens, 64 rank-64 tokens).
+  whole A. Per call, fused_config's launch against the two launches
+  (bench/results/kernels_sweep_blocks.json at 56ecdc6), rank 16, 64 distinct tokens: qkv 31.5
+  µs against 34.3, gate_up 44.4 against 55.0, but o 20.3 against 18.1 and down 40.6 against
+  23.1; 128 tokens: qkv 46.0 against 62.6, gate_up 62.9 against 97.4, o 25.8 against 28.1,
+  down 43.4 against 38.5; rank 64, 64 tokens: o 31.3 against 47.4, down 63.0 against 64.9.
+  So a fused step runs its multi-slice calls fused from 1024 adapter tokens x rank rows (64
+  rank-16 tokens) and its single-slice calls from 4096 rows of the batch (256 rank-16 tokens,
+  64 rank-64 tokens).
 """
 
 from __future__ import annotations

@@ -46,9 +46,10 @@ def test_tiny_sweep_ranks_only_checked_points(tmp_path, monkeypatch):
 
 def test_grid_and_config():
     full = fs.SweepConfig()
-    for rank, block in ((16, 256), (64, 128)):  # fused_config's own blocks at W = 4096
+    # fused_config's own launches at W = 4096: blocks and warps
+    for rank, block, warps in ((16, 256, 4), (64, 256, 8)):
         points = fs.grid(full, rank, 256)
-        assert points[0] == fs.SweepPoint(block, None, 3, 4)
+        assert points[0] == fs.SweepPoint(block, None, 3, warps)
         assert len(points) == 1 + 4 * 5 * 3 * 3
     # batches 256 and 512 scan segments in the same chunk: they share compiled kernels
     assert len(fs.compile_tasks(full)) == 2 * 2 * 4 * 3 * 3
