@@ -46,7 +46,7 @@ from services.inference.engine import gc_pacing
 from services.inference.engine.adapter_manager import AdapterEntryStatus
 from services.inference.engine.api import AdapterKey, EngineStats, GenerationOutput
 from services.inference.engine.config import EngineConfig
-from services.inference.engine.engine import CommandKind, Engine, _Abort, _Load
+from services.inference.engine.engine import Abort, CommandKind, Engine, Load
 from store.peft import BaseModelShape
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class ProcessEngine(Engine):
             if kind == "generate":
                 self._generate(msg[2])
             elif kind == "abort":
-                super()._apply(_Abort(msg[2]))
+                super()._apply(Abort(msg[2]))
                 self._aborted.append(msg[2])
             elif kind == "add":
                 self._add(msg[2], self.arena[msg[3] : msg[3] + msg[4]], msg[5], msg[6])
@@ -143,7 +143,7 @@ class ProcessEngine(Engine):
             elif kind == "pin":
                 self.pin_adapter(msg[2], msg[3])
             elif kind == "load":
-                super()._apply(_Load(msg[2], lambda error: self._answer(n, error)))
+                super()._apply(Load(msg[2], lambda error: self._answer(n, error)))
             elif kind == "stats":
                 self._stats_wanted = True
             else:

@@ -230,7 +230,7 @@ def test_commands_during_a_step_stop_at_the_first_abort(tiny_models):
     """While a step's batch is on the GPU the loop applies queued commands only up to the first
     abort, which would free pages the step still uses; it and everything after it wait, in
     order, for the drain between steps."""
-    from services.inference.engine.engine import Phase, _Abort, _Enqueue
+    from services.inference.engine.engine import Abort, Enqueue, Phase
 
     engine = Engine(
         EngineConfig(model_dir=tiny_models.model("tiny-llama"), device="cpu", num_pages=64)
@@ -239,7 +239,7 @@ def test_commands_during_a_step_stop_at_the_first_abort(tiny_models):
     first, second = (
         core.prepare(GenerationRequest(rid, prompt_token_ids=[3, 5])) for rid in ("a", "b")
     )
-    for cmd in (_Enqueue(first), _Abort("a"), _Enqueue(second)):
+    for cmd in (Enqueue(first), Abort("a"), Enqueue(second)):
         engine._inbox.put(cmd)
     engine._drain(timeout=None, phase=Phase.DURING)
     assert list(core.scheduler.waiting) == [first]  # "b" is behind the held abort
@@ -254,7 +254,7 @@ def test_adapter_commands_between_steps_wait_for_the_next_step(tiny_models):
     """Between steps (the GPU idle) the loop applies only new requests and aborts; adapter work
     and everything queued after it wait, in order, for the next step's drain, while the GPU
     computes."""
-    from services.inference.engine.engine import Phase, _Abort, _Enqueue, _Load
+    from services.inference.engine.engine import Abort, Enqueue, Load, Phase
 
     engine = Engine(
         EngineConfig(model_dir=tiny_models.model("tiny-llama"), device="cpu", num_pages=64)
@@ -263,8 +263,8 @@ def test_adapter_commands_between_steps_wait_for_the_next_step(tiny_models):
     first, second = (
         core.prepare(GenerationRequest(rid, prompt_token_ids=[3, 5])) for rid in ("a", "b")
     )
-    load = _Load(AdapterKey("t", 1), lambda error: None)
-    for cmd in (_Enqueue(first), _Abort("zz"), load, _Enqueue(second)):
+    load = Load(AdapterKey("t", 1), lambda error: None)
+    for cmd in (Enqueue(first), Abort("zz"), load, Enqueue(second)):
         engine._inbox.put(cmd)
     engine._drain(timeout=None, phase=Phase.BETWEEN)
     assert list(core.scheduler.waiting) == [first] and engine._loads == []

@@ -63,15 +63,18 @@ class CommandKind(enum.Enum):
     ADAPTER = "adapter"  # adapter work (load; in engine_process.py also add, remove, pin, stats)
 
 
-class _Enqueue(NamedTuple):
+# The step loop's commands (its inbox; engine_process.py applies its own through them).
+
+
+class Enqueue(NamedTuple):
     seq: Sequence
 
 
-class _Abort(NamedTuple):
+class Abort(NamedTuple):
     request_id: str
 
 
-class _Load(NamedTuple):
+class Load(NamedTuple):
     key: AdapterKey
     done: Callable[[BaseException | None], None]  # called once, on the step thread
 
@@ -97,7 +100,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._failure: BaseException | None = None
-        self._loads: list[_Load] = []  # LoadAdapter calls waiting for their copy (step thread)
+        self._loads: list[Load] = []  # LoadAdapter calls waiting for their copy (step thread)
         self._held: list[object] = []  # a command taken from the inbox, applied next (0 or 1)
 
     # --- lifecycle --------------------------------------------------------------------------
@@ -161,7 +164,7 @@ class Engine:
             raise UnknownAdapter(f"adapter {key} is not loaded in this engine")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._inbox.put(_Load(key, lambda error: loop.call_soon_threadsafe(resolve, future, error)))
+        self._inbox.put(Load(key, lambda error: loop.call_soon_threadsafe(resolve, future, error)))
         await future
 
     def pin_adapter(self, key: AdapterKey, pinned: bool) -> None:
@@ -205,7 +208,7 @@ class Engine:
             raise EngineStopped("the engine is not running; call start() first")
         seq = self.core.prepare(request)  # raises before anything is queued
         outputs = self._outputs.open(request.request_id)
-        self._inbox.put(_Enqueue(seq))
+        self._inbox.put(Enqueue(seq))
         follow = self._outputs.follow(request.request_id, outputs, self.abort)
         async with contextlib.aclosing(follow):  # leaving early aborts now, not when collected
             async for item in follow:
@@ -213,7 +216,7 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """End a request; its pages are freed before the next step."""
-        self._inbox.put(_Abort(request_id))
+        self._inbox.put(Abort(request_id))
 
     def stats(self) -> EngineStats:
         return self.core.stats()
@@ -276,13 +279,13 @@ class Engine:
                 return
 
     def _apply(self, cmd: object) -> None:
-        if isinstance(cmd, _Enqueue):
+        if isinstance(cmd, Enqueue):
             self.core.enqueue(cmd.seq)
-        elif isinstance(cmd, _Abort):
+        elif isinstance(cmd, Abort):
             out = self.core.abort(cmd.request_id)
             if out is not None:
                 self._deliver([out])
-        elif isinstance(cmd, _Load):
+        elif isinstance(cmd, Load):
             self._loads.append(cmd)
 
     @staticmethod
@@ -292,9 +295,9 @@ class Engine:
         return kind is not CommandKind.ADAPTER
 
     def _kind(self, cmd: object) -> CommandKind:
-        if isinstance(cmd, _Enqueue):
+        if isinstance(cmd, Enqueue):
             return CommandKind.REQUEST
-        return CommandKind.ABORT if isinstance(cmd, _Abort) else CommandKind.ADAPTER
+        return CommandKind.ABORT if isinstance(cmd, Abort) else CommandKind.ADAPTER
 
     def _during_step(self) -> None:
         self._drain(timeout=None, phase=Phase.DURING)
