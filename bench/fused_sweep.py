@@ -170,7 +170,7 @@ class PointResult:
 
 def default_point(cfg: SweepConfig, rank: int, batch: int) -> SweepPoint:
     g = cfg.geometry
-    d = lora.fused_config(batch, g.pool_w, rank, 1, max(g.dims[Q]), min(g.dims[Q]))
+    d = lora.fused_config(batch, g.pool_w, rank, 1, g.dims[Q][1], g.dims[Q][0])
     return SweepPoint(d.shrink_k, None, d.stages, d.shrink_warps)
 
 

@@ -107,7 +107,9 @@ def fused_config(
     L2), so the extra A reads stay within the slice's Bᵀ bytes (o: 2 parts, down: 1).
     32-token tiles for prefill.
 
-    Measured per call on the H200: bench/results/kernels_sweep_blocks.json, docs/kernels.md."""
+    Measured per call on the H200 for decode at ranks 16 and 64 (bench/results/
+    kernels_sweep_blocks.json, docs/kernels.md); prefill at ranks above 32 and 128 rank rows
+    take the same rules unmeasured."""
     rows = fused_rank_rows(max_rank)
     blk = _fit_block(max(32, min(256, 16384 // rows)), width)
     programs = num_tokens * num_slices

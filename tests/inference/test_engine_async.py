@@ -273,3 +273,10 @@ def test_adapter_commands_between_steps_wait_for_the_next_step(tiny_models):
     engine._drain(timeout=None, phase=Phase.DURING)  # the load, then "b"
     assert engine._loads == [load]
     assert list(core.scheduler.waiting) == [first, second]
+    # When no step runs (idle, stalled, stopping) a drain takes every command, held ones first.
+    engine._inbox.put(Load(AdapterKey("t", 2), lambda error: None))
+    engine._inbox.put(Abort("b"))
+    engine._drain(timeout=None, phase=Phase.BETWEEN)  # the load is held, and the abort after it
+    assert len(engine._loads) == 1 and list(core.scheduler.waiting) == [first, second]
+    engine._drain(timeout=None)
+    assert len(engine._loads) == 2 and list(core.scheduler.waiting) == [first]

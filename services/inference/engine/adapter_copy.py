@@ -139,7 +139,7 @@ class AdapterCopier:
         # The index rows as prepare() writes them, in pinned memory, for non-blocking copies. A
         # row is written again only after it was freed, which needs its copy to have completed.
         self._staged = (
-            LoraIndex(*(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in index))
+            LoraIndex(*(torch.zeros(t.shape, dtype=t.dtype, pin_memory=True) for t in index))
             if self.cuda
             else index
         )
