@@ -70,7 +70,7 @@ class EngineInfo(NamedTuple):
 class Report(NamedTuple):
     applied: int  # every command up to this number is applied
     outputs: list[tuple]  # GenerationOutput's fields in order: plain tuples pickle 8x faster
-    errors: list[tuple[str, BaseException]]  # (request_id, why it was refused)
+    errors: list[tuple[str, BaseException]]  # (request_id, why it was refused or ended)
     adapters: dict[AdapterKey, AdapterEntryStatus | None]  # changed; None = gone
     copies: list[tuple[AdapterKey, float]]  # host -> pool copies completed, seconds
     loaded: list[tuple[int, BaseException | None]]  # "load" commands answered
@@ -164,6 +164,9 @@ class ProcessEngine(Engine):
         except Exception:
             log.exception("adapter %s could not be added", key)
             self._failed_adds[key] = None
+
+    def _fail_requests(self, errors: list[tuple[str, BaseException]]) -> None:
+        self._errors.extend(errors)
 
     def _answer(self, n: int, error: BaseException | None) -> None:
         self._loaded.append((n, error))

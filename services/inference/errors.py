@@ -11,6 +11,7 @@ from typing import NamedTuple
 import grpc
 
 from services.inference.engine.errors import (
+    AdapterLoadFailed,
     EngineOverloaded,
     EngineStopped,
     InvalidRequest,
@@ -64,6 +65,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
     (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
     (EngineStopped, grpc.StatusCode.UNAVAILABLE),
+    (AdapterLoadFailed, grpc.StatusCode.UNAVAILABLE),
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineOverloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (HostCacheFull, grpc.StatusCode.RESOURCE_EXHAUSTED),

@@ -10,10 +10,12 @@ import shutil
 import numpy as np
 import pytest
 
+from services.inference.engine import adapter_copy
 from services.inference.engine.api import AdapterKey, FinishReason, GenerationRequest
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.engine import Engine
 from services.inference.engine.errors import (
+    AdapterLoadFailed,
     DuplicateRequest,
     EngineOverloaded,
     EngineStopped,
@@ -280,3 +282,33 @@ def test_adapter_commands_between_steps_wait_for_the_next_step(tiny_models):
     assert len(engine._loads) == 1 and list(core.scheduler.waiting) == [first, second]
     engine._drain(timeout=None)
     assert len(engine._loads) == 2 and list(core.scheduler.waiting) == [first]
+
+
+async def test_a_failed_adapter_copy_ends_its_requests_and_the_engine_keeps_serving(
+    engine, monkeypatch
+):
+    """A copy into the pool that fails (here: the CPU write raises) ends the requests and the
+    LoadAdapter call waiting for that adapter with AdapterLoadFailed; its pages and index row go
+    back, other requests are untouched, and a later request for the adapter copies it again."""
+    real = adapter_copy.write_adapter
+    calls = []
+
+    def failing(*args):
+        calls.append(args)
+        raise RuntimeError("device ran out of memory")
+
+    monkeypatch.setattr(adapter_copy, "write_adapter", failing)
+    base = asyncio.create_task(collect(engine, greedy("base", [5, 6, 7], 12)))
+    with pytest.raises(AdapterLoadFailed, match="r8.*could not be copied.*ran out of memory"):
+        await collect(engine, greedy("x", [5, 6, 7], 4, adapter=R8))
+    with pytest.raises(AdapterLoadFailed, match="could not be copied"):
+        await engine.load_adapter(R8)
+    assert len(calls) == 2  # one attempt each, no retry loop
+    assert [o.finish_reason for o in await base][-1] is FinishReason.LENGTH
+    stats = await wait_idle(engine)
+    assert stats.adapter_pages == 0 and not engine.adapter_in_pool(R8)
+    engine.core.check_integrity()
+
+    monkeypatch.setattr(adapter_copy, "write_adapter", real)
+    outs = await collect(engine, greedy("y", [5, 6, 7], 4, adapter=R8))
+    assert outs[-1].finish_reason is FinishReason.LENGTH and engine.adapter_in_pool(R8)

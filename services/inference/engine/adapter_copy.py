@@ -96,7 +96,7 @@ def write_adapter(pool: torch.Tensor, host: HostAdapter, slots: torch.Tensor, sr
 class CopyTicket:
     """One host -> pool copy. done() never blocks (False until issued, on CUDA); seconds() is
     the copy's duration (device time between events on CUDA, wall time on the CPU) once done.
-    A copy that failed to issue raises from done()."""
+    A copy that failed is done once the work it queued has run, with ``error`` set."""
 
     def __init__(self, cuda: bool) -> None:
         self._error: BaseException | None = None
@@ -106,9 +106,11 @@ class CopyTicket:
         self._job: tuple[HostAdapter, int, int] | None = None  # prepared: (host, row, slots)
         self._seconds = 0.0
 
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
     def done(self) -> bool:
-        if self._error is not None:
-            raise RuntimeError("copying an adapter into the page pool failed") from self._error
         return self._end is None or (self._job is None and self._end.query())
 
     def seconds(self) -> float:
@@ -158,8 +160,7 @@ class AdapterCopier:
                 start = time.perf_counter()
                 write_adapter(self.pool, host, slots, host.raw)
                 ticket._seconds = time.perf_counter() - start
-        except BaseException as exc:  # reported to the step thread by done()
-            log.exception("adapter copy failed")
+        except Exception as exc:  # reported to the step thread through ticket.error
             ticket._error = exc
         return ticket
 
@@ -179,8 +180,11 @@ class AdapterCopier:
                 staged = host.raw.to(self.pool.device, non_blocking=True)  # pinned -> DMA
                 write_adapter(self.pool, host, slots, staged)
                 ticket._end.record(side)
-        except BaseException as exc:  # reported to the step thread by done()
-            log.exception("adapter copy failed")
+        except Exception as exc:  # reported to the step thread through ticket.error
             ticket._error = exc
+            try:  # done() once what was queued before the failure has run: then the pages
+                ticket._end.record(self._stream)  # may go back to the pool
+            except Exception:
+                log.exception("could not mark the end of a failed adapter copy")
         finally:
             ticket._job = None

@@ -6,7 +6,9 @@ States, one per adapter:
              CUDA on a side stream, completion marked by an event)
     IN_POOL  the copy completed: requests using the adapter may join a step
 begin_load() moves HOST -> LOADING, poll_loads() LOADING -> IN_POOL once the copy is done (on CPU
-at once), evict moves IN_POOL -> HOST. The scheduler admits a request only when its adapter is
+at once), evict moves IN_POOL -> HOST. A copy that fails (a device allocation, a bug) moves
+LOADING -> HOST with its pages and row given back; the adapter is not copied again until
+take_failed_loads() has reported it (the engine then ends the requests waiting for it). The scheduler admits a request only when its adapter is
 IN_POOL, so a load never stalls the requests already running. The copy itself is
 adapter_copy.py's: on CUDA begin_load() prepares it and issue_loads(), called once the step's
 GPU work is queued, issues it on a side stream (milliseconds of the step thread's time, spent
@@ -84,6 +86,7 @@ class AdapterEntry:
     last_used: int = 0  # step clock of the latest step that used it (LRU)
     removed: bool = False  # remove_adapter() was called; dropped once refs reach 0
     pinned: bool = False  # never evicted from the pool (LoadAdapter with pin)
+    failure: BaseException | None = None  # the last copy failed; not retried until taken
 
 
 class AdapterManager:
@@ -107,10 +110,11 @@ class AdapterManager:
         self._loading: set[Hashable] = set()
         self._unissued: list[CopyTicket] = []  # prepared copies (step thread)
         self._removed: set[Hashable] = set()
+        self._failed: list[tuple[Hashable, BaseException]] = []  # failed copies, not yet taken
         self._lock = threading.Lock()
         self._clock = 0
         self.copier = AdapterCopier(pool.tensor, self.index)
-        self.loads = self.evictions = 0
+        self.loads = self.evictions = self.load_failures = 0
         self.copy_seconds: deque[float] = deque(maxlen=1024)  # recent host->pool copies
         # Called on the step thread with (key, seconds) when a copy completes.
         self.load_listeners: list[Callable[[Hashable, float], None]] = []
@@ -249,8 +253,8 @@ class AdapterManager:
         is no room now; nothing is evicted then."""
         with self._lock:
             entry = self._entries[key]
-            if entry.state is not AdapterState.HOST:
-                return True
+            if entry.state is not AdapterState.HOST or entry.failure is not None:
+                return True  # loading or loaded; or failed, waiting for take_failed_loads()
             need = self.pages_of(entry.host)
             idle = self._idle()
             rows = len(self._free_rows) + len(idle)
@@ -279,20 +283,46 @@ class AdapterManager:
                 self.copier.issue(ticket)
 
     def poll_loads(self) -> None:
-        """LOADING -> IN_POOL for every load whose copy has completed (never blocks)."""
+        """LOADING -> IN_POOL for every load whose copy has completed (never blocks); a copy
+        that failed gives its pages and row back (LOADING -> HOST) and waits, not retried, until
+        take_failed_loads() reports it."""
         done = []
         with self._lock:
             for key in list(self._loading):
                 entry = self._entries[key]
-                if entry.ready.done():
-                    done.append((key, entry.ready.seconds()))
-                    entry.state, entry.ready = AdapterState.IN_POOL, None
-                    self._loading.discard(key)
-                    self._mark(key)
+                ticket = entry.ready
+                if not ticket.done():
+                    continue
+                self._loading.discard(key)
+                entry.ready = None
+                self._mark(key)
+                if ticket.error is None:
+                    entry.state = AdapterState.IN_POOL
+                    done.append((key, ticket.seconds()))
+                    continue
+                self._unplace(key)
+                entry.failure = ticket.error
+                self._failed.append((key, ticket.error))
+                self.load_failures += 1
+                log.error(
+                    "copying adapter %s into the page pool failed: %r", key, ticket.error,
+                    exc_info=ticket.error,
+                )  # fmt: skip
         for key, seconds in done:
             self.copy_seconds.append(seconds)
             for listener in self.load_listeners:
                 listener(key, seconds)
+
+    def take_failed_loads(self) -> dict[Hashable, BaseException]:
+        """The adapters whose copy failed since the last call, and why; a later begin_load()
+        of one tries again."""
+        with self._lock:
+            failed, self._failed = self._failed, []
+            for key, _ in failed:
+                entry = self._entries.get(key)
+                if entry is not None:
+                    entry.failure = None
+        return dict(failed)
 
     def evict_idle(self) -> bool:
         """Evict the least recently used resident adapter that no request uses."""
@@ -354,12 +384,16 @@ class AdapterManager:
         return self.pages_of(self._entries[key].host)
 
     def _evict(self, key: Hashable) -> None:
+        self._unplace(key)
+        self._mark(key)
+        self.evictions += 1
+        log.debug("evicted adapter %s from the pool", key)
+
+    def _unplace(self, key: Hashable) -> None:
+        """Give the adapter's pages and index row back: state HOST."""
         entry = self._entries[key]
         self.pool.free_adapter(key)
         self.index.ranks[entry.row].zero_()  # a stale row must add nothing if it were read
         self.row_ranks[entry.row] = 0
         self._free_rows.append(entry.row)
         entry.state, entry.row = AdapterState.HOST, None
-        self._mark(key)
-        self.evictions += 1
-        log.debug("evicted adapter %s from the pool", key)

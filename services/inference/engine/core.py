@@ -31,6 +31,7 @@ from services.inference.engine.batch import BatchEntry
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from services.inference.engine.errors import (
+    AdapterLoadFailed,
     DuplicateRequest,
     EngineOverloaded,
     InvalidRequest,
@@ -230,6 +231,21 @@ class EngineCore:
         text = ""  # held-back text is dropped: the caller asked to stop
         return self._finish(seq, FinishReason.ABORT, (), text)
 
+    def take_load_failures(
+        self,
+    ) -> tuple[list[tuple[str, AdapterLoadFailed]], dict[AdapterKey, BaseException]]:
+        """End the queued requests whose adapter's copy into the pool failed (step thread):
+        (request_id, error) for each, and the failed adapters with the cause. Until this is
+        called a failed adapter is not copied again (AdapterManager.take_failed_loads)."""
+        failed = self.adapters.take_failed_loads()
+        errors = []
+        for seq in list(self.scheduler.waiting) if failed else ():
+            cause = failed.get(seq.adapter)
+            if cause is not None:
+                self._finish(seq, FinishReason.ABORT, (), "")
+                errors.append((seq.request_id, load_failed(seq.adapter, cause)))
+        return errors, failed
+
     def abort_all(self) -> list[GenerationOutput]:
         with self._lock:
             ids = list(self._live)
@@ -340,6 +356,13 @@ class EngineCore:
             adapter_loads=self.adapters.loads,
             adapter_evictions=self.adapters.evictions,
         )
+
+
+def load_failed(key: AdapterKey, cause: BaseException) -> AdapterLoadFailed:
+    return AdapterLoadFailed(
+        f"adapter {key} could not be copied into the GPU page pool "
+        f"({type(cause).__name__}: {cause}); the engine keeps serving, retry later"
+    )
 
 
 def _token_id(value: object) -> int | None:

@@ -36,7 +36,7 @@ from services.inference.engine.api import (
     GenerationRequest,
 )
 from services.inference.engine.config import EngineConfig
-from services.inference.engine.core import EngineCore, LogitsHook
+from services.inference.engine.core import EngineCore, LogitsHook, load_failed
 from services.inference.engine.errors import EngineStopped, UnknownAdapter
 from services.inference.engine.gc_pacing import collect_if_due, release
 from services.inference.engine.host_adapter import HostAdapter
@@ -243,6 +243,7 @@ class Engine:
                     core.adapters.issue_loads()  # LoadAdapter's, with no step to overlap
                     core.adapters.reap()
                     collect_if_due()  # idle: garbage must not pile up while no step runs
+                self._take_load_failures()
                 self._iteration_done()
         except BaseException as e:  # a failed step must not leave callers waiting forever
             log.exception("engine step loop failed")
@@ -323,8 +324,25 @@ class Engine:
             waiting.append(job)
         self._loads = waiting
 
+    def _take_load_failures(self) -> None:
+        """End the requests and LoadAdapter calls waiting for an adapter whose copy failed."""
+        errors, failed = self.core.take_load_failures()
+        if errors:
+            self._fail_requests(errors)
+        if failed:
+            waiting = []
+            for job in self._loads:
+                if job.key in failed:
+                    job.done(load_failed(job.key, failed[job.key]))
+                else:
+                    waiting.append(job)
+            self._loads = waiting
+
     def _deliver(self, outputs: list[GenerationOutput]) -> None:
         self._outputs.post((out.request_id, out) for out in outputs)
+
+    def _fail_requests(self, errors: list[tuple[str, BaseException]]) -> None:
+        self._outputs.post(errors)
 
     def _iteration_done(self) -> None:
         """Called on the step thread after each turn of the loop; engine_process.py reports

@@ -30,5 +30,10 @@ class EngineStopped(EngineError):
     """The engine is not running (never started, stopped, or its step loop failed)."""
 
 
+class AdapterLoadFailed(EngineError):
+    """An adapter's copy into the GPU page pool failed (its requests end with this; the engine
+    keeps serving, and a later request for the adapter tries the copy again)."""
+
+
 class ModelLoadError(EngineError):
     """The model directory cannot be served: missing file, unsupported architecture, bad shape."""

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from services.inference.config import ServiceConfig
+from services.inference.engine.errors import AdapterLoadFailed
 from services.inference.errors import QueueFull, StoreUnavailable, status_for
 from services.inference.server import engine_config
 
@@ -62,4 +63,6 @@ def test_bad_environment_value_names_the_variable(capsys):
 def test_status_mapping_covers_service_errors():
     assert status_for(QueueFull("full")).code.name == "RESOURCE_EXHAUSTED"
     assert status_for(StoreUnavailable("down")).code.name == "UNAVAILABLE"
+    failed = status_for(AdapterLoadFailed("adapter a@1 could not be copied"))
+    assert failed.code.name == "UNAVAILABLE" and failed.message.startswith("adapter a@1")
     assert status_for(RuntimeError("boom")).code.name == "INTERNAL"
