@@ -124,6 +124,16 @@ class ProcessEngine(Engine):
             return CommandKind.ABORT if kind == "abort" else CommandKind.ADAPTER
         return super()._kind(cmd)
 
+    def _names(self, cmd: object) -> tuple:
+        if isinstance(cmd, _Command):
+            kind, msg = cmd.msg[0], cmd.msg
+            if kind == "generate":
+                return tuple(n for n in (msg[2].adapter, msg[2].request_id) if n is not None)
+            if kind in ("abort", "add", "remove", "pin", "load"):
+                return (msg[2],)  # abort: the request id; the others: the adapter
+            return ()
+        return super()._names(cmd)
+
     def _apply(self, cmd: object) -> None:
         if not isinstance(cmd, _Command):
             super()._apply(cmd)
@@ -150,7 +160,7 @@ class ProcessEngine(Engine):
                 log.error("unknown command %r from the service", kind)
         except Exception:  # the service checked first: this is a bug, not bad input
             log.exception("command %s (%d) failed", kind, n)
-        self._applied = n
+        self._applied = max(self._applied, n)
 
     def _generate(self, request) -> None:
         try:
@@ -186,7 +196,10 @@ class ProcessEngine(Engine):
 
     def report(self, final: bool) -> None:
         """Send what happened since the last report, if anything did."""
-        applied = self._applied
+        # Reports cover commands up to ``applied``, all applied: a held command keeps the
+        # ones after it that were applied first from counting (Engine._drain).
+        held = [cmd.msg[1] for cmd in self._held if isinstance(cmd, _Command)]
+        applied = min(self._applied, min(held) - 1) if held else self._applied
         outputs, self._outputs_out = self._outputs_out, []
         errors, self._errors = self._errors, []
         loaded, self._loaded = self._loaded, []

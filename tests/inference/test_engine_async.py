@@ -228,10 +228,9 @@ async def test_step_failure_reaches_the_caller(engine):
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
-def test_commands_during_a_step_stop_at_the_first_abort(tiny_models):
-    """While a step's batch is on the GPU the loop applies queued commands only up to the first
-    abort, which would free pages the step still uses; it and everything after it wait, in
-    order, for the drain between steps."""
+def test_commands_during_a_step_hold_aborts(tiny_models):
+    """While a step's batch is on the GPU the loop holds aborts, which would free pages the step
+    still uses, and applies the other commands; the held abort is applied between steps."""
     from services.inference.engine.engine import Abort, Enqueue, Phase
 
     engine = Engine(
@@ -244,44 +243,45 @@ def test_commands_during_a_step_stop_at_the_first_abort(tiny_models):
     for cmd in (Enqueue(first), Abort("a"), Enqueue(second)):
         engine._inbox.put(cmd)
     engine._drain(timeout=None, phase=Phase.DURING)
-    assert list(core.scheduler.waiting) == [first]  # "b" is behind the held abort
-    engine._drain(timeout=None, phase=Phase.DURING)  # still held: nothing moves
-    assert list(core.scheduler.waiting) == [first]
-    engine._drain(timeout=None, phase=Phase.BETWEEN)  # between steps: the abort, then "b"
+    assert list(core.scheduler.waiting) == [first, second]  # "b" does not depend on the abort
+    engine._drain(timeout=None, phase=Phase.DURING)  # still held
+    assert list(core.scheduler.waiting) == [first, second]
+    engine._drain(timeout=None, phase=Phase.BETWEEN)  # between steps: the abort
     assert list(core.scheduler.waiting) == [second]
     assert first.finish_reason is FinishReason.ABORT
 
 
 def test_adapter_commands_between_steps_wait_for_the_next_step(tiny_models):
-    """Between steps (the GPU idle) the loop applies only new requests and aborts; adapter work
-    and everything queued after it wait, in order, for the next step's drain, while the GPU
-    computes."""
+    """Between steps (the GPU idle) the loop applies new requests and aborts; adapter work waits
+    for the next step's drain, while the GPU computes, and so do the requests and aborts that
+    name what a held command names (order between dependent commands is kept)."""
     from services.inference.engine.engine import Abort, Enqueue, Load, Phase
 
     engine = Engine(
         EngineConfig(model_dir=tiny_models.model("tiny-llama"), device="cpu", num_pages=64)
     )
+    engine.add_adapter_dir(R8, tiny_models.adapter("tiny-llama", "r8"))
     core = engine.core
-    first, second = (
-        core.prepare(GenerationRequest(rid, prompt_token_ids=[3, 5])) for rid in ("a", "b")
+    base, tuned, other = (
+        core.prepare(GenerationRequest(rid, prompt_token_ids=[3, 5], adapter=adapter))
+        for rid, adapter in (("a", None), ("t", R8), ("c", None))
     )
-    load = Load(AdapterKey("t", 1), lambda error: None)
-    for cmd in (Enqueue(first), Abort("zz"), load, Enqueue(second)):
+    load = Load(R8, lambda error: None)
+    for cmd in (Enqueue(base), Abort("zz"), load, Enqueue(tuned), Abort("t"), Enqueue(other)):
         engine._inbox.put(cmd)
     engine._drain(timeout=None, phase=Phase.BETWEEN)
-    assert list(core.scheduler.waiting) == [first] and engine._loads == []
+    # the load waits, with the request for its adapter and that request's abort behind it
+    assert list(core.scheduler.waiting) == [base, other] and engine._loads == []
     engine._drain(timeout=None, phase=Phase.BETWEEN)  # still held
-    assert list(core.scheduler.waiting) == [first] and engine._loads == []
-    engine._drain(timeout=None, phase=Phase.DURING)  # the load, then "b"
+    assert list(core.scheduler.waiting) == [base, other] and engine._loads == []
+    engine._drain(timeout=None, phase=Phase.DURING)  # the load and "t"; the abort waits
     assert engine._loads == [load]
-    assert list(core.scheduler.waiting) == [first, second]
+    assert list(core.scheduler.waiting) == [base, other, tuned]
     # When no step runs (idle, stalled, stopping) a drain takes every command, held ones first.
     engine._inbox.put(Load(AdapterKey("t", 2), lambda error: None))
-    engine._inbox.put(Abort("b"))
-    engine._drain(timeout=None, phase=Phase.BETWEEN)  # the load is held, and the abort after it
-    assert len(engine._loads) == 1 and list(core.scheduler.waiting) == [first, second]
     engine._drain(timeout=None)
-    assert len(engine._loads) == 2 and list(core.scheduler.waiting) == [first]
+    assert len(engine._loads) == 2 and list(core.scheduler.waiting) == [base, other]
+    assert tuned.finish_reason is FinishReason.ABORT
 
 
 async def test_a_failed_adapter_copy_ends_its_requests_and_the_engine_keeps_serving(

@@ -8,8 +8,9 @@ States, one per adapter:
 begin_load() moves HOST -> LOADING, poll_loads() LOADING -> IN_POOL once the copy is done (on CPU
 at once), evict moves IN_POOL -> HOST. A copy that fails (a device allocation, a bug) moves
 LOADING -> HOST with its pages and row given back; the adapter is not copied again until
-take_failed_loads() has reported it (the engine then ends the requests waiting for it). The scheduler admits a request only when its adapter is
-IN_POOL, so a load never stalls the requests already running. The copy itself is
+take_failed_loads() has reported it (the engine then ends the requests waiting for it). The
+scheduler admits a request only when its adapter is IN_POOL, so a load never stalls the
+requests already running. The copy itself is
 adapter_copy.py's: on CUDA begin_load() prepares it and issue_loads(), called once the step's
 GPU work is queued, issues it on a side stream (milliseconds of the step thread's time, spent
 while the GPU computes); the transfer runs while later steps compute.

@@ -101,7 +101,7 @@ class Engine:
         self._stopping = threading.Event()
         self._failure: BaseException | None = None
         self._loads: list[Load] = []  # LoadAdapter calls waiting for their copy (step thread)
-        self._held: list[object] = []  # a command taken from the inbox, applied next (0 or 1)
+        self._held: list[object] = []  # commands taken from the inbox, applied by a later drain
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -255,29 +255,36 @@ class Engine:
                 release()  # nothing paces collections any more: CPython's own come back
 
     def _drain(self, timeout: float | None, phase: Phase | None = None) -> None:
-        """Apply the inbox's commands in order; with a timeout, wait that long for the first
-        one. ``phase``: while steps run, a command is applied only where it costs the GPU no
-        time or must be: DURING (the step's GPU work is queued and its batch not yet done)
-        takes every command but an abort, which frees pages the step still uses and finishes a
-        sequence it samples for; BETWEEN (the GPU waits for the next step) takes only new
-        requests and aborts, which change the coming batch. The first command a phase does not
-        take, and all after it, wait for the next drain (order is kept)."""
-        if self._held:
-            cmd = self._held.pop()
-        else:
-            try:
-                cmd = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        """Apply the held commands, then the inbox's, in order; with a timeout and nothing held,
+        wait that long for the first one. ``phase``: while steps run, a command is applied only
+        where it costs the GPU no time or must be: DURING (the step's GPU work is queued and its
+        batch not yet done) takes every command but an abort, which frees pages the step still
+        uses and finishes a sequence it samples for; BETWEEN (the GPU waits for the next step)
+        takes only new requests and aborts, which change the coming batch. A command a phase
+        does not take is held for the next drain, and so is every later one that names an
+        adapter or a request it names (a request for the adapter an add brings, the abort of a
+        held request): commands that depend on each other keep their order."""
+        held, self._held = self._held, []
+        names: set = set()  # adapters and request ids named by the commands held in this drain
+        first = not held
         while True:
-            if phase is not None and not self._applies(self._kind(cmd), phase):
+            if held:
+                cmd = held.pop(0)
+            else:
+                try:
+                    wait = timeout if first else None
+                    cmd = self._inbox.get(timeout=wait) if wait else self._inbox.get_nowait()
+                except queue.Empty:
+                    return
+                first = False
+            named = self._names(cmd)
+            if phase is not None and (
+                not self._applies(self._kind(cmd), phase) or not names.isdisjoint(named)
+            ):
                 self._held.append(cmd)
-                return
-            self._apply(cmd)
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+                names.update(named)
+            else:
+                self._apply(cmd)
 
     def _apply(self, cmd: object) -> None:
         if isinstance(cmd, Enqueue):
@@ -294,6 +301,14 @@ class Engine:
         if phase is Phase.DURING:
             return kind is not CommandKind.ABORT
         return kind is not CommandKind.ADAPTER
+
+    def _names(self, cmd: object) -> tuple:
+        """The adapter and request ids ``cmd`` acts on (what a later command may depend on)."""
+        if isinstance(cmd, Enqueue):
+            return tuple(n for n in (cmd.seq.adapter, cmd.seq.request_id) if n is not None)
+        if isinstance(cmd, Abort):
+            return (cmd.request_id,)
+        return (cmd.key,) if isinstance(cmd, Load) else ()
 
     def _kind(self, cmd: object) -> CommandKind:
         if isinstance(cmd, Enqueue):

@@ -202,3 +202,27 @@ async def test_sync_stats_reflect_a_running_request(svc_models):
         await remote.stop()
     with pytest.raises(EngineStopped):
         await remote.sync_stats()
+
+
+def test_reports_count_only_commands_applied_in_full(svc_models):
+    """Between steps a held adapter command lets later requests pass it, but a report says
+    "applied up to n" only once every command up to n is applied: the service reuses an
+    adapter's bytes on the strength of that number."""
+    from multiprocessing import Pipe
+
+    from services.inference.engine.engine import Phase
+    from services.inference.engine_process import ProcessEngine
+
+    ours, theirs = Pipe()
+    engine = ProcessEngine(_config(svc_models), theirs)
+    a, b = (GenerationRequest(rid, prompt_token_ids=[3, 5], sampling=THREE) for rid in "ab")
+    for msg in (("generate", 1, a), ("stats", 2), ("generate", 3, b)):
+        engine.post(msg)
+    engine._drain(timeout=None, phase=Phase.BETWEEN)  # "stats" waits; "b" passes it
+    assert [s.request_id for s in engine.core.scheduler.waiting] == ["a", "b"]
+    engine.report(final=False)
+    kind, report = ours.recv()
+    assert kind == "report" and report.applied == 1
+    engine._drain(timeout=None, phase=Phase.DURING)
+    engine.report(final=False)
+    assert ours.recv()[1].applied == 3
