@@ -98,7 +98,7 @@ class ProcessEngine(Engine):
         self._copies: list[tuple[AdapterKey, float]] = []
         self._failed_adds: dict[AdapterKey, None] = {}
         self._aborted: list[str] = []
-        self._stats_wanted = False  # a "stats" command asked for them
+        self._stats_wanted = 0  # the number of the latest "stats" command not yet answered
         self._stats_at = 0.0
         self._last_stats: EngineStats | None = None
         self._gone = False  # the connection broke
@@ -155,7 +155,7 @@ class ProcessEngine(Engine):
             elif kind == "load":
                 super()._apply(Load(msg[2], lambda error: self._answer(n, error)))
             elif kind == "stats":
-                self._stats_wanted = True
+                self._stats_wanted = n
             else:
                 log.error("unknown command %r from the service", kind)
         except Exception:  # the service checked first: this is a bug, not bad input
@@ -210,12 +210,16 @@ class ProcessEngine(Engine):
         adapters.update(failed)
         stats = None
         now = time.monotonic()
-        if final or self._stats_wanted or now - self._stats_at >= _STATS_EVERY_S:
+        # A "stats" command is answered by the first report that covers it (its caller waits
+        # for that one; with a command before it held, a report may not cover it yet).
+        asked = 0 < self._stats_wanted <= applied
+        if final or asked or now - self._stats_at >= _STATS_EVERY_S:
             self._stats_at = now
             current = self.core.stats()
-            if current != self._last_stats or self._stats_wanted:
+            if current != self._last_stats or asked:
                 stats = self._last_stats = current
-            self._stats_wanted = False
+            if asked:
+                self._stats_wanted = 0
         news = outputs or errors or loaded or copies or adapters or aborted or stats is not None
         if not news and applied == self._reported:
             return

@@ -285,11 +285,12 @@ def test_adapter_commands_between_steps_wait_for_the_next_step(tiny_models):
 
 
 async def test_a_failed_adapter_copy_ends_its_requests_and_the_engine_keeps_serving(
-    engine, monkeypatch
+    engine, monkeypatch, tiny_models
 ):
     """A copy into the pool that fails (here: the CPU write raises) ends the requests and the
     LoadAdapter call waiting for that adapter with AdapterLoadFailed; its pages and index row go
-    back, other requests are untouched, and a later request for the adapter copies it again."""
+    back, other requests and resident adapters are untouched (nothing is evicted to make room
+    for a copy that failed), and a later request for the adapter copies it again."""
     real = adapter_copy.write_adapter
     calls = []
 
@@ -297,16 +298,23 @@ async def test_a_failed_adapter_copy_ends_its_requests_and_the_engine_keeps_serv
         calls.append(args)
         raise RuntimeError("device ran out of memory")
 
+    resident = AdapterKey("r16", 1)
+    engine.add_adapter_dir(resident, tiny_models.adapter("tiny-llama", "r16"))
+    await engine.load_adapter(resident)
     monkeypatch.setattr(adapter_copy, "write_adapter", failing)
+    with pytest.raises(AdapterLoadFailed, match="r8.*could not be copied.*ran out of memory"):
+        await collect(engine, greedy("alone", [5, 6, 7], 4, adapter=R8))  # nothing else runs
+    assert engine.adapter_in_pool(resident) and engine.core.adapters.evictions == 0
     base = asyncio.create_task(collect(engine, greedy("base", [5, 6, 7], 12)))
     with pytest.raises(AdapterLoadFailed, match="r8.*could not be copied.*ran out of memory"):
         await collect(engine, greedy("x", [5, 6, 7], 4, adapter=R8))
     with pytest.raises(AdapterLoadFailed, match="could not be copied"):
         await engine.load_adapter(R8)
-    assert len(calls) == 2  # one attempt each, no retry loop
+    assert len(calls) == 3  # one attempt each, no retry loop
     assert [o.finish_reason for o in await base][-1] is FinishReason.LENGTH
     stats = await wait_idle(engine)
-    assert stats.adapter_pages == 0 and not engine.adapter_in_pool(R8)
+    assert stats.adapter_pages == engine.core.adapters.pages_of(engine.core.adapters.get(resident))
+    assert not engine.adapter_in_pool(R8)
     engine.core.check_integrity()
 
     monkeypatch.setattr(adapter_copy, "write_adapter", real)

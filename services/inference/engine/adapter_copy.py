@@ -182,9 +182,8 @@ class AdapterCopier:
                 ticket._end.record(side)
         except Exception as exc:  # reported to the step thread through ticket.error
             ticket._error = exc
-            try:  # done() once what was queued before the failure has run: then the pages
-                ticket._end.record(self._stream)  # may go back to the pool
-            except Exception:
-                log.exception("could not mark the end of a failed adapter copy")
+            # done() once what was queued before the failure has run: then the pages may go
+            # back to the pool. If even that fails the device is unusable: the step fails.
+            ticket._end.record(self._stream)
         finally:
             ticket._job = None

@@ -115,7 +115,7 @@ class AdapterManager:
         self._lock = threading.Lock()
         self._clock = 0
         self.copier = AdapterCopier(pool.tensor, self.index)
-        self.loads = self.evictions = self.load_failures = 0
+        self.loads = self.evictions = 0
         self.copy_seconds: deque[float] = deque(maxlen=1024)  # recent host->pool copies
         # Called on the step thread with (key, seconds) when a copy completes.
         self.load_listeners: list[Callable[[Hashable, float], None]] = []
@@ -246,7 +246,9 @@ class AdapterManager:
             self._entries[key].last_used = self._clock
 
     def loads_in_flight(self) -> bool:
-        return bool(self._loading)
+        """Copies in flight, or failed and not yet taken (the scheduler must not evict others to
+        make room while either may still change what can run)."""
+        return bool(self._loading or self._failed)
 
     def begin_load(self, key: Hashable, reserve: int = 0) -> bool:
         """Take pages and a row (evicting idle adapters if that suffices) and prepare the copy,
@@ -304,7 +306,6 @@ class AdapterManager:
                 self._unplace(key)
                 entry.failure = ticket.error
                 self._failed.append((key, ticket.error))
-                self.load_failures += 1
                 log.error(
                     "copying adapter %s into the page pool failed: %r", key, ticket.error,
                     exc_info=ticket.error,

@@ -267,24 +267,27 @@ class Engine:
         held, self._held = self._held, []
         names: set = set()  # adapters and request ids named by the commands held in this drain
         first = not held
-        while True:
-            if held:
-                cmd = held.pop(0)
-            else:
-                try:
-                    wait = timeout if first else None
-                    cmd = self._inbox.get(timeout=wait) if wait else self._inbox.get_nowait()
-                except queue.Empty:
-                    return
-                first = False
-            named = self._names(cmd)
-            if phase is not None and (
-                not self._applies(self._kind(cmd), phase) or not names.isdisjoint(named)
-            ):
-                self._held.append(cmd)
-                names.update(named)
-            else:
-                self._apply(cmd)
+        try:
+            while True:
+                if held:
+                    cmd = held.pop(0)
+                else:
+                    try:
+                        wait = timeout if first else None
+                        cmd = self._inbox.get(timeout=wait) if wait else self._inbox.get_nowait()
+                    except queue.Empty:
+                        return
+                    first = False
+                named = self._names(cmd)
+                if phase is not None and (
+                    not self._applies(self._kind(cmd), phase) or not names.isdisjoint(named)
+                ):
+                    self._held.append(cmd)
+                    names.update(named)
+                else:
+                    self._apply(cmd)
+        finally:  # a command that raised must not lose those still held behind it
+            self._held.extend(held)
 
     def _apply(self, cmd: object) -> None:
         if isinstance(cmd, Enqueue):

@@ -226,3 +226,27 @@ def test_reports_count_only_commands_applied_in_full(svc_models):
     engine._drain(timeout=None, phase=Phase.DURING)
     engine.report(final=False)
     assert ours.recv()[1].applied == 3
+
+
+def test_a_stats_command_is_answered_once_a_report_covers_it(svc_models):
+    """A "stats" command applied while an abort before it is held is answered by the first
+    report that counts it as applied (GetStats waits for exactly that), even if the stats have
+    not changed."""
+    from multiprocessing import Pipe
+
+    from services.inference.engine.engine import Phase
+    from services.inference.engine_process import ProcessEngine
+
+    ours, theirs = Pipe()
+    engine = ProcessEngine(_config(svc_models), theirs)
+    engine.report(final=True)  # the stats as they are: nothing will change them
+    assert ours.recv()[1].stats is not None
+    for msg in (("abort", 1, "gone"), ("stats", 2)):
+        engine.post(msg)
+    engine._drain(timeout=None, phase=Phase.DURING)  # the abort is held, "stats" applied
+    engine.report(final=False)
+    assert not ours.poll(0.2)  # nothing to say yet: no report covers "stats"
+    engine._drain(timeout=None, phase=Phase.BETWEEN)
+    engine.report(final=False)
+    report = ours.recv()[1]
+    assert report.applied == 2 and report.aborted == ["gone"] and report.stats is not None
