@@ -230,7 +230,8 @@ async def test_step_failure_reaches_the_caller(engine):
 
 def test_commands_during_a_step_hold_aborts(tiny_models):
     """While a step's batch is on the GPU the loop holds aborts, which would free pages the step
-    still uses, and applies the other commands; the held abort is applied between steps."""
+    still uses, and the new requests behind them (an abort may free the queue slot a request
+    needs); both are applied between steps, in order, before the next step is scheduled."""
     from services.inference.engine.engine import Abort, Enqueue, Phase
 
     engine = Engine(
@@ -243,10 +244,10 @@ def test_commands_during_a_step_hold_aborts(tiny_models):
     for cmd in (Enqueue(first), Abort("a"), Enqueue(second)):
         engine._inbox.put(cmd)
     engine._drain(timeout=None, phase=Phase.DURING)
-    assert list(core.scheduler.waiting) == [first, second]  # "b" does not depend on the abort
+    assert list(core.scheduler.waiting) == [first]  # "b" waits behind the abort
     engine._drain(timeout=None, phase=Phase.DURING)  # still held
-    assert list(core.scheduler.waiting) == [first, second]
-    engine._drain(timeout=None, phase=Phase.BETWEEN)  # between steps: the abort
+    assert list(core.scheduler.waiting) == [first]
+    engine._drain(timeout=None, phase=Phase.BETWEEN)  # between steps: the abort, then "b"
     assert list(core.scheduler.waiting) == [second]
     assert first.finish_reason is FinishReason.ABORT
 

@@ -263,9 +263,12 @@ class Engine:
         takes only new requests and aborts, which change the coming batch. A command a phase
         does not take is held for the next drain, and so is every later one that names an
         adapter or a request it names (a request for the adapter an add brings, the abort of a
-        held request): commands that depend on each other keep their order."""
+        held request), and during a step every new request behind a held abort (which may free
+        the queue slot it needs; the request still joins the next step): commands that depend
+        on each other keep their order."""
         held, self._held = self._held, []
         names: set = set()  # adapters and request ids named by the commands held in this drain
+        after_abort = False  # an abort is held in this drain, during a step
         first = not held
         try:
             while True:
@@ -278,12 +281,17 @@ class Engine:
                     except queue.Empty:
                         return
                     first = False
-                named = self._names(cmd)
+                named, kind = self._names(cmd), self._kind(cmd)
                 if phase is not None and (
-                    not self._applies(self._kind(cmd), phase) or not names.isdisjoint(named)
+                    not self._applies(kind, phase)
+                    or not names.isdisjoint(named)
+                    or (after_abort and kind is CommandKind.REQUEST)
                 ):
                     self._held.append(cmd)
                     names.update(named)
+                    after_abort = after_abort or (
+                        kind is CommandKind.ABORT and phase is Phase.DURING
+                    )
                 else:
                     self._apply(cmd)
         finally:  # a command that raised must not lose those still held behind it
