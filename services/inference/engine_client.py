@@ -8,10 +8,10 @@ statuses, which answers the synchronous queries.
 
 When may the service reuse an adapter's host bytes (adapter_releasable)? Only when the engine
 has said so after applying every command that could make it read them: each command has a
-number, each report carries the number of the latest one applied, and a key's bytes are free
-only when the latest report covers the latest command that named the key, shows no request
-using it and no copy reading it, and no LoadAdapter of it is unanswered. A stale mirror can
-only say "not yet".
+number, each report carries a watermark (every command up to it is applied), and a key's
+bytes are free only when the latest report covers the latest command that named the key,
+shows no request using it and no copy reading it, and no LoadAdapter of it is unanswered. A
+stale mirror can only say "not yet".
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ steps delays the next one. On the H200, 64 streams through gRPC with cold loads 
 step p99 1.02-1.10x of the quiet step, against 1.03x for the engine alone
 (bench/service_load.py, bench/adapter_load.py). Here the step thread's only neighbour is the
 thread that reads commands: it sleeps in a socket read between them and only unpickles each
-one into the engine's inbox. The step thread applies them, in order, between steps or while a
-step computes (Engine._drain), so their Python does not compete with it for the GIL either.
+one into the engine's inbox. The step thread applies them, between steps or while a step
+computes (Engine._drain: adapter commands wait for a step's GPU time; commands that depend on
+each other keep their order), so their Python does not compete with it for the GIL either.
 
 The service keeps everything else: the registry, the host cache and its arena, the fetch
 worker, the gRPC server. Adapter bytes do not travel: the arena is a memfd that this process
@@ -24,11 +25,12 @@ Protocol (pickled objects over a multiprocessing Connection on a socketpair):
     ("stop",)
   engine -> service: ("report", Report) after each turn of the step loop that has news;
     ("stopped", None | reason) last.
-A Report's ``applied`` is the number of the latest command applied: its adapter statuses
-reflect every command up to it (the service decides from that when an adapter's host bytes
+A Report's ``applied`` is a watermark: every command up to that number is applied, and its
+adapter statuses reflect them all (the service decides from that when an adapter's host bytes
 are free to reuse, engine_client.py). Every abort is confirmed, whether or not the request was
 still running, so the service knows when its id may be used again. Stats ride along at most
-every 50 ms, and in the report that follows a "stats" command (GetStats wants them current).
+every 50 ms, and in the first report that covers a "stats" command (GetStats wants them
+current).
 """
 
 from __future__ import annotations
@@ -108,10 +110,9 @@ class ProcessEngine(Engine):
     # --- the command reader (main thread) ---------------------------------------------------
 
     def post(self, msg: tuple) -> None:
-        """Queue a command from the service for the step thread, which applies them all, in
-        order: between steps, or while a step computes (Engine._drain), so that their Python
-        (validating a request, describing an adapter) never holds the GIL the step thread
-        needs between its launches."""
+        """Queue a command from the service for the step thread, which applies it between steps
+        or while a step computes (Engine._drain), so that its Python (validating a request,
+        describing an adapter) never holds the GIL the step thread needs between its launches."""
         self._inbox.put(_Command(msg))
 
     # --- the step thread ------------------------------------------------------------------

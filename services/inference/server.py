@@ -1,8 +1,10 @@
 """InferenceServer: the gRPC server, its health and reflection services, and the lifecycle.
 
-Start-up order: the port is bound and health answers NOT_SERVING at once; the model loads on a
-worker thread; then the host arena, the store client and its watch follower, the metrics
-endpoint; health turns SERVING last. Until then Inference calls get UNAVAILABLE.
+Start-up order: the port is bound and health answers NOT_SERVING at once; the engine starts:
+with --engine process the host arena first (the engine process maps it) and the model loads in
+that process, with --engine thread on a worker thread, the arena after; then the store client
+and its watch follower, the metrics endpoint; health turns SERVING last. Until then Inference
+calls get UNAVAILABLE.
 Stop (SIGTERM): health NOT_SERVING, new calls refused, calls in flight may finish within the
 grace period and are then ended with UNAVAILABLE, then the engine stops.
 """

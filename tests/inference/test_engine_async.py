@@ -321,3 +321,4 @@ async def test_a_failed_adapter_copy_ends_its_requests_and_the_engine_keeps_serv
     monkeypatch.setattr(adapter_copy, "write_adapter", real)
     outs = await collect(engine, greedy("y", [5, 6, 7], 4, adapter=R8))
     assert outs[-1].finish_reason is FinishReason.LENGTH and engine.adapter_in_pool(R8)
+    assert engine.stats().adapter_loads == 2  # copies completed: r16's and this one

@@ -11,31 +11,29 @@ decode step p99 under loads: 1.087x with the thread, 1.034x without.)
 
 Issuing is two calls. prepare(), when the scheduler takes the pages, does host work only: it
 writes the adapter's LoRA index row (slot table, ranks, offsets, scales) into a pinned host copy
-of the index and records an event on the scheduling stream: the slots were taken from freed pages
-and rows, which work queued before (the last use of those KV pages, an evicted adapter's index
-row being cleared) may still touch. issue(), which the engine calls once the step's own GPU work
-is queued (AdapterManager.issue_loads), makes the side stream wait for that event only, not for
-the step, and queues there the row's copy into the device index (non-blocking, from pinned
-memory), the transfer and the scatter; so the milliseconds of host time that issuing takes
-(about 60 operations and an 80 MB transfer for a Llama-7B rank-16 adapter) pass while the GPU
-computes the step, and nothing between steps waits for the GPU. (Writing the row with pageable
-copies on the scheduling stream took 0.7 ms, at most 1.1 ms, between steps.) The row reaches the
-device before the copy's end event, and a step reads it only once that event has passed (the
-adapter is IN_POOL then). On the CPU the same function runs in place, synchronously, at
-prepare(), writing the index row and reading the host bytes directly.
+of the index and records an event on the scheduling stream: the slots were taken from freed
+pages and rows, which work queued before (the last use of those KV pages, an evicted adapter's
+index row being cleared) may still touch. issue(), which the engine calls once the step's own
+GPU work is queued (AdapterManager.issue_loads; at once when no step runs), makes the side
+stream wait for that event only, not for the step, and queues there the row's copy into the
+device index (non-blocking, from pinned memory), the transfer and the scatter; so the
+milliseconds of host time that issuing takes (about 60 operations and an 80 MB transfer for a
+Llama-7B rank-16 adapter) pass while the GPU computes the step, and nothing between steps waits
+for the GPU. (With the row written by pageable copies on the scheduling stream, begin_load took
+0.7 ms between steps, p99 1.1-1.4 ms: bench/results/service_load_engines_3/4.txt.) The row
+reaches the device before the copy's end event, and a step reads it only once that event has
+passed (the adapter is IN_POOL then). On the CPU the same function runs in place, synchronously,
+at prepare(), writing the index row and reading the host bytes directly.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
 
 from kernels import LoraIndex
 from services.inference.engine.host_adapter import HostAdapter, LoraPair, TensorRef, typed_view
-
-log = logging.getLogger(__name__)
 
 
 def _stacked(src: torch.Tensor, refs: list[TensorRef]) -> torch.Tensor:
@@ -103,7 +101,7 @@ class CopyTicket:
         self._start = torch.cuda.Event(enable_timing=True) if cuda else None
         self._end = torch.cuda.Event(enable_timing=True) if cuda else None
         self._after = torch.cuda.Event() if cuda else None  # the scheduling stream's work
-        self._job: tuple[HostAdapter, int, int] | None = None  # prepared: (host, row, slots)
+        self._job: tuple[HostAdapter, int, int] | None = None  # prepared: (host, row, num_slots)
         self._seconds = 0.0
 
     @property

@@ -12,8 +12,8 @@ take_failed_loads() has reported it (the engine then ends the requests waiting f
 scheduler admits a request only when its adapter is IN_POOL, so a load never stalls the
 requests already running. The copy itself is
 adapter_copy.py's: on CUDA begin_load() prepares it and issue_loads(), called once the step's
-GPU work is queued, issues it on a side stream (milliseconds of the step thread's time, spent
-while the GPU computes); the transfer runs while later steps compute.
+GPU work is queued (at once when no step runs), issues it on a side stream (milliseconds of the
+step thread's time, spent while the GPU computes); the transfer runs while later steps compute.
 
 Invariant: an adapter with refs > 0 (a request that uses it is queued or running) or pinned is
 never evicted by evict_idle(). Only evict_for_stall() may take one that queued requests are
@@ -87,7 +87,7 @@ class AdapterEntry:
     last_used: int = 0  # step clock of the latest step that used it (LRU)
     removed: bool = False  # remove_adapter() was called; dropped once refs reach 0
     pinned: bool = False  # never evicted from the pool (LoadAdapter with pin)
-    failure: BaseException | None = None  # the last copy failed; not retried until taken
+    failed: bool = False  # the last copy failed; not retried until take_failed_loads()
 
 
 class AdapterManager:
@@ -140,7 +140,8 @@ class AdapterManager:
                 return True
             if not entry.removed:
                 return False
-            # A copy in flight keeps reading the old bytes, which its job holds on to.
+            # A copy in flight still reads the old bytes: they stay in use while the entry is
+            # LOADING (releasable() is False).
             entry.host, entry.removed = host, False
             self._removed.discard(host.key)
             return True
@@ -256,7 +257,7 @@ class AdapterManager:
         is no room now; nothing is evicted then."""
         with self._lock:
             entry = self._entries[key]
-            if entry.state is not AdapterState.HOST or entry.failure is not None:
+            if entry.state is not AdapterState.HOST or entry.failed:
                 return True  # loading or loaded; or failed, waiting for take_failed_loads()
             need = self.pages_of(entry.host)
             idle = self._idle()
@@ -274,12 +275,12 @@ class AdapterManager:
         self.row_ranks[entry.row] = entry.host.max_rank
         entry.ready = self.copier.prepare(entry.host, entry.row, slots)
         self._unissued.append(entry.ready)
-        self.loads += 1
         return True
 
     def issue_loads(self) -> None:
         """Queue the copies begin_load prepared (adapter_copy.py). The engine calls this once
-        the step's GPU work is queued, so their host time passes while the GPU computes."""
+        the step's GPU work is queued, so their host time passes while the GPU computes (and at
+        once when no step runs)."""
         if self._unissued:
             tickets, self._unissued = self._unissued, []
             for ticket in tickets:
@@ -301,10 +302,11 @@ class AdapterManager:
                 self._mark(key)
                 if ticket.error is None:
                     entry.state = AdapterState.IN_POOL
+                    self.loads += 1  # copies completed into the pool
                     done.append((key, ticket.seconds()))
                     continue
                 self._unplace(key)
-                entry.failure = ticket.error
+                entry.failed = True
                 self._failed.append((key, ticket.error))
                 log.error(
                     "copying adapter %s into the page pool failed: %r", key, ticket.error,
@@ -323,7 +325,7 @@ class AdapterManager:
             for key, _ in failed:
                 entry = self._entries.get(key)
                 if entry is not None:
-                    entry.failure = None
+                    entry.failed = False
         return dict(failed)
 
     def evict_idle(self) -> bool:
@@ -359,7 +361,7 @@ class AdapterManager:
         with self._lock:
             for key in list(self._removed):
                 entry = self._entries[key]
-                if entry.refs or entry.state is AdapterState.LOADING:
+                if not _releasable(entry.refs, entry.state):
                     continue  # in use, or the copy still reads the host tensors; next time
                 if entry.state is AdapterState.IN_POOL:
                     self._evict(key)

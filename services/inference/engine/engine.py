@@ -2,7 +2,8 @@
 
 The step loop runs on a dedicated thread, so an asyncio server on the caller's loop stays
 responsive while a step computes. Callers talk to it through an inbox of commands (queue a
-request, abort one, load an adapter into the pool) that the loop drains between steps; outputs
+request, abort one, load an adapter into the pool) that the loop drains between steps and while
+a step's GPU work runs (_drain says which command where); outputs
 travel back to each request's asyncio.Queue through the OutputRouter (one
 loop.call_soon_threadsafe per event loop per step), a load's answer to its future.
 
@@ -281,8 +282,11 @@ class Engine:
                     except queue.Empty:
                         return
                     first = False
+                if phase is None:  # no step runs: everything applies
+                    self._apply(cmd)
+                    continue
                 named, kind = self._names(cmd), self._kind(cmd)
-                if phase is not None and (
+                if (
                     not self._applies(kind, phase)
                     or not names.isdisjoint(named)
                     or (after_abort and kind is CommandKind.REQUEST)

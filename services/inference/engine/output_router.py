@@ -7,7 +7,8 @@ woken once per output contends for the GIL with the step thread at every one. Th
 delivers between steps, while the GPU waits for the next one (bench/deliver.py, side by side
 on a 2-core CPU: 64 streams, 0.07 ms a step against 1.1 ms with one call per output).
 
-Any thread may open and close streams; post() is the step thread's.
+Any thread may open and close streams; post() is called by one thread: the in-process engine's
+step thread, or for the engine process the service's event loop (engine_client.py).
 """
 
 from __future__ import annotations
