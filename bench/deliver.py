@@ -1,7 +1,9 @@
 """The step thread's cost of handing one step's outputs to their streams (engine/output_router.py).
 
-After every step the engine's step thread delivers each running request's new token to that
-request's asyncio queue on the service's event loop, while the GPU waits for the next step.
+After every step the in-process engine's step thread (--engine thread) delivers each running
+request's new token to that request's asyncio queue on the service's event loop, while the GPU
+waits for the next step (with the engine process, RemoteEngine posts each report's outputs from
+the event loop itself).
 Side by side in one run: the engine's OutputRouter.post (one call_soon_threadsafe per event
 loop per step) and the way the engine did it before (one call per output), for ``streams``
 outputs a step, with the event loop draining its queues concurrently as the service's does.

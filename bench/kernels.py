@@ -570,10 +570,11 @@ def tune(copy_bw: float) -> dict:
     return res
 
 
-def sweep(copy_bw: float, out_path: str | None) -> list[dict]:
+def sweep(copy_bw: float, out_path: str | None, head: dict | None = None) -> list[dict]:
     """Per call (qkv, o, gate_up, down), distinct adapters: the two-launch path against the
     fused kernel (fused_config's own launch, several parts, other launch parameters; a change
-    that gives fused_config's own launch again is not timed twice)."""
+    that gives fused_config's own launch again is not timed twice). ``out_path`` receives
+    ``head`` (device, copy bandwidth) with the rows so far under "rows", after every case."""
     res = []
     variants = [{"path": "two_launch"}, {"path": "fused"}]  # fused: fused_config's own launch
     variants += [{"path": "fused", "parts": p} for p in (1, 2, 4, 8, 16)]
@@ -610,7 +611,7 @@ def sweep(copy_bw: float, out_path: str | None) -> list[dict]:
             del case
         if out_path:
             with open(out_path, "w") as f:
-                json.dump(res, f)
+                json.dump({**(head or {}), "rows": res}, f)
     t = PREFILL_TOKENS
     rows = (torch.arange(t) * 16 // t).to(torch.int32)
     case = build_lora(16, 16, 1, rows)
@@ -631,7 +632,7 @@ def sweep(copy_bw: float, out_path: str | None) -> list[dict]:
             log.info("sweep %s", res[-1])
     if out_path:
         with open(out_path, "w") as f:
-            json.dump(res, f)
+            json.dump({**(head or {}), "rows": res}, f)
     return res
 
 
@@ -665,7 +666,7 @@ def main() -> None:
         "model": "Llama-2-7B layer (H 4096, I 11008, 32x128 heads)",
     }
     if args.sweep:
-        rows = sweep(bw, args.sweep)
+        rows = sweep(bw, args.sweep, result)
         for r in rows:
             print(r["rank"], r["batch"], r["call"], r["graph_us"], r["bw"], json.dumps(r["change"]))
         return

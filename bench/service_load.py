@@ -7,9 +7,9 @@ event loop streaming every token to its client. It runs once per engine placemen
 over the same store and adapters:
 
 - this process runs InferenceServer (as ``python -m services.inference`` does: gRPC, health);
-  with ``--engine process`` (the default) the engine runs in a fourth process,
-  bench/traced_engine.py (services/inference/engine_process.py with every step and collection
-  recorded); with ``--engine thread`` its step thread runs here and is timed here;
+  for the placement "process" (the service's default, --engine process) the engine runs in a
+  fourth process, bench/traced_engine.py (services/inference/engine_process.py with every step
+  and collection recorded); for "thread" its step thread runs here and is timed here;
 - the adapter store, on the local backend (bench/adapter_load.py's --serve-store mode);
 - the client (this file's --client mode): ``batch`` Generate streams, half of them on resident
   adapters, issuing requests back to back with staggered lengths so contexts stay stationary;
