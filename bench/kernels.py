@@ -578,21 +578,27 @@ def sweep(copy_bw: float, out_path: str | None, head: dict | None = None) -> lis
     res = []
     variants = [{"path": "two_launch"}, {"path": "fused"}]  # fused: fused_config's own launch
     variants += [{"path": "fused", "parts": p} for p in (1, 2, 4, 8, 16)]
-    extra = [
-        {"path": "fused", "shrink_warps": 4},
-        {"path": "fused", "shrink_warps": 8},
-        {"path": "fused", "stages": 2},
-        {"path": "fused", "stages": 4},
-        {"path": "fused", "shrink_k": 128, "expand_n": 128, "shrink_warps": 4},
-    ]
-    grid = [(16, b) for b in (1, 32, 64, 128, 256, 512)] + [(64, b) for b in (32, 64, 128, 256)]
+
+    def extra(rank: int) -> list[dict]:
+        """The default launch's blocks and warps, and the smaller blocks of its _NARROW rule."""
+        wide = {"shrink_k": 256, "expand_n": 256, "shrink_warps": 8 if rank >= 64 else 4}
+        return [
+            {"path": "fused", **wide},
+            {"path": "fused", "shrink_k": 256, "expand_n": 128, "shrink_warps": 4},
+            {"path": "fused", "shrink_k": 128, "expand_n": 128, "shrink_warps": 4},
+            {"path": "fused", "stages": 2},
+            {"path": "fused", "stages": 4},
+        ]
+
+    grid = [(16, b) for b in (1, 32, 64, 128, 256, 512)]
+    grid += [(64, b) for b in (32, 64, 128, 256, 512)]
     for rank, batch in grid:
         rows = torch.arange(batch, dtype=torch.int32)
         for ci, call in enumerate(CALLS):
             nbytes = lora_bytes(rows, rank, batch, (call,))
             layers = layers_for(nbytes)
             case = build_lora(batch, rank, layers, rows)
-            vs = variants + (extra if batch >= 32 else [])
+            vs = variants + (extra(rank) if batch >= 32 else [])
             mods, d_in, widths = call
             own = _call_config(batch, d_in, rank, mods, widths, {"path": "fused"})
             for v in vs:

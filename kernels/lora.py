@@ -46,6 +46,27 @@ _SHRINK_PROGRAMS_PER_SM = 4
 _FUSED_PROGRAMS_PER_SM = 2
 
 
+class _Narrow(NamedTuple):
+    """A fused decode launch with smaller blocks, which more programs share one SM with: taken
+    when a call's programs overflow what one wave of the default launch holds but fit one wave
+    of this one (kernels/lora.py fused_config)."""
+
+    wide_per_sm: int  # programs of the default launch one SM holds
+    per_sm: int  # programs of this launch one SM holds
+    block_k: int
+    block_n: int
+    warps: int
+
+
+# By rank rows. Programs an SM holds follow from the compiled kernels' registers and shared
+# memory (sm_90, Triton 3.6; 64K registers, 228 KB a multiprocessor): at 16 rows the default
+# 256 x 256 launch needs 104 registers a thread (4 a multiprocessor), 256 x 128 needs 64
+# (6, then 32 KB of shared memory each is the limit); at 64 rows the default 256 x 256 launch
+# with 8 warps needs 80 KB of shared memory (2), 128 x 128 with 4 warps 80 registers and 40 KB
+# (5). Other rank rows were not measured and keep the default launch.
+_NARROW = {16: _Narrow(4, 6, 256, 128, 4), 64: _Narrow(2, 5, 128, 128, 4)}
+
+
 class LoraLaunch(NamedTuple):
     """Block sizes of one call (launch_config chooses them)."""
 
@@ -104,29 +125,43 @@ def fused_config(
     share a (tile, slice)'s output columns when tokens alone give an SM fewer than two
     programs (the distinct-adapter worst case, a tile a token), at most one per column block,
     and at most 1 + out_width // d_in: each part reads the tile's whole A (all but one from
-    L2), so the extra A reads stay within the slice's Bᵀ bytes (o: 2 parts, down: 1).
+    L2), so the extra A reads stay within the slice's Bᵀ bytes (o: 2 parts, down: 1); but 2
+    while even two parts leave SMs idle (down below 67 tokens on 132 SMs).
     32-token tiles for prefill.
 
+    Decode calls whose programs overflow one wave of that launch but fit one wave of a
+    launch with smaller blocks (_NARROW) take the smaller blocks: a partial second wave
+    streams through too few programs an SM (rank 16, 256 tokens, q/k/v: 768 programs, 528 a
+    wave of the default launch on 132 SMs, 792 of 256 x 128 blocks: 72 µs against 88).
+
     Measured per call on the H200 for decode at ranks 16 and 64 (bench/results/
-    kernels_sweep_blocks.json, docs/kernels.md); prefill at ranks above 32 and 128 rank rows
-    take the same rules unmeasured."""
+    kernels_sweep_blocks.json and kernels_sweep_waves.json, docs/kernels.md); prefill at
+    ranks above 32 and 128 rank rows take the same rules unmeasured."""
     rows = fused_rank_rows(max_rank)
     blk = _fit_block(max(32, min(256, 16384 // rows)), width)
+    sms = num_sms()
     programs = num_tokens * num_slices
-    parts = min(
-        _FUSED_PROGRAMS_PER_SM * num_sms() // programs,
-        -(-out_width // blk),
-        1 + out_width // d_in,
-    )
+    cap = 1 + out_width // d_in
+    if 2 * programs <= sms:
+        cap = max(cap, 2)
+    parts = max(1, min(_FUSED_PROGRAMS_PER_SM * sms // programs, -(-out_width // blk), cap))
+    block_k = block_n = blk
+    warps = 8 if rows >= 64 else 4
+    narrow = _NARROW.get(rows)
+    decode = num_tokens <= FUSED_MAX_TOKENS
+    if decode and narrow and narrow.wide_per_sm * sms < programs * parts <= narrow.per_sm * sms:
+        block_k = _fit_block(narrow.block_k, width)
+        block_n = _fit_block(narrow.block_n, width)
+        warps = narrow.warps
     return LoraLaunch(
-        block_m=32 if num_tokens > FUSED_MAX_TOKENS else 16,
-        shrink_k=blk,
+        block_m=16 if decode else 32,
+        shrink_k=block_k,
         shrink_r=rows,
-        expand_n=blk,
+        expand_n=block_n,
         expand_r=rows,
-        shrink_warps=8 if rows >= 64 else 4,
+        shrink_warps=warps,
         fused=True,
-        parts=max(1, parts),
+        parts=parts,
         stages=3,
     )
 
