@@ -49,7 +49,7 @@ _FUSED_PROGRAMS_PER_SM = 2
 class _Narrow(NamedTuple):
     """A fused decode launch with smaller blocks, which more programs share one SM with: taken
     when a call's programs overflow what one wave of the default launch holds but fit one wave
-    of this one (kernels/lora.py fused_config)."""
+    of this one (fused_config)."""
 
     wide_per_sm: int  # programs of the default launch one SM holds
     per_sm: int  # programs of this launch one SM holds
@@ -59,11 +59,12 @@ class _Narrow(NamedTuple):
 
 
 # By rank rows. Programs an SM holds follow from the compiled kernels' registers and shared
-# memory (sm_90, Triton 3.6; 64K registers, 228 KB a multiprocessor): at 16 rows the default
-# 256 x 256 launch needs 104 registers a thread (4 a multiprocessor), 256 x 128 needs 64
-# (6, then 32 KB of shared memory each is the limit); at 64 rows the default 256 x 256 launch
-# with 8 warps needs 80 KB of shared memory (2), 128 x 128 with 4 warps 80 registers and 40 KB
-# (5). Other rank rows were not measured and keep the default launch.
+# memory (sm_90, Triton 3.6; 64K registers, 228 KB a multiprocessor; `python -m
+# bench.kernel_resources` prints them, and a test checks this table against it): at 16 rows
+# the default 256 x 256 launch needs 104 registers a thread (4 a multiprocessor), 256 x 128
+# needs 64 (6, then 32 KB of shared memory each is the limit); at 64 rows the default 256 x 256
+# launch with 8 warps needs 80 KB of shared memory (2), 128 x 128 with 4 warps 80 registers and
+# 40 KB (5). Other rank rows were not measured and keep the default launch.
 _NARROW = {16: _Narrow(4, 6, 256, 128, 4), 64: _Narrow(2, 5, 128, 128, 4)}
 
 
@@ -132,7 +133,7 @@ def fused_config(
     Decode calls whose programs overflow one wave of that launch but fit one wave of a
     launch with smaller blocks (_NARROW) take the smaller blocks: a partial second wave
     streams through too few programs an SM (rank 16, 256 tokens, q/k/v: 768 programs, 528 a
-    wave of the default launch on 132 SMs, 792 of 256 x 128 blocks: 72 µs against 88).
+    wave of the default launch on 132 SMs, 792 of 256 x 128 blocks: 72 µs against 89).
 
     Measured per call on the H200 for decode at ranks 16 and 64 (bench/results/
     kernels_sweep_blocks.json and kernels_sweep_waves.json, docs/kernels.md); prefill at

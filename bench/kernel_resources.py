@@ -1,0 +1,166 @@
+"""Registers, shared memory and programs per SM of the fused LoRA kernel's decode launches.
+
+    python -m bench.kernel_resources [--json bench/results/kernel_resources.json]
+
+No GPU needed: each launch is compiled for sm_90 (H100/H200) on the host with Triton's own
+toolchain, and the registers are read from the cubin with the cuobjdump Triton ships. The
+figures behind kernels/lora.py's _NARROW table: for each rank-row class it lists, the default
+launch fused_config picks and the smaller blocks it switches to when a call's programs overflow
+one wave of the default launch; a test (tests/kernels/test_kernel_resources.py) checks that the
+table still matches what this Triton version compiles.
+
+A program count per SM is the least of what registers (64K a multiprocessor, allocated per warp
+in steps of 256), shared memory (228 KB, 1 KB of it reserved per program), warps (64) and
+programs (32) allow. The kernel is compiled for q/k/v of the Llama-2-7B layer (H 4096, pool
+width 4096) with the argument specializations a real launch gets (strides divisible by 16, one
+part).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+from typing import NamedTuple
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels import lora
+from kernels.lora_fused import lora_fused_kernel
+
+TARGET = GPUTarget("cuda", 90, 32)
+REGISTERS_PER_SM = 65536
+SHARED_PER_SM = 233472  # 228 KB
+SHARED_RESERVED = 1024  # per program
+MAX_WARPS, MAX_PROGRAMS = 64, 32
+H = W = 4096
+# Integer arguments of a q/k/v call at batch 256 (strides of x, y, the pool and the index).
+INTS = dict(
+    stride_xt=H,
+    stride_yt=3 * H,
+    stride_half=W * 1 << 16,
+    stride_slot=W,
+    stride_table=48,
+    stride_idx=7,
+    stride_scale=7,
+    num_segs=258,
+    PARTS=1,
+)
+POINTERS = dict.fromkeys(
+    ("table_ptr", "ranks_ptr", "a_off_ptr", "b_off_ptr", "seg_starts_ptr", "seg_lora_ptr"), "*i32"
+) | {"scales_ptr": "*fp32"}  # the others (x, y, the pool) are bf16
+
+
+class Resources(NamedTuple):
+    registers: int  # per thread
+    shared: int  # bytes per program
+    warps: int
+
+    @property
+    def programs_per_sm(self) -> int:
+        regs = -(-self.registers // 8) * 8  # 256 a warp
+        by_regs = REGISTERS_PER_SM // (regs * 32 * self.warps)
+        by_shared = SHARED_PER_SM // (self.shared + SHARED_RESERVED)
+        return min(by_regs, by_shared, MAX_WARPS // self.warps, MAX_PROGRAMS)
+
+
+def fused_resources(launch: lora.LoraLaunch) -> Resources:
+    """Compile the fused kernel for one q/k/v launch (sm_90) and read its resource usage."""
+    constexprs = dict(
+        D_IN=H, W=W, IN_CHUNKS=1, M0=0, M1=1, M2=2, N0=H, N1=H, N2=H,
+        BLOCK_M=launch.block_m, BLOCK_K=launch.shrink_k, BLOCK_N=launch.expand_n,
+        BLOCK_R=launch.shrink_r, CHUNK=512, DOT_F32=False,
+    )  # fmt: skip
+    ints = dict(INTS, MAX_RANK=launch.shrink_r)
+    signature, attrs = {}, {}
+    for i, name in enumerate(lora_fused_kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif ints.get(name) == 1:  # launches specialize an argument equal to 1 as a constant
+            signature[name] = "constexpr"
+            constexprs[name] = 1
+        elif name.endswith("_ptr"):
+            signature[name] = POINTERS.get(name, "*bf16")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+            if ints[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(
+        ASTSource(lora_fused_kernel, signature, constexprs, attrs),
+        target=TARGET,
+        options=dict(num_warps=launch.shrink_warps, num_stages=launch.stages),
+    )
+    registers = _registers(compiled.asm["cubin"])
+    return Resources(registers, compiled.metadata.shared, launch.shrink_warps)
+
+
+def _registers(cubin: bytes) -> int:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run(
+            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    found = re.findall(r"REG:(\d+)", out)
+    if not found:
+        raise RuntimeError(f"no register count in cuobjdump's output:\n{out}")
+    return int(found[-1])
+
+
+def launches(rows: int) -> dict[str, lora.LoraLaunch]:
+    """The default decode launch fused_config picks at these rank rows, and its smaller blocks."""
+    default = lora.fused_config(1, W, rows, 1, H, H)._replace(parts=1)
+    narrow = lora._NARROW[rows]
+    smaller = default._replace(
+        shrink_k=narrow.block_k, expand_n=narrow.block_n, shrink_warps=narrow.warps
+    )
+    return {"default": default, "smaller": smaller}
+
+
+def measure() -> list[dict]:
+    rows = []
+    for rank_rows, narrow in sorted(lora._NARROW.items()):
+        for name, launch in launches(rank_rows).items():
+            res = fused_resources(launch)
+            table = narrow.wide_per_sm if name == "default" else narrow.per_sm
+            rows.append(
+                dict(
+                    rank_rows=rank_rows,
+                    launch=name,
+                    block_k=launch.shrink_k,
+                    block_n=launch.expand_n,
+                    warps=launch.shrink_warps,
+                    stages=launch.stages,
+                    registers=res.registers,
+                    shared_bytes=res.shared,
+                    programs_per_sm=res.programs_per_sm,
+                    table_programs_per_sm=table,
+                )
+            )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None, help="write the rows here")
+    args = ap.parse_args()
+    rows = measure()
+    cols = list(rows[0])
+    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in cols]
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
+    for r in rows:
+        print("  ".join(str(r[c]).rjust(w) for c, w in zip(cols, widths, strict=True)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"triton": triton.__version__, "target": "sm_90", "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
