@@ -9,7 +9,8 @@ timing), every point of a grid of fused launches: weight block (shrink_k = expan
 (fused_config's choice, or fixed for every call), pipeline stages, warps; 16-token tiles. Points
 that give every call the same launch as an earlier point are timed once.
 
-Each point's outputs are checked once against the default point's (fused_config's own choice),
+Each point's outputs are checked once against the default point's (fused_config's launch for one
+slice, default_point),
 and the default's against the float64 reference (kernels/lora_ref.py): a point that computes
 something else is reported as wrong and never ranked.
 
@@ -169,6 +170,9 @@ class PointResult:
 
 
 def default_point(cfg: SweepConfig, rank: int, batch: int) -> SweepPoint:
+    """fused_config's blocks, stages and warps for a one-slice call of the batch, for every
+    call (its parts per call). fused_config itself may give a call smaller blocks that fit its
+    programs in one wave (kernels/lora.py _NARROW); this point does not follow that."""
     g = cfg.geometry
     d = lora.fused_config(batch, g.pool_w, rank, 1, g.dims[Q][1], g.dims[Q][0])
     return SweepPoint(d.shrink_k, None, d.stages, d.shrink_warps)
