@@ -112,6 +112,22 @@ def test_adapter_too_big_for_the_pool(tiny_models):
         core.add_adapter_dir(AdapterKey("r32", 1), tiny_models.adapter("tiny-llama", "r32"))
 
 
+def test_status_changes_are_reported_once_and_not_for_a_refused_add(tiny_models):
+    """take_changes (what an engine in its own process reports) names an added, loaded or
+    removed adapter once, and nothing for an add refused as a duplicate."""
+    core = make_core(tiny_models.model("tiny-llama"))
+    core.adapters.track_changes()
+    key = AdapterKey("r4", 1)
+    core.add_adapter_dir(key, tiny_models.adapter("tiny-llama", "r4"))
+    assert list(core.adapters.take_changes()) == [key]
+    assert core.adapters.take_changes() == {}
+    with pytest.raises(InvalidRequest, match="already loaded"):
+        core.add_adapter_dir(key, tiny_models.adapter("tiny-llama", "r4"))
+    assert core.adapters.take_changes() == {}
+    core.remove_adapter(key)
+    assert core.adapters.take_changes() == {key: None}
+
+
 def test_remove_adapter_lets_running_requests_finish(tiny_models):
     core = make_core(tiny_models.model("tiny-llama"))
     key = AdapterKey("r4", 1)

@@ -134,12 +134,12 @@ class AdapterManager:
         is immutable, so the pages it may still hold are the same)."""
         with self._lock:
             entry = self._entries.get(host.key)
+            if entry is not None and not entry.removed:
+                return False  # refused: nothing changed
             self._mark(host.key)
             if entry is None:
                 self._entries[host.key] = AdapterEntry(host)
                 return True
-            if not entry.removed:
-                return False
             # A copy in flight still reads the old bytes: they stay in use while the entry is
             # LOADING (releasable() is False).
             entry.host, entry.removed = host, False
