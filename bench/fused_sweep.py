@@ -170,9 +170,11 @@ class PointResult:
 
 
 def default_point(cfg: SweepConfig, rank: int, batch: int) -> SweepPoint:
-    """fused_config's blocks, stages and warps for a one-slice call of the batch, for every
-    call (its parts per call). fused_config itself may give a call smaller blocks that fit its
-    programs in one wave (kernels/lora.py _NARROW); this point does not follow that."""
+    """fused_config's blocks, stages and warps for a one-slice call of the batch, given to
+    every call (its parts per call). On sm_90 fused_config picks smaller blocks for calls whose
+    programs fit one wave of them only (kernels/lora.py _NARROW); this point takes the
+    one-slice call's choice for all four (at rank 64, batch 512: the smaller blocks for q/k/v
+    and gate/up too, which fused_config gives the default blocks)."""
     g = cfg.geometry
     d = lora.fused_config(batch, g.pool_w, rank, 1, g.dims[Q][1], g.dims[Q][0])
     return SweepPoint(d.shrink_k, None, d.stages, d.shrink_warps)

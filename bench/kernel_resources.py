@@ -6,14 +6,16 @@ No GPU needed: each launch is compiled for sm_90 (H100/H200) on the host with Tr
 toolchain, and the registers are read from the cubin with the cuobjdump Triton ships. The
 figures behind kernels/lora.py's _NARROW table: for each rank-row class it lists, the default
 launch fused_config picks and the smaller blocks it switches to when a call's programs overflow
-one wave of the default launch; a test (tests/kernels/test_kernel_resources.py) checks that the
-table still matches what this Triton version compiles.
+one wave of the default launch, for each of the Llama-2-7B layer's four calls (q/k/v, o,
+gate/up, down: the geometry changes the compiled code). A test
+(tests/kernels/test_kernel_resources.py) checks the table against what this Triton version
+compiles: the default launch's count for every call, and for the smaller blocks the least
+count among the calls whose decode programs can reach the window on 132 SMs.
 
 A program count per SM is the least of what registers (64K a multiprocessor, allocated per warp
 in steps of 256), shared memory (228 KB, 1 KB of it reserved per program), warps (64) and
-programs (32) allow. The kernel is compiled for q/k/v of the Llama-2-7B layer (H 4096, pool
-width 4096) with the argument specializations a real launch gets (strides divisible by 16, one
-part).
+programs (32) allow. The launches are compiled with the argument specializations a real launch
+gets (strides divisible by 16, one part).
 """
 
 from __future__ import annotations
@@ -30,19 +32,22 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from bench.kernels import CALL_NAMES, CALLS, fused_config_default
 from kernels import lora
 from kernels.lora_fused import lora_fused_kernel
+from kernels.lora_layout import chunks
+from kernels.lora_paths import FUSED_MAX_TOKENS
 
 TARGET = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 233472  # 228 KB
 SHARED_RESERVED = 1024  # per program
 MAX_WARPS, MAX_PROGRAMS = 64, 32
-H = W = 4096
-# Integer arguments of a q/k/v call at batch 256 (strides of x, y, the pool and the index).
+W = 4096  # pool width
+SMS = 132  # H100 / H200 SXM
+# Integer arguments of a call at batch 256 (the pool's and the index's strides; x's and y's
+# come from the call).
 INTS = dict(
-    stride_xt=H,
-    stride_yt=3 * H,
     stride_half=W * 1 << 16,
     stride_slot=W,
     stride_table=48,
@@ -69,14 +74,15 @@ class Resources(NamedTuple):
         return min(by_regs, by_shared, MAX_WARPS // self.warps, MAX_PROGRAMS)
 
 
-def fused_resources(launch: lora.LoraLaunch) -> Resources:
-    """Compile the fused kernel for one q/k/v launch (sm_90) and read its resource usage."""
+def fused_resources(launch: lora.LoraLaunch, call=CALLS[0]) -> Resources:
+    """Compile the fused kernel for one launch of one call (sm_90); read its resource usage."""
+    mods, d_in, widths = call
     constexprs = dict(
-        D_IN=H, W=W, IN_CHUNKS=1, M0=0, M1=1, M2=2, N0=H, N1=H, N2=H,
+        D_IN=d_in, W=W, IN_CHUNKS=chunks(d_in, W), **lora._slice_args(mods, widths),
         BLOCK_M=launch.block_m, BLOCK_K=launch.shrink_k, BLOCK_N=launch.expand_n,
         BLOCK_R=launch.shrink_r, CHUNK=512, DOT_F32=False,
     )  # fmt: skip
-    ints = dict(INTS, MAX_RANK=launch.shrink_r)
+    ints = dict(INTS, stride_xt=d_in, stride_yt=sum(widths), MAX_RANK=launch.shrink_r)
     signature, attrs = {}, {}
     for i, name in enumerate(lora_fused_kernel.arg_names):
         if name in constexprs:
@@ -116,7 +122,7 @@ def _registers(cubin: bytes) -> int:
 
 def launches(rows: int) -> dict[str, lora.LoraLaunch]:
     """The default decode launch fused_config picks at these rank rows, and its smaller blocks."""
-    default = lora.fused_config(1, W, rows, 1, H, H)._replace(parts=1)
+    default = fused_config_default(rows)
     narrow = lora._NARROW[rows]
     smaller = default._replace(
         shrink_k=narrow.block_k, expand_n=narrow.block_n, shrink_warps=narrow.warps
@@ -124,26 +130,33 @@ def launches(rows: int) -> dict[str, lora.LoraLaunch]:
     return {"default": default, "smaller": smaller}
 
 
+def max_programs(call) -> int:
+    """A call's most programs in decode (one-token tiles; one part from 265 tokens on 132 SMs)."""
+    return FUSED_MAX_TOKENS * len(call[0])
+
+
 def measure() -> list[dict]:
     rows = []
     for rank_rows, narrow in sorted(lora._NARROW.items()):
         for name, launch in launches(rank_rows).items():
-            res = fused_resources(launch)
-            table = narrow.wide_per_sm if name == "default" else narrow.per_sm
-            rows.append(
-                dict(
-                    rank_rows=rank_rows,
-                    launch=name,
-                    block_k=launch.shrink_k,
-                    block_n=launch.expand_n,
-                    warps=launch.shrink_warps,
-                    stages=launch.stages,
-                    registers=res.registers,
-                    shared_bytes=res.shared,
-                    programs_per_sm=res.programs_per_sm,
-                    table_programs_per_sm=table,
+            for call_name, call in zip(CALL_NAMES, CALLS, strict=True):
+                res = fused_resources(launch, call)
+                rows.append(
+                    dict(
+                        rank_rows=rank_rows,
+                        launch=name,
+                        call=call_name,
+                        block_k=launch.shrink_k,
+                        block_n=launch.expand_n,
+                        warps=launch.shrink_warps,
+                        registers=res.registers,
+                        shared_bytes=res.shared,
+                        programs_per_sm=res.programs_per_sm,
+                        # can its programs overflow one wave of the default launch?
+                        reaches_window=max_programs(call) > narrow.wide_per_sm * SMS,
+                        table=narrow.wide_per_sm if name == "default" else narrow.per_sm,
+                    )
                 )
-            )
     return rows
 
 

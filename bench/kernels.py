@@ -223,6 +223,12 @@ def lora_layer_fns(case: LoraCase, rank: int, layers: int, cfg=None, calls=None)
     return run_triton, run_torch
 
 
+def fused_config_default(rank: int) -> lora.LoraLaunch:
+    """fused_config's default decode launch at this rank (one part), before its smaller
+    one-wave blocks: what one token gives."""
+    return lora.fused_config(1, POOL_W, rank, 1, POOL_W, POOL_W)._replace(parts=1)
+
+
 def _call_config(t: int, d_in: int, rank: int, mods, widths, cfg):
     """The launcher's own choice (cfg None), a LoraLaunch, or changes to a path's default:
     a dict with "path": "two_launch" or "fused" and any LoraLaunch fields."""
@@ -581,7 +587,8 @@ def sweep(copy_bw: float, out_path: str | None, head: dict | None = None) -> lis
 
     def extra(rank: int) -> list[dict]:
         """The default launch's blocks and warps, and the smaller blocks of its _NARROW rule."""
-        wide = {"shrink_k": 256, "expand_n": 256, "shrink_warps": 8 if rank >= 64 else 4}
+        d = fused_config_default(rank)
+        wide = {"shrink_k": d.shrink_k, "expand_n": d.expand_n, "shrink_warps": d.shrink_warps}
         return [
             {"path": "fused", **wide},
             {"path": "fused", "shrink_k": 256, "expand_n": 128, "shrink_warps": 4},

@@ -22,6 +22,7 @@ in bounds; the engine passes EngineConfig.max_lora_rank and refuses larger adapt
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -58,14 +59,16 @@ class _Narrow(NamedTuple):
     warps: int
 
 
-# By rank rows. Programs an SM holds follow from the compiled kernels' registers and shared
-# memory (sm_90, Triton 3.6; 64K registers, 228 KB a multiprocessor; `python -m
-# bench.kernel_resources` prints them, and a test checks this table against it): at 16 rows
-# the default 256 x 256 launch needs 104 registers a thread (4 a multiprocessor), 256 x 128
-# needs 64 (6, then 32 KB of shared memory each is the limit); at 64 rows the default 256 x 256
-# launch with 8 warps needs 80 KB of shared memory (2), 128 x 128 with 4 warps 80 registers and
-# 40 KB (5). Other rank rows were not measured and keep the default launch.
-_NARROW = {16: _Narrow(4, 6, 256, 128, 4), 64: _Narrow(2, 5, 128, 128, 4)}
+# By rank rows; sm_90 only (Hopper: 228 KB of shared memory and 64K registers a
+# multiprocessor; Triton 3.6). Programs an SM holds follow from the compiled kernel's registers
+# and shared memory, which differ between calls (`python -m bench.kernel_resources` prints them
+# for the Llama-2-7B layer's four; a test checks this table against it). At 16 rows the default
+# 256 x 256 launch holds 4 programs an SM (104-128 registers a thread), 256 x 128 blocks 6 for
+# q/k/v and gate/up (64-72 registers; 32 KB of shared memory each is the limit), the calls whose
+# decode programs can pass 528. At 64 rows the default 256 x 256 launch with 8 warps holds 2
+# (80 KB of shared memory), 128 x 128 with 4 warps 4 (5 for q/k/v and o, 4 for gate/up and
+# down: 108-128 registers). Other rank rows were not measured and keep the default launch.
+_NARROW = {16: _Narrow(4, 6, 256, 128, 4), 64: _Narrow(2, 4, 128, 128, 4)}
 
 
 class LoraLaunch(NamedTuple):
@@ -127,11 +130,11 @@ def fused_config(
     programs (the distinct-adapter worst case, a tile a token), at most one per column block,
     and at most 1 + out_width // d_in: each part reads the tile's whole A (all but one from
     L2), so the extra A reads stay within the slice's Bᵀ bytes (o: 2 parts, down: 1); but 2
-    while even two parts leave SMs idle (down below 67 tokens on 132 SMs).
+    while two parts give at most one program an SM (down up to 66 tokens on 132 SMs).
     32-token tiles for prefill.
 
-    Decode calls whose programs overflow one wave of that launch but fit one wave of a
-    launch with smaller blocks (_NARROW) take the smaller blocks: a partial second wave
+    On sm_90, decode calls whose programs overflow one wave of that launch but fit one wave of
+    a launch with smaller blocks (_NARROW) take the smaller blocks: a partial second wave
     streams through too few programs an SM (rank 16, 256 tokens, q/k/v: 768 programs, 528 a
     wave of the default launch on 132 SMs, 792 of 256 x 128 blocks: 72 µs against 89).
 
@@ -148,7 +151,7 @@ def fused_config(
     parts = max(1, min(_FUSED_PROGRAMS_PER_SM * sms // programs, -(-out_width // blk), cap))
     block_k = block_n = blk
     warps = 8 if rows >= 64 else 4
-    narrow = _NARROW.get(rows)
+    narrow = _NARROW.get(rows) if _hopper() else None
     decode = num_tokens <= FUSED_MAX_TOKENS
     if decode and narrow and narrow.wide_per_sm * sms < programs * parts <= narrow.per_sm * sms:
         block_k = _fit_block(narrow.block_k, width)
@@ -164,6 +167,14 @@ def fused_config(
         fused=True,
         parts=parts,
         stages=3,
+    )
+
+
+@functools.cache
+def _hopper() -> bool:
+    """Whether the GPU is sm_90, the one _NARROW's counts are for (False under the interpreter)."""
+    return (
+        not INTERPRET and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
     )
 
 

@@ -26,8 +26,17 @@ def test_narrow_table_matches_the_compiled_kernels(tmp_path):
     assert {(r["rank_rows"], r["launch"]) for r in rows} == {
         (rows_, name) for rows_ in lora._NARROW for name in ("default", "smaller")
     }
-    for r in rows:
-        assert r["programs_per_sm"] == r["table_programs_per_sm"], r
-    # the smaller blocks must hold more programs an SM, or the rule would never help
-    by = {(r["rank_rows"], r["launch"]): r["programs_per_sm"] for r in rows}
-    assert all(by[(n, "smaller")] > by[(n, "default")] for n in lora._NARROW)
+    assert len(rows) == 4 * 2 * len(lora._NARROW)  # the four calls of a layer each
+    for n, narrow in lora._NARROW.items():
+        default = [
+            r["programs_per_sm"] for r in rows if r["rank_rows"] == n and r["launch"] == "default"
+        ]
+        assert default == [narrow.wide_per_sm] * 4, (n, default)
+        # the smaller blocks: the least count among the calls whose programs can reach them
+        reach = [
+            r["programs_per_sm"]
+            for r in rows
+            if r["rank_rows"] == n and r["launch"] == "smaller" and r["reaches_window"]
+        ]
+        assert reach and narrow.per_sm == min(reach), (n, reach)
+        assert narrow.per_sm > narrow.wide_per_sm  # or the rule would never help

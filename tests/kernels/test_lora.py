@@ -201,9 +201,10 @@ def test_launch_config_chooses_paths():
 
 def test_fused_config_fills_one_wave(monkeypatch):
     """fused_config takes smaller blocks where a decode call's programs overflow one wave of
-    the default launch but fit one wave of the smaller blocks' (132 SMs, as the H200's), and
-    gives down two parts while two leave SMs idle."""
+    the default launch but fit one wave of the smaller blocks' (on sm_90 with 132 SMs, as the
+    H200), and gives down two parts while two give at most one program an SM."""
     monkeypatch.setattr(lora, "num_sms", lambda: 132)
+    monkeypatch.setattr(lora, "_hopper", lambda: True)
 
     def cfg(t, rank, slices, out, d_in=4096):
         c = lora.fused_config(t, 4096, rank, slices, out, d_in)
@@ -214,13 +215,17 @@ def test_fused_config_fills_one_wave(monkeypatch):
     assert cfg(256, 16, 2, 11008) == (256, 256, 4, 1)  # gate_up: 512 fit one wave
     assert cfg(512, 16, 3, 4096)[:3] == (256, 256, 4)  # 1536: several waves either way
     assert cfg(64, 64, 3, 4096) == (256, 256, 8, 1)  # 192 of 264
-    assert cfg(128, 64, 3, 4096) == (128, 128, 4, 1)  # 384: 264 a wave, 660 with 128 x 128
-    assert cfg(256, 64, 3, 4096)[:3] == (256, 256, 8)  # 768: more than 660
+    assert cfg(128, 64, 3, 4096) == (128, 128, 4, 1)  # 384: 264 a wave, 528 with 128 x 128
+    assert cfg(256, 64, 2, 11008)[:3] == (128, 128, 4)  # gate_up: 512
+    assert cfg(272, 64, 2, 11008)[:3] == (256, 256, 8)  # 544: two waves either way
+    assert cfg(256, 64, 3, 4096)[:3] == (256, 256, 8)  # 768
     assert cfg(128, 32, 3, 4096)[:3] == (256, 256, 4)  # rank rows never measured: default
     assert cfg(2048, 16, 3, 4096)[:3] == (256, 256, 4)  # prefill: default
     assert cfg(64, 64, 1, 4096, 11008)[3] == 2  # down: 128 programs on 132 SMs
-    assert cfg(67, 64, 1, 4096, 11008)[3] == 1  # 134 would not all run at once
+    assert cfg(67, 64, 1, 4096, 11008)[3] == 1  # 134: more than one an SM
     assert cfg(256, 16, 1, 4096, 11008)[3] == 1
+    monkeypatch.setattr(lora, "_hopper", lambda: False)  # the counts are sm_90's
+    assert cfg(256, 16, 3, 4096)[:3] == (256, 256, 4)
 
 
 def test_decode_path_rule():
