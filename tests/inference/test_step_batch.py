@@ -50,6 +50,16 @@ def test_buffers_keep_their_addresses():
     assert b.block_tables.tolist() == [[0, 0, 0, 0, 0], [1, 0, 0, 0, 0]]
 
 
+def test_block_tables_are_rewritten_whole():
+    """A step's block tables hold each sequence's pages and zeros after them, whatever longer
+    rows an earlier step wrote there."""
+    b = _batch()
+    b.fill([BatchEntry([1], 16, [4, 3, 2, 1, 0], 0, True), BatchEntry([2], 8, [1, 2, 3], 1, True)])
+    b.fill([BatchEntry([1], 2, [7], 0, True), BatchEntry([2], 5, [5, 6], 1, True)])
+    assert b.block_tables.tolist() == [[7, 0, 0, 0, 0], [5, 6, 0, 0, 0]]
+    assert b._host["block_tables"][2:].tolist() == [[0] * 5] * 2  # rows past the step: untouched
+
+
 def test_capacity_and_consistency_errors():
     b = _batch()
     with pytest.raises(ValueError, match="at least one sequence"):
