@@ -74,7 +74,7 @@ class Resources(NamedTuple):
         return min(by_regs, by_shared, MAX_WARPS // self.warps, MAX_PROGRAMS)
 
 
-def fused_resources(launch: lora.LoraLaunch, call=CALLS[0]) -> Resources:
+def fused_resources(launch: lora.LoraLaunch, call) -> Resources:
     """Compile the fused kernel for one launch of one call (sm_90); read its resource usage."""
     mods, d_in, widths = call
     constexprs = dict(
@@ -131,7 +131,7 @@ def launches(rows: int) -> dict[str, lora.LoraLaunch]:
 
 
 def max_programs(call) -> int:
-    """A call's most programs in decode (one-token tiles; one part from 265 tokens on 132 SMs)."""
+    """A call's most programs in decode (one-token tiles, one part at 512 tokens)."""
     return FUSED_MAX_TOKENS * len(call[0])
 
 

@@ -586,16 +586,16 @@ def sweep(copy_bw: float, out_path: str | None, head: dict | None = None) -> lis
     variants += [{"path": "fused", "parts": p} for p in (1, 2, 4, 8, 16)]
 
     def extra(rank: int) -> list[dict]:
-        """The default launch's blocks and warps, and the smaller blocks of its _NARROW rule."""
+        """The default launch's blocks and warps, every smaller launch of the _NARROW table,
+        and other pipeline depths."""
         d = fused_config_default(rank)
         wide = {"shrink_k": d.shrink_k, "expand_n": d.expand_n, "shrink_warps": d.shrink_warps}
-        return [
-            {"path": "fused", **wide},
-            {"path": "fused", "shrink_k": 256, "expand_n": 128, "shrink_warps": 4},
-            {"path": "fused", "shrink_k": 128, "expand_n": 128, "shrink_warps": 4},
-            {"path": "fused", "stages": 2},
-            {"path": "fused", "stages": 4},
+        smaller = [
+            {"path": "fused", "shrink_k": n.block_k, "expand_n": n.block_n, "shrink_warps": n.warps}
+            for n in lora._NARROW.values()
         ]
+        stages = [{"path": "fused", "stages": 2}, {"path": "fused", "stages": 4}]
+        return [{"path": "fused", **wide}, *smaller, *stages]
 
     grid = [(16, b) for b in (1, 32, 64, 128, 256, 512)]
     grid += [(64, b) for b in (32, 64, 128, 256, 512)]

@@ -89,7 +89,8 @@ def main() -> None:
         "device": args.device,
     }
     with open(args.out, "w") as f:
-        json.dump({"machine": machine, "rows": rows}, f, indent=1)
+        command = "python bench/step_batch.py " + " ".join(sys.argv[1:])
+        json.dump({"command": command, "machine": machine, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
