@@ -38,6 +38,12 @@ def test_fill_packs_prefill_and_decode():
     assert lt.seg_lora.tolist() == [-1, 1, -1]
 
 
+def test_slots_of_a_chunk_that_starts_inside_a_page():
+    b = _batch()
+    b.fill([BatchEntry(list(range(6)), 3, [9, 2, 7], None, True)])  # positions 3..8
+    assert b.slot_mapping.tolist() == [39, 8, 9, 10, 11, 28]
+
+
 def test_buffers_keep_their_addresses():
     """Every step writes into the same tensors (what a CUDA graph replays)."""
     b = _batch()

@@ -90,9 +90,13 @@ class StepBatch:
             if n == 0 or len(e.pages) * ps < end or len(e.pages) > self.max_pages_per_seq:
                 raise ValueError(f"entry {b}: {n} tokens at {e.start_pos} on {len(e.pages)} pages")
             ids.extend(e.token_ids)
-            positions = range(e.start_pos, end)
-            pos.extend(positions)
-            slots.extend(e.pages[p // ps] * ps + p % ps for p in positions)
+            pos.extend(range(e.start_pos, end))
+            p = e.start_pos
+            while p < end:  # position q at pages[q // ps] * ps + q % ps: a slot run per page
+                page_end = min(end, (p // ps + 1) * ps)
+                shift = e.pages[p // ps] * ps - p // ps * ps
+                slots.extend(range(p + shift, page_end + shift))
+                p = page_end
             row = -1 if e.lora_row is None else e.lora_row
             rows.extend([row] * n)
             seq_lens.append(end)
