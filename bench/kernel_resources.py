@@ -28,6 +28,7 @@ import subprocess
 import tempfile
 from typing import NamedTuple
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -37,6 +38,7 @@ from kernels import lora
 from kernels.lora_fused import lora_fused_kernel
 from kernels.lora_layout import chunks
 from kernels.lora_paths import FUSED_MAX_TOKENS
+from kernels.tiles import dot_f32, scan_chunk
 
 TARGET = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM = 65536
@@ -80,7 +82,8 @@ def fused_resources(launch: lora.LoraLaunch, call) -> Resources:
     constexprs = dict(
         D_IN=d_in, W=W, IN_CHUNKS=chunks(d_in, W), **lora._slice_args(mods, widths),
         BLOCK_M=launch.block_m, BLOCK_K=launch.shrink_k, BLOCK_N=launch.expand_n,
-        BLOCK_R=launch.shrink_r, CHUNK=512, DOT_F32=False,
+        BLOCK_R=launch.shrink_r, CHUNK=scan_chunk(INTS["num_segs"]),
+        DOT_F32=dot_f32(torch.bfloat16),
     )  # fmt: skip
     ints = dict(INTS, stride_xt=d_in, stride_yt=sum(widths), MAX_RANK=launch.shrink_r)
     signature, attrs = {}, {}

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -26,6 +24,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from bench import adapter_load  # noqa: E402
 from services.inference.engine.batch import BatchEntry, StepBatch  # noqa: E402
 
 PAGE = 16
@@ -81,13 +80,7 @@ def main() -> None:
         us = time_fill(batch, entries, args.repeats)
         rows.append({"case": name, "fill_us": round(us, 1)})
         print(f"{name:45s} {us:8.1f} µs")
-    machine = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "device": args.device,
-    }
+    machine = adapter_load.machine() | {"device": args.device}
     with open(args.out, "w") as f:
         command = "python bench/step_batch.py " + " ".join(sys.argv[1:])
         json.dump({"command": command, "machine": machine, "rows": rows}, f, indent=1)

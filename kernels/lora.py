@@ -126,8 +126,9 @@ def fused_config(
 ) -> LoraLaunch:
     """One launch. Weight blocks of 256 columns (rank rows x 256: 8 KB at rank 16, 32 KB at
     rank 64, streamed by 8 warps from 64 rows) and 128 from 128 rank rows. ``parts`` programs
-    share a (tile, slice)'s output columns when tokens alone give an SM fewer than two
-    programs (the distinct-adapter worst case, a tile a token), at most one per column block,
+    share a (tile, slice)'s output columns when tokens alone give an SM at most one program
+    (parts = 2 x SMs // programs; the distinct-adapter worst case, a tile a token), at most
+    one per column block,
     and at most 1 + out_width // d_in: each part reads the tile's whole A (all but one from
     L2), so the extra A reads stay within the slice's Bᵀ bytes (o: 2 parts, down: 1); but 2
     while two parts give at most one program an SM (down up to 66 tokens on 132 SMs).
@@ -139,7 +140,8 @@ def fused_config(
     wave of the default launch on 132 SMs, 792 of 256 x 128 blocks: 72 µs against 89).
 
     Measured per call on the H200 for decode at ranks 16 and 64 (bench/results/
-    kernels_sweep_blocks.json and kernels_sweep_waves.json, docs/kernels.md); prefill at
+    kernels_sweep_blocks.json and kernels_sweep_waves.json, docs/kernels.md), Llama-2-7B
+    shapes; other model shapes (whose calls compile to other register counts), prefill at
     ranks above 32 and 128 rank rows take the same rules unmeasured."""
     rows = fused_rank_rows(max_rank)
     blk = _fit_block(max(32, min(256, 16384 // rows)), width)

@@ -16,13 +16,13 @@ committed at 4a8bb31; one layer's seven projections, Llama-2-7B shapes, bf16):
 - Calls of several slices (q, k, v; gate, up) gain from the fused kernel sooner than calls of
   one (o, down), whose tokens alone give too few programs to fill the GPU, each streaming a
   whole A. Per call, fused_config's launch against the two launches
-  (bench/results/kernels_sweep_blocks.json at 56ecdc6), rank 16, 64 distinct tokens: qkv 31.5
-  µs against 34.3, gate_up 44.4 against 55.0, but o 20.3 against 18.1 and down 40.6 against
-  23.1; 128 tokens: qkv 46.0 against 62.6, gate_up 62.9 against 97.4, o 25.8 against 28.1,
-  down 43.4 against 38.5; rank 64, 64 tokens: o 31.3 against 47.4, down 63.0 against 64.9.
-  So a fused step runs its multi-slice calls fused from 1024 adapter tokens x rank rows (64
-  rank-16 tokens) and its single-slice calls from 4096 rows of the batch (256 rank-16 tokens,
-  64 rank-64 tokens).
+  (bench/results/kernels_sweep_waves.json at 0b03fb3), rank 16, 64 distinct tokens: qkv 31.5
+  µs against 34.4, gate_up 44.5 against 55.1, but o 20.3 against 18.1 and down 33.7 against
+  23.0; 128 tokens: qkv 45.5 against 62.4, gate_up 62.9 against 97.2, o 25.7 against 28.1,
+  down 43.3 against 38.6; rank 64, 64 tokens: o 31.4 against 47.4, down 58.7 against 64.7.
+  So a fused step runs its multi-slice calls fused from 1024 adapter tokens x max_rank (64
+  rank-16 tokens) and its single-slice calls from 4096 tokens x rank rows of the batch (256
+  rank-16 tokens, 64 rank-64 tokens).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from __future__ import annotations
 FUSED_MAX_TOKENS = 512
 # The fused kernel holds every rank row in registers; above this the two launches are used.
 FUSED_MAX_RANK = 128
-# Decode steps fuse from this many adapter tokens x rank rows (decode_prefers_fused)...
+# Decode steps fuse from this many adapter tokens x max_rank (decode_prefers_fused)...
 FUSED_DECODE_MIN_ROWS = 1024
 # ... and their single-slice calls (o, down) from this many tokens x rank rows (decode_call_fused).
 FUSED_SINGLE_SLICE_MIN_ROWS = 4096

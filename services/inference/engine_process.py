@@ -29,8 +29,8 @@ A Report's ``applied`` is a watermark: every command up to that number is applie
 adapter statuses reflect them all (the service decides from that when an adapter's host bytes
 are free to reuse, engine_client.py). Every abort is confirmed, whether or not the request was
 still running, so the service knows when its id may be used again. Stats ride along at most
-every 50 ms, and in the first report that covers a "stats" command (GetStats wants them
-current).
+every 50 ms, in the report of a turn that leaves the engine idle, and in the first report
+that covers a "stats" command (GetStats wants them current).
 """
 
 from __future__ import annotations
@@ -145,8 +145,8 @@ class ProcessEngine(Engine):
             if kind == "generate":
                 self._generate(msg[2])
             elif kind == "abort":
+                self._aborted.append(msg[2])  # confirmed even if applying it fails: the id frees
                 super()._apply(Abort(msg[2]))
-                self._aborted.append(msg[2])
             elif kind == "add":
                 self._add(msg[2], self.arena[msg[3] : msg[3] + msg[4]], msg[5], msg[6])
             elif kind == "remove":
@@ -165,7 +165,7 @@ class ProcessEngine(Engine):
 
     def _generate(self, request) -> None:
         try:
-            self.core.enqueue(self.core.prepare(request))
+            self.core.add_request(request)
         except Exception as exc:  # invalid request, unknown adapter, overloaded: the caller's
             self._errors.append((request.request_id, exc))
 
@@ -214,7 +214,8 @@ class ProcessEngine(Engine):
         # A "stats" command is answered by the first report that covers it (its caller waits
         # for that one; with a command before it held, a report may not cover it yet).
         asked = 0 < self._stats_wanted <= applied
-        if final or asked or now - self._stats_at >= _STATS_EVERY_S:
+        idle = not self.core.has_work  # the last busy stats would stand until the next turn
+        if final or asked or idle or now - self._stats_at >= _STATS_EVERY_S:
             self._stats_at = now
             current = self.core.stats()
             if current != self._last_stats or asked:

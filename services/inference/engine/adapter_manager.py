@@ -320,6 +320,8 @@ class AdapterManager:
     def take_failed_loads(self) -> dict[Hashable, BaseException]:
         """The adapters whose copy failed since the last call, and why; a later begin_load()
         of one tries again."""
+        if not self._failed:  # every loop turn; _failed is written on the step thread only
+            return {}
         with self._lock:
             failed, self._failed = self._failed, []
             for key, _ in failed:

@@ -250,3 +250,28 @@ def test_a_stats_command_is_answered_once_a_report_covers_it(svc_models):
     engine.report(final=False)
     report = ours.recv()[1]
     assert report.applied == 2 and report.aborted == ["gone"] and report.stats is not None
+
+
+def test_an_engine_gone_idle_reports_its_stats_at_once(svc_models):
+    """Stats ride along at most every 50 ms while busy, but the report of the turn that leaves
+    the engine idle carries them: otherwise /metrics would show the last busy numbers until
+    the next turn (up to the idle wait)."""
+    import time
+    from multiprocessing import Pipe
+
+    from services.inference.engine.engine import Phase
+    from services.inference.engine_process import ProcessEngine
+
+    ours, theirs = Pipe()
+    engine = ProcessEngine(_config(svc_models), theirs)
+    engine.post(("generate", 1, GenerationRequest("a", prompt_token_ids=[3, 5], sampling=THREE)))
+    engine._drain(timeout=None, phase=Phase.BETWEEN)
+    engine.report(final=False)
+    assert ours.recv()[1].stats.num_waiting == 1
+    while engine.core.has_work:
+        engine.core.step()
+    engine._stats_at = time.monotonic()  # stats were just sent: the 50 ms have not passed
+    engine.report(final=False)
+    assert ours.poll(5), "no report"
+    report = ours.recv()[1]
+    assert report.stats is not None and report.stats.num_running == report.stats.num_waiting == 0
