@@ -87,7 +87,6 @@ class AdapterEntry:
     last_used: int = 0  # step clock of the latest step that used it (LRU)
     removed: bool = False  # remove_adapter() was called; dropped once refs reach 0
     pinned: bool = False  # never evicted from the pool (LoadAdapter with pin)
-    failed: bool = False  # the last copy failed; not retried until take_failed_loads()
 
 
 class AdapterManager:
@@ -111,7 +110,8 @@ class AdapterManager:
         self._loading: set[Hashable] = set()
         self._unissued: list[CopyTicket] = []  # prepared copies (step thread)
         self._removed: set[Hashable] = set()
-        self._failed: list[tuple[Hashable, BaseException]] = []  # failed copies, not yet taken
+        # Adapters whose copy failed, and why: not copied again until take_failed_loads().
+        self._failed: dict[Hashable, BaseException] = {}
         self._lock = threading.Lock()
         self._clock = 0
         self.copier = AdapterCopier(pool.tensor, self.index)
@@ -257,7 +257,7 @@ class AdapterManager:
         is no room now; nothing is evicted then."""
         with self._lock:
             entry = self._entries[key]
-            if entry.state is not AdapterState.HOST or entry.failed:
+            if entry.state is not AdapterState.HOST or key in self._failed:
                 return True  # loading or loaded; or failed, waiting for take_failed_loads()
             need = self.pages_of(entry.host)
             idle = self._idle()
@@ -306,8 +306,7 @@ class AdapterManager:
                     done.append((key, ticket.seconds()))
                     continue
                 self._unplace(key)
-                entry.failed = True
-                self._failed.append((key, ticket.error))
+                self._failed[key] = ticket.error
                 log.error(
                     "copying adapter %s into the page pool failed: %r", key, ticket.error,
                     exc_info=ticket.error,
@@ -323,12 +322,8 @@ class AdapterManager:
         if not self._failed:  # every loop turn; _failed is written on the step thread only
             return {}
         with self._lock:
-            failed, self._failed = self._failed, []
-            for key, _ in failed:
-                entry = self._entries.get(key)
-                if entry is not None:
-                    entry.failed = False
-        return dict(failed)
+            failed, self._failed = self._failed, {}
+        return failed
 
     def evict_idle(self) -> bool:
         """Evict the least recently used resident adapter that no request uses."""
