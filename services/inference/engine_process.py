@@ -82,6 +82,31 @@ class Report(NamedTuple):
 
 class _Command(NamedTuple):
     msg: tuple  # as the service sent it (see the protocol above)
+    kind: CommandKind
+    names: tuple  # the adapter or request ids it acts on (Engine._drain)
+
+
+_KINDS = {
+    "generate": CommandKind.REQUEST,
+    "abort": CommandKind.ABORT,
+    "add": CommandKind.ADAPTER,
+    "remove": CommandKind.ADAPTER,
+    "load": CommandKind.PLACEMENT,
+    "pin": CommandKind.PLACEMENT,
+    "stats": CommandKind.STATS,
+}
+
+
+def _command(msg: tuple) -> _Command:
+    """The service's message as a step-loop command, classified once, when it arrives."""
+    kind = _KINDS.get(msg[0], CommandKind.STATS)  # an unknown one is only logged (_apply)
+    if kind is CommandKind.REQUEST:
+        names = tuple(n for n in (msg[2].adapter, msg[2].request_id) if n is not None)
+    elif kind is CommandKind.STATS:
+        names = ()
+    else:
+        names = (msg[2],)  # abort: the request id; the others: the adapter
+    return _Command(msg, kind, names)
 
 
 class ProcessEngine(Engine):
@@ -113,27 +138,9 @@ class ProcessEngine(Engine):
         """Queue a command from the service for the step thread, which applies it between steps
         or while a step computes (Engine._drain), so that its Python (validating a request,
         describing an adapter) never holds the GIL the step thread needs between its launches."""
-        self._inbox.put(_Command(msg))
+        self._inbox.put(_command(msg))
 
     # --- the step thread ------------------------------------------------------------------
-
-    def _kind(self, cmd: object) -> CommandKind:
-        if isinstance(cmd, _Command):
-            kind = cmd.msg[0]
-            if kind == "generate":
-                return CommandKind.REQUEST
-            return CommandKind.ABORT if kind == "abort" else CommandKind.ADAPTER
-        return super()._kind(cmd)
-
-    def _names(self, cmd: object) -> tuple:
-        if isinstance(cmd, _Command):
-            kind, msg = cmd.msg[0], cmd.msg
-            if kind == "generate":
-                return tuple(n for n in (msg[2].adapter, msg[2].request_id) if n is not None)
-            if kind in ("abort", "add", "remove", "pin", "load"):
-                return (msg[2],)  # abort: the request id; the others: the adapter
-            return ()
-        return super()._names(cmd)
 
     def _apply(self, cmd: object) -> None:
         if not isinstance(cmd, _Command):

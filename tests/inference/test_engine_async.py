@@ -254,8 +254,9 @@ def test_commands_during_a_step_hold_aborts(tiny_models):
 
 def test_adapter_commands_between_steps_wait_for_the_next_step(tiny_models):
     """Between steps (the GPU idle) the loop applies new requests and aborts; adapter work waits
-    for the next step's drain, while the GPU computes, and so do the requests and aborts that
-    name what a held command names (order between dependent commands is kept)."""
+    for the next step's drain, while the GPU computes. A request for the adapter a held load
+    names does not wait for the load (it would load the adapter itself); a later load of that
+    adapter does, and so do the requests and aborts behind a held request they name."""
     from services.inference.engine.engine import Abort, Enqueue, Load, Phase
 
     engine = Engine(
@@ -267,22 +268,28 @@ def test_adapter_commands_between_steps_wait_for_the_next_step(tiny_models):
         core.prepare(GenerationRequest(rid, prompt_token_ids=[3, 5], adapter=adapter))
         for rid, adapter in (("a", None), ("t", R8), ("c", None))
     )
-    load = Load(R8, lambda error: None)
-    for cmd in (Enqueue(base), Abort("zz"), load, Enqueue(tuned), Abort("t"), Enqueue(other)):
+    load, again = (Load(R8, lambda error: None) for _ in range(2))
+    for cmd in (Enqueue(base), Abort("zz"), load, Enqueue(tuned), again, Enqueue(other)):
         engine._inbox.put(cmd)
     engine._drain(timeout=None, phase=Phase.BETWEEN)
-    # the load waits, with the request for its adapter and that request's abort behind it
-    assert list(core.scheduler.waiting) == [base, other] and engine._loads == []
+    # the loads wait; the request for their adapter does not
+    assert list(core.scheduler.waiting) == [base, tuned, other] and engine._loads == []
     engine._drain(timeout=None, phase=Phase.BETWEEN)  # still held
-    assert list(core.scheduler.waiting) == [base, other] and engine._loads == []
-    engine._drain(timeout=None, phase=Phase.DURING)  # the load and "t"; the abort waits
-    assert engine._loads == [load]
-    assert list(core.scheduler.waiting) == [base, other, tuned]
+    assert engine._loads == []
+    engine._inbox.put(Abort("c"))  # "c" is queued: its abort applies between steps
+    engine._inbox.put(Abort("t"))
+    engine._drain(timeout=None, phase=Phase.DURING)  # the loads, in order; the aborts wait
+    assert engine._loads == [load, again]
+    assert list(core.scheduler.waiting) == [base, tuned, other]
+    engine._inbox.put(Enqueue(core.prepare(GenerationRequest("d", prompt_token_ids=[3]))))
+    engine._drain(timeout=None, phase=Phase.DURING)  # "d" waits behind the held aborts
+    assert list(core.scheduler.waiting) == [base, tuned, other]
     # When no step runs (idle, stalled, stopping) a drain takes every command, held ones first.
     engine._inbox.put(Load(AdapterKey("t", 2), lambda error: None))
     engine._drain(timeout=None)
-    assert len(engine._loads) == 2 and list(core.scheduler.waiting) == [base, other]
-    assert tuned.finish_reason is FinishReason.ABORT
+    assert len(engine._loads) == 3
+    assert [s.request_id for s in core.scheduler.waiting] == ["a", "d"]
+    assert tuned.finish_reason is other.finish_reason is FinishReason.ABORT
 
 
 async def test_a_failed_adapter_copy_ends_its_requests_and_the_engine_keeps_serving(

@@ -22,6 +22,7 @@ import enum
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -59,25 +60,53 @@ class Phase(enum.Enum):
 
 
 class CommandKind(enum.Enum):
+    """What a command does, which decides where it applies and what must not overtake it."""
+
     REQUEST = "request"  # a new request
     ABORT = "abort"
-    ADAPTER = "adapter"  # adapter work (load; in engine_process.py also add, remove, pin, stats)
+    ADAPTER = "adapter"  # add or remove one (engine_process.py): its requests come after it
+    PLACEMENT = "placement"  # load or pin one: its requests need not wait for it
+    STATS = "stats"  # a stats query (engine_process.py): costs nothing, applies anywhere
 
 
-# The step loop's commands (its inbox; engine_process.py applies its own through them).
+def _applies(kind: CommandKind, phase: Phase) -> bool:
+    """Whether a command of ``kind`` is applied in ``phase`` (Engine._drain)."""
+    if phase is Phase.DURING:
+        return kind is not CommandKind.ABORT
+    return kind not in (CommandKind.ADAPTER, CommandKind.PLACEMENT)
+
+
+# The step loop's commands (its inbox). Each tells its kind and the names (adapter keys,
+# request ids) it acts on, which Engine._drain reads; engine_process.py's commands tell the
+# same, classified once as they arrive.
 
 
 class Enqueue(NamedTuple):
     seq: Sequence
+    kind = CommandKind.REQUEST
+
+    @property
+    def names(self) -> tuple:
+        return tuple(n for n in (self.seq.adapter, self.seq.request_id) if n is not None)
 
 
 class Abort(NamedTuple):
     request_id: str
+    kind = CommandKind.ABORT
+
+    @property
+    def names(self) -> tuple:
+        return (self.request_id,)
 
 
 class Load(NamedTuple):
     key: AdapterKey
     done: Callable[[BaseException | None], None]  # called once, on the step thread
+    kind = CommandKind.PLACEMENT
+
+    @property
+    def names(self) -> tuple:
+        return (self.key,)
 
 
 def resolve(future: asyncio.Future, error: BaseException | None) -> None:
@@ -102,7 +131,7 @@ class Engine:
         self._stopping = threading.Event()
         self._failure: BaseException | None = None
         self._loads: list[Load] = []  # LoadAdapter calls waiting for their copy (step thread)
-        self._held: list[object] = []  # commands taken from the inbox, applied by a later drain
+        self._held: deque = deque()  # commands taken from the inbox, applied by a later drain
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -261,20 +290,23 @@ class Engine:
         where it costs the GPU no time or must be: DURING (the step's GPU work is queued and its
         batch not yet done) takes every command but an abort, which frees pages the step still
         uses and finishes a sequence it samples for; BETWEEN (the GPU waits for the next step)
-        takes only new requests and aborts, which change the coming batch. A command a phase
-        does not take is held for the next drain, and so is every later one that names an
-        adapter or a request it names (a request for the adapter an add brings, the abort of a
-        held request), and during a step every new request behind a held abort (which may free
-        the queue slot it needs; the request still joins the next step): commands that depend
-        on each other keep their order."""
-        held, self._held = self._held, []
-        names: set = set()  # adapters and request ids named by the commands held in this drain
+        takes only new requests, aborts and stats queries, which cost it nothing or change the
+        coming batch. A command a phase does not take is held for the next drain, and so is
+        every later one that names what it names (a request for the adapter an add brings, the
+        abort of a held request), and during a step every new request behind a held abort
+        (which may free the queue slot it needs; the request still joins the next step):
+        commands that depend on each other keep their order. A held load or pin holds no
+        request for its adapter (the request loads the adapter itself if need be): between
+        steps the adapter commands behind it are held anyway, and during a step it is held
+        only behind a command that names its adapter already."""
+        held, self._held = self._held, deque()
+        blocked: set = set()  # names of held commands that no later command may overtake
         after_abort = False  # an abort is held in this drain, during a step
         first = not held
         try:
             while True:
                 if held:
-                    cmd = held.pop(0)
+                    cmd = held.popleft()
                 else:
                     try:
                         wait = timeout if first else None
@@ -285,14 +317,15 @@ class Engine:
                 if phase is None:  # no step runs: everything applies
                     self._apply(cmd)
                     continue
-                named, kind = self._names(cmd), self._kind(cmd)
+                kind, named = cmd.kind, cmd.names
                 if (
-                    not self._applies(kind, phase)
-                    or not names.isdisjoint(named)
+                    not _applies(kind, phase)
+                    or not blocked.isdisjoint(named)
                     or (after_abort and kind is CommandKind.REQUEST)
                 ):
                     self._held.append(cmd)
-                    names.update(named)
+                    if kind is not CommandKind.PLACEMENT:  # see the docstring
+                        blocked.update(named)
                     after_abort = after_abort or (
                         kind is CommandKind.ABORT and phase is Phase.DURING
                     )
@@ -310,25 +343,6 @@ class Engine:
                 self._deliver([out])
         elif isinstance(cmd, Load):
             self._loads.append(cmd)
-
-    @staticmethod
-    def _applies(kind: CommandKind, phase: Phase) -> bool:
-        if phase is Phase.DURING:
-            return kind is not CommandKind.ABORT
-        return kind is not CommandKind.ADAPTER
-
-    def _names(self, cmd: object) -> tuple:
-        """The adapter and request ids ``cmd`` acts on (what a later command may depend on)."""
-        if isinstance(cmd, Enqueue):
-            return tuple(n for n in (cmd.seq.adapter, cmd.seq.request_id) if n is not None)
-        if isinstance(cmd, Abort):
-            return (cmd.request_id,)
-        return (cmd.key,) if isinstance(cmd, Load) else ()
-
-    def _kind(self, cmd: object) -> CommandKind:
-        if isinstance(cmd, Enqueue):
-            return CommandKind.REQUEST
-        return CommandKind.ABORT if isinstance(cmd, Abort) else CommandKind.ADAPTER
 
     def _during_step(self) -> None:
         self._drain(timeout=None, phase=Phase.DURING)

@@ -216,9 +216,9 @@ def test_reports_count_only_commands_applied_in_full(svc_models):
     ours, theirs = Pipe()
     engine = ProcessEngine(_config(svc_models), theirs)
     a, b = (GenerationRequest(rid, prompt_token_ids=[3, 5], sampling=THREE) for rid in "ab")
-    for msg in (("generate", 1, a), ("stats", 2), ("generate", 3, b)):
+    for msg in (("generate", 1, a), ("load", 2, A), ("generate", 3, b)):
         engine.post(msg)
-    engine._drain(timeout=None, phase=Phase.BETWEEN)  # "stats" waits; "b" passes it
+    engine._drain(timeout=None, phase=Phase.BETWEEN)  # "load" waits; "b" passes it
     assert [s.request_id for s in engine.core.scheduler.waiting] == ["a", "b"]
     engine.report(final=False)
     kind, report = ours.recv()
@@ -226,6 +226,54 @@ def test_reports_count_only_commands_applied_in_full(svc_models):
     engine._drain(timeout=None, phase=Phase.DURING)
     engine.report(final=False)
     assert ours.recv()[1].applied == 3
+
+
+def test_held_adapter_commands_keep_the_requests_that_depend_on_them_in_order(svc_models):
+    """Between steps an add and a load wait for the next step's GPU time. A request for the
+    added adapter, and that request's abort, wait behind the add; a request for the adapter
+    being loaded does not wait for the load, nor does a stats query."""
+    from multiprocessing import Pipe
+
+    from services.inference.engine.engine import Phase
+    from services.inference.engine_process import ProcessEngine
+
+    ours, theirs = Pipe()
+    engine = ProcessEngine(_config(svc_models), theirs)
+    path = svc_models.adapters["a"]
+    body = (path / "adapter_model.safetensors").read_bytes()
+    engine.arena = memoryview(body)
+    engine.add_adapter(
+        B,
+        (svc_models.adapters["b"] / "adapter_config.json").read_bytes(),
+        (svc_models.adapters["b"] / "adapter_model.safetensors").read_bytes(),
+    )
+    on_a, on_b = (
+        GenerationRequest(f"r{k.adapter_id}", prompt_token_ids=[3, 5], adapter=k, sampling=THREE)
+        for k in (A, B)
+    )
+    config = (path / "adapter_config.json").read_bytes()
+    for msg in (
+        ("add", 1, A, 0, len(body), config, None),
+        ("generate", 2, on_a),
+        ("abort", 3, "ra"),
+        ("load", 4, B),
+        ("generate", 5, on_b),
+        ("stats", 6),
+    ):
+        engine.post(msg)
+    engine._drain(timeout=None, phase=Phase.BETWEEN)
+    assert [s.request_id for s in engine.core.scheduler.waiting] == ["rb"]
+    assert engine.core.adapters.status(A) is None and engine._loads == []
+    engine.report(final=False)
+    assert ours.recv()[1].applied == 0  # the add, first, is held
+    engine._drain(timeout=None, phase=Phase.DURING)  # add, "ra", load; the abort waits
+    assert [s.request_id for s in engine.core.scheduler.waiting] == ["rb", "ra"]
+    assert engine.adapter_status(A) is not None and len(engine._loads) == 1
+    engine._drain(timeout=None, phase=Phase.BETWEEN)
+    assert [s.request_id for s in engine.core.scheduler.waiting] == ["rb"]
+    engine.report(final=False)
+    report = ours.recv()[1]
+    assert report.applied == 6 and report.aborted == ["ra"] and report.stats is not None
 
 
 def test_a_stats_command_is_answered_once_a_report_covers_it(svc_models):
