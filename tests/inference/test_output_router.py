@@ -73,5 +73,27 @@ def test_each_event_loop_is_woken_once():
     ]
 
 
+def test_posting_on_the_streams_own_loop_delivers_at_once():
+    """The engine process's reports are read on the event loop the streams follow: their
+    outputs go into the queues at once, not a turn of the loop later, and a stream on another
+    loop is still woken through that loop."""
+    router = OutputRouter()
+    loop, other = asyncio.new_event_loop(), asyncio.new_event_loop()
+    here = loop.run_until_complete(_open_queue(router, "here"))
+    there = other.run_until_complete(_open_queue(router, "there"))
+    calls, other_calls = _count_wakeups(loop), _count_wakeups(other)
+
+    async def post_and_look() -> list:
+        router.post([("here", 1), ("there", 2), ("here", 3)])
+        return [here.get_nowait() for _ in range(here.qsize())]  # before any await
+
+    assert loop.run_until_complete(post_and_look()) == [1, 3] and calls[0] == 0
+    assert there.empty() and other_calls[0] == 1
+    other.run_until_complete(asyncio.sleep(0))
+    assert there.get_nowait() == 2
+    loop.close()
+    other.close()
+
+
 async def _open_queue(router: OutputRouter, rid: str) -> asyncio.Queue:
     return router.open(rid)

@@ -8,7 +8,8 @@ delivers between steps, while the GPU waits for the next one (bench/deliver.py, 
 on a 2-core CPU: 64 streams, 0.07 ms a step against 1.1 ms with one call per output).
 
 Any thread may open and close streams; post() is called by one thread: the in-process engine's
-step thread, or for the engine process the service's event loop (engine_client.py).
+step thread, or for the engine process the service's event loop (engine_client.py), whose
+outputs go into the queues at once, without a turn of the loop in between.
 """
 
 from __future__ import annotations
@@ -84,7 +85,14 @@ class OutputRouter:
                 sink = self._sinks.get(request_id)
                 if sink is not None:
                     by_loop.setdefault(sink.loop, []).append((sink.queue, item))
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:  # a thread without an event loop (the step thread)
+            here = None
         for loop, batch in by_loop.items():
+            if loop is here:  # the engine process's reports, read on the streams' own loop
+                _put_all(batch)
+                continue
             try:
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # the caller's event loop is closed
