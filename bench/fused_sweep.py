@@ -176,7 +176,7 @@ def default_point(cfg: SweepConfig, rank: int, batch: int) -> SweepPoint:
     one-slice call's choice for all four (at rank 64, batch 512: the smaller blocks for q/k/v
     and gate/up too, which fused_config gives the default blocks)."""
     g = cfg.geometry
-    d = lora.fused_config(batch, g.pool_w, rank, 1, g.dims[Q][1], g.dims[Q][0])
+    d = lora.fused_config(batch, g.pool_w, rank, 1, g.dims[Q][1], d_in=g.dims[Q][0])
     if d.shrink_k != d.expand_n:  # a point has one block for both (SweepPoint.changes)
         raise ValueError(f"fused_config gave {d.shrink_k} x {d.expand_n} blocks at rank {rank}")
     return SweepPoint(d.shrink_k, None, d.stages, d.shrink_warps)

@@ -226,7 +226,7 @@ def lora_layer_fns(case: LoraCase, rank: int, layers: int, cfg=None, calls=None)
 def fused_config_default(rank: int) -> lora.LoraLaunch:
     """fused_config's default decode launch at this rank (one part), before its smaller
     one-wave blocks: what one token gives."""
-    return lora.fused_config(1, POOL_W, rank, 1, POOL_W, POOL_W)._replace(parts=1)
+    return lora.fused_config(1, POOL_W, rank, 1, POOL_W, d_in=POOL_W)._replace(parts=1)
 
 
 def _call_config(t: int, d_in: int, rank: int, mods, widths, cfg):
@@ -239,7 +239,7 @@ def _call_config(t: int, d_in: int, rank: int, mods, widths, cfg):
     if path == "two_launch":
         base = lora.launch_config(t, d_in, POOL_W, rank, len(mods))
     elif path == "fused":
-        base = lora.fused_config(t, POOL_W, rank, len(mods), max(widths), d_in)
+        base = lora.fused_config(t, POOL_W, rank, len(mods), max(widths), d_in=d_in)
     else:
         base = lora.launch_config(t, d_in, POOL_W, rank, len(mods), max(widths))
     return base._replace(**cfg)

@@ -102,7 +102,7 @@ def launch_config(
     With ``out_width`` (the widest slice; lora_apply passes it) prefill-sized calls of several
     slices get the fused one-launch kernel instead (kernels/lora_paths.py)."""
     if out_width and shapes_prefer_fused(num_tokens, max_rank, num_slices):
-        return fused_config(num_tokens, width, max_rank, num_slices, out_width, d_in)
+        return fused_config(num_tokens, width, max_rank, num_slices, out_width, d_in=d_in)
     big = num_tokens > 1024
     shrink_k = _fit_block(256, width)
     rank_block = 16 if max_rank <= 16 else 32
@@ -122,7 +122,7 @@ def launch_config(
 
 
 def fused_config(
-    num_tokens: int, width: int, max_rank: int, num_slices: int, out_width: int, d_in: int
+    num_tokens: int, width: int, max_rank: int, num_slices: int, out_width: int, *, d_in: int
 ) -> LoraLaunch:
     """One launch. Weight blocks of 256 columns (rank rows x 256: 8 KB at rank 16, 32 KB at
     rank 64, streamed by 8 warps from 64 rows) and 128 from 128 rank rows. ``parts`` programs
@@ -605,5 +605,5 @@ def _path_config(t, d_in, width, max_rank, num_slices, out_widths, fused) -> Lor
     if fused is None:
         return launch_config(t, d_in, width, max_rank, num_slices, max(out_widths))
     if fused and max_rank <= FUSED_MAX_RANK:
-        return fused_config(t, width, max_rank, num_slices, max(out_widths), d_in)
+        return fused_config(t, width, max_rank, num_slices, max(out_widths), d_in=d_in)
     return launch_config(t, d_in, width, max_rank, num_slices)  # no out_width: never fused

@@ -55,7 +55,7 @@ def test_decode_step_replays_with_new_batches(path):
     lora_ws = torch.empty(lora.workspace_size(batch, 3, max_rank), device=DEV)
     lora_cfg = None
     if path == "fused":
-        lora_cfg = lora.fused_config(batch, w, max_rank, 3, max(widths), d_in)
+        lora_cfg = lora.fused_config(batch, w, max_rank, 3, max(widths), d_in=d_in)
     splits = attention.decode_splits(batch, kv_heads, kv.block_tables.shape[1] * page, 64)
     attn_ws = torch.empty(
         attention.decode_workspace_size(batch, heads, head_dim, splits),

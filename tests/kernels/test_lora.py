@@ -47,7 +47,9 @@ def _config(path: str, shape, t: int, max_rank: int, parts: int = 2):
             return SMALL
         return lora.launch_config(t, shape.d_in, shape.width, max_rank, slices)
     if ON_GPU:
-        return lora.fused_config(t, shape.width, max_rank, slices, max(shape.widths), shape.d_in)
+        return lora.fused_config(
+            t, shape.width, max_rank, slices, max(shape.widths), d_in=shape.d_in
+        )
     rows = lora.fused_rank_rows(max_rank)
     block_m = 32 if t > 20 else 16  # 32-token tiles for the small shapes' prefill-like calls
     return lora.LoraLaunch(
@@ -194,9 +196,9 @@ def test_launch_config_chooses_paths():
     assert not fused(4096, down) and fused(513, qkv)
     assert not fused(4096, qkv, rank=256)  # too many rank rows to hold
     assert not lora.launch_config(512, 4096, 4096, 16, 3).fused  # shrink / expand alone
-    cfg = lora.fused_config(1, 4096, 64, 3, 4096, 4096)
+    cfg = lora.fused_config(1, 4096, 64, 3, 4096, d_in=4096)
     assert cfg.fused and cfg.shrink_r >= 64 and cfg.parts > 1 and cfg.block_m == 16
-    assert lora.fused_config(4096, 4096, 16, 3, 4096, 4096).block_m == 32
+    assert lora.fused_config(4096, 4096, 16, 3, 4096, d_in=4096).block_m == 32
 
 
 def test_fused_config_fills_one_wave(monkeypatch):
@@ -207,7 +209,7 @@ def test_fused_config_fills_one_wave(monkeypatch):
     monkeypatch.setattr(lora, "_hopper", lambda: True)
 
     def cfg(t, rank, slices, out, d_in=4096):
-        c = lora.fused_config(t, 4096, rank, slices, out, d_in)
+        c = lora.fused_config(t, 4096, rank, slices, out, d_in=d_in)
         return c.shrink_k, c.expand_n, c.shrink_warps, c.parts
 
     assert cfg(128, 16, 3, 4096) == (256, 256, 4, 1)  # q, k, v: 384 programs, one wave
