@@ -215,9 +215,9 @@ def analyse(
     for kind, a, b in report["windows"]:
         by_kind[kind] += [s for s in full if a <= s.start and s.start + s.seconds <= b]
 
-    def stats(samples) -> dict:
-        s = summarize([x.seconds for x in samples], len(samples))
-        return {"steps": len(samples), "p50_s": s.p50, "p99_s": s.p99, "max_s": s.max}
+    def stats(seconds: list[float], count: str = "steps") -> dict:
+        s = summarize(seconds, len(seconds))
+        return {count: len(seconds), "p50_s": s.p50, "p99_s": s.p99, "max_s": s.max}
 
     def overlapping(step) -> str:
         end = step.start + step.seconds
@@ -227,20 +227,14 @@ def analyse(
                 hit.add(what)
         return "+".join(sorted(hit)) or "none"
 
-    def span_stats(rows) -> dict:
-        s = summarize([d for _, d in rows], len(rows))
-        return {"count": len(rows), "p50_s": s.p50, "p99_s": s.p99, "max_s": s.max}
-
-    quiet, load = stats(by_kind["quiet"]), stats(by_kind["load"])
+    quiet, load = (stats([x.seconds for x in by_kind[k]]) for k in ("quiet", "load"))
     # What a stream sees between two tokens: a step plus whatever the step thread did before
     # the next one (e.g. a LoadAdapter's copy issued between steps), start to next start.
     ordered = sorted(steps, key=lambda x: x.start)
     next_start = {id(a): b.start for a, b in zip(ordered, ordered[1:], strict=False)}
 
     def periods(samples) -> dict:
-        rows = [StepTime(x.start, next_start[id(x)] - x.start, x.outputs, x.tokens,
-                         x.cpu_seconds) for x in samples if id(x) in next_start]  # fmt: skip
-        return stats(rows)
+        return stats([next_start[id(x)] - x.start for x in samples if id(x) in next_start])
 
     quiet_period, load_period = periods(by_kind["quiet"]), periods(by_kind["load"])
     threads: dict[str, list[int]] = {}
@@ -265,7 +259,9 @@ def analyse(
             for s in sorted(by_kind["load"], key=lambda x: -x.seconds)[:6]
         ],
         "gc_threads": threads,
-        "engine_process_spans": {k: span_stats(v) for k, v in spans.items() if v},
+        "engine_process_spans": {
+            k: stats([d for _, d in rows], "count") for k, rows in spans.items() if rows
+        },
     }  # fmt: skip
 
 

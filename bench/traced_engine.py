@@ -10,6 +10,7 @@ Times are time.perf_counter (CLOCK_MONOTONIC on Linux), so they compare with the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -26,15 +27,19 @@ _timers: list[StepTimer] = []
 _spans: dict[str, list[tuple[float, float]]] = {}  # what -> (start, seconds)
 
 
-def _timed(what: str, fn):
-    spans = _spans.setdefault(what, [])
+@contextlib.contextmanager
+def _span(what: str):
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        _spans.setdefault(what, []).append((t, time.perf_counter() - t))
 
+
+def _timed(what: str, fn):
     def wrapper(*args, **kwargs):
-        t = time.perf_counter()
-        try:
+        with _span(what):
             return fn(*args, **kwargs)
-        finally:
-            spans.append((t, time.perf_counter() - t))
 
     return wrapper
 
@@ -48,12 +53,11 @@ class _TracedEngine(engine_process.ProcessEngine):
         adapters.issue_loads = _timed("issue_loads", adapters.issue_loads)
 
     def _apply(self, cmd: object) -> None:
-        t = time.perf_counter()
-        try:
+        if not isinstance(cmd, engine_process._Command):
             super()._apply(cmd)
-        finally:
-            if isinstance(cmd, engine_process._Command):
-                _spans.setdefault("cmd_" + cmd.msg[0], []).append((t, time.perf_counter() - t))
+            return
+        with _span("cmd_" + cmd.msg[0]):
+            super()._apply(cmd)
 
 
 def main(argv: list[str]) -> int:
