@@ -25,6 +25,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from typing import NamedTuple
 
@@ -175,7 +176,9 @@ def main() -> None:
         print("  ".join(str(r[c]).rjust(w) for c, w in zip(cols, widths, strict=True)))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"triton": triton.__version__, "target": "sm_90", "rows": rows}, f, indent=1)
+            command = "python -m bench.kernel_resources " + " ".join(sys.argv[1:])
+            doc = {"command": command, "triton": triton.__version__, "target": "sm_90"}
+            json.dump(doc | {"rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
