@@ -158,9 +158,9 @@ class SeaweedServer:
         self._wait_ready(timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:
-        """Wait until the bucket answers and, after a restart, until every stored object reads
-        back (its first byte): the filer answers HEAD and LIST before the volumes holding the
-        data have registered again, and reads in that window fail with a 500."""
+        """Wait until the bucket answers and every stored object reads back (its first byte):
+        after a restart the filer answers HEAD and LIST before the volumes holding the data
+        have registered again, and reads in that window fail with a 500."""
         client = self.client(retries={"max_attempts": 1}, connect_timeout=1, read_timeout=2)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -168,11 +168,11 @@ class SeaweedServer:
                 raise RuntimeError(f"weed mini exited early; see {self.directory / 'weed.log'}")
             try:
                 client.head_bucket(Bucket=self.bucket)
-                for page in client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket):
-                    for stored in page.get("Contents", []):
-                        if stored["Size"]:
-                            key = stored["Key"]
-                            client.get_object(Bucket=self.bucket, Key=key, Range="bytes=0-0")
+                pages = client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket)
+                stored = [o["Key"] for p in pages for o in p.get("Contents", []) if o["Size"]]
+                for key in stored:
+                    first = client.get_object(Bucket=self.bucket, Key=key, Range="bytes=0-0")
+                    first["Body"].read()
                 return
             except Exception:
                 if time.monotonic() > deadline:

@@ -48,7 +48,7 @@ from services.inference.engine import gc_pacing
 from services.inference.engine.adapter_manager import AdapterEntryStatus
 from services.inference.engine.api import AdapterKey, EngineStats, GenerationOutput
 from services.inference.engine.config import EngineConfig
-from services.inference.engine.engine import Abort, CommandKind, Engine, Load
+from services.inference.engine.engine import Abort, CommandKind, Engine, Load, request_names
 from store.peft import BaseModelShape
 
 log = logging.getLogger(__name__)
@@ -98,10 +98,13 @@ _KINDS = {
 
 
 def _command(msg: tuple) -> _Command:
-    """The service's message as a step-loop command, classified once, when it arrives."""
-    kind = _KINDS.get(msg[0], CommandKind.STATS)  # an unknown one is only logged (_apply)
+    """The service's message as a step-loop command, classified once, when it arrives. An
+    unknown one (only logged, by _apply) is held between steps, as adapter work is."""
+    kind = _KINDS.get(msg[0])
+    if kind is None:
+        return _Command(msg, CommandKind.ADAPTER, ())
     if kind is CommandKind.REQUEST:
-        names = tuple(n for n in (msg[2].adapter, msg[2].request_id) if n is not None)
+        names = request_names(msg[2].adapter, msg[2].request_id)
     elif kind is CommandKind.STATS:
         names = ()
     else:
@@ -205,9 +208,10 @@ class ProcessEngine(Engine):
     def report(self, final: bool) -> None:
         """Send what happened since the last report, if anything did."""
         # Reports cover commands up to ``applied``, all applied: a held command keeps the
-        # ones after it that were applied first from counting (Engine._drain).
-        held = [cmd.msg[1] for cmd in self._held if isinstance(cmd, _Command)]
-        applied = min(self._applied, min(held) - 1) if held else self._applied
+        # ones after it that were applied first from counting (Engine._drain). Held commands
+        # stay in the order they arrived, so the first has the lowest number.
+        first_held = next((cmd.msg[1] for cmd in self._held if isinstance(cmd, _Command)), None)
+        applied = self._applied if first_held is None else min(self._applied, first_held - 1)
         outputs, self._outputs_out = self._outputs_out, []
         errors, self._errors = self._errors, []
         loaded, self._loaded = self._loaded, []

@@ -206,6 +206,24 @@ async def test_eos_ends_generation_unless_ignored(tiny_models, tmp_path):
         await engine.stop()
 
 
+async def test_removing_an_adapter_while_requests_run(engine, tiny_models):
+    """remove_adapter wakes the step loop while steps run: the streams go on (one for the
+    removed adapter included, which keeps it until it ends), and the adapter is gone after."""
+    other = AdapterKey("other", 1)
+    engine.add_adapter_dir(other, tiny_models.adapter("tiny-llama", "r8"))
+    tuned = asyncio.create_task(collect(engine, greedy("t", [3, 5, 7], 40, adapter=other)))
+    gen = engine.generate(greedy("base", [3, 5, 7], 40))
+    await anext(gen)
+    engine.remove_adapter(other)
+    rest = [out async for out in gen]
+    assert rest[-1].finish_reason is FinishReason.LENGTH and rest[-1].completion_tokens == 40
+    outs = await tuned
+    assert outs[-1].finish_reason is FinishReason.LENGTH and outs[-1].completion_tokens == 40
+    await wait_idle(engine)
+    assert engine.running and engine.failure is None
+    assert engine.adapter_status(other) is None
+
+
 async def test_stop_ends_streams_and_refuses_new_requests(engine):
     gen = engine.generate(greedy("long", list(range(3, 30)), 100))
     await anext(gen)
@@ -213,7 +231,7 @@ async def test_stop_ends_streams_and_refuses_new_requests(engine):
     with pytest.raises(EngineStopped):
         async for _ in gen:
             pass
-    assert engine.stats().kv_pages == 0
+    assert engine.stats().kv_pages == 0 and engine.failure is None
     with pytest.raises(EngineStopped, match="not running"):
         await collect(engine, greedy("late", [5, 6], 2))
 
@@ -276,19 +294,24 @@ def test_adapter_commands_between_steps_wait_for_the_next_step(tiny_models):
     assert list(core.scheduler.waiting) == [base, tuned, other] and engine._loads == []
     engine._drain(timeout=None, phase=Phase.BETWEEN)  # still held
     assert engine._loads == []
-    engine._inbox.put(Abort("c"))  # "c" is queued: its abort applies between steps
+    engine._inbox.put(Abort("c"))  # during a step an abort waits
     engine._inbox.put(Abort("t"))
     engine._drain(timeout=None, phase=Phase.DURING)  # the loads, in order; the aborts wait
     assert engine._loads == [load, again]
     assert list(core.scheduler.waiting) == [base, tuned, other]
-    engine._inbox.put(Enqueue(core.prepare(GenerationRequest("d", prompt_token_ids=[3]))))
-    engine._drain(timeout=None, phase=Phase.DURING)  # "d" waits behind the held aborts
+    # During a step a request waits behind a held abort, and a load of its adapter behind it.
+    late = core.prepare(GenerationRequest("d", prompt_token_ids=[3], adapter=R8))
+    third = Load(R8, lambda error: None)
+    engine._inbox.put(Enqueue(late))
+    engine._inbox.put(third)
+    engine._drain(timeout=None, phase=Phase.DURING)
     assert list(core.scheduler.waiting) == [base, tuned, other]
+    assert engine._loads == [load, again]
     # When no step runs (idle, stalled, stopping) a drain takes every command, held ones first.
     engine._inbox.put(Load(AdapterKey("t", 2), lambda error: None))
     engine._drain(timeout=None)
-    assert len(engine._loads) == 3
-    assert [s.request_id for s in core.scheduler.waiting] == ["a", "d"]
+    assert engine._loads[:3] == [load, again, third] and len(engine._loads) == 4
+    assert list(core.scheduler.waiting) == [base, late]
     assert tuned.finish_reason is other.finish_reason is FinishReason.ABORT
 
 

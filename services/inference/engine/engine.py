@@ -81,13 +81,18 @@ def _applies(kind: CommandKind, phase: Phase) -> bool:
 # same, classified once as they arrive.
 
 
+def request_names(adapter: AdapterKey | None, request_id: str) -> tuple:
+    """What a new request names: its adapter (if any) and its id."""
+    return (request_id,) if adapter is None else (adapter, request_id)
+
+
 class Enqueue(NamedTuple):
     seq: Sequence
     kind = CommandKind.REQUEST
 
     @property
     def names(self) -> tuple:
-        return tuple(n for n in (self.seq.adapter, self.seq.request_id) if n is not None)
+        return request_names(self.seq.adapter, self.seq.request_id)
 
 
 class Abort(NamedTuple):
@@ -314,6 +319,8 @@ class Engine:
                     except queue.Empty:
                         return
                     first = False
+                if cmd is None:  # only wakes the loop (stop_blocking, remove_adapter)
+                    continue
                 if phase is None:  # no step runs: everything applies
                     self._apply(cmd)
                     continue

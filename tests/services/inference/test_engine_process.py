@@ -264,6 +264,7 @@ def test_held_adapter_commands_keep_the_requests_that_depend_on_them_in_order(sv
     engine._drain(timeout=None, phase=Phase.BETWEEN)
     assert [s.request_id for s in engine.core.scheduler.waiting] == ["rb"]
     assert engine.core.adapters.status(A) is None and engine._loads == []
+    assert engine._stats_wanted == 6  # applied, though the report cannot cover it yet
     engine.report(final=False)
     assert ours.recv()[1].applied == 0  # the add, first, is held
     engine._drain(timeout=None, phase=Phase.DURING)  # add, "ra", load; the abort waits
@@ -274,6 +275,30 @@ def test_held_adapter_commands_keep_the_requests_that_depend_on_them_in_order(sv
     engine.report(final=False)
     report = ours.recv()[1]
     assert report.applied == 6 and report.aborted == ["ra"] and report.stats is not None
+
+
+def test_every_command_the_service_sends_is_classified():
+    """Each message kind of the protocol gets its kind and names once, as it arrives; one the
+    engine does not know is held between steps like adapter work (and only logged)."""
+    from services.inference.engine.engine import CommandKind
+    from services.inference.engine_process import _command
+
+    request = GenerationRequest("r", prompt_token_ids=[3], adapter=A)
+    expected = {
+        ("generate", 1, request): (CommandKind.REQUEST, (A, "r")),
+        ("generate", 2, GenerationRequest("s", prompt_token_ids=[3])): (CommandKind.REQUEST,
+                                                                         ("s",)),
+        ("abort", 3, "r"): (CommandKind.ABORT, ("r",)),
+        ("add", 4, A, 0, 8, b"{}", None): (CommandKind.ADAPTER, (A,)),
+        ("remove", 5, A): (CommandKind.ADAPTER, (A,)),
+        ("load", 6, A): (CommandKind.PLACEMENT, (A,)),
+        ("pin", 7, A, True): (CommandKind.PLACEMENT, (A,)),
+        ("stats", 8): (CommandKind.STATS, ()),
+        ("rewind", 9, A): (CommandKind.ADAPTER, ()),
+    }  # fmt: skip
+    for msg, (kind, names) in expected.items():
+        cmd = _command(msg)
+        assert (cmd.msg, cmd.kind, cmd.names) == (msg, kind, names), msg[0]
 
 
 def test_a_stats_command_is_answered_once_a_report_covers_it(svc_models):
