@@ -99,17 +99,19 @@ _KINDS = {
 
 def _command(msg: tuple) -> _Command:
     """The service's message as a step-loop command, classified once, when it arrives. An
-    unknown one (only logged, by _apply) is held between steps, as adapter work is."""
+    unknown or malformed one (only logged, by _apply) is held between steps, as adapter work
+    is."""
     kind = _KINDS.get(msg[0])
-    if kind is None:
-        return _Command(msg, CommandKind.ADAPTER, ())
-    if kind is CommandKind.REQUEST:
-        names = request_names(msg[2].adapter, msg[2].request_id)
-    elif kind is CommandKind.STATS:
-        names = ()
-    else:
-        names = (msg[2],)  # abort: the request id; the others: the adapter
-    return _Command(msg, kind, names)
+    try:
+        if kind is CommandKind.REQUEST:
+            return _Command(msg, kind, request_names(msg[2].adapter, msg[2].request_id))
+        if kind is CommandKind.STATS:
+            return _Command(msg, kind, ())
+        if kind is not None:
+            return _Command(msg, kind, (msg[2],))  # abort: the request id; others: the adapter
+    except (IndexError, AttributeError):
+        pass
+    return _Command(msg, CommandKind.ADAPTER, ())
 
 
 class ProcessEngine(Engine):

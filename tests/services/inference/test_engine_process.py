@@ -279,7 +279,8 @@ def test_held_adapter_commands_keep_the_requests_that_depend_on_them_in_order(sv
 
 def test_every_command_the_service_sends_is_classified():
     """Each message kind of the protocol gets its kind and names once, as it arrives; one the
-    engine does not know is held between steps like adapter work (and only logged)."""
+    engine does not know, or cannot read, is held between steps like adapter work (and only
+    logged when applied)."""
     from services.inference.engine.engine import CommandKind
     from services.inference.engine_process import _command
 
@@ -295,6 +296,7 @@ def test_every_command_the_service_sends_is_classified():
         ("pin", 7, A, True): (CommandKind.PLACEMENT, (A,)),
         ("stats", 8): (CommandKind.STATS, ()),
         ("rewind", 9, A): (CommandKind.ADAPTER, ()),
+        ("remove", 10): (CommandKind.ADAPTER, ()),  # malformed: _apply logs it
     }  # fmt: skip
     for msg, (kind, names) in expected.items():
         cmd = _command(msg)
