@@ -34,7 +34,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from bench.kernels import CALL_NAMES, CALLS, fused_config_default
+from bench.kernels import CALL_NAMES, CALLS, POOL_W, fused_config_default, table
 from kernels import lora
 from kernels.lora_fused import lora_fused_kernel
 from kernels.lora_layout import chunks
@@ -46,7 +46,7 @@ REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 233472  # 228 KB
 SHARED_RESERVED = 1024  # per program
 MAX_WARPS, MAX_PROGRAMS = 64, 32
-W = 4096  # pool width
+W = POOL_W  # the pool width the launches are derived for
 SMS = 132  # H100 / H200 SXM
 # Integer arguments of a call at batch 256 (the pool's and the index's strides; x's and y's
 # come from the call).
@@ -127,11 +127,7 @@ def _registers(cubin: bytes) -> int:
 def launches(rows: int) -> dict[str, lora.LoraLaunch]:
     """The default decode launch fused_config picks at these rank rows, and its smaller blocks."""
     default = fused_config_default(rows)
-    narrow = lora._NARROW[rows]
-    smaller = default._replace(
-        shrink_k=narrow.block_k, expand_n=narrow.block_n, shrink_warps=narrow.warps
-    )
-    return {"default": default, "smaller": smaller}
+    return {"default": default, "smaller": default._replace(**lora._NARROW[rows].fields())}
 
 
 def max_programs(call) -> int:
@@ -169,11 +165,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args()
     rows = measure()
-    cols = list(rows[0])
-    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in cols]
-    print("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
-    for r in rows:
-        print("  ".join(str(r[c]).rjust(w) for c, w in zip(cols, widths, strict=True)))
+    print(table(rows, list(rows[0])))
     if args.json:
         with open(args.json, "w") as f:
             command = "python -m bench.kernel_resources " + " ".join(sys.argv[1:])

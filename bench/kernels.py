@@ -590,10 +590,7 @@ def sweep(copy_bw: float, out_path: str | None, head: dict | None = None) -> lis
         and other pipeline depths."""
         d = fused_config_default(rank)
         wide = {"shrink_k": d.shrink_k, "expand_n": d.expand_n, "shrink_warps": d.shrink_warps}
-        smaller = [
-            {"path": "fused", "shrink_k": n.block_k, "expand_n": n.block_n, "shrink_warps": n.warps}
-            for n in lora._NARROW.values()
-        ]
+        smaller = [{"path": "fused", **n.fields()} for n in lora._NARROW.values()]
         stages = [{"path": "fused", "stages": 2}, {"path": "fused", "stages": 4}]
         return [{"path": "fused", **wide}, *smaller, *stages]
 

@@ -56,7 +56,7 @@ class _TracedEngine(engine_process.ProcessEngine):
         if not isinstance(cmd, engine_process._Command):
             super()._apply(cmd)
             return
-        with _span("cmd_" + cmd.msg[0]):
+        with _span(f"cmd_{cmd.msg[0]}"):
             super()._apply(cmd)
 
 

@@ -58,6 +58,10 @@ class _Narrow(NamedTuple):
     block_n: int
     warps: int
 
+    def fields(self) -> dict:
+        """This launch's LoraLaunch fields (fused_config also fits the blocks to the width)."""
+        return dict(shrink_k=self.block_k, expand_n=self.block_n, shrink_warps=self.warps)
+
 
 # By rank rows; sm_90 only (Hopper: 228 KB of shared memory and 64K registers a
 # multiprocessor; Triton 3.6). Programs an SM holds follow from the compiled kernel's registers

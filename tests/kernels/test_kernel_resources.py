@@ -8,20 +8,25 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from kernels import lora
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_narrow_table_matches_the_compiled_kernels(tmp_path):
     out = tmp_path / "resources.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    subprocess.run(
+    run = subprocess.run(
         [sys.executable, "-m", "bench.kernel_resources", "--json", str(out)],
+        cwd=REPO,
         env=env,
-        check=True,
         capture_output=True,
+        text=True,
         timeout=600,
     )
+    assert run.returncode == 0, run.stderr
     rows = json.loads(out.read_text())["rows"]
     assert {(r["rank_rows"], r["launch"]) for r in rows} == {
         (rows_, name) for rows_ in lora._NARROW for name in ("default", "smaller")
