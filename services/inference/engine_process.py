@@ -99,19 +99,15 @@ _KINDS = {
 
 def _command(msg: tuple) -> _Command:
     """The service's message as a step-loop command, classified once, when it arrives. An
-    unknown or malformed one (only logged, by _apply) is held between steps, as adapter work
-    is."""
+    unknown one (only logged, by _apply) is held between steps, as adapter work is."""
     kind = _KINDS.get(msg[0])
-    try:
-        if kind is CommandKind.REQUEST:
-            return _Command(msg, kind, request_names(msg[2].adapter, msg[2].request_id))
-        if kind is CommandKind.STATS:
-            return _Command(msg, kind, ())
-        if kind is not None:
-            return _Command(msg, kind, (msg[2],))  # abort: the request id; others: the adapter
-    except (IndexError, AttributeError):
-        pass
-    return _Command(msg, CommandKind.ADAPTER, ())
+    if kind is None:
+        return _Command(msg, CommandKind.ADAPTER, ())
+    if kind is CommandKind.REQUEST:
+        return _Command(msg, kind, request_names(msg[2].adapter, msg[2].request_id))
+    if kind is CommandKind.STATS:
+        return _Command(msg, kind, ())
+    return _Command(msg, kind, (msg[2],))  # abort: the request id; the others: the adapter
 
 
 class ProcessEngine(Engine):
@@ -132,6 +128,7 @@ class ProcessEngine(Engine):
         self._aborted: list[str] = []
         self._stats_wanted = 0  # the number of the latest "stats" command not yet answered
         self._stats_at = 0.0
+        self._was_busy = False  # the engine had requests at the last report
         self._last_stats: EngineStats | None = None
         self._gone = False  # the connection broke
         self.core.adapters.track_changes()
@@ -227,8 +224,11 @@ class ProcessEngine(Engine):
         # A "stats" command is answered by the first report that covers it (its caller waits
         # for that one; with a command before it held, a report may not cover it yet).
         asked = 0 < self._stats_wanted <= applied
-        idle = not self.core.has_work  # the last busy stats would stand until the next turn
-        if final or asked or idle or now - self._stats_at >= _STATS_EVERY_S:
+        # The turn that leaves the engine idle sends stats at once: the last busy ones would
+        # stand until the next turn. Later idle turns keep to the 50 ms pace.
+        busy = self.core.has_work
+        went_idle, self._was_busy = self._was_busy and not busy, busy
+        if final or asked or went_idle or now - self._stats_at >= _STATS_EVERY_S:
             self._stats_at = now
             current = self.core.stats()
             if current != self._last_stats or asked:

@@ -270,6 +270,34 @@ def test_commands_during_a_step_hold_aborts(tiny_models):
     assert first.finish_reason is FinishReason.ABORT
 
 
+def test_a_command_that_raises_loses_none_held_behind_it(tiny_models, monkeypatch):
+    """If applying a held command raises, the commands held behind it stay held for the next
+    drain (a LoadAdapter dropped there would never be answered)."""
+    from services.inference.engine.engine import Abort, Load, Phase
+
+    engine = Engine(
+        EngineConfig(model_dir=tiny_models.model("tiny-llama"), device="cpu", num_pages=64)
+    )
+    load = Load(R8, lambda error: None)
+    for cmd in (Abort("zz"), load):
+        engine._inbox.put(cmd)
+    engine._drain(timeout=None, phase=Phase.DURING)  # the abort is held; the load applies
+    assert list(engine._held) == [Abort("zz")] and engine._loads == [load]
+    later = Load(AdapterKey("t", 2), lambda error: None)
+    engine._inbox.put(later)
+    engine._drain(timeout=None, phase=Phase.BETWEEN)  # the abort applies; the load is held
+    assert list(engine._held) == [later]
+    engine._held.appendleft(Abort("boom"))
+
+    def broken(request_id):
+        raise RuntimeError("abort failed")
+
+    monkeypatch.setattr(engine.core, "abort", broken)
+    with pytest.raises(RuntimeError, match="abort failed"):
+        engine._drain(timeout=None, phase=Phase.BETWEEN)
+    assert list(engine._held) == [later]
+
+
 def test_adapter_commands_between_steps_wait_for_the_next_step(tiny_models):
     """Between steps (the GPU idle) the loop applies new requests and aborts; adapter work waits
     for the next step's drain, while the GPU computes. A request for the adapter a held load
@@ -313,6 +341,24 @@ def test_adapter_commands_between_steps_wait_for_the_next_step(tiny_models):
     assert engine._loads[:3] == [load, again, third] and len(engine._loads) == 4
     assert list(core.scheduler.waiting) == [base, late]
     assert tuned.finish_reason is other.finish_reason is FinishReason.ABORT
+
+
+async def test_a_failed_copy_is_not_tried_again_before_its_callers_are_answered(
+    engine, monkeypatch
+):
+    """On an idle engine a LoadAdapter's failed copy is answered with AdapterLoadFailed, once:
+    the loop does not start the copy again before it has reported the failure."""
+    calls = []
+
+    def failing(*args):
+        calls.append(args)
+        raise RuntimeError("device ran out of memory")
+
+    monkeypatch.setattr(adapter_copy, "write_adapter", failing)
+    with pytest.raises(AdapterLoadFailed, match="r8.*could not be copied"):
+        await engine.load_adapter(R8)
+    assert len(calls) == 1
+    engine.core.check_integrity()
 
 
 async def test_a_failed_adapter_copy_ends_its_requests_and_the_engine_keeps_serving(

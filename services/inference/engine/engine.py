@@ -299,7 +299,8 @@ class Engine:
         coming batch. A command a phase does not take is held for the next drain, and so is
         every later one that names what it names (a request for the adapter an add brings, the
         abort of a held request), and during a step every new request behind a held abort
-        (which may free the queue slot it needs; the request still joins the next step):
+        (in the engine process, where a request's checks run when it is applied, the abort may
+        free the queue slot it needs; the request still joins the next step):
         commands that depend on each other keep their order. A held load or pin holds no
         request for its adapter (the request loads the adapter itself if need be): between
         steps the adapter commands behind it are held anyway, and during a step it is held

@@ -85,10 +85,9 @@ class OutputRouter:
                 sink = self._sinks.get(request_id)
                 if sink is not None:
                     by_loop.setdefault(sink.loop, []).append((sink.queue, item))
-        try:
-            here = asyncio.get_running_loop()
-        except RuntimeError:  # a thread without an event loop (the step thread)
-            here = None
+        # The poster's own loop, or None on a thread without one (the step thread); the
+        # non-raising form, since the step thread posts every step.
+        here = asyncio._get_running_loop() if by_loop else None
         for loop, batch in by_loop.items():
             if loop is here:  # the engine process's reports, read on the streams' own loop
                 _put_all(batch)

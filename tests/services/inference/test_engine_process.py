@@ -279,8 +279,8 @@ def test_held_adapter_commands_keep_the_requests_that_depend_on_them_in_order(sv
 
 def test_every_command_the_service_sends_is_classified():
     """Each message kind of the protocol gets its kind and names once, as it arrives; one the
-    engine does not know, or cannot read, is held between steps like adapter work (and only
-    logged when applied)."""
+    engine does not know is held between steps like adapter work (and only logged when
+    applied)."""
     from services.inference.engine.engine import CommandKind
     from services.inference.engine_process import _command
 
@@ -296,7 +296,6 @@ def test_every_command_the_service_sends_is_classified():
         ("pin", 7, A, True): (CommandKind.PLACEMENT, (A,)),
         ("stats", 8): (CommandKind.STATS, ()),
         ("rewind", 9, A): (CommandKind.ADAPTER, ()),
-        ("remove", 10): (CommandKind.ADAPTER, ()),  # malformed: _apply logs it
     }  # fmt: skip
     for msg, (kind, names) in expected.items():
         cmd = _command(msg)
@@ -330,7 +329,7 @@ def test_a_stats_command_is_answered_once_a_report_covers_it(svc_models):
 def test_an_engine_gone_idle_reports_its_stats_at_once(svc_models):
     """Stats ride along at most every 50 ms while busy, but the report of the turn that leaves
     the engine idle carries them: otherwise /metrics would show the last busy numbers until
-    the next turn (up to the idle wait)."""
+    the next turn (up to the idle wait). Turns after that keep to the 50 ms pace."""
     import time
     from multiprocessing import Pipe
 
@@ -350,3 +349,11 @@ def test_an_engine_gone_idle_reports_its_stats_at_once(svc_models):
     assert ours.poll(5), "no report"
     report = ours.recv()[1]
     assert report.stats is not None and report.stats.num_running == report.stats.num_waiting == 0
+    # Later idle turns keep to the 50 ms pace: no stats are gathered for them.
+    gathered = []
+    real = engine.core.stats
+    engine.core.stats = lambda: gathered.append(1) or real()
+    engine._stats_at = time.monotonic()
+    for _ in range(3):
+        engine.report(final=False)
+    assert gathered == []
