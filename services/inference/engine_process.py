@@ -29,8 +29,8 @@ A Report's ``applied`` is a watermark: every command up to that number is applie
 adapter statuses reflect them all (the service decides from that when an adapter's host bytes
 are free to reuse, engine_client.py). Every abort is confirmed, whether or not the request was
 still running, so the service knows when its id may be used again. Stats ride along at most
-every 50 ms, in the report of a turn that leaves the engine idle, and in the first report
-that covers a "stats" command (GetStats wants them current).
+every 50 ms, in the report of a turn that leaves the engine idle or changes its adapters while
+idle, and in the first report that covers a "stats" command (GetStats wants them current).
 """
 
 from __future__ import annotations
@@ -224,11 +224,13 @@ class ProcessEngine(Engine):
         # A "stats" command is answered by the first report that covers it (its caller waits
         # for that one; with a command before it held, a report may not cover it yet).
         asked = 0 < self._stats_wanted <= applied
-        # The turn that leaves the engine idle sends stats at once: the last busy ones would
-        # stand until the next turn. Later idle turns keep to the 50 ms pace.
+        # An idle engine's turns can be 0.5 s apart: the turn that leaves it idle, or that
+        # changes its adapters while idle, sends stats at once (the last ones would stand until
+        # the next turn). Other idle turns keep to the 50 ms pace.
         busy = self.core.has_work
         went_idle, self._was_busy = self._was_busy and not busy, busy
-        if final or asked or went_idle or now - self._stats_at >= _STATS_EVERY_S:
+        idle_news = went_idle or (not busy and bool(adapters or copies or loaded))
+        if final or asked or idle_news or now - self._stats_at >= _STATS_EVERY_S:
             self._stats_at = now
             current = self.core.stats()
             if current != self._last_stats or asked:

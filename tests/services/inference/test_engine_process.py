@@ -357,3 +357,12 @@ def test_an_engine_gone_idle_reports_its_stats_at_once(svc_models):
     for _ in range(3):
         engine.report(final=False)
     assert gathered == []
+    # An adapter added while idle changes the stats at once.
+    files = svc_models.adapters["b"]
+    engine.add_adapter(
+        B,
+        (files / "adapter_config.json").read_bytes(),
+        (files / "adapter_model.safetensors").read_bytes(),
+    )
+    engine.report(final=False)
+    assert gathered == [1] and ours.recv()[1].stats.adapters_host == 1
