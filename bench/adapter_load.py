@@ -214,26 +214,30 @@ class StepTime(NamedTuple):
     seconds: float
     outputs: int  # sequences that sampled a token
     tokens: int  # tokens computed (a pure decode step: one per sequence)
-    cpu_seconds: float  # the step thread's CPU time in the step (spinning on the GPU counts)
+    cpu_seconds: float  # the step thread's CPU time since the previous step finished
 
 
 class StepTimer:
-    """Wraps EngineCore.step and records every step. step() ends in a host sync (sampling's
-    tolist), so wall time is the step's device time too."""
+    """Records every step the engine finishes, from its step log (services/inference/engine/
+    step_log.py): ``start`` when the step was launched, ``seconds`` its device time (the step
+    loop launches a step before it finishes the previous one, so host time overlaps it), and
+    the step thread's CPU time between two finishes."""
 
     def __init__(self, core) -> None:
         self.steps: list[StepTime] = []
         self._core = core
-        self._step = core.step
-        core.step = self
+        self._finish = core.finish
+        self._cpu = time.thread_time()
+        core.finish = self
 
-    def __call__(self, during=None):
-        t, cpu = time.perf_counter(), time.thread_time()
-        before = self._core.computed_tokens
-        out = self._step(during)
-        tokens = self._core.computed_tokens - before
-        wall = time.perf_counter() - t
-        self.steps.append(StepTime(t, wall, len(out), tokens, time.thread_time() - cpu))
+    def __call__(self, launched):
+        out = self._finish(launched)
+        record = launched.record
+        cpu, self._cpu = self._cpu, time.thread_time()
+        self.steps.append(
+            StepTime(record.launched_at, record.gpu_ms / 1e3, len(out), record.tokens,
+                     self._cpu - cpu)
+        )  # fmt: skip
         return out
 
 

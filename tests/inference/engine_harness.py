@@ -60,14 +60,24 @@ def run(
     recorder: Recorder | None = None,
     after_step: Callable[[EngineCore, int], None] | None = None,
     max_steps: int = 10_000,
+    overlap: bool = False,
 ) -> dict[str, Result]:
-    """Add arrivals[k] before step k, then step until everything finished."""
+    """Add arrivals[k] before step k, then step until everything finished. ``overlap`` drives
+    the core as the engine's step loop does: step k + 1 is launched before step k is finished,
+    so step k + 1 reads step k's tokens on the device."""
     recorder = recorder or Recorder()
     step = 0
-    while step <= max(arrivals, default=0) or core.has_work:
+    inflight = None
+    while step <= max(arrivals, default=0) or core.has_work or inflight is not None:
         for req in arrivals.get(step, ()):
             core.add_request(req)
-        recorder.take(core.step())
+        if overlap:
+            launched = core.launch()
+            if inflight is not None:
+                recorder.take(core.finish(inflight))
+            inflight = launched
+        else:
+            recorder.take(core.step())
         if after_step is not None:
             after_step(core, step)
         step += 1

@@ -240,7 +240,7 @@ async def test_step_failure_reaches_the_caller(engine):
     def broken(during=None):
         raise RuntimeError("device lost")
 
-    engine.core.step = broken
+    engine.core.launch = broken
     with pytest.raises(EngineStopped, match="step failed") as info:
         await collect(engine, greedy("z", [5, 6, 7], 4))
     assert isinstance(info.value.__cause__, RuntimeError)

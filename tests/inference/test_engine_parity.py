@@ -43,8 +43,12 @@ def _requests(vocab: int) -> list[tuple[GenerationRequest, str | None]]:
     return out
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
-def test_mixed_batch_matches_hf_peft(tiny_models, preset):
+@pytest.mark.parametrize(
+    "preset, overlap",
+    [("tiny-llama", False), ("tiny-qwen2", False), ("tiny-llama", True)],
+    ids=["tiny-llama", "tiny-qwen2", "tiny-llama-overlapped"],
+)
+def test_mixed_batch_matches_hf_peft(tiny_models, preset, overlap):
     model_dir = tiny_models.model(preset)
     recorder = Recorder()
     core = make_core(model_dir, recorder, max_num_batched_tokens=48)
@@ -63,7 +67,7 @@ def test_mixed_batch_matches_hf_peft(tiny_models, preset):
     arrivals: dict[int, list[GenerationRequest]] = {}
     for (req, _), (*_, at) in zip(requests, PLAN, strict=True):
         arrivals.setdefault(at, []).append(req)
-    results = run(core, arrivals, recorder)
+    results = run(core, arrivals, recorder, overlap=overlap)
 
     # The run really mixed things: one step holds prefill and decode tokens of the base model
     # and several adapters, and the long prompt was prefilled over more than one step.

@@ -52,7 +52,8 @@ def _with_adapters(core, tiny_models):
     return core
 
 
-def test_preemption_recomputes_and_matches_hf(tiny_models):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_preemption_recomputes_and_matches_hf(tiny_models, overlap):
     model_dir = tiny_models.model("tiny-llama")
     rng = random.Random(7)
     reqs = []
@@ -64,7 +65,7 @@ def test_preemption_recomputes_and_matches_hf(tiny_models):
     # ~30 tokens, and max_num_seqs keeps adapter requests queued while others run.
     core = _with_adapters(make_core(model_dir, num_pages=48, max_num_seqs=4), tiny_models)
     _forbid_busy_evictions(core)
-    results = run(core, {0: reqs[:5], 3: reqs[5:]}, after_step=_check_step)
+    results = run(core, {0: reqs[:5], 3: reqs[5:]}, after_step=_check_step, overlap=overlap)
     stats = core.stats()
     assert stats.preemptions > 0
     assert stats.kv_pages == 0 and stats.num_running == stats.num_waiting == 0
@@ -76,7 +77,8 @@ def test_preemption_recomputes_and_matches_hf(tiny_models):
         assert results[req.request_id].finish_reason is FinishReason.LENGTH
 
 
-def test_random_aborts_and_preemptions_leave_every_page_free(tiny_models):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_random_aborts_and_preemptions_leave_every_page_free(tiny_models, overlap):
     model_dir = tiny_models.model("tiny-llama")
     core = _with_adapters(
         make_core(model_dir, num_pages=40, max_num_seqs=6, max_num_batched_tokens=24),
@@ -88,6 +90,17 @@ def test_random_aborts_and_preemptions_leave_every_page_free(tiny_models):
     finished: set[str] = set()
     aborted = 0
     recorder = Recorder()
+    inflight = None
+
+    def step_once():  # as the step loop does with overlap: launch k + 1, then finish k
+        nonlocal inflight
+        if not overlap:
+            return core.step()
+        launched = core.launch()
+        out = [] if inflight is None else core.finish(inflight)
+        inflight = launched
+        return out
+
     for step in range(120):
         if step < 80 and rng.random() < 0.5:
             rid = f"q{step}"
@@ -102,12 +115,12 @@ def test_random_aborts_and_preemptions_leave_every_page_free(tiny_models):
                 recorder.take([out])
                 aborted += 1
         assert core.abort("no-such-request") is None
-        recorder.take(core.step())
+        recorder.take(step_once())
         _check_step(core, step)
         finished |= {r for r, res in recorder.results.items() if res.finish_reason is not None}
         live = [r for r in live if r not in finished]
-    while core.has_work:
-        recorder.take(core.step())
+    while core.has_work or inflight is not None:
+        recorder.take(step_once())
         _check_step(core, -1)
     assert aborted > 0 and core.stats().preemptions > 0
     assert all(r.finish_reason is not None for r in recorder.results.values())

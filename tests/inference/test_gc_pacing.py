@@ -234,7 +234,7 @@ async def test_failed_step_loop_gives_collection_back(gc_state, tiny_models):
     def broken_step(during=None):
         raise RuntimeError("a broken step")
 
-    engine.core.step = broken_step
+    engine.core.launch = broken_step
     await engine.start()
     request = GenerationRequest("r", prompt_token_ids=[3, 5, 7], sampling=SamplingParams())
     with pytest.raises(Exception, match="engine step failed"):

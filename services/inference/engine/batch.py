@@ -26,6 +26,9 @@ class BatchEntry(NamedTuple):
     pages: Sequence[int]  # the sequence's KV pages, covering start_pos + len(token_ids)
     lora_row: int | None  # LoRA index row of the sequence's adapter, None = base model
     sample: bool  # True when this chunk ends the sequence: its last token's logits are sampled
+    # The last token's id is not known on the host yet: it is row src_row of the tokens the
+    # previous step sampled (StepBatch.prev_tokens), read on the device. None: all known.
+    src_row: int | None = None
 
 
 class StepBatch:
@@ -43,6 +46,7 @@ class StepBatch:
         self.page_size, self.device = page_size, device
         shapes = {
             "input_ids": ((max_tokens,), torch.int64),
+            "input_src": ((max_tokens,), torch.int64),
             "positions": ((max_tokens,), torch.int64),
             "slot_mapping": ((max_tokens,), torch.int64),
             "token_lora": ((max_tokens,), torch.int32),
@@ -60,6 +64,9 @@ class StepBatch:
             if pin
             else self._host
         )
+        # The tokens the latest launched step sampled, in its sampling order: the next step's
+        # inputs whose ids the host does not know yet are read from here (resolve_inputs).
+        self.prev_tokens = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self._copied: torch.cuda.Event | None = None  # behind the latest staging -> device copy
         self._zeros = (0,) * max_pages_per_seq  # pads block-table rows to the step's widest
         self.num_tokens = self.num_seqs = self.num_logits = 0
@@ -75,6 +82,7 @@ class StepBatch:
             self._copied.synchronize()  # the previous step's copies still read the staging
         ps = self.page_size
         ids: list[int] = []
+        src: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         rows: list[int] = []
@@ -90,6 +98,9 @@ class StepBatch:
             if n == 0 or len(e.pages) * ps < end or len(e.pages) > self.max_pages_per_seq:
                 raise ValueError(f"entry {b}: {n} tokens at {e.start_pos} on {len(e.pages)} pages")
             ids.extend(e.token_ids)
+            src.extend([-1] * n)
+            if e.src_row is not None:
+                src[-1] = e.src_row
             pos.extend(range(e.start_pos, end))
             p = e.start_pos
             while p < end:  # position q at pages[q // ps] * ps + q % ps: a slot run per page
@@ -116,6 +127,7 @@ class StepBatch:
         seg_rows += [-1] * (self.max_segments - len(seg_rows))
         for name, values in (
             ("input_ids", ids),
+            ("input_src", src),
             ("positions", pos),
             ("slot_mapping", slots),
             ("token_lora", rows),
@@ -137,6 +149,15 @@ class StepBatch:
                 self._dev[name].copy_(src, non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
+
+    def resolve_inputs(self) -> None:
+        """input_ids[t] = prev_tokens[input_src[t]] where input_src[t] >= 0: the ids of tokens
+        the previous step sampled, on the device (inside a CUDA graph too), no host sync."""
+        d = self._dev
+        src = d["input_src"][: self.num_tokens]
+        ids = d["input_ids"][: self.num_tokens]
+        picked = self.prev_tokens[src.clamp(min=0)]
+        ids.copy_(torch.where(src >= 0, picked, ids))
 
     # Live views for the model. [T] = this step's tokens, [S] = its sequences.
     @property

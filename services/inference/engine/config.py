@@ -26,6 +26,7 @@ class EngineConfig:
     max_loras: int = 32  # rows of the LoRA index = adapters resident in the pool at once
     max_queue: int = 1024  # requests waiting or running before generate() is refused
     cuda_graphs: bool = True  # on CUDA, run decode-only steps as captured CUDA graphs
+    step_log: str | Path | None = None  # append one JSON line per step here (step_log.py)
 
     def __post_init__(self) -> None:
         if not str(self.model_dir):

@@ -12,8 +12,10 @@ import itertools
 import logging
 import operator
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -47,7 +49,9 @@ from services.inference.engine.pool_sizing import context_window, pool_pages
 from services.inference.engine.request import Sequence, SequenceStatus
 from services.inference.engine.sampler import Sampler, make_generator
 from services.inference.engine.scheduler import Scheduler
+from services.inference.engine.step_log import StepLog, StepRecord
 from services.inference.engine.token_output import append_token
+from services.inference.engine.token_transfer import TokenTicket, TokenTransfer
 from services.inference.models.config import CONFIG, ModelConfig, read_config_json
 from services.inference.models.loader import load_model
 from services.inference.tokenizer import Tokenizer, TokenizerError
@@ -57,6 +61,14 @@ log = logging.getLogger(__name__)
 
 # Called with (request_id, logits [vocab] float32) for every sampled token: a test hook.
 LogitsHook = Callable[[str, torch.Tensor], None]
+
+
+class LaunchedStep(NamedTuple):
+    """A step whose GPU work is queued (EngineCore.launch), until finish() reads its tokens."""
+
+    sampled: list[Sequence]  # the sequences it samples for, in row order
+    ticket: TokenTicket | None  # their tokens on the way to the host; None: nothing sampled
+    record: StepRecord
 
 
 class EngineCore:
@@ -87,8 +99,9 @@ class EngineCore:
         capacity = pages_needed(biggest.num_slots, config.page_size) * config.page_size
         self.adapters = AdapterManager(self.pool, config.max_loras, capacity)
         self.scheduler = Scheduler(
-            self.pool, self.adapters, config.max_num_seqs, config.max_num_batched_tokens
-        )
+            self.pool, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
+            self.max_len,
+        )  # fmt: skip
         self.runner = ModelRunner(
             self.model, self.pool, self.adapters.index, config.max_lora_rank,
             config.max_num_seqs, config.max_num_batched_tokens, self.max_len, config.max_loras,
@@ -97,6 +110,8 @@ class EngineCore:
         if config.cuda_graphs and self.device.type == "cuda":
             self.runner.capture_graphs(config.graph_batch_sizes)
         self.sampler = Sampler()
+        self._tokens = TokenTransfer(config.max_num_seqs, self.device)
+        self.step_log = StepLog(self.device, config.step_log)
         self.logits_hook = logits_hook
         self._seq_ids = itertools.count()
         self._lock = threading.Lock()
@@ -258,49 +273,78 @@ class EngineCore:
     # --- the step ---------------------------------------------------------------------------
 
     def step(self, during: Callable[[], None] | None = None) -> list[GenerationOutput]:
-        """Schedule, run one forward pass, sample, detokenize; returns this step's outputs.
-        ``during`` runs once the step's GPU work is queued, before waiting for it (Engine
-        applies its queued commands there). ``last_step_ran`` tells whether anything could
+        """Schedule, run one forward pass, sample, detokenize; returns this step's outputs
+        (launch, then finish of the same step: no overlap). ``during`` runs once the step's GPU
+        work is queued, before waiting for it. ``last_step_ran`` tells whether anything could
         run (it cannot while every queued request waits for an adapter copy)."""
+        launched = self.launch(during)
+        return [] if launched is None else self.finish(launched)
+
+    def launch(self, during: Callable[[], None] | None = None) -> LaunchedStep | None:
+        """Schedule the next step and queue its GPU work, sampling included, without waiting for
+        it; None when nothing can run. The tokens it samples are in flight until finish(): a
+        later launch may come first (the step loop launches step t + 1 before it finishes step
+        t, so the host's work overlaps the GPU's); their ids reach that step on the device.
+        ``during`` runs once the step's work is queued (Engine applies commands there)."""
         self.adapters.reap()
         scheduled = self.scheduler.schedule()
         self.last_step_ran = bool(scheduled)
         if not scheduled:
             self.adapters.issue_loads()  # no step to overlap with
             collect_if_due()  # nothing runs while queued requests wait: collect meanwhile
-            return []
-        entries = [
-            BatchEntry(
-                s.seq.next_chunk(s.num_tokens),
-                s.seq.num_computed,
-                self.pool.kv_pages(s.seq.seq_id),
-                s.lora_row,
-                s.samples,
-            )  # fmt: skip
-            for s in scheduled
-        ]
+            return None
+        start = time.perf_counter()
+        mark = self.step_log.mark()
+        entries = []
+        for s in scheduled:
+            ids, pending = s.seq.next_chunk(s.num_tokens)
+            entries.append(BatchEntry(
+                ids, s.seq.num_computed, self.pool.kv_pages(s.seq.seq_id), s.lora_row,
+                s.samples, s.seq.last_row if pending else None,
+            ))  # fmt: skip
         logits = self.runner.execute(entries)  # [sampling sequences, vocab]
-        # The GPU computes meanwhile (the step's work is queued; the sampler's sync waits for
-        # it), so the adapter copies prepared for this step are issued now, and a collection
-        # due now costs nothing; on CPU both simply run after the forward.
+        sampling = [s.seq for s in scheduled if s.samples]
+        for s in scheduled:
+            s.seq.num_computed += s.num_tokens
+            self.computed_tokens += s.num_tokens
+        ticket = None
+        if sampling:
+            tokens = self.sampler(
+                logits, [q.sampling for q in sampling], [q.generator for q in sampling]
+            )  # [sampling sequences] on the device
+            ticket = self._tokens.put(tokens, self.runner.batch.prev_tokens)
+            if self.logits_hook is not None:
+                for i, seq in enumerate(sampling):
+                    self.logits_hook(seq.request_id, logits[i])
+            for i, seq in enumerate(sampling):
+                seq.inflight += 1
+                seq.last_row = i
+        record = self.step_log.begin(scheduled, self.runner.last_graph, start, mark)
+        # The GPU computes meanwhile (the step's work is queued), so the adapter copies
+        # prepared for this step are issued now, and a collection due now costs nothing; on
+        # CPU both simply run after the forward.
         self.adapters.issue_loads()
         if during is not None:
             during()
         collect_if_due()
         self.steps += 1
-        sampling = [s.seq for s in scheduled if s.samples]
-        for s in scheduled:
-            s.seq.num_computed += s.num_tokens
-            self.computed_tokens += s.num_tokens
-        if not sampling:
+        return LaunchedStep(sampling, ticket, record)
+
+    def finish(self, launched: LaunchedStep) -> list[GenerationOutput]:
+        """Wait for a launched step's tokens and apply them: append, detokenize, finish the
+        sequences that end. A sequence that ended meanwhile (an abort, or a stop found in an
+        earlier step's token while this one ran) drops its token."""
+        if launched.ticket is None:
+            self.step_log.end(launched.record)
             return []
-        tokens = self.sampler(
-            logits, [q.sampling for q in sampling], [q.generator for q in sampling]
-        ).tolist()
-        if self.logits_hook is not None:
-            for i, seq in enumerate(sampling):
-                self.logits_hook(seq.request_id, logits[i])
-        return [self._append(seq, tok) for seq, tok in zip(sampling, tokens, strict=True)]
+        tokens = self._tokens.take(launched.ticket)
+        self.step_log.end(launched.record)
+        outputs = []
+        for seq, tok in zip(launched.sampled, tokens, strict=True):
+            seq.inflight -= 1
+            if seq.status is not SequenceStatus.FINISHED:
+                outputs.append(self._append(seq, tok))
+        return outputs
 
     def _append(self, seq: Sequence, token: int) -> GenerationOutput:
         self.generated_tokens += 1

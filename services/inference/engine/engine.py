@@ -262,24 +262,34 @@ class Engine:
     # --- the step loop (its own thread) -----------------------------------------------------
 
     def _loop(self) -> None:
+        """Launch step t + 1, then finish step t: the host reads step t's tokens, detokenizes
+        and delivers them (and applies commands) while the GPU computes step t + 1, whose
+        inputs from step t it reads on the device (EngineCore.launch)."""
         core = self.core
+        inflight = None  # the step launched last, not finished yet
         try:
             while not self._stopping.is_set():
-                if core.has_work and core.last_step_ran:
+                if inflight is not None or (core.has_work and core.last_step_ran):
                     self._drain(timeout=None, phase=Phase.BETWEEN)  # steps are running: never wait
                 elif core.has_work or self._loads:
                     self._drain(timeout=_STALLED_WAIT_S)  # only copies to wait for
                 else:
                     self._drain(timeout=_IDLE_WAIT_S)
                 self._advance_loads()
+                launched = None
                 if core.has_work and not self._stopping.is_set():
-                    self._deliver(core.step(during=self._during_step))
-                elif not core.has_work:
+                    launched = core.launch(during=self._during_step)
+                elif not core.has_work and inflight is None:
                     core.adapters.issue_loads()  # LoadAdapter's, with no step to overlap
                     core.adapters.reap()
                     collect_if_due()  # idle: garbage must not pile up while no step runs
+                if inflight is not None:
+                    self._deliver(core.finish(inflight))
+                inflight = launched
                 self._take_load_failures()
                 self._iteration_done()
+            if inflight is not None:  # its tokens are dropped: every request ends below
+                core.finish(inflight)
         except BaseException as e:  # a failed step must not leave callers waiting forever
             log.exception("engine step loop failed")
             self._failure = e
@@ -409,6 +419,7 @@ class Engine:
             log.exception("could not abort the requests in flight")
         ids = self._outputs.ids()
         reason = "the engine stopped" if self._failure is None else "the engine step failed"
+        self.core.step_log.close()
         for job in self._loads:
             job.done(EngineStopped(reason))
         self._loads = []

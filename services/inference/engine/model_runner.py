@@ -68,6 +68,7 @@ class ModelRunner:
         self._pad: BatchEntry | None = None
         self._sizes: tuple[int, ...] = ()  # captured batch sizes, ascending
         self.graph_steps = 0  # steps served by a graph replay
+        self.last_graph = False  # whether the latest step replayed one
         self.fused_steps = 0  # steps whose LoRA path was the fused one (CUDA only runs it)
 
     @property
@@ -114,11 +115,11 @@ class ModelRunner:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up: compiles kernels, settles the allocator
                 for _ in range(2):
-                    self.model(self.batch, self.pool.tensor, self.lora)
+                    self._forward(self.lora)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=memory):
-                logits = self.model(self.batch, self.pool.tensor, self.lora)  # [size, vocab]
+                logits = self._forward(self.lora)  # [size, vocab]
             self._graphs[size, fused] = (graph, logits)
         self.lora.fused = None
         self._sizes = tuple(sorted(size for size, fused in self._graphs if not fused))
@@ -137,6 +138,11 @@ class ModelRunner:
             return None
         return min(size for size in sizes if size >= len(entries))
 
+    def _forward(self, lora: LoraContext | None) -> torch.Tensor:
+        """The step on the filled batch: the inputs the previous step sampled, then the model."""
+        self.batch.resolve_inputs()
+        return self.model(self.batch, self.pool.tensor, lora)
+
     @torch.inference_mode()
     def execute(self, entries: Sequence[BatchEntry]) -> torch.Tensor:
         """Run one step; returns float32 logits [number of sampling entries, vocab], in order.
@@ -151,8 +157,9 @@ class ModelRunner:
             graph, logits = self._graphs.get((size, bool(fused)), self._graphs[size, False])
             graph.replay()
             self.graph_steps += 1
+            self.last_graph = True
             return logits[: len(entries)]
+        self.last_graph = False
         self.batch.fill(entries)
         self.lora.fused = fused
-        lora = self.lora if self.batch.has_lora else None
-        return self.model(self.batch, self.pool.tensor, lora)
+        return self._forward(self.lora if self.batch.has_lora else None)

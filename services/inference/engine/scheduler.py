@@ -47,9 +47,11 @@ class Scheduler:
         adapters: AdapterManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        max_len: int,
     ) -> None:
         self.pool, self.adapters = pool, adapters
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_len = max_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
@@ -102,7 +104,9 @@ class Scheduler:
         budget = self.max_tokens
 
         # 1. Running sequences, oldest first; preempt from the newest end when pages run out.
-        pending = list(self.running)
+        # A sequence whose tokens in flight already reach max_new_tokens or the context window
+        # waits for them (EngineCore.finish ends it).
+        pending = [s for s in self.running if s.num_uncomputed > 1 or s.can_extend(self.max_len)]
         while pending and budget > 0:
             seq = pending.pop(0)
             n = min(seq.num_uncomputed, budget)
@@ -135,6 +139,8 @@ class Scheduler:
                 break
             key = seq.adapter
             if key is not None and self.adapters.state(key) is not AdapterState.IN_POOL:
+                continue
+            if seq.inflight:  # preempted with a token in flight: recomputed once it is read
                 continue
             n = min(seq.num_uncomputed, budget)
             if not self._grow(seq, seq.num_computed + n):

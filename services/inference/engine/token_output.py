@@ -27,7 +27,7 @@ def append_token(seq: Sequence, token: int, max_len: int) -> TokenResult:
         if match.stopped:
             reason = FinishReason.STOP
     if reason is None and (
-        len(seq.output_ids) >= seq.sampling.max_new_tokens or seq.num_tokens >= max_len
+        len(seq.output_ids) >= seq.sampling.max_new_tokens or seq.num_known >= max_len
     ):
         reason = FinishReason.LENGTH
     if reason is None or seq.stops.stopped:
