@@ -4,9 +4,10 @@ roofline shares and for operators (EngineConfig.step_log writes each as a JSON l
 A record is begun when the step is launched and ended when its tokens are read (EngineCore's
 launch and finish). Times: ``launched_at`` is time.perf_counter when scheduling began
 (CLOCK_MONOTONIC on Linux, so it compares with a client's clock on the same machine),
-``host_ms`` the host's scheduling, batch fill and launch, ``gpu_ms`` the device's time from the step's first queued
-work to its sampled tokens (CUDA events; on the CPU the forward's wall time), which, with
-steps launched ahead, begins once the device finished the previous step.
+``host_ms`` the host's scheduling, batch fill and launch, ``gpu_ms`` the device's time from
+the step's first queued work to its sampled tokens (CUDA events; on the CPU the forward's
+wall time), which, with steps launched ahead, begins once the device finished the previous
+step.
 """
 
 from __future__ import annotations
