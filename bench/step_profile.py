@@ -46,7 +46,7 @@ def timed_step(core: EngineCore) -> dict | None:
         return None
     t1 = time.perf_counter()
     entries = [
-        BatchEntry(s.seq.next_chunk(s.num_tokens), s.seq.num_computed,
+        BatchEntry(s.seq.next_chunk(s.num_tokens)[0], s.seq.num_computed,
                    core.pool.kv_pages(s.seq.seq_id), s.lora_row, s.samples)
         for s in scheduled
     ]  # fmt: skip
@@ -117,7 +117,7 @@ def profile_table(core: EngineCore, rows: int = 25) -> str:
     """The kernel table of two eager steps (graphs off for them)."""
     from torch.profiler import ProfilerActivity, profile
 
-    sizes, core.runner._sizes = core.runner._sizes, ()
+    graphs, core.runner._graphs = core.runner._graphs, {}
     try:
         core.step()  # warm
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -125,7 +125,7 @@ def profile_table(core: EngineCore, rows: int = 25) -> str:
                 core.step()
             torch.cuda.synchronize()
     finally:
-        core.runner._sizes = sizes
+        core.runner._graphs = graphs
     for key in ("self_cuda_time_total", "self_device_time_total"):
         try:
             return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)

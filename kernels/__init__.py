@@ -4,6 +4,7 @@ lora_apply(y, x, pool_layer, index, tokens, modules, out_widths, max_rank)
 lora_shrink(...), lora_expand(...)            # kernels/lora_ref.py documents the arguments
 write_kv(pool_layer, k, v, slot_mapping)
 paged_attention(q, pool_layer, block_tables, seq_lens, query_starts, page_size, scale)
+rmsnorm(x, weight, eps, delta=None), rope_write_kv(...), silu_mul(gate_up)   # layer_ops_ref.py
 
 The Triton modules are imported on the first CUDA call, so CPU serving never loads Triton.
 Optional keywords pass preallocated buffers (``lora_apply(workspace=)``, ``lora_shrink(out=)``,
@@ -18,7 +19,7 @@ from types import ModuleType
 
 import torch
 
-from kernels import attention_ref, lora_ref
+from kernels import attention_ref, layer_ops_ref, lora_ref
 from kernels.lora_ref import LoraIndex, LoraTokens, make_lora_tokens
 
 
@@ -34,6 +35,13 @@ def _triton_attention() -> ModuleType:
     from kernels import attention
 
     return attention
+
+
+@functools.cache
+def _triton_layer_ops() -> ModuleType:
+    from kernels import layer_ops
+
+    return layer_ops
 
 
 def lora_shrink(x, pool_layer, index, tokens, modules, max_rank, *, out=None):
@@ -109,6 +117,28 @@ def paged_attention(
     )
 
 
+def rmsnorm(x, weight, eps: float, *, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of x; with ``delta``, x += delta in place first (the residual add)."""
+    if x.is_cuda:
+        return _triton_layer_ops().rmsnorm(x, weight, eps, delta=delta)
+    if delta is None:
+        return layer_ops_ref.rmsnorm(x, weight, eps)
+    return layer_ops_ref.add_rmsnorm(x, delta, weight, eps)
+
+
+def rope_write_kv(q, k, v, cos_table, sin_table, positions, pool_layer, slot_mapping) -> None:
+    """Rotary embedding of q (in place) and k, then k and v into the pool's slots."""
+    impl = _triton_layer_ops() if q.is_cuda else layer_ops_ref
+    impl.rope_write_kv(q, k, v, cos_table, sin_table, positions, pool_layer, slot_mapping)
+
+
+def silu_mul(gate_up) -> torch.Tensor:
+    """SiLU(gate) * up for gate_up = [gate | up]."""
+    if gate_up.is_cuda:
+        return _triton_layer_ops().silu_mul(gate_up)
+    return layer_ops_ref.silu_mul(gate_up)
+
+
 __all__ = [
     "LoraIndex",
     "LoraTokens",
@@ -117,5 +147,8 @@ __all__ = [
     "lora_shrink",
     "make_lora_tokens",
     "paged_attention",
+    "rmsnorm",
+    "rope_write_kv",
+    "silu_mul",
     "write_kv",
 ]

@@ -4,14 +4,15 @@ Geometry and semantics: kernels/attention_ref.py (the float64 reference these ar
 against). The pool layer is ``[2, slots, W]``, ``W = kv_heads * head_dim``; position p of
 sequence b lives at slot ``block_tables[b, p // page_size] * page_size + p % page_size``.
 
-paged_attention picks one of two kernels from shapes alone (no host sync); both are correct
-for any mix of sequences, the choice only matters for speed:
-- decode (as many query rows as sequences): one program per (query row, kv head, context
-  split). The query heads of a kv head are one tile, so each K/V row is read once for the
-  whole group (grouped-query attention). Long contexts are split across programs and merged by
-  a second small kernel (split-K, "flash decoding").
-- prefill (any other mix): one program per (tile of a sequence's query rows, query head), a
-  causal flash-attention loop over the sequence's pages.
+paged_attention launches from shapes alone (no host sync, so a CUDA graph can hold any step):
+- decode: one program per (query row, kv head, context split). The query heads of a kv head
+  are one tile, so each K/V row is read once for the whole group (grouped-query attention).
+  Long contexts are split across programs and merged by a second small kernel (split-K,
+  "flash decoding"). With as many query rows as sequences (a decode step) it serves every row,
+  whatever the mix; otherwise (a mixed step) its programs are sequences, and it serves those
+  with exactly one query row.
+- prefill, in mixed steps: one program per (tile of a sequence's query rows, query head), a
+  causal flash-attention loop over the sequence's pages, for the sequences of two rows or more.
 """
 
 from __future__ import annotations
@@ -53,20 +54,32 @@ def _decode_kernel(
     bt_ptr, stride_bt, seq_lens_ptr, qs_ptr, num_seqs, num_rows, scale_log2,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SEQ_POW2: tl.constexpr, SPLITS: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, BY_SEQ: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
-    # the sequence owning row t: the last b with query_starts[b] <= t (empty ones come before)
-    offs_b = tl.arange(0, SEQ_POW2)
-    qs = tl.load(qs_ptr + offs_b, mask=offs_b <= num_seqs, other=2147483647)
-    b = tl.sum((qs <= t).to(tl.int32), 0) - 1
-    ok = (b >= 0) & (b < num_seqs) & (t < num_rows)
-    b = tl.where(ok, b, 0)
-    q_end = tl.sum(tl.where(offs_b == b + 1, qs, 0), 0)
-    seq_len = tl.load(seq_lens_ptr + b)
-    n_keys = tl.where(ok, seq_len - q_end + t + 1, 0)  # keys 0..position of row t
+    if BY_SEQ:
+        # Program 0 is sequence b, which it serves only if it has exactly one query row: the
+        # prefill kernel takes the longer ones (paged_attention's mixed steps).
+        b = tl.program_id(0)
+        t = tl.load(qs_ptr + b)
+        if tl.load(qs_ptr + b + 1) - t != 1:
+            return
+        n_keys = tl.load(seq_lens_ptr + b)
+        part_row = b  # split partials are kept per sequence
+    else:
+        t = tl.program_id(0)
+        # the sequence owning row t: the last b with query_starts[b] <= t (empty ones come
+        # before)
+        offs_b = tl.arange(0, SEQ_POW2)
+        qs = tl.load(qs_ptr + offs_b, mask=offs_b <= num_seqs, other=2147483647)
+        b = tl.sum((qs <= t).to(tl.int32), 0) - 1
+        ok = (b >= 0) & (b < num_seqs) & (t < num_rows)
+        b = tl.where(ok, b, 0)
+        q_end = tl.sum(tl.where(offs_b == b + 1, qs, 0), 0)
+        seq_len = tl.load(seq_lens_ptr + b)
+        n_keys = tl.where(ok, seq_len - q_end + t + 1, 0)  # keys 0..position of row t
+        part_row = t
     per = tl.cdiv(tl.cdiv(n_keys, SPLITS), BLOCK_N) * BLOCK_N
     lo = sp * per
     hi = tl.minimum(n_keys, lo + per)
@@ -117,7 +130,7 @@ def _decode_kernel(
             mask=g_ok[:, None] & d_ok[None, :],
         )
     else:
-        part = (t.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * SPLITS + sp  # [G]
+        part = (part_row.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * SPLITS + sp  # [G]
         tl.store(ml_ptr + part * 2, m_i, mask=g_ok)
         tl.store(ml_ptr + part * 2 + 1, l_i, mask=g_ok)
         tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=g_ok[:, None])
@@ -125,15 +138,24 @@ def _decode_kernel(
 
 @triton.jit
 def _combine_kernel(
-    out_ptr, stride_ot, stride_oh, ml_ptr, acc_ptr, num_heads, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+    out_ptr, stride_ot, stride_oh, ml_ptr, acc_ptr, qs_ptr, num_heads, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BY_SEQ: tl.constexpr,
 ):  # fmt: skip
-    """Merge the context splits of one (row, head): softmax-weighted sum of the partials."""
-    t = tl.program_id(0)
+    """Merge the context splits of one (row, head): softmax-weighted sum of the partials. With
+    BY_SEQ, program 0 is a sequence, merged into its one query row (if it has exactly one)."""
     h = tl.program_id(1)
+    if BY_SEQ:
+        b = tl.program_id(0)
+        t = tl.load(qs_ptr + b)
+        if tl.load(qs_ptr + b + 1) - t != 1:
+            return
+        part_row = b
+    else:
+        t = tl.program_id(0)
+        part_row = t
     sp = tl.arange(0, SPLITS)
     d = tl.arange(0, BLOCK_D)
-    base = (t.to(tl.int64) * num_heads + h) * SPLITS + sp
+    base = (part_row.to(tl.int64) * num_heads + h) * SPLITS + sp
     m = tl.load(ml_ptr + base * 2)
     l_s = tl.load(ml_ptr + base * 2 + 1)
     acc = tl.load(acc_ptr + base[:, None] * BLOCK_D + d[None, :])
@@ -155,8 +177,13 @@ def _prefill_kernel(
     stride_slot, bt_ptr, stride_bt, seq_lens_ptr, qs_ptr, num_seqs, scale_log2,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, DOT_F32: tl.constexpr,
+    MIN_ROWS: tl.constexpr,
 ):  # fmt: skip
-    b, _, r0, r1 = find_tile(qs_ptr, qs_ptr, num_seqs, tl.program_id(0), BLOCK_Q, CHUNK, False)
+    # Sequences with fewer than MIN_ROWS query rows get no tiles (the decode kernel serves the
+    # one-row ones of a mixed step).
+    b, _, r0, r1 = find_tile(
+        qs_ptr, qs_ptr, num_seqs, tl.program_id(0), BLOCK_Q, CHUNK, False, MIN_ROWS
+    )
     if b < 0:
         return
     h = tl.program_id(1)
@@ -311,8 +338,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of packed queries ``[T, n_heads, head_dim]`` over paged K/V.
 
-    ``out`` (optional, [T, n_heads, head_dim]) receives the result. ``workspace`` (optional,
-    contiguous fp32, at least ``decode_workspace_size(...)``) holds split partials.
+    ``out`` (optional, [T, n_heads, head_dim]) receives the result; rows past the last
+    sequence's (padding) are not written. ``workspace`` (optional, contiguous fp32, at least
+    ``decode_workspace_size(sequences, ...)``) holds split partials.
     """
     _check_pool(pool_layer)
     if q.dim() != 3 or q.stride(2) != 1:
@@ -365,60 +393,67 @@ def paged_attention(
         query_starts,
         b,
     )
-    if t == b:
-        cfg = decode or DecodeLaunch()
-        splits = cfg.splits or decode_splits(
-            t, n_kv, block_tables.shape[1] * page_size, cfg.block_n, q.device.index or 0
-        )
-        if splits & (splits - 1):
-            raise ValueError(f"decode splits must be a power of two, got {splits}")
-        need = decode_workspace_size(t, n_heads, head_dim, splits)
-        if splits == 1:
-            ml = acc = out  # unused
-        else:
-            if workspace is None:
-                workspace = torch.empty(need, dtype=torch.float32, device=q.device)
-            elif workspace.numel() < need or workspace.dtype != torch.float32:
-                raise ValueError(f"workspace must be float32 with at least {need} elements")
-            ml = workspace[: t * n_heads * splits * 2]
-            acc = workspace[t * n_heads * splits * 2 : need]
-        _decode_kernel[(t, n_kv, splits)](
-            q,
-            q.stride(0),
-            q.stride(1),
+    # Decode-only steps (as many rows as sequences): the decode kernel, row by row, serves
+    # them whatever their mix. Otherwise it serves the one-row sequences (by sequence) and the
+    # prefill kernel the longer ones: a mixed step's decode rows keep split-K.
+    by_seq = t != b
+    cfg = decode or DecodeLaunch()
+    splits = cfg.splits or decode_splits(
+        b, n_kv, block_tables.shape[1] * page_size, cfg.block_n, q.device.index or 0
+    )
+    if splits & (splits - 1):
+        raise ValueError(f"decode splits must be a power of two, got {splits}")
+    need = decode_workspace_size(b, n_heads, head_dim, splits)
+    if splits == 1:
+        ml = acc = out  # unused
+    else:
+        if workspace is None:
+            workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+        elif workspace.numel() < need or workspace.dtype != torch.float32:
+            raise ValueError(f"workspace must be float32 with at least {need} elements")
+        ml = workspace[: b * n_heads * splits * 2]
+        acc = workspace[b * n_heads * splits * 2 : need]
+    _decode_kernel[(b, n_kv, splits)](
+        q,
+        q.stride(0),
+        q.stride(1),
+        out,
+        out.stride(0),
+        out.stride(1),
+        ml,
+        acc,
+        *common,
+        t,
+        scale_log2,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        PAGE=page_size,
+        BLOCK_N=cfg.block_n,
+        SEQ_POW2=seq_pow2,
+        SPLITS=splits,
+        DOT_F32=dot_f32(q.dtype),
+        BY_SEQ=by_seq,
+        num_warps=cfg.warps,
+        num_stages=cfg.stages,
+    )
+    if splits > 1:
+        _combine_kernel[(b, n_heads)](
             out,
             out.stride(0),
             out.stride(1),
             ml,
             acc,
-            *common,
-            t,
-            scale_log2,
+            query_starts,
+            n_heads,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            GROUP=group,
-            GROUP_PAD=max(16, triton.next_power_of_2(group)),
-            PAGE=page_size,
-            BLOCK_N=cfg.block_n,
-            SEQ_POW2=seq_pow2,
             SPLITS=splits,
-            DOT_F32=dot_f32(q.dtype),
-            num_warps=cfg.warps,
-            num_stages=cfg.stages,
+            BY_SEQ=by_seq,
+            num_warps=4,
         )
-        if splits > 1:
-            _combine_kernel[(t, n_heads)](
-                out,
-                out.stride(0),
-                out.stride(1),
-                ml,
-                acc,
-                n_heads,
-                HEAD_DIM=head_dim,
-                BLOCK_D=block_d,
-                SPLITS=splits,
-                num_warps=4,
-            )
+    if not by_seq:
         return out
     cfg = prefill or PrefillLaunch()
     grid = (max_tiles(t, cfg.block_q, b), n_heads)
@@ -439,6 +474,7 @@ def paged_attention(
         BLOCK_N=cfg.block_n,
         CHUNK=CHUNK,
         DOT_F32=dot_f32(q.dtype),
+        MIN_ROWS=2,
         num_warps=cfg.warps,
         num_stages=cfg.stages,
     )

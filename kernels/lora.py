@@ -221,7 +221,7 @@ def _lora_shrink_kernel(
     rb = q // SPLIT_K % RANK_BLOCKS
     ks = q % SPLIT_K
     _, a, m_start, m_end = find_tile(
-        seg_starts_ptr, seg_lora_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK, True
+        seg_starts_ptr, seg_lora_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK, True, 1
     )
     if a < 0:
         return
@@ -331,7 +331,7 @@ def _lora_expand_kernel(
     # Everything up to gdc_wait reads only what existed before shrink started.
     nb = tl.program_id(1)
     _, a, m_start, m_end = find_tile(
-        seg_starts_ptr, seg_lora_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK, True
+        seg_starts_ptr, seg_lora_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK, True, 1
     )
     if a < 0:
         return

@@ -52,7 +52,7 @@ def lora_fused_kernel(
     s = q // PARTS
     p = q % PARTS
     _, a, m_start, m_end = find_tile(
-        seg_starts_ptr, seg_lora_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK, True
+        seg_starts_ptr, seg_lora_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK, True, 1
     )
     if a < 0:
         return

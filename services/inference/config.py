@@ -28,8 +28,9 @@ class ServiceConfig:
     port: int = 50052
     device: str = "auto"
     metrics_port: int | None = None  # None = no metrics endpoint
-    max_queue: int = 256  # requests waiting (for an adapter or a batch slot) before refusals
-    max_num_seqs: int = 64  # requests in the running batch at once
+    # requests waiting (for an adapter or a batch slot) before refusals; None: 16 per slot
+    max_queue: int | None = None
+    max_num_seqs: int | None = None  # requests in the running batch at once; None: from memory
     num_pages: int | None = None  # page pool size; None = derived from pool_memory_mb
     pool_memory_mb: int | None = None  # page pool budget; None = the engine's default
     max_loras: int = 32  # adapters resident in the page pool at once
@@ -40,6 +41,7 @@ class ServiceConfig:
     shutdown_grace_s: float = 5.0  # in-flight streams may finish within this after SIGTERM
     log_level: str = "INFO"
     engine: str = "process"  # where the step loop runs: its own process, or a thread here
+    step_log: Path | None = None  # one JSON line per engine step (engine/step_log.py)
 
     def __post_init__(self) -> None:
         if not str(self.model):
@@ -60,10 +62,10 @@ class ServiceConfig:
             host, sep, port = self.adapter_store.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"--adapter-store must be HOST:PORT, got {self.adapter_store!r}")
-        for name in ("max_queue", "max_num_seqs", "max_loras", "max_lora_rank", "host_cache_mb"):
+        for name in ("max_loras", "max_lora_rank", "host_cache_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
-        for name in ("num_pages", "pool_memory_mb"):
+        for name in ("num_pages", "pool_memory_mb", "max_queue", "max_num_seqs"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{_flag(name)} must be at least 1, got {value}")
@@ -114,6 +116,7 @@ _SHARED_ENV = {"log_level": "LORAFLEET_LOG_LEVEL", "adapter_store": "LORAFLEET_A
 
 _TYPES = {
     "model": Path,
+    "step_log": Path,
     "port": int,
     "metrics_port": int,
     "max_queue": int,
@@ -136,8 +139,10 @@ _HELP = {
     "port": "gRPC port (default 50052)",
     "device": "cpu, cuda or auto (cuda when a GPU is visible)",
     "metrics_port": "serve Prometheus metrics over HTTP on this port",
-    "max_queue": "requests allowed to wait before new ones get RESOURCE_EXHAUSTED (default 256)",
-    "max_num_seqs": "requests in the running batch at once (default 64)",
+    "max_queue": "requests allowed to wait before new ones get RESOURCE_EXHAUSTED (default: "
+    "16 per running slot)",
+    "max_num_seqs": "requests in the running batch at once (default: as many as the page pool "
+    "holds at 768 tokens each, 16 to 512, on a GPU; 64 on the CPU)",
     "num_pages": "pages in the unified KV/adapter pool (default: from --pool-memory-mb)",
     "pool_memory_mb": "memory for the unified page pool in MiB (default: the engine's choice)",
     "max_loras": "adapters resident in the page pool at once (default 32)",
@@ -149,6 +154,8 @@ _HELP = {
     "log_level": "DEBUG, INFO, WARNING or ERROR (also LORAFLEET_LOG_LEVEL)",
     "engine": "where the engine's step loop runs: 'process' (default: its own process, so no "
     "gRPC Python shares its GIL) or 'thread' (a thread of the service process)",
+    "step_log": "append one JSON line per engine step to this file (tokens, KV read, host and "
+    "GPU time: what bench/serving.py reads)",
 }
 
 

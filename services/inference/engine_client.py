@@ -53,6 +53,7 @@ from services.inference.engine.errors import (
 from services.inference.engine.host_adapter import plan_for
 from services.inference.engine.output_router import OutputRouter
 from services.inference.engine.page_pool import pages_needed
+from services.inference.engine.pool_sizing import EngineLimits
 from services.inference.engine_process import EngineInfo, Report
 from store.peft import BaseModelShape
 
@@ -402,6 +403,11 @@ class RemoteEngine:
     def _check_running(self) -> None:
         if not self._alive:
             raise EngineStopped(f"the engine is not running ({self._stop_reason})")
+
+    @property
+    def limits(self) -> EngineLimits:
+        """max_num_seqs and max_queue as the engine derived them (known once it is ready)."""
+        return self._require_info().limits
 
     def _require_info(self) -> EngineInfo:
         if self._info is None:

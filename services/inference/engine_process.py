@@ -49,6 +49,7 @@ from services.inference.engine.adapter_manager import AdapterEntryStatus
 from services.inference.engine.api import AdapterKey, EngineStats, GenerationOutput
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.engine import Abort, CommandKind, Engine, Load, request_names
+from services.inference.engine.pool_sizing import EngineLimits
 from store.peft import BaseModelShape
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class EngineInfo(NamedTuple):
     num_pages: int  # usable pages: an adapter needing more never fits
     arena_pinned: bool
     stats: EngineStats
+    limits: EngineLimits  # max_num_seqs and max_queue, derived by the engine where unset
 
 
 class Report(NamedTuple):
@@ -264,7 +266,7 @@ def serve(conn: Connection, arena_fd: int, arena_bytes: int) -> int:
     core = engine.core
     info = EngineInfo(
         str(engine.device), core.base_shape, core.pool.width, config.page_size,
-        core.pool.num_usable, pinned, core.stats(),
+        core.pool.num_usable, pinned, core.stats(), core.limits,
     )  # fmt: skip
     gc_pacing.pace_collections()  # the step thread collects from now on
     conn.send(("ready", info))  # before the step loop, whose reports must come after it

@@ -42,10 +42,11 @@ def engine_config(config: ServiceConfig) -> EngineConfig:
         num_pages=config.num_pages,
         pool_memory_bytes=None if config.pool_memory_mb is None else config.pool_memory_mb << 20,
         max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=max(2048, config.max_num_seqs),
+        max_num_batched_tokens=max(2048, config.max_num_seqs or 0),
         max_lora_rank=config.max_lora_rank,
         max_loras=config.max_loras,
-        max_queue=config.max_queue + config.max_num_seqs,
+        max_waiting=config.max_queue,
+        step_log=config.step_log,
     )
 
 

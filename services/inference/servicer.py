@@ -46,9 +46,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.registry = registry
         self.metrics = metrics
         metrics.track(self.snapshot)
-        # The engine admits max_queue requests, waiting and running together (server.py sets it
-        # to --max-queue plus the running batch); calls beyond it are refused here, early.
-        self._max_calls = engine.config.max_queue
+        # The engine admits max_queue requests, waiting and running together (--max-queue
+        # waiting plus the running batch, each derived from the device when unset); calls
+        # beyond it are refused here, early.
+        self._max_calls = engine.limits.max_queue
         self._model_name, self._device = model_name, device
         self._calls: set[str] = set()  # request ids of Generate calls in progress
         self._idle = asyncio.Event()

@@ -21,7 +21,7 @@ from tests.inference.test_engine_parity import PLAN, _requests
 BF16_RTOL = 4e-2
 
 
-def _mixed_run(tiny_models, preset: str, dtype: str, **overrides):
+def _mixed_run(tiny_models, preset: str, dtype: str, overlap: bool = False, **overrides):
     model_dir = tiny_models.model(preset)
     recorder = Recorder()
     config = dict(device="cuda", dtype=dtype, max_num_batched_tokens=48, **overrides)
@@ -32,18 +32,48 @@ def _mixed_run(tiny_models, preset: str, dtype: str, **overrides):
     arrivals: dict[int, list] = {}
     for (req, _), (*_, at) in zip(requests, PLAN, strict=True):
         arrivals.setdefault(at, []).append(req)
-    results = run(core, arrivals, recorder)
-    # Decode-only steps replayed captured graphs (padded); the others ran eagerly.
-    assert core.runner.graph_sizes and core.runner.graph_steps > 0
-    assert core.runner.graph_steps < core.steps
+    results = run(core, arrivals, recorder, overlap=overlap)
+    # Decode-only and mixed steps replayed captured graphs (padded).
+    assert core.runner.graph_sizes and core.runner.mixed_graph_sizes
+    records = list(core.step_log.recent)
+    assert any(r.graph and r.prefill_tokens == 0 for r in records)
+    assert any(r.graph and r.prefill_tokens > 0 and r.tokens > r.prefill_tokens for r in records)
     core.check_integrity()
     assert core.stats().kv_pages == 0
     return model_dir, requests, results, core
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
-def test_cuda_float32_mixed_batch_matches_hf_peft(tiny_models, preset):
-    _check_float32(tiny_models, preset, *_mixed_run(tiny_models, preset, "float32")[:3])
+@pytest.mark.parametrize(
+    "preset, overlap",
+    [("tiny-llama", False), ("tiny-qwen2", False), ("tiny-llama", True)],
+    ids=["tiny-llama", "tiny-qwen2", "tiny-llama-overlapped"],
+)
+def test_cuda_float32_mixed_batch_matches_hf_peft(tiny_models, preset, overlap):
+    run = _mixed_run(tiny_models, preset, "float32", overlap=overlap)
+    _check_float32(tiny_models, preset, *run[:3])
+
+
+def test_cuda_graphs_match_eager_steps(tiny_models):
+    """The same run with CUDA graphs (decode and mixed steps padded) and without: float32
+    tokens and logits agree exactly up to rounding of the padded GEMMs."""
+    graphs = _mixed_run(tiny_models, "tiny-llama", "float32", overlap=True)[2]
+    model_dir = tiny_models.model("tiny-llama")
+    recorder = Recorder()
+    core = make_core(model_dir, recorder, device="cuda", dtype="float32",
+                     max_num_batched_tokens=48, cuda_graphs=False)  # fmt: skip
+    for name in PARITY_ADAPTERS:
+        core.add_adapter_dir(AdapterKey(name, 1), tiny_models.adapter("tiny-llama", name))
+    requests = _requests(core.model_config.vocab_size)
+    arrivals: dict[int, list] = {}
+    for (req, _), (*_, at) in zip(requests, PLAN, strict=True):
+        arrivals.setdefault(at, []).append(req)
+    eager = run(core, arrivals, recorder, overlap=True)
+    assert core.runner.graph_steps == 0
+    for req, _ in requests:
+        g, e = graphs[req.request_id], eager[req.request_id]
+        assert g.token_ids == e.token_ids, req.request_id
+        for a, b in zip(g.logits, e.logits, strict=True):
+            assert relative_error(a.cpu(), b.cpu().double()) <= 1e-5
 
 
 @pytest.mark.parametrize("single_slice_rows", [32, 1 << 20], ids=["all-fused", "mixed"])
@@ -72,11 +102,15 @@ def _check_float32(tiny_models, preset, model_dir, requests, results):
             assert err <= 1e-4, f"{req.request_id} step {step}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
-def test_cuda_bfloat16_mixed_batch_tracks_hf_peft(tiny_models, preset):
+@pytest.mark.parametrize(
+    "preset, overlap",
+    [("tiny-llama", False), ("tiny-qwen2", False), ("tiny-llama", True)],
+    ids=["tiny-llama", "tiny-qwen2", "tiny-llama-overlapped"],
+)
+def test_cuda_bfloat16_mixed_batch_tracks_hf_peft(tiny_models, preset, overlap):
     from tests.inference.engine_harness import _hf_model
 
-    model_dir, requests, results, _ = _mixed_run(tiny_models, preset, "bfloat16")
+    model_dir, requests, results, _ = _mixed_run(tiny_models, preset, "bfloat16", overlap=overlap)
     for req, name in requests:
         adapter_dir = None if name is None else tiny_models.adapter(preset, name)
         got = results[req.request_id]

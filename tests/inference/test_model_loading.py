@@ -208,3 +208,22 @@ def test_prompt_tokens_beyond_the_models_vocabulary(tiny_models, tmp_path):
     assert big, "the demo tokenizer should have merges beyond the tiny model's vocabulary"
     with pytest.raises(InvalidRequest, match=rf"is {big[0]}, outside the vocabulary \[0, 512\)"):
         core.prepare(GenerationRequest("r", prompt=prompt))
+
+
+def test_limits_follow_the_pool_and_device():
+    """Unset limits are derived: on CUDA from the pool's tokens (768 per sequence, 16 to 512,
+    a multiple of 16), on the CPU 64 sequences; 16 waiting requests per running slot unless
+    max_waiting or max_queue says otherwise."""
+    from services.inference.engine.pool_sizing import EngineLimits, engine_limits
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    cfg = EngineConfig(model_dir="m")
+    assert engine_limits(cfg, 200_000 // 16, cuda) == EngineLimits(256, 256 * 17)
+    assert engine_limits(cfg, 100, cuda).max_num_seqs == 16
+    assert engine_limits(cfg, 10**7, cuda).max_num_seqs == 512
+    assert engine_limits(cfg, 10**7, cpu) == EngineLimits(64, 64 * 17)
+    assert engine_limits(EngineConfig(model_dir="m", max_waiting=10), 1, cpu).max_queue == 74
+    given = EngineConfig(model_dir="m", max_num_seqs=8, max_queue=9, max_waiting=100)
+    assert engine_limits(given, 10**7, cuda) == EngineLimits(8, 9)
+    small = EngineConfig(model_dir="m", max_num_batched_tokens=32)
+    assert engine_limits(small, 10**7, cuda).max_num_seqs == 32

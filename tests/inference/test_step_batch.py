@@ -82,3 +82,41 @@ def test_capacity_and_consistency_errors():
         b.fill([BatchEntry([1] * 5, 0, [0], None, True)])
     with pytest.raises(ValueError, match="4 LoRA segments exceed 3"):
         b.fill([BatchEntry([1], 0, [0], row, True) for row in (0, 1, 2, 3)])
+
+
+def test_fill_pads_a_mixed_step_for_its_graph():
+    """Padding tokens belong to no sequence (no slot, no adapter), padding sequences have no
+    tokens and read logits row 0, and the sequences' own rows come first."""
+    b = _batch()
+    b.fill(
+        [BatchEntry([7, 8, 9], 0, [3], None, True), BatchEntry([42], 6, [0, 2], 1, False)],
+        pad_tokens=7,
+        pad_seqs=4,
+    )
+    assert b.input_ids.tolist() == [7, 8, 9, 42, 0, 0, 0]
+    assert b.slot_mapping.tolist() == [12, 13, 14, 10, -1, -1, -1]
+    assert b.seq_lens.tolist() == [3, 7, 0, 0]
+    assert b.query_starts.tolist() == [0, 3, 4, 4, 4]
+    assert b.logits_indices.tolist() == [2, 0, 0, 0]  # one sampled row, then padding
+    assert b.num_sampled == 1
+    lt = b.lora_tokens
+    assert lt.token_lora.tolist() == [-1, -1, -1, 1, -1, -1, -1]
+    assert lt.seg_starts.tolist() == [0, 3, 4, 7] and lt.seg_lora.tolist() == [-1, 1, -1]
+    with pytest.raises(ValueError, match="padded to 3"):
+        b.fill([BatchEntry([1, 2, 3, 4], 0, [0], None, True)], pad_tokens=3, pad_seqs=2)
+
+
+def test_inputs_in_flight_are_read_on_the_device():
+    """An entry whose last token is still in flight reads it from the previous step's
+    sampled tokens (StepBatch.prev_tokens) by row."""
+    b = _batch()
+    b.prev_tokens[:3] = torch.tensor([70, 71, 72])
+    b.fill(
+        [
+            BatchEntry([5, 6, 0], 0, [0], None, True, 2),  # last token = row 2's
+            BatchEntry([0], 3, [1], None, True, 0),  # row 0's
+            BatchEntry([9], 4, [2, 3], None, True),  # known
+        ]
+    )
+    b.resolve_inputs()
+    assert b.input_ids.tolist() == [5, 6, 72, 70, 9]

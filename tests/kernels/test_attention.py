@@ -200,3 +200,30 @@ def _reference(q, kv, page_size, scale, pool_layer=None):
     return attention_ref.paged_attention(
         q.double(), pool, kv.block_tables, kv.seq_lens, kv.query_starts, page_size, scale
     )
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_mixed_step_with_padding_rows(splits):
+    """A mixed step as a CUDA graph pads it: decode rows (some mid-prompt one-token chunks),
+    prefill chunks, empty sequences, and padding rows past the last sequence's, which no
+    kernel writes. Every sequence's rows match the reference; splits > 1 exercises the
+    per-sequence split partials of the decode kernel's mixed mode."""
+    gen = torch.Generator().manual_seed(51 + splits)
+    shape = ATTN_SHAPES[1]
+    lens = [9, 1, 23, 6, 14, 5, 30, 7, 0]
+    queries = [1, 1, 5, 1, 14, 2, 1, 7, 0]
+    kv = build_kv(
+        lens, queries, shape.page_size, shape.kv_heads * shape.head_dim, DTYPES[0], DEVICE, gen
+    )
+    t, pad = sum(queries), 5
+    q = torch.randn(t + pad, shape.heads, shape.head_dim, generator=gen).to(DTYPES[0])
+    q = q.to(DEVICE)
+    out = torch.full_like(q, 7.0)
+    attention.paged_attention(
+        q, kv.pool_layer, kv.block_tables, kv.seq_lens, kv.query_starts, shape.page_size,
+        shape.head_dim**-0.5, out=out,
+        decode=attention.DecodeLaunch(splits=splits, **SMALL_DECODE), prefill=SMALL_PREFILL,
+    )  # fmt: skip
+    ref = _reference(q[:t], kv, shape.page_size, shape.head_dim**-0.5)
+    assert_close(out[:t], ref, DTYPES[0])
+    assert torch.equal(out[t:], torch.full_like(out[t:], 7.0))  # padding rows untouched

@@ -69,20 +69,32 @@ class StepBatch:
         self.prev_tokens = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self._copied: torch.cuda.Event | None = None  # behind the latest staging -> device copy
         self._zeros = (0,) * max_pages_per_seq  # pads block-table rows to the step's widest
-        self.num_tokens = self.num_seqs = self.num_logits = 0
+        self.num_tokens = self.num_seqs = self.num_logits = self.num_sampled = 0
         self.has_lora = False
 
-    def fill(self, entries: Sequence[BatchEntry]) -> None:
-        """Write one step's metadata. Entries must be sorted by LoRA row (segments contiguous)."""
+    def fill(
+        self,
+        entries: Sequence[BatchEntry],
+        pad_tokens: int | None = None,
+        pad_seqs: int | None = None,
+    ) -> None:
+        """Write one step's metadata. Entries must be sorted by LoRA row (segments contiguous).
+
+        ``pad_tokens``/``pad_seqs`` (a mixed step's CUDA graph) pad the step to that many
+        tokens and sequences: padding tokens belong to no sequence (no K/V slot, no adapter;
+        attention leaves their rows unwritten), padding sequences have no tokens and no context,
+        and every padding sequence's logits row reads token 0 (dropped)."""
         if not entries:
             raise ValueError("a step needs at least one sequence")
-        if len(entries) > self.max_seqs:
-            raise ValueError(f"{len(entries)} sequences exceed max_seqs {self.max_seqs}")
+        seqs = len(entries) if pad_seqs is None else pad_seqs
+        if len(entries) > seqs or seqs > self.max_seqs:
+            padded = "" if pad_seqs is None else f" (padded to {seqs})"
+            raise ValueError(f"{len(entries)} sequences{padded} exceed max_seqs {self.max_seqs}")
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies still read the staging
         ps = self.page_size
         ids: list[int] = []
-        src: list[int] = []
+        sources: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         rows: list[int] = []
@@ -98,9 +110,9 @@ class StepBatch:
             if n == 0 or len(e.pages) * ps < end or len(e.pages) > self.max_pages_per_seq:
                 raise ValueError(f"entry {b}: {n} tokens at {e.start_pos} on {len(e.pages)} pages")
             ids.extend(e.token_ids)
-            src.extend([-1] * n)
+            sources.extend([-1] * n)
             if e.src_row is not None:
-                src[-1] = e.src_row
+                sources[-1] = e.src_row
             pos.extend(range(e.start_pos, end))
             p = e.start_pos
             while p < end:  # position q at pages[q // ps] * ps + q % ps: a slot run per page
@@ -116,9 +128,25 @@ class StepBatch:
                 logits.append(starts[-1] - 1)
             tables.extend(e.pages)
             tables.extend(self._zeros[: width - len(e.pages)])
-        t = len(ids)
-        if t > self.max_tokens:
-            raise ValueError(f"{t} tokens exceed max_tokens {self.max_tokens}")
+        real = len(ids)
+        t = real if pad_tokens is None else pad_tokens
+        if real > t or t > self.max_tokens:
+            padded = "" if pad_tokens is None else f" (padded to {t})"
+            raise ValueError(f"{real} tokens{padded} exceed max_tokens {self.max_tokens}")
+        if t > real:
+            n = t - real
+            ids.extend([0] * n)
+            sources.extend([-1] * n)
+            pos.extend([0] * n)
+            slots.extend([-1] * n)
+            rows.extend([-1] * n)
+        for _ in range(seqs - len(entries)):
+            seq_lens.append(0)
+            starts.append(real)
+            tables.extend(self._zeros[:width])
+        n_logits = len(logits)
+        if pad_seqs is not None:  # a graph's logits rows are as many as its sequences
+            logits.extend([0] * (seqs - len(logits)))
         seg_starts, seg_rows = _segments(rows)
         if len(seg_rows) > self.max_segments:
             raise ValueError(f"{len(seg_rows)} LoRA segments exceed {self.max_segments}")
@@ -127,7 +155,7 @@ class StepBatch:
         seg_rows += [-1] * (self.max_segments - len(seg_rows))
         for name, values in (
             ("input_ids", ids),
-            ("input_src", src),
+            ("input_src", sources),
             ("positions", pos),
             ("slot_mapping", slots),
             ("token_lora", rows),
@@ -139,10 +167,11 @@ class StepBatch:
         ):
             if values:
                 _write(h[name], values)
-        block_tables = h["block_tables"][: len(entries)]
+        block_tables = h["block_tables"][:seqs]
         block_tables[:, width:].zero_()  # what longer rows of earlier steps left
         _write(block_tables[:, :width], tables)
-        self.num_tokens, self.num_seqs, self.num_logits = t, len(entries), len(logits)
+        self.num_tokens, self.num_seqs, self.num_logits = t, seqs, len(logits)
+        self.num_sampled = n_logits
         self.has_lora = any(r >= 0 for r in seg_rows)
         if self._dev is not self._host:
             for name, src in h.items():

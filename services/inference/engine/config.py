@@ -10,6 +10,14 @@ import torch
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def decode_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """Batch sizes captured as CUDA graphs: a decode step of n sequences replays the smallest
+    size >= n, padded. Powers of two to 16, then every 16, up to max_num_seqs."""
+    sizes = {b for b in (1, 2, 4, 8) if b < max_num_seqs}
+    sizes |= set(range(16, max_num_seqs, 16)) | {max_num_seqs}
+    return tuple(sorted(sizes))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: str | Path
@@ -19,12 +27,14 @@ class EngineConfig:
     num_pages: int | None = None  # None: derived from the pool memory budget below
     pool_memory_bytes: int | None = None  # None: cpu 128 MiB; cuda a share of free memory
     gpu_memory_utilization: float = 0.85  # share of the GPU the engine may fill (cuda only)
-    max_num_seqs: int = 64  # requests in one step
+    max_num_seqs: int | None = None  # requests in one step; None: from the pool (pool_sizing)
     max_num_batched_tokens: int = 2048  # tokens in one step (prefill chunks + decodes)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_lora_rank: int = 128
     max_loras: int = 32  # rows of the LoRA index = adapters resident in the pool at once
-    max_queue: int = 1024  # requests waiting or running before generate() is refused
+    max_queue: int | None = None  # requests waiting or running before generate() is refused
+    max_waiting: int | None = None  # or: requests waiting besides max_num_seqs running
+    # (max_queue wins when both are set; None for both: 16 x max_num_seqs waiting)
     cuda_graphs: bool = True  # on CUDA, run decode-only steps as captured CUDA graphs
     step_log: str | Path | None = None  # append one JSON line per step here (step_log.py)
 
@@ -37,16 +47,18 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or None, got {self.dtype!r}")
         positive = {
             "page_size": self.page_size,
-            "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_lora_rank": self.max_lora_rank,
             "max_loras": self.max_loras,
-            "max_queue": self.max_queue,
         }
         for name, value in positive.items():
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("num_pages", "pool_memory_bytes", "max_model_len"):
+        optional = (
+            "num_pages", "pool_memory_bytes", "max_model_len", "max_num_seqs", "max_queue",
+            "max_waiting",
+        )  # fmt: skip
+        for name in optional:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -54,19 +66,20 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if self.max_num_seqs is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"max_num_seqs ({self.max_num_seqs}): every running request decodes each step"
             )
 
     @property
-    def graph_batch_sizes(self) -> tuple[int, ...]:
-        """Batch sizes captured as CUDA graphs: a decode step of n sequences replays the
-        smallest size >= n, padded. Powers of two to 16, then every 16, up to max_num_seqs."""
-        sizes = {b for b in (1, 2, 4, 8) if b < self.max_num_seqs}
-        sizes |= set(range(16, self.max_num_seqs, 16)) | {self.max_num_seqs}
-        return tuple(sorted(sizes))
+    def mixed_graph_tokens(self) -> tuple[int, ...]:
+        """Token counts captured as CUDA graphs of mixed (prefill + decode) steps: a step of n
+        tokens replays the smallest count >= n, padded. Every 16 to 64, every 32 to 512, then
+        every 64, up to max_num_batched_tokens: padding stays under an eighth of a step."""
+        sizes = set(range(16, 65, 16)) | set(range(96, 513, 32)) | set(range(576, 2**20, 64))
+        sizes = {n for n in sizes if n < self.max_num_batched_tokens}
+        return tuple(sorted(sizes | {self.max_num_batched_tokens}))
 
     @property
     def torch_device(self) -> torch.device:

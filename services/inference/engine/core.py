@@ -30,7 +30,7 @@ from services.inference.engine.api import (
     GenerationRequest,
 )
 from services.inference.engine.batch import BatchEntry
-from services.inference.engine.config import EngineConfig
+from services.inference.engine.config import EngineConfig, decode_graph_sizes
 from services.inference.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from services.inference.engine.errors import (
     AdapterLoadFailed,
@@ -45,7 +45,7 @@ from services.inference.engine.host_adapter import HostAdapter, build_host_adapt
 from services.inference.engine.model_runner import ModelRunner
 from services.inference.engine.page_allocator import OwnerKind
 from services.inference.engine.page_pool import PagePool, pages_needed
-from services.inference.engine.pool_sizing import context_window, pool_pages
+from services.inference.engine.pool_sizing import context_window, engine_limits, pool_pages
 from services.inference.engine.request import Sequence, SequenceStatus
 from services.inference.engine.sampler import Sampler, make_generator
 from services.inference.engine.scheduler import Scheduler
@@ -89,6 +89,8 @@ class EngineCore:
         mc = self.model_config
         width = mc.kv_dim
         num_pages = pool_pages(config, mc, self.device, self.dtype)
+        self.limits = engine_limits(config, num_pages, self.device)
+        max_seqs = self.limits.max_num_seqs
         self.pool = PagePool(
             mc.num_layers, width, num_pages, config.page_size, self.dtype, self.device
         )
@@ -99,18 +101,17 @@ class EngineCore:
         capacity = pages_needed(biggest.num_slots, config.page_size) * config.page_size
         self.adapters = AdapterManager(self.pool, config.max_loras, capacity)
         self.scheduler = Scheduler(
-            self.pool, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
-            self.max_len,
-        )  # fmt: skip
+            self.pool, self.adapters, max_seqs, config.max_num_batched_tokens, self.max_len
+        )
         self.runner = ModelRunner(
             self.model, self.pool, self.adapters.index, config.max_lora_rank,
-            config.max_num_seqs, config.max_num_batched_tokens, self.max_len, config.max_loras,
+            max_seqs, config.max_num_batched_tokens, self.max_len, config.max_loras,
             self.adapters.row_ranks,
         )  # fmt: skip
         if config.cuda_graphs and self.device.type == "cuda":
-            self.runner.capture_graphs(config.graph_batch_sizes)
+            self.runner.capture_graphs(decode_graph_sizes(max_seqs), config.mixed_graph_tokens)
         self.sampler = Sampler()
-        self._tokens = TokenTransfer(config.max_num_seqs, self.device)
+        self._tokens = TokenTransfer(max_seqs, self.device)
         self.step_log = StepLog(self.device, config.step_log)
         self.logits_hook = logits_hook
         self._seq_ids = itertools.count()
@@ -119,9 +120,10 @@ class EngineCore:
         self.steps = self.computed_tokens = self.generated_tokens = 0
         self.last_step_ran = False
         log.info(
-            "engine ready: %d pages of %d tokens (%.1f MiB), context %d, device %s, %s",
+            "engine ready: %d pages of %d tokens (%.1f MiB), context %d, up to %d sequences "
+            "per step and %d requests in flight, device %s, %s",
             num_pages, config.page_size, self.pool.tensor.nbytes / 2**20, self.max_len,
-            self.device, self.dtype,
+            max_seqs, self.limits.max_queue, self.device, self.dtype,
         )  # fmt: skip
 
     # --- adapters (any thread) --------------------------------------------------------------
@@ -207,9 +209,9 @@ class EngineCore:
         with self._lock:
             if request.request_id in self._live:
                 raise DuplicateRequest(f"request id {request.request_id!r} is already in flight")
-            if len(self._live) >= self.config.max_queue:
+            if len(self._live) >= self.limits.max_queue:
                 raise EngineOverloaded(
-                    f"{len(self._live)} requests in flight (max_queue {self.config.max_queue})"
+                    f"{len(self._live)} requests in flight (max_queue {self.limits.max_queue})"
                 )
             if request.adapter is not None:
                 self.adapters.acquire(request.adapter)  # may still raise UnknownAdapter

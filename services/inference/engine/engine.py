@@ -43,6 +43,7 @@ from services.inference.engine.errors import EngineStopped, UnknownAdapter
 from services.inference.engine.gc_pacing import collect_if_due, release
 from services.inference.engine.host_adapter import HostAdapter
 from services.inference.engine.output_router import OutputRouter
+from services.inference.engine.pool_sizing import EngineLimits
 from services.inference.engine.request import Sequence
 from store.peft import BaseModelShape
 
@@ -233,6 +234,11 @@ class Engine:
     @property
     def device(self) -> torch.device:
         return self.core.device
+
+    @property
+    def limits(self) -> EngineLimits:
+        """max_num_seqs and max_queue as the engine derived them (pool_sizing.engine_limits)."""
+        return self.core.limits
 
     # --- requests ---------------------------------------------------------------------------
 

@@ -19,9 +19,11 @@ was captured with, so batch sizes where the fused path can win get a second grap
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -31,6 +33,28 @@ from services.inference.engine.page_pool import PagePool
 from services.inference.models.llama import LoraContext, Transformer
 
 log = logging.getLogger(__name__)
+
+
+class LoraMode(enum.Enum):
+    """The LoRA kernels a graph was captured with (LoraContext.fused for each)."""
+
+    NONE = "none"  # no LoRA kernels: every sequence of the step is on the base model
+    TWO = "two launches"  # decode-sized: shrink, then expand
+    FUSED = "fused"  # decode-sized, mostly distinct adapters: the one-launch kernel
+    SHAPES = "by shapes"  # mixed steps: each call's shapes pick
+
+    @property
+    def fused(self) -> bool | None:
+        return {LoraMode.TWO: False, LoraMode.FUSED: True}.get(self)
+
+    def __lt__(self, other: LoraMode) -> bool:  # graphs are captured in a stable order
+        return self.value < other.value
+
+
+class GraphKey(NamedTuple):
+    tokens: int  # the step's tokens, padding included
+    seqs: int  # its sequences, padding included (= tokens for decode graphs)
+    lora: LoraMode
 
 
 class ModelRunner:
@@ -63,21 +87,28 @@ class ModelRunner:
             page_size=pool.page_size,
             device=pool.tensor.device,
         )
-        # (batch size, fused LoRA path) -> the graph and its output
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pad: BatchEntry | None = None
-        self._sizes: tuple[int, ...] = ()  # captured batch sizes, ascending
+        self._decode_sizes: tuple[int, ...] = ()  # captured decode batch sizes, ascending
+        self._mixed_sizes: tuple[int, ...] = ()  # captured mixed-step token counts, ascending
+        self._max_seqs = max_num_seqs
         self.graph_steps = 0  # steps served by a graph replay
         self.last_graph = False  # whether the latest step replayed one
         self.fused_steps = 0  # steps whose LoRA path was the fused one (CUDA only runs it)
 
     @property
     def graph_sizes(self) -> tuple[int, ...]:
-        return self._sizes
+        """Decode batch sizes with a captured graph."""
+        return self._decode_sizes
+
+    @property
+    def mixed_graph_sizes(self) -> tuple[int, ...]:
+        """Token counts of the captured mixed (prefill + decode) step graphs."""
+        return self._mixed_sizes
 
     @property
     def fused_graph_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted(size for size, fused in self._graphs if fused))
+        return tuple(sorted(k.tokens for k in self._graphs if k.lora is LoraMode.FUSED))
 
     def _fusable(self, size: int) -> bool:
         """Whether a decode step of ``size`` sequences could prefer the fused path."""
@@ -96,47 +127,89 @@ class ModelRunner:
         rank = max(self.row_ranks[r] for r in distinct)
         return lora_paths.decode_prefers_fused(tokens, len(distinct), rank, self.max_lora_rank)
 
+    def mixed_seqs(self, tokens: int) -> int:
+        """Sequences a mixed graph of ``tokens`` tokens holds: a mixed step has a sequence of
+        two tokens or more, so it has fewer sequences than tokens."""
+        return min(self._max_seqs, tokens - 1)
+
     @torch.inference_mode()
-    def capture_graphs(self, sizes: Sequence[int]) -> None:
-        """Capture the decode step for each batch size (largest first, so smaller graphs reuse
-        its memory from the shared pool). Takes one pool page for the padding rows."""
-        if self.pool.tensor.device.type != "cuda" or not sizes:
+    def capture_graphs(self, decode_sizes: Sequence[int], mixed_sizes: Sequence[int] = ()) -> None:
+        """Capture the decode step for each batch size and the mixed step for each token count,
+        each without LoRA kernels (base-model steps) and with them (largest first, so smaller
+        graphs reuse its memory from the shared pool). Takes one pool page for padding rows."""
+        if self.pool.tensor.device.type != "cuda" or not (decode_sizes or mixed_sizes):
             return
         page = self.pool.reserve_page("cuda-graph padding")
         self._pad = BatchEntry((0,), 0, (page,), None, True)
         memory = torch.cuda.graph_pool_handle()
         start = time.perf_counter()
         side = torch.cuda.Stream()
-        keys = [(size, False) for size in sizes]
-        keys += [(size, True) for size in sizes if self._fusable(size)]
-        for size, fused in sorted(keys, reverse=True):
-            self.batch.fill([self._pad] * size)
-            self.lora.fused = fused
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: compiles kernels, settles the allocator
-                for _ in range(2):
-                    self._forward(self.lora)
-            torch.cuda.current_stream().wait_stream(side)
+        keys = []
+        for size in decode_sizes:
+            keys += [GraphKey(size, size, LoraMode.NONE), GraphKey(size, size, LoraMode.TWO)]
+            if self._fusable(size):
+                keys.append(GraphKey(size, size, LoraMode.FUSED))
+        for tokens in mixed_sizes:
+            seqs = self.mixed_seqs(tokens)
+            keys += [GraphKey(tokens, seqs, LoraMode.NONE), GraphKey(tokens, seqs, LoraMode.SHAPES)]
+        warmed: set[tuple[int, LoraMode]] = set()
+        for key in sorted(keys, reverse=True):
+            self._fill_for(key, [self._pad])
+            self.lora.fused = key.lora.fused
+            lora = None if key.lora is LoraMode.NONE else self.lora
+            if (key.tokens, key.lora) not in warmed:  # compiles kernels, settles the allocator
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self._forward(lora)
+                torch.cuda.current_stream().wait_stream(side)
+                warmed.add((key.tokens, key.lora))
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=memory):
-                logits = self._forward(self.lora)  # [size, vocab]
-            self._graphs[size, fused] = (graph, logits)
+                logits = self._forward(lora)  # [key.seqs, vocab]
+            self._graphs[key] = (graph, logits)
         self.lora.fused = None
-        self._sizes = tuple(sorted(size for size, fused in self._graphs if not fused))
+        self._decode_sizes = tuple(sorted(set(decode_sizes)))
+        self._mixed_sizes = tuple(sorted(set(mixed_sizes)))
         torch.cuda.synchronize()
         log.info(
-            "captured decode CUDA graphs for batch sizes %s (and with fused LoRA kernels for "
-            "%s) in %.1f s",
-            list(self.graph_sizes), list(self.fused_graph_sizes), time.perf_counter() - start,
+            "captured %d CUDA graphs in %.1f s: decode steps of %s sequences (with fused LoRA "
+            "kernels from %s), mixed steps of %s tokens",
+            len(self._graphs), time.perf_counter() - start, list(self._decode_sizes),
+            min(self.fused_graph_sizes, default=None), list(self._mixed_sizes),
         )  # fmt: skip
 
-    def _graph_for(self, entries: Sequence[BatchEntry]) -> int | None:
-        sizes = self.graph_sizes
-        if not sizes or len(entries) > sizes[-1]:
+    def _fill_for(self, key: GraphKey, entries: Sequence[BatchEntry]) -> None:
+        """Fill the batch for a replay of the graph ``key``: decode graphs pad with rows that
+        decode into the reserved page, mixed graphs with tokens and sequences of nothing."""
+        if key.tokens == key.seqs and all(len(e.token_ids) == 1 for e in entries):
+            self.batch.fill([*entries, *[self._pad] * (key.seqs - len(entries))])
+        else:
+            self.batch.fill(entries, pad_tokens=key.tokens, pad_seqs=key.seqs)
+
+    def _graph_for(self, entries: Sequence[BatchEntry], fused: bool | None) -> GraphKey | None:
+        """The captured graph that serves this step, if any."""
+        if not self._graphs or len(entries) > self._max_seqs:
             return None
-        if any(len(e.token_ids) != 1 or not e.sample for e in entries):
+        if not any(e.lora_row is not None for e in entries):
+            lora = LoraMode.NONE
+        elif fused is None:
+            lora = LoraMode.SHAPES
+        else:
+            lora = LoraMode.FUSED if fused else LoraMode.TWO
+        if all(len(e.token_ids) == 1 and e.sample for e in entries):
+            size = next((n for n in self._decode_sizes if n >= len(entries)), None)
+            key = None if size is None else GraphKey(size, size, lora)
+            if key is not None and key not in self._graphs and lora is LoraMode.FUSED:
+                key = key._replace(lora=LoraMode.TWO)  # no fused graph at this size
+            return key if key in self._graphs else None
+        tokens = sum(len(e.token_ids) for e in entries)
+        size = next((n for n in self._mixed_sizes if n >= tokens), None)
+        if size is None or len(entries) > self.mixed_seqs(size):
             return None
-        return min(size for size in sizes if size >= len(entries))
+        key = GraphKey(size, self.mixed_seqs(size), lora)
+        if lora in (LoraMode.TWO, LoraMode.FUSED):  # a mixed step small enough to pick a path
+            key = key._replace(lora=LoraMode.SHAPES)
+        return key if key in self._graphs else None
 
     def _forward(self, lora: LoraContext | None) -> torch.Tensor:
         """The step on the filled batch: the inputs the previous step sampled, then the model."""
@@ -149,17 +222,17 @@ class ModelRunner:
         After a graph replay the rows are a view of the graph's output, valid until the next
         step."""
         fused = self.prefers_fused(entries)
-        self.fused_steps += bool(fused)
-        size = self._graph_for(entries)
-        if size is not None:
-            self.batch.fill([*entries, *[self._pad] * (size - len(entries))])
-            # a size without a fused graph cannot prefer it (_fusable); kept safe regardless
-            graph, logits = self._graphs.get((size, bool(fused)), self._graphs[size, False])
+        key = self._graph_for(entries, fused)
+        if key is not None:
+            self._fill_for(key, entries)
+            graph, logits = self._graphs[key]
             graph.replay()
             self.graph_steps += 1
+            self.fused_steps += key.lora is LoraMode.FUSED
             self.last_graph = True
-            return logits[: len(entries)]
+            return logits[: sum(e.sample for e in entries)]
         self.last_graph = False
+        self.fused_steps += bool(fused)
         self.batch.fill(entries)
         self.lora.fused = fused
         return self._forward(self.lora if self.batch.has_lora else None)

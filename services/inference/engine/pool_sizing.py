@@ -1,8 +1,10 @@
-"""How long a context the engine serves and how many pages its pool gets."""
+"""How long a context the engine serves, how many pages its pool gets, and the limits that
+follow from them when the configuration leaves them open (engine_limits)."""
 
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -13,6 +15,40 @@ from services.inference.models.config import ModelConfig
 log = logging.getLogger(__name__)
 
 CPU_POOL_BYTES = 128 * 2**20
+CPU_MAX_NUM_SEQS = 64
+# On CUDA, max_num_seqs follows the pool: a running sequence is assumed to hold this many
+# tokens on average (prompt and output; the serving benchmark's averages ~390 at its middle),
+# so that many fit before preemption starts; rounded down to 16, within these bounds.
+_TOKENS_PER_SEQ = 768
+_MIN_SEQS, _MAX_SEQS = 16, 512
+# Requests that may wait per running slot, when neither max_queue nor max_waiting is set.
+_WAITING_PER_SEQ = 16
+
+
+class EngineLimits(NamedTuple):
+    max_num_seqs: int  # sequences in one step
+    max_queue: int  # requests waiting or running before new ones are refused
+
+
+def engine_limits(config: EngineConfig, num_pages: int, device: torch.device) -> EngineLimits:
+    """config's limits, with those it leaves open derived from the pool and the device: on
+    CUDA as many sequences as the pool holds at _TOKENS_PER_SEQ tokens each (an H200 serving
+    a 7B model in bf16 gets 256), on the CPU 64; and 16 waiting requests per running one."""
+    seqs = config.max_num_seqs
+    if seqs is None:
+        if device.type == "cuda":
+            fit = num_pages * config.page_size // _TOKENS_PER_SEQ // 16 * 16
+            seqs = max(_MIN_SEQS, min(_MAX_SEQS, fit))
+        else:
+            seqs = CPU_MAX_NUM_SEQS
+        seqs = min(seqs, config.max_num_batched_tokens)
+    queue = config.max_queue
+    if queue is None:
+        waiting = config.max_waiting
+        queue = seqs + (_WAITING_PER_SEQ * seqs if waiting is None else waiting)
+    return EngineLimits(seqs, queue)
+
+
 # Activations of one step are a few times the widest layer output per token; this many
 # float32 copies of it are kept out of the pool budget on CUDA.
 _ACTIVATION_COPIES = 8
@@ -47,7 +83,7 @@ def pool_pages(
         widest = max(mc.q_dim + 2 * mc.kv_dim, 2 * mc.intermediate_size, mc.hidden_size)
         activations = (
             config.max_num_batched_tokens * widest * 4 * _ACTIVATION_COPIES
-            + config.max_num_seqs * mc.vocab_size * 4 * 2
+            + (config.max_num_seqs or _MAX_SEQS) * mc.vocab_size * 4 * 2
         )
         budget = free - int((1.0 - config.gpu_memory_utilization) * total) - activations
     else:

@@ -26,8 +26,7 @@ class TokenTransfer:
     def __init__(self, capacity: int, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
         self._bufs = [
-            torch.zeros(capacity, dtype=torch.int64, pin_memory=self._cuda)
-            for _ in range(_BUFFERS)
+            torch.zeros(capacity, dtype=torch.int64, pin_memory=self._cuda) for _ in range(_BUFFERS)
         ]
         self._next = 0
 

@@ -46,24 +46,16 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the two halves of each head. x: [T, heads, head_dim]; cos, sin: [T, head_dim // 2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]  # [T, heads, half] each
-    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, half]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.register_buffer("weight", torch.empty(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm of x [T, D]; with ``delta``, the residual add x += delta (in place) first:
+        one kernel on CUDA (kernels/layer_ops.py)."""
+        return kernels.rmsnorm(x, self.weight, self.eps, delta=delta)
 
 
 class LoraContext:
@@ -114,8 +106,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, head_dim // 2]
-        sin: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin tables [max_len, head_dim // 2]
         batch: StepBatch,
         pool_layer: torch.Tensor,  # [2, slots, W]: this layer's K/V pages and adapter rows
         lora: LoraContext | None,
@@ -125,12 +116,11 @@ class Attention(nn.Module):
         qkv = linear_lora(x, self.wqkv, self.bqkv, batch, pool_layer, lora, (Q, K, V), widths)
         # qkv: [T, q_dim + 2 * kv_dim]
         q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
-        q = q.reshape(t, self.n_heads, self.head_dim)  # [T, n_heads, head_dim]
-        k = k.reshape(t, self.n_kv, self.head_dim)  # [T, n_kv, head_dim]
-        v = v.reshape(t, self.n_kv, self.head_dim)  # [T, n_kv, head_dim]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-        kernels.write_kv(pool_layer, k, v, batch.slot_mapping)
+        q = q.view(t, self.n_heads, self.head_dim)  # [T, n_heads, head_dim]
+        k = k.view(t, self.n_kv, self.head_dim)  # [T, n_kv, head_dim]
+        v = v.view(t, self.n_kv, self.head_dim)  # [T, n_kv, head_dim]
+        # q rotated in place; k rotated and v copied into the pool at each token's slot
+        kernels.rope_write_kv(q, k, v, *rope, batch.positions, pool_layer, batch.slot_mapping)
         o = kernels.paged_attention(
             q, pool_layer, batch.block_tables, batch.seq_lens, batch.query_starts,
             batch.page_size, self.scale,
@@ -160,9 +150,8 @@ class MLP(nn.Module):
             x, self.w_gate_up, self.b_gate_up, batch, pool_layer, lora, (GATE, UP),
             (self.inter, self.inter),
         )  # fmt: skip
-        # gate_up: [T, 2 * inter]
-        gate, up = gate_up.split([self.inter, self.inter], dim=-1)  # [T, inter] each
-        h = F.silu(gate) * up  # [T, inter]
+        # gate_up: [T, 2 * inter] = [gate | up]
+        h = kernels.silu_mul(gate_up)  # [T, inter]: SiLU(gate) * up
         return linear_lora(
             h, self.w_down, self.b_down, batch, pool_layer, lora, (DOWN,), (self.hidden,)
         )  # [T, hidden]
@@ -177,9 +166,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, batch, pool_layer, lora) -> torch.Tensor:
-        x = x + self.attn(self.input_layernorm(x), cos, sin, batch, pool_layer, lora)
-        return x + self.mlp(self.post_attention_layernorm(x), batch, pool_layer, lora)
+    def forward(self, x, h, rope, batch, pool_layer, lora) -> torch.Tensor:
+        """x: the residual stream [T, hidden], updated in place; h = input_layernorm(x).
+        Returns the MLP's output, which the next norm adds to x (Transformer.forward)."""
+        attn = self.attn(h, rope, batch, pool_layer, lora)  # [T, hidden]
+        h = self.post_attention_layernorm(x, delta=attn)  # x += attn; h = norm(x)
+        return self.mlp(h, batch, pool_layer, lora)  # [T, hidden]
 
 
 class Transformer(nn.Module):
@@ -206,11 +198,15 @@ class Transformer(nn.Module):
         """Float32 logits [S_sample, vocab] at the batch's logits_indices.
 
         pool: [layers, 2, slots, W], the unified page pool."""
-        x = F.embedding(batch.input_ids, self.embed_tokens)  # [T, hidden]
-        cos = self.rope_cos[batch.positions].to(x.dtype)  # [T, head_dim // 2]
-        sin = self.rope_sin[batch.positions].to(x.dtype)
+        x = F.embedding(batch.input_ids, self.embed_tokens)  # [T, hidden]: the residual stream
+        rope = (self.rope_cos, self.rope_sin)
+        h = self.layers[0].input_layernorm(x)
         for layer in self.layers:
-            x = layer(x, cos, sin, batch, pool[layer.layer_id], lora)
+            mlp = layer(x, h, rope, batch, pool[layer.layer_id], lora)
+            if layer.layer_id + 1 < len(self.layers):  # x += mlp; h = the next layer's norm(x)
+                h = self.layers[layer.layer_id + 1].input_layernorm(x, delta=mlp)
+            else:
+                x.add_(mlp)
         x = x[batch.logits_indices]  # [S_sample, hidden]: only sampled positions need logits
         x = self.norm(x)
         return F.linear(x, self.lm_head).float()  # [S_sample, vocab]

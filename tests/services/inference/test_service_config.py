@@ -23,7 +23,7 @@ def test_flags_win_over_environment_and_defaults_fill_the_rest():
     cfg = ServiceConfig.from_args(["--port", "7000", "--device", "cpu"], environ=env)
     assert cfg.model == Path("/models/env") and cfg.port == 7000 and cfg.device == "cpu"
     assert cfg.host_cache_bytes == 32 << 20 and cfg.adapter_store == "store:50051"
-    assert cfg.log_level == "DEBUG" and cfg.metrics_port is None and cfg.max_queue == 256
+    assert cfg.log_level == "DEBUG" and cfg.metrics_port is None and cfg.max_queue is None
     own = {**env, "LORAFLEET_INFERENCE_ADAPTER_STORE": "mine:1"}
     assert ServiceConfig.from_args([], environ=own).adapter_store == "mine:1"
 
@@ -31,7 +31,10 @@ def test_flags_win_over_environment_and_defaults_fill_the_rest():
 def test_engine_config_follows_the_service_config():
     cfg = ServiceConfig(model=Path("m"), max_queue=10, max_num_seqs=4, pool_memory_mb=3)
     ec = engine_config(cfg)
-    assert ec.max_queue == 14 and ec.max_num_seqs == 4 and ec.pool_memory_bytes == 3 << 20
+    assert ec.max_waiting == 10 and ec.max_num_seqs == 4 and ec.pool_memory_bytes == 3 << 20
+    assert ec.max_queue is None  # the engine adds the running batch: 14 in flight at most
+    defaults = engine_config(ServiceConfig(model=Path("m")))
+    assert defaults.max_num_seqs is None and defaults.max_waiting is None  # derived by the engine
 
 
 @pytest.mark.parametrize(

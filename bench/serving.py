@@ -1,0 +1,429 @@
+"""The serving benchmark of DESIGN.md, end to end through the services as deployed.
+
+The adapter store (local backend) and the inference service run as their own processes, exactly
+as ``python -m services.adapter_store`` and ``python -m services.inference`` start them (any
+``--serve-flag`` is passed on to the inference service, default flags otherwise); client
+processes replay a trace over gRPC. The workload (S-LoRA's): prompt and output lengths drawn
+uniformly from [8, 512), ``ignore_eos``, greedy; arrivals a Gamma process (cv 1) at a rate for
+a duration, or all requests at once (rate ``inf``); each request's adapter drawn from n adapters
+by a power law (alpha 1 = uniform), or the base model (n = 0). The same trace (same seed) runs for
+the base model and for each n, side by side on one service.
+
+Per run: output tokens/s, requests/s, rejected requests, time to first token and time per output
+token (p50, p99) as the clients see them, how long after the last arrival the last request ended,
+and from the engine's step log (--step-log, engine/step_log.py) each step's share of its
+roofline (bench/roofline.py: bytes at the copy bandwidth, or FLOPs at the matmul rate, both
+measured on this machine in this run), as a distribution over the steps of 64 sequences or more.
+
+    python bench/serving.py                                    # CUDA, Llama-7B shape, base model
+    python bench/serving.py --runs inf:1000 40:15 --adapters 0 5 100 --workload S1
+    python bench/serving.py --shape tiny --device cpu --runs inf:24 4:3 --adapters 0 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import grpc  # noqa: E402
+
+from lorafleet.v1 import adapter_store_pb2 as store_pb  # noqa: E402
+from lorafleet.v1 import adapter_store_pb2_grpc as store_grpc  # noqa: E402
+from lorafleet.v1 import inference_pb2 as pb  # noqa: E402
+from lorafleet.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
+
+log = logging.getLogger("bench.serving")
+
+WORKLOADS = {  # adapter ranks, cycled over the n adapters, and their target modules
+    "S1": ((8,), ("q_proj", "k_proj", "v_proj", "o_proj")),
+    "S2": ((8, 16, 32, 64), ("q_proj", "k_proj", "v_proj", "o_proj")),
+}
+LENGTHS = (8, 512)  # prompt and output lengths are uniform in [8, 512)
+
+
+class Request(NamedTuple):
+    arrival_s: float  # after the trace's start
+    prompt_len: int
+    output_len: int
+    adapter: int | None  # index among the run's adapters; None = the base model
+
+
+def make_trace(rate: float, count: int | None, duration: float | None, seed: int) -> list:
+    """Arrivals (Gamma, cv 1: exponential gaps) at ``rate`` for ``duration`` seconds, or
+    ``count`` requests at once when the rate is infinite; lengths uniform in LENGTHS."""
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    while True:
+        if math.isinf(rate):
+            if len(out) == count:
+                break
+        else:
+            t += rng.expovariate(rate)
+            if t > duration:
+                break
+        out.append(Request(0.0 if math.isinf(rate) else t, rng.randrange(*LENGTHS),
+                           rng.randrange(*LENGTHS), None))  # fmt: skip
+    return out
+
+
+def with_adapters(trace: list[Request], n: int, alpha: float, seed: int) -> list[Request]:
+    """Each request's adapter by a power law over n (numpy's power(alpha): alpha 1 is
+    uniform), drawn from its own stream so every n sees the same arrivals and lengths."""
+    if n == 0:
+        return trace
+    import numpy as np
+
+    rng = np.random.default_rng(seed + 1)
+    picks = np.minimum((rng.power(alpha, len(trace)) * n).astype(int), n - 1)
+    return [r._replace(adapter=int(a)) for r, a in zip(trace, picks, strict=True)]
+
+
+# ------------------------------------------------------------------ the clients (own processes)
+
+
+async def client(spec: dict) -> list[dict]:
+    """Replay this client's share of the trace; per request: send, first token and last token
+    times (perf_counter, comparable across processes), tokens, status."""
+    start, vocab, names = spec["start"], spec["vocab"], spec["adapters"]
+    channels = [grpc.aio.insecure_channel(spec["address"]) for _ in range(spec["channels"])]
+    stubs = [pb_grpc.InferenceStub(c) for c in channels]
+    rng = random.Random(spec["seed"])
+    results: list[dict] = []
+
+    async def one(i: int, r: dict) -> None:
+        prompt = [rng.randrange(3, vocab) for _ in range(r["prompt_len"])]
+        sampling = pb.SamplingParams(max_new_tokens=r["output_len"], ignore_eos=True)
+        req = pb.GenerateRequest(
+            request_id=f"{spec['tag']}-{r['index']}", prompt_token_ids=prompt, sampling=sampling,
+            adapter_id="" if r["adapter"] is None else names[r["adapter"]],
+        )  # fmt: skip
+        await asyncio.sleep(max(0.0, start + r["arrival_s"] - time.perf_counter()))
+        sent = time.perf_counter()
+        first = last = None
+        tokens = 0
+        status = "OK"
+        try:
+            async for msg in stubs[i % len(stubs)].Generate(req, timeout=spec["timeout_s"]):
+                if msg.token_ids:
+                    last = time.perf_counter()
+                    first = first or last
+                    tokens += len(msg.token_ids)
+        except grpc.aio.AioRpcError as e:
+            status = e.code().name
+        results.append({"index": r["index"], "sent": sent, "first": first, "last": last,
+                        "tokens": tokens, "status": status})  # fmt: skip
+
+    await asyncio.gather(*(one(i, r) for i, r in enumerate(spec["requests"])))
+    for c in channels:
+        await c.close()
+    return results
+
+
+# ------------------------------------------------------------------ services and setup
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, proc: subprocess.Popen, timeout: float) -> None:
+    from services.healthcheck import check
+
+    deadline = time.monotonic() + timeout
+    while not check(address, timeout=2.0):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the process serving {address} exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{address} was not SERVING after {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def upload(address: str, shape, workload: str, n: int) -> list[str]:
+    """n adapters (ranks cycled as the workload says, random weights, the same bytes for one
+    rank: the serving cost does not depend on the values); returns their ids."""
+    from store.synthetic import synthetic_adapter
+
+    ranks, modules = WORKLOADS[workload]
+    files = {r: synthetic_adapter(shape.base(), rank=r, alpha=2.0 * r, modules=modules, seed=r)
+             for r in ranks[:n]}  # fmt: skip
+    names = []
+    opts = [("grpc.max_send_message_length", 8 << 20)]
+    with grpc.insecure_channel(address, options=opts) as channel:
+        stub = store_grpc.AdapterStoreStub(channel)
+        for i in range(n):
+            name, f = f"bench/{workload.lower()}-{i}", files[ranks[i % len(ranks)]]
+
+            def chunks(name=name, f=f):
+                header = store_pb.UploadAdapterHeader(
+                    adapter_id=name, adapter_config_json=f.config_json.decode()
+                )
+                yield store_pb.UploadAdapterRequest(header=header)
+                for j in range(0, len(f.safetensors), 4 << 20):
+                    yield store_pb.UploadAdapterRequest(chunk=f.safetensors[j : j + (4 << 20)])
+
+            stub.UploadAdapter(chunks(), timeout=300)
+            names.append(name)
+    return names
+
+
+def measure_ceilings_subprocess(device: str) -> dict:
+    """Copy bandwidth and matmul rate, measured in a process of their own (its memory is gone
+    before the service takes the device)."""
+    code = (
+        "import json, sys, torch; sys.path.insert(0, sys.argv[1]);"
+        "from bench.roofline import measure_ceilings;"
+        "print(json.dumps(measure_ceilings(torch.device(sys.argv[2]))._asdict()))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(REPO), device], check=True,
+                         capture_output=True, text=True).stdout  # fmt: skip
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def wait_idle(address: str, timeout: float = 600.0) -> None:
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            s = stub.GetStats(pb.GetStatsRequest(), timeout=10)
+            if s.running_requests == 0 and s.queued_requests == 0:
+                return
+            time.sleep(0.2)
+    raise TimeoutError("the service did not go idle")
+
+
+# ------------------------------------------------------------------ one run
+
+
+def run_trace(args, address: str, trace: list[Request], names: list[str], tag: str,
+              vocab: int, work: Path) -> list[dict]:  # fmt: skip
+    """Split the trace over args.clients processes, start them together, merge their results."""
+    start = time.perf_counter() + 1.0 + 0.05 * args.clients  # every client is up by then
+    procs, outs = [], []
+    for c in range(args.clients):
+        mine = [dict(r._asdict(), index=i) for i, r in enumerate(trace) if i % args.clients == c]
+        spec = {"start": start, "vocab": vocab, "adapters": names, "address": address,
+                "channels": args.channels, "seed": args.seed * 1000 + c, "tag": f"{tag}-c{c}",
+                "timeout_s": args.timeout_s, "requests": mine}  # fmt: skip
+        path = work / f"{tag}-client{c}.json"
+        path.write_text(json.dumps(spec))
+        outs.append(path.with_suffix(".out.json"))
+        procs.append(subprocess.Popen([sys.executable, __file__, "--client", str(path),
+                                       str(outs[-1])]))  # fmt: skip
+    for p in procs:
+        if p.wait() != 0:
+            raise RuntimeError(f"a client exited with {p.returncode}")
+    results = [r for o in outs for r in json.loads(o.read_text())]
+    for r in results:
+        r["arrival"] = start + trace[r["index"]].arrival_s
+        r["output_len"] = trace[r["index"]].output_len
+    return results
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q / 100 * len(values)))]
+
+
+def analyse(results: list[dict], steps: list[dict], roof) -> dict:
+    ok = [r for r in results if r["status"] == "OK" and r["tokens"] > 0]
+    rejected = sum(r["status"] == "RESOURCE_EXHAUSTED" for r in results)
+    failed = sum(r["status"] not in ("OK", "RESOURCE_EXHAUSTED") for r in results)
+    begin = min(r["sent"] for r in results)
+    end = max((r["last"] for r in ok), default=begin)
+    tokens = sum(r["tokens"] for r in ok)
+    ttft = [r["first"] - r["sent"] for r in ok]
+    tpot = [(r["last"] - r["first"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
+    window = [s for s in steps if begin <= s["launched_at"] <= end and s["gpu_ms"]]
+    for s in window:
+        bound = roof.step_bound_ms(s["tokens"], s["kv_read"], s["kv_written"], s["attn_pairs"])
+        s["share"] = bound / s["gpu_ms"]
+    big = [s["share"] for s in window if s["seqs"] >= 64]
+    return {
+        "requests": len(results),
+        "completed": len(ok),
+        "rejected": rejected,
+        "failed": failed,
+        "complete_tokens": sum(r["tokens"] == r["output_len"] for r in ok) == len(results),
+        "output_tokens": tokens,
+        "wall_s": end - begin,
+        "output_tokens_per_s": tokens / (end - begin) if end > begin else 0.0,
+        "requests_per_s": len(ok) / (end - begin) if end > begin else 0.0,
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p99_s": pct(ttft, 99),
+        "tpot_p50_s": pct(tpot, 50),
+        "tpot_p99_s": pct(tpot, 99),
+        "last_end_after_last_arrival_s": end - max(r["arrival"] for r in results),
+        "steps": len(window),
+        "steps_batch_64_plus": len(big),
+        "roofline_share_batch_64_plus": {q: pct(big, q) for q in (10, 25, 50, 75, 90)},
+        "roofline_share_all": {q: pct([s["share"] for s in window], q) for q in (10, 50, 90)},
+        "median_step_gpu_ms": pct([s["gpu_ms"] for s in window], 50),
+        "median_step_host_ms": pct([s["host_ms"] for s in window], 50),
+        "graph_steps": sum(s["graph"] for s in window),
+        "median_batch": pct([s["seqs"] for s in window], 50),
+    }
+
+
+def read_steps(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def parse_run(text: str) -> tuple[float, int | None, float | None]:
+    """'inf:1000' = 1000 requests at once; '40:15' = 40 requests/s for 15 s."""
+    rate, _, amount = text.partition(":")
+    if rate == "inf":
+        return math.inf, int(amount), None
+    return float(rate), None, float(amount)
+
+
+def table(rows: list[dict]) -> str:
+    head = (
+        f"{'run':<10}{'n':>6}{'done':>7}{'rej':>5}{'tok/s':>9}{'vs base':>8}{'req/s':>7}"
+        f"{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}{'tail s':>8}{'step/roof':>10}"
+    )
+
+    def ms(x):
+        return f"{1e3 * x:.1f}" if x is not None else "-"
+
+    lines = [head]
+    for r in rows:
+        share = r["roofline_share_batch_64_plus"][50]
+        lines.append(
+            f"{r['run']:<10}{r['adapters']:>6}{r['completed']:>7}{r['rejected']:>5}"
+            f"{r['output_tokens_per_s']:>9.0f}{r.get('vs_base', 1.0):>8.2f}"
+            f"{r['requests_per_s']:>7.1f}{ms(r['ttft_p50_s']):>10}{ms(r['ttft_p99_s']):>8}"
+            f"{ms(r['tpot_p50_s']):>10}{ms(r['tpot_p99_s']):>8}"
+            f"{r['last_end_after_last_arrival_s']:>8.1f}"
+            f"{'-' if share is None else f'{share:.2f}':>10}"
+        )
+    return (
+        "\n".join(lines) + "\n(TTFT, TPOT in ms; tail: last end after the last arrival; "
+        "step/roof: median step's share of its roofline, steps of >= 64 sequences)"
+    )
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--client":
+        spec = json.loads(Path(sys.argv[2]).read_text())
+        Path(sys.argv[3]).write_text(json.dumps(asyncio.run(client(spec))))
+        return
+    from bench.bench_models import SHAPES, make_model
+    from bench.roofline import Ceilings, Roofline
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-7b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--runs", nargs="+", default=["inf:1000", "40:15", "10:30"],
+                        help="RATE:SECONDS, or inf:REQUESTS for all at once")  # fmt: skip
+    parser.add_argument("--adapters", type=int, nargs="+", default=[0],
+                        help="adapter counts n, 0 = base model; each runs every trace")  # fmt: skip
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="S1")
+    parser.add_argument("--alpha", type=float, default=1.0, help="popularity power law")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--clients", type=int, default=4, help="client processes")
+    parser.add_argument("--channels", type=int, default=4, help="gRPC channels per client")
+    parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument(
+        "--serve-flag", action="append", default=[],
+        help="a flag for the inference service, e.g. --serve-flag=--max-queue=9",
+    )  # fmt: skip
+    parser.add_argument(
+        "--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "lorafleet-serving"
+    )
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "serving.json")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    import torch
+
+    shape = SHAPES[args.shape]
+    work = args.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    model = make_model(work / f"model-{args.shape}", shape, torch.device(args.device))
+    ceilings = Ceilings(**measure_ceilings_subprocess(args.device))
+    roof = Roofline.for_shape(shape, ceilings, dtype_bytes=2 if args.device == "cuda" else 4)
+    log.info("ceilings: copy %.2f TB/s, matmul %.0f TFLOP/s", ceilings.copy_bytes_per_s / 1e12,
+             ceilings.matmul_flops_per_s / 1e12)  # fmt: skip
+    store_dir, step_log = work / "store", work / "steps.jsonl"
+    subprocess.run(["rm", "-rf", str(store_dir)], check=True)
+    step_log.unlink(missing_ok=True)
+    store_port, port = free_port(), free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    store = subprocess.Popen([sys.executable, "-m", "services.adapter_store", "--port",
+                              str(store_port), "--backend", "local", "--root", str(store_dir)],
+                             cwd=REPO, env=env)  # fmt: skip
+    service = None
+    rows = []
+    try:
+        wait_serving(f"127.0.0.1:{store_port}", store, 60)
+        names = upload(f"127.0.0.1:{store_port}", shape, args.workload, max(args.adapters))
+        service = subprocess.Popen([
+            sys.executable, "-m", "services.inference", "--model", str(model), "--port", str(port),
+            "--adapter-store", f"127.0.0.1:{store_port}", "--device", args.device,
+            "--step-log", str(step_log), *args.serve_flag,
+        ], cwd=REPO, env=env)  # fmt: skip
+        address = f"127.0.0.1:{port}"
+        wait_serving(address, service, 1200)
+        warm = [Request(0.0, 64, 8, None)] * 4
+        run_trace(args, address, warm, names, "warmup", shape.vocab, work)
+        for run in args.runs:
+            rate, count, duration = parse_run(run)
+            base_trace = make_trace(rate, count, duration, args.seed)
+            base_tps = None
+            for n in args.adapters:
+                trace = with_adapters(base_trace, n, args.alpha, args.seed)
+                log.info("run %s, %d adapters: %d requests", run, n, len(trace))
+                tag = f"r{run}-n{n}".replace(":", "_")
+                results = run_trace(args, address, trace, names[:n], tag, shape.vocab, work)
+                wait_idle(address)
+                row = {"run": run, "adapters": n, **analyse(results, read_steps(step_log), roof)}
+                if n == 0:
+                    base_tps = row["output_tokens_per_s"]
+                elif base_tps:
+                    row["vs_base"] = row["output_tokens_per_s"] / base_tps
+                rows.append(row)
+                print(table(rows[-1:]).splitlines()[1], flush=True)
+    finally:
+        for p in (service, store):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    print(table(rows))
+    from bench.adapter_load import machine
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "benchmark": "serving workload of DESIGN.md through the deployed gRPC services",
+        "shape": args.shape, "workload": args.workload, "alpha": args.alpha, "seed": args.seed,
+        "serve_flags": args.serve_flag, "ceilings": ceilings._asdict(), "machine": machine(),
+        "command": "python bench/serving.py " + " ".join(sys.argv[1:]), "results": rows,
+    }, indent=2) + "\n")  # fmt: skip
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
