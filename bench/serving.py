@@ -369,7 +369,8 @@ def main() -> None:
     subprocess.run(["rm", "-rf", str(store_dir)], check=True)
     step_log.unlink(missing_ok=True)
     store_port, port = free_port(), free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": str(REPO) + (os.pathsep + path if path else "")}
     store = subprocess.Popen([sys.executable, "-m", "services.adapter_store", "--port",
                               str(store_port), "--backend", "local", "--root", str(store_dir)],
                              cwd=REPO, env=env)  # fmt: skip
