@@ -113,16 +113,18 @@ def summarize(steps: list[dict], roof: Roofline) -> dict:
     return out
 
 
-def profile_table(core: EngineCore, rows: int = 25) -> str:
-    """The kernel table of two eager steps (graphs off for them)."""
+def profile_table(core: EngineCore, rows: int = 25, before=None) -> str:
+    """The kernel table of one eager step (graphs off for it); ``before`` runs after the
+    warm-up step (it submits what the profiled step computes)."""
     from torch.profiler import ProfilerActivity, profile
 
     graphs, core.runner._graphs = core.runner._graphs, {}
     try:
         core.step()  # warm
+        if before is not None:
+            before()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(2):
-                core.step()
+            core.step()
             torch.cuda.synchronize()
     finally:
         core.runner._graphs = graphs
@@ -132,6 +134,30 @@ def profile_table(core: EngineCore, rows: int = 25) -> str:
         except (AttributeError, KeyError, RuntimeError):
             continue
     return prof.key_averages().table(row_limit=rows)
+
+
+def gemm_times(core: EngineCore, ceilings, sizes=(64, 256, 272, 288, 320, 512, 704)) -> dict:
+    """Each projection's GEMM of layer 0 alone at several token counts: ms and share of the
+    matmul rate (what the decode and mixed steps' GEMMs reach)."""
+    import torch.nn.functional as F
+
+    from bench.roofline import _time_ms
+
+    layer = core.model.layers[0]
+    weights = {"qkv": layer.attn.wqkv, "o": layer.attn.wo, "gate_up": layer.mlp.w_gate_up,
+               "down": layer.mlp.w_down}  # fmt: skip
+    out = {}
+    for m in sizes:
+        row = {}
+        for name, w in weights.items():
+            x = torch.randn(m, w.shape[1], device=w.device, dtype=w.dtype)
+            ms = _time_ms(lambda x=x, w=w: F.linear(x, w), w.device, 50)
+            row[name] = (round(ms * 1e3, 1), round(2 * m * w.numel() / (ms / 1e3)
+                                                   / ceilings.matmul_flops_per_s, 3))  # fmt: skip
+        out[m] = row
+        print(f"gemm M={m}: " + ", ".join(f"{k} {v[0]} us ({v[1]:.2f})" for k, v in row.items()),
+              flush=True)  # fmt: skip
+    return out
 
 
 def main() -> None:
@@ -146,6 +172,7 @@ def main() -> None:
     parser.add_argument("--pool-gib", type=float, default=60.0)
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--profile", action="store_true", help="torch profiler kernel tables")
+    parser.add_argument("--gemms", action="store_true", help="time the layer's GEMMs alone")
     parser.add_argument(
         "--out", type=Path, default=REPO / "bench" / "results" / "step_profile.json"
     )
@@ -213,10 +240,14 @@ def main() -> None:
             profiled = b in (64, max(args.batches)) and not adapters
             if args.profile and device.type == "cuda" and profiled:
                 tables[f"eager decode b{b}"] = profile_table(core)
-                submit(core, f"pm{b}", 1, 1024, 4, gen, shape.vocab, None)
-                tables[f"eager mixed b{b} +1024"] = profile_table(core)
+                tables[f"eager mixed b{b} +400"] = profile_table(
+                    core,
+                    before=lambda b=b: submit(core, f"pm{b}", 1, 400, 4, gen, shape.vocab, None),
+                )
             core.abort_all()
             core.check_integrity()
+    if args.gemms and device.type == "cuda":
+        results["gemms"] = gemm_times(core, ceilings)
     for name, table in tables.items():
         print(f"\n=== {name}\n{table}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -44,40 +44,43 @@ def _rope_kv_kernel(
     cos_ptr, sin_ptr, stride_cs, pos_ptr,
     # pool layer [2, slots, W] and each token's slot (negative: no write)
     pool_ptr, stride_half, stride_slot, slots_ptr,
-    N_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+    N_HEADS: tl.constexpr, N_KV: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Program (t, j): query head j < N_HEADS rotated in place, else kv head j - N_HEADS:
-    K rotated into the pool, V copied."""
+    """Program (t, 0): token t's query heads rotated in place, as one [heads, half] block;
+    program (t, 1): its K heads rotated into the pool and V copied there."""
     t = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)
     i = tl.arange(0, BLOCK)
-    ok = i < HALF
+    i_ok = i < HALF
     pos = tl.load(pos_ptr + t).to(tl.int64)
     dtype = q_ptr.dtype.element_ty
-    c = tl.load(cos_ptr + pos * stride_cs + i, mask=ok, other=0.0).to(dtype).to(tl.float32)
-    s = tl.load(sin_ptr + pos * stride_cs + i, mask=ok, other=0.0).to(dtype).to(tl.float32)
-    if j < N_HEADS:
-        base = q_ptr + t * stride_q + j * 2 * HALF
-        x1 = tl.load(base + i, mask=ok, other=0.0).to(tl.float32)
-        x2 = tl.load(base + HALF + i, mask=ok, other=0.0).to(tl.float32)
-        tl.store(base + i, (x1 * c - x2 * s).to(dtype), mask=ok)
-        tl.store(base + HALF + i, (x2 * c + x1 * s).to(dtype), mask=ok)
+    c = tl.load(cos_ptr + pos * stride_cs + i, mask=i_ok, other=0.0).to(dtype).to(tl.float32)
+    s = tl.load(sin_ptr + pos * stride_cs + i, mask=i_ok, other=0.0).to(dtype).to(tl.float32)
+    c, s = c[None, :], s[None, :]
+    if tl.program_id(1) == 0:
+        h = tl.arange(0, BLOCK_H)
+        ok = (h < N_HEADS)[:, None] & i_ok[None, :]
+        base = q_ptr + t * stride_q + h[:, None] * (2 * HALF) + i[None, :]
+        x1 = tl.load(base, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(base + HALF, mask=ok, other=0.0).to(tl.float32)
+        tl.store(base, (x1 * c - x2 * s).to(dtype), mask=ok)
+        tl.store(base + HALF, (x2 * c + x1 * s).to(dtype), mask=ok)
     else:
         slot = tl.load(slots_ptr + t).to(tl.int64)
         if slot >= 0:
-            h = j - N_HEADS
-            src = k_ptr + t * stride_k + h * 2 * HALF
-            x1 = tl.load(src + i, mask=ok, other=0.0).to(tl.float32)
-            x2 = tl.load(src + HALF + i, mask=ok, other=0.0).to(tl.float32)
-            dst = pool_ptr + slot * stride_slot + h * 2 * HALF
+            h = tl.arange(0, BLOCK_KV)
+            ok = (h < N_KV)[:, None] & i_ok[None, :]
+            cols = h[:, None] * (2 * HALF) + i[None, :]
+            x1 = tl.load(k_ptr + t * stride_k + cols, mask=ok, other=0.0).to(tl.float32)
+            x2 = tl.load(k_ptr + t * stride_k + HALF + cols, mask=ok, other=0.0).to(tl.float32)
+            dst = pool_ptr + slot * stride_slot + cols
             pool_dtype = pool_ptr.dtype.element_ty
-            tl.store(dst + i, (x1 * c - x2 * s).to(dtype).to(pool_dtype), mask=ok)
-            tl.store(dst + HALF + i, (x2 * c + x1 * s).to(dtype).to(pool_dtype), mask=ok)
-            vsrc = v_ptr + t * stride_v + h * 2 * HALF
-            v1 = tl.load(vsrc + i, mask=ok, other=0.0)
-            v2 = tl.load(vsrc + HALF + i, mask=ok, other=0.0)
-            tl.store(dst + stride_half + i, v1.to(pool_dtype), mask=ok)
-            tl.store(dst + stride_half + HALF + i, v2.to(pool_dtype), mask=ok)
+            tl.store(dst, (x1 * c - x2 * s).to(dtype).to(pool_dtype), mask=ok)
+            tl.store(dst + HALF, (x2 * c + x1 * s).to(dtype).to(pool_dtype), mask=ok)
+            v1 = tl.load(v_ptr + t * stride_v + cols, mask=ok, other=0.0)
+            v2 = tl.load(v_ptr + t * stride_v + HALF + cols, mask=ok, other=0.0)
+            tl.store(dst + stride_half, v1.to(pool_dtype), mask=ok)
+            tl.store(dst + stride_half + HALF, v2.to(pool_dtype), mask=ok)
 
 
 @triton.jit
@@ -145,11 +148,14 @@ def rope_write_kv(q, k, v, cos_table, sin_table, positions, pool_layer, slot_map
     if t == 0:
         return
     half = head_dim // 2
-    _rope_kv_kernel[(t, n_heads + n_kv)](
+    block_h = triton.next_power_of_2(n_heads)
+    _rope_kv_kernel[(t, 2)](
         q, q.stride(0), k, k.stride(0), v, v.stride(0),
         cos_table, sin_table, cos_table.stride(0), positions,
         pool_layer, pool_layer.stride(0), pool_layer.stride(1), slot_mapping,
-        N_HEADS=n_heads, HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1,
+        N_HEADS=n_heads, N_KV=n_kv, HALF=half, BLOCK_H=block_h,
+        BLOCK_KV=triton.next_power_of_2(n_kv), BLOCK=triton.next_power_of_2(half),
+        num_warps=min(8, max(1, block_h * half // 512)),
     )  # fmt: skip
 
 
