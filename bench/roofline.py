@@ -109,3 +109,21 @@ class Roofline(NamedTuple):
         by_bytes = self.step_bytes(kv_read, kv_written, adapter_bytes) / c.copy_bytes_per_s
         by_flops = self.step_flops(tokens, pairs) / c.matmul_flops_per_s
         return 1e3 * max(by_bytes, by_flops)
+
+    def step_phase_bound_ms(
+        self, tokens: int, kv_read: int, kv_written: int, attn_pairs: int, adapter_bytes: int = 0
+    ) -> float:
+        """A tighter floor for steps whose parts run one after the other: the projections
+        (weights and adapters once, or their FLOPs) plus the attention (the KV cache, or its
+        FLOPs), each at its own bound. A mixed step's GEMMs are compute-bound while its decode
+        attention is memory-bound; step_bound_ms lets one hide the other, this does not."""
+        c = self.ceilings
+        gemm = max(
+            (self.weight_bytes + adapter_bytes) / c.copy_bytes_per_s,
+            2 * tokens * self.linear_params / c.matmul_flops_per_s,
+        )
+        attn = max(
+            (kv_read + kv_written) * self.kv_bytes_per_token / c.copy_bytes_per_s,
+            attn_pairs * self.attn_flops_per_pair / c.matmul_flops_per_s,
+        )
+        return 1e3 * (gemm + attn)

@@ -254,9 +254,11 @@ def analyse(results: list[dict], steps: list[dict], roof) -> dict:
     tpot = [(r["last"] - r["first"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
     window = [s for s in steps if begin <= s["launched_at"] <= end and s["gpu_ms"]]
     for s in window:
-        bound = roof.step_bound_ms(s["tokens"], s["kv_read"], s["kv_written"], s["attn_pairs"])
-        s["share"] = bound / s["gpu_ms"]
+        args = (s["tokens"], s["kv_read"], s["kv_written"], s["attn_pairs"])
+        s["share"] = roof.step_bound_ms(*args) / s["gpu_ms"]
+        s["phase_share"] = roof.step_phase_bound_ms(*args) / s["gpu_ms"]
     big = [s["share"] for s in window if s["seqs"] >= 64]
+    big_steps = [s for s in window if s["seqs"] >= 64]
     return {
         "requests": len(results),
         "completed": len(ok),
@@ -276,6 +278,19 @@ def analyse(results: list[dict], steps: list[dict], roof) -> dict:
         "steps_batch_64_plus": len(big),
         "roofline_share_batch_64_plus": {q: pct(big, q) for q in (10, 25, 50, 75, 90)},
         "roofline_share_all": {q: pct([s["share"] for s in window], q) for q in (10, 50, 90)},
+        # the same steps against the phase roofline (bench/roofline.py, step_phase_bound_ms)
+        "phase_share_batch_64_plus": {
+            q: pct([s["phase_share"] for s in big_steps], q) for q in (10, 50, 90)
+        },
+        "decode_steps_batch_64_plus": {
+            "steps": len(dec := [s for s in big_steps if s["prefill_tokens"] == 0]),
+            "share_p50": pct([s["share"] for s in dec], 50),
+        },
+        "mixed_steps_batch_64_plus": {
+            "steps": len(mix := [s for s in big_steps if s["prefill_tokens"] > 0]),
+            "share_p50": pct([s["share"] for s in mix], 50),
+            "phase_share_p50": pct([s["phase_share"] for s in mix], 50),
+        },
         "median_step_gpu_ms": pct([s["gpu_ms"] for s in window], 50),
         "median_step_host_ms": pct([s["host_ms"] for s in window], 50),
         "graph_steps": sum(s["graph"] for s in window),
@@ -321,6 +336,19 @@ def table(rows: list[dict]) -> str:
         "\n".join(lines) + "\n(TTFT, TPOT in ms; tail: last end after the last arrival; "
         "step/roof: median step's share of its roofline, steps of >= 64 sequences)"
     )
+
+
+def write_result(args, ceilings, rows: list[dict]) -> None:
+    """The JSON so far (written after every run, so a failure keeps what was measured)."""
+    from bench.adapter_load import machine
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "benchmark": "serving workload of DESIGN.md through the deployed gRPC services",
+        "shape": args.shape, "workload": args.workload, "alpha": args.alpha, "seed": args.seed,
+        "serve_flags": args.serve_flag, "ceilings": ceilings._asdict(), "machine": machine(),
+        "command": "python bench/serving.py " + " ".join(sys.argv[1:]), "results": rows,
+    }, indent=2) + "\n")  # fmt: skip
 
 
 def main() -> None:
@@ -388,23 +416,24 @@ def main() -> None:
         wait_serving(address, service, 1200)
         warm = [Request(0.0, 64, 8, None)] * 4
         run_trace(args, address, warm, names, "warmup", shape.vocab, work)
-        for run in args.runs:
-            rate, count, duration = parse_run(run)
-            base_trace = make_trace(rate, count, duration, args.seed)
-            base_tps = None
-            for n in args.adapters:
-                trace = with_adapters(base_trace, n, args.alpha, args.seed)
+        base_tps: dict[str, float] = {}
+        for n in args.adapters:  # the base model first: every later row is compared with it
+            for run in args.runs:
+                rate, count, duration = parse_run(run)
+                trace = with_adapters(make_trace(rate, count, duration, args.seed), n,
+                                      args.alpha, args.seed)  # fmt: skip
                 log.info("run %s, %d adapters: %d requests", run, n, len(trace))
                 tag = f"r{run}-n{n}".replace(":", "_")
                 results = run_trace(args, address, trace, names[:n], tag, shape.vocab, work)
                 wait_idle(address)
                 row = {"run": run, "adapters": n, **analyse(results, read_steps(step_log), roof)}
                 if n == 0:
-                    base_tps = row["output_tokens_per_s"]
-                elif base_tps:
-                    row["vs_base"] = row["output_tokens_per_s"] / base_tps
+                    base_tps[run] = row["output_tokens_per_s"]
+                elif base_tps.get(run):
+                    row["vs_base"] = row["output_tokens_per_s"] / base_tps[run]
                 rows.append(row)
                 print(table(rows[-1:]).splitlines()[1], flush=True)
+                write_result(args, ceilings, rows)
     finally:
         for p in (service, store):
             if p is not None and p.poll() is None:
@@ -414,15 +443,6 @@ def main() -> None:
                 except subprocess.TimeoutExpired:
                     p.kill()
     print(table(rows))
-    from bench.adapter_load import machine
-
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "benchmark": "serving workload of DESIGN.md through the deployed gRPC services",
-        "shape": args.shape, "workload": args.workload, "alpha": args.alpha, "seed": args.seed,
-        "serve_flags": args.serve_flag, "ceilings": ceilings._asdict(), "machine": machine(),
-        "command": "python bench/serving.py " + " ".join(sys.argv[1:]), "results": rows,
-    }, indent=2) + "\n")  # fmt: skip
     print(f"wrote {args.out}")
 
 
