@@ -142,7 +142,7 @@ _HELP = {
     "max_queue": "requests allowed to wait before new ones get RESOURCE_EXHAUSTED (default: "
     "16 per running slot)",
     "max_num_seqs": "requests in the running batch at once (default: as many as the page pool "
-    "holds at 768 tokens each, 16 to 512, on a GPU; 64 on the CPU)",
+    "holds at 400 tokens each, 16 to 512, on a GPU; 64 on the CPU)",
     "num_pages": "pages in the unified KV/adapter pool (default: from --pool-memory-mb)",
     "pool_memory_mb": "memory for the unified page pool in MiB (default: the engine's choice)",
     "max_loras": "adapters resident in the page pool at once (default 32)",
