@@ -9,6 +9,7 @@ generations are aborted) and closes its gRPC channels. `--help` lists every flag
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 import uvicorn
@@ -35,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
             timeout_graceful_shutdown=config.shutdown_grace_s,
         )
     )
+    # uvicorn stops on SIGTERM/SIGINT with its own handlers, then raises the signal again
+    # under the handlers it found: these make that second delivery a no-op, so a clean stop
+    # exits 0, as the other services do.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     server.run()
     return 0 if server.started else 1
 

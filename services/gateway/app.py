@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request, Response
 
 from lorafleet.v1 import inference_pb2 as pb
 from services.gateway import adapters, completions, errors, lora_compat, models
-from services.gateway.backends import Backends
+from services.gateway.backends import Backends, call_metadata
 from services.gateway.config import GatewayConfig
 from services.gateway.http_io import ClientGone
 from services.gateway.metrics import GatewayMetrics
@@ -78,6 +78,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 503, f"the inference service is {services['inference']}: {services}"
             )
         known = gateway.model_info.known
+        if known is None:  # serving now: ask at once rather than wait for the next retry
+            with contextlib.suppress(Exception):
+                known = await gateway.model_info.get(call_metadata(request))
         return {"status": "ok", "model": known.model_id if known else None, **services}
 
     @app.get("/metrics")
