@@ -66,7 +66,7 @@ def _chat_template(model_dir: Path, tok_cfg: dict) -> str:
     template = tok_cfg.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
+        template = named.get("default", False)
     if isinstance(template, str) and template:
         return template
     if template is not None:

@@ -3,8 +3,8 @@
 Tests and the demo cannot download weights, so this module writes complete model directories:
 config.json, model.safetensors (or shards with model.safetensors.index.json), tokenizer.json
 (byte-level BPE trained here on a built-in corpus), tokenizer_config.json (with a small chat
-template) and generation_config.json. Everything is deterministic for a given seed, and nothing here imports
-transformers or peft (they are test-only references).
+template) and generation_config.json. Everything is deterministic for a given seed, and nothing
+here imports transformers or peft (they are test-only references).
 
 Config keys follow what transformers 5 reads. Llama 3 rope scaling is written the way
 transformers 5 saves it (`rope_parameters` with `rope_type`, `rope_theta`, ...); presets with

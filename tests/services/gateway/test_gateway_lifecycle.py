@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 from concurrent import futures
 
 import grpc
@@ -247,7 +246,7 @@ def test_the_callers_bearer_token_reaches_both_services(plain_stack, gw_models):
             assert metadata.get("authorization") == "Bearer tenant-secret", method
     # Without the header, no credentials go on.
     mark = len(taps["inference"].calls)
-    httpx.post(url(gateway, "/v1/completions"),
-               json={"model": "custom-base", "prompt": "x", "max_tokens": 2}, timeout=60)  # fmt: skip
+    body = {"model": "custom-base", "prompt": "x", "max_tokens": 2}
+    httpx.post(url(gateway, "/v1/completions"), json=body, timeout=60)
     anonymous = taps["inference"].since(mark)
     assert anonymous and all("authorization" not in md for _, md in anonymous)

@@ -128,8 +128,8 @@ def test_a_client_that_leaves_mid_upload_leaves_no_version(stack, gw_models):
         ).encode()
         + (adapter / "adapter_config.json").read_bytes()
         + (
-            f'\r\n--{boundary}\r\nContent-Disposition: form-data; name="adapter_model.safetensors"; '
-            f'filename="adapter_model.safetensors"\r\n\r\n'
+            f"\r\n--{boundary}\r\nContent-Disposition: form-data; "
+            f'name="adapter_model.safetensors"; filename="adapter_model.safetensors"\r\n\r\n'
         ).encode()
     )
     weights = (adapter / "adapter_model.safetensors").read_bytes()
