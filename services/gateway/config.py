@@ -28,7 +28,7 @@ class GatewayConfig:
     max_request_bytes: int = 8 * 2**20  # JSON bodies; uploads are bounded by the store
     max_n: int = 16  # generations one request may start: prompts x n
     chat_max_tokens: int = 512  # a chat request's max_tokens when it gives none
-    rpc_timeout_s: float = 60.0  # deadline of every gRPC call but Generate
+    rpc_timeout_s: float = 60.0  # deadline of every gRPC call but Generate and UploadAdapter
     shutdown_grace_s: float = 5.0  # requests in flight may finish within this after SIGTERM
     lora_path_root: Path | None = None  # load_lora_adapter's lora_path must lie under it
     log_level: str = "INFO"
@@ -113,7 +113,8 @@ _HELP = {
     "are bounded by the store's --max-adapter-bytes",
     "max_n": "generations one request may start, prompts x n (default 16)",
     "chat_max_tokens": "max_tokens of a chat request that gives none (default 512)",
-    "rpc_timeout_s": "deadline in seconds of every gRPC call but Generate (default 60)",
+    "rpc_timeout_s": "deadline in seconds of every gRPC call but Generate and UploadAdapter "
+    "(default 60)",
     "shutdown_grace_s": "seconds requests in flight may finish after SIGTERM (default 5)",
     "lora_path_root": "POST /v1/load_lora_adapter reads lora_path only under this directory "
     "(default: anywhere on this host)",

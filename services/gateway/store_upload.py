@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import grpc
+
 from lorafleet.v1 import adapter_store_pb2 as store_pb
 from lorafleet.v1 import adapter_store_pb2_grpc as store_grpc
 from services.gateway.backends import Metadata
@@ -55,7 +57,10 @@ class StoreUpload:
     async def _send(self, message: store_pb.UploadAdapterRequest) -> None:
         try:
             await self._call.write(message)
-        except asyncio.InvalidStateError:  # the store already answered: with its error status
+        except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
+            # The store already answered (it refuses a bad header at once) or the stream broke:
+            # a write that meets the closed stream reports INTERNAL, so the call's own end,
+            # awaited here, is what gives the store's status and message.
             await self._call
             raise Unavailable("the adapter store ended the upload early") from None
 
