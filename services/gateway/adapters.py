@@ -68,6 +68,8 @@ async def upload_adapter(request: Request) -> JSONResponse:
                     raise BadRequest(f"form field {current!r} is given twice")
                 if current == WEIGHTS_FILE:
                     upload = StoreUpload(store, call_metadata(request), _header(fields))
+                elif upload is not None:  # it would go unused: the header has gone
+                    raise BadRequest(f"form field {current!r} must come before {WEIGHTS_FILE}")
                 elif current not in _FIELD_LIMITS:
                     raise BadRequest(
                         f"unknown form field {current!r}; the fields are "

@@ -30,7 +30,7 @@ from services.gateway.openai_format import (
     event,
 )
 from services.gateway.sampling import COMPLETIONS_MAX_TOKENS, sampling_params
-from services.gateway.schemas import ChatRequest, CompletionRequest, _Generate, parse
+from services.gateway.schemas import ChatRequest, CompletionRequest, GenerationFields, parse
 
 router = APIRouter()
 
@@ -99,7 +99,7 @@ def _check_count(count: int, limit: int) -> None:
 
 
 async def _serve(
-    request: Request, req: _Generate, calls: list[pb.GenerateRequest], fmt: Format, kind: str
+    request: Request, req: GenerationFields, calls: list[pb.GenerateRequest], fmt: Format, kind: str
 ):
     gw = request.app.state.gateway
     start = time.perf_counter()

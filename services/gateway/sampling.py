@@ -9,7 +9,7 @@ that n choices differ from each other and the same request gives the same choice
 from __future__ import annotations
 
 from lorafleet.v1 import inference_pb2 as pb
-from services.gateway.schemas import MAX_SEED, _Generate
+from services.gateway.schemas import MAX_SEED, GenerationFields
 
 DEFAULT_TEMPERATURE = 1.0
 COMPLETIONS_MAX_TOKENS = 16
@@ -19,7 +19,7 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     return None if seed is None else (seed + index) % (MAX_SEED + 1)
 
 
-def sampling_params(req: _Generate, max_tokens: int, index: int) -> pb.SamplingParams:
+def sampling_params(req: GenerationFields, max_tokens: int, index: int) -> pb.SamplingParams:
     """The SamplingParams of choice ``index`` of ``req``."""
     params = pb.SamplingParams(
         max_new_tokens=max_tokens,

@@ -26,7 +26,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Generate(BaseModel):
+class GenerationFields(BaseModel):
     """What completions and chat share."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -92,7 +92,7 @@ class _Generate(BaseModel):
             raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
 
 
-class CompletionRequest(_Generate):
+class CompletionRequest(GenerationFields):
     prompt: str | list[str] | list[Int32] | list[list[Int32]]
     echo: Any = None
     suffix: Any = None
@@ -119,7 +119,7 @@ class CompletionRequest(_Generate):
         return out
 
 
-class ChatRequest(_Generate):
+class ChatRequest(GenerationFields):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
     add_generation_prompt: bool = True
@@ -180,6 +180,6 @@ def parse_json(model: type[BaseModel], raw: bytes) -> Any:
         raise BadRequest(validation_message(exc.errors())) from None
 
 
-def parse(model: type[_Generate], raw: bytes) -> Any:
+def parse(model: type[GenerationFields], raw: bytes) -> Any:
     """A completion or chat request, with what the engine cannot honour refused."""
     return parse_json(model, raw).check()

@@ -100,6 +100,8 @@ def test_upload_get_list_and_delete_versions_of_a_slashed_id(stack, gw_models):
                         data={"adapter_id": "t/x"}), 400, "must come before"),
         (lambda d: dict(data={"adapter_id": "t/x", "colour": "red"}, files=files(d)), 400,
          "unknown form field 'colour'"),
+        (lambda d: dict(data={"adapter_id": "t/x"}, files={**files(d), "sha256": b"0" * 64}), 400,
+         "'sha256' must come before"),
         (lambda d: dict(data={"adapter_id": "t/x"},
                         files={"adapter_config.json": files(d)["adapter_config.json"]}), 400,
          "has no adapter_model.safetensors"),
