@@ -1,11 +1,12 @@
 """`make run`: the local stack on embedded defaults, with no Docker.
 
 Generates the demo model and three demo adapters under ``data/`` when they are missing, starts the
-adapter store (local backend under ``data/store``) and the inference service (GPU when there is
-one, else the CPU), uploads the demo adapters that the store does not hold yet, prints how to call
-the stack, and stops both services cleanly on Ctrl-C or SIGTERM.
+adapter store (local backend under ``data/store``), the inference service (GPU when there is
+one, else the CPU) and the HTTP gateway, uploads the demo adapters that the store does not hold
+yet, prints how to call the stack, and stops the services cleanly on Ctrl-C or SIGTERM.
 
-    python -m services.local_stack [--data DIR] [--store-port P] [--inference-port P] ...
+    python -m services.local_stack [--data DIR] [--store-port P] [--inference-port P]
+        [--gateway-port P] ...
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import NamedTuple
 
@@ -82,6 +84,22 @@ def wait_serving(name: str, address: str, proc: subprocess.Popen, timeout_s: flo
     raise RuntimeError(f"{name} did not report SERVING at {address} within {timeout_s:.0f} s")
 
 
+def wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Block until ``url`` answers 200; fail if the process dies or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the gateway exited with status {proc.returncode} before serving")
+        try:
+            with urllib.request.urlopen(url, timeout=2.0) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"the gateway did not answer {url} within {timeout_s:.0f} s")
+
+
 def upload_missing(store_address: str, adapters: list[tuple[DemoAdapter, Path]]) -> None:
     with grpc.insecure_channel(store_address) as channel:
         stub = pb_grpc.AdapterStoreStub(channel)
@@ -118,9 +136,10 @@ def stop(procs: list[tuple[str, subprocess.Popen]], grace_s: float = 15.0) -> in
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=Path("data"), help="state directory")
-    parser.add_argument("--host", default="127.0.0.1", help="address both services bind")
+    parser.add_argument("--host", default="127.0.0.1", help="address the services bind")
     parser.add_argument("--store-port", type=int, default=50051)
     parser.add_argument("--inference-port", type=int, default=50052)
+    parser.add_argument("--gateway-port", type=int, default=8000, help="HTTP (OpenAI API)")
     parser.add_argument("--metrics-port", type=int, default=9400)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds per service")
@@ -135,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     store_address = f"{args.host}:{args.store_port}"
     inference_address = f"{args.host}:{args.inference_port}"
     # Children get their own process group: Ctrl-C reaches only this supervisor, which then
-    # stops them in order (inference first, so its streams end before the store goes).
+    # stops them newest first (the gateway, then inference, so streams end before the store goes).
     spawn = {"start_new_session": True}
     procs: list[tuple[str, subprocess.Popen]] = []
     try:
@@ -157,17 +176,29 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         procs.append(("inference service", inference))
         wait_serving("inference service", inference_address, inference, args.ready_timeout)
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "services.gateway", "--host", args.host,
+             "--port", str(args.gateway_port), "--inference", inference_address,
+             "--adapter-store", store_address],
+            **spawn,
+        )  # fmt: skip
+        procs.append(("gateway", gateway))
+        gateway_url = f"http://{args.host}:{args.gateway_port}"
+        wait_http(gateway_url + "/health", gateway, args.ready_timeout)
         ids = ", ".join(spec.adapter_id for spec, _ in adapters)
         print(
             f"\nlorafleet is up.\n"
             f"  inference  {inference_address}   (metrics http://{args.host}:{args.metrics_port})\n"
-            f"  store      {store_address}   (adapters: {ids})\n\n"
+            f"  store      {store_address}   (adapters: {ids})\n"
+            f"  gateway    {gateway_url}   (OpenAI API, REST adapter registry)\n\n"
             f"Try:\n"
             f"  .venv/bin/lorafleet generate --server {inference_address} "
             f'--adapter demo/poet "Once upon a time"\n'
             f"  .venv/bin/lorafleet adapters --store {store_address} list\n"
-            f"  .venv/bin/lorafleet stats --server {inference_address}\n\n"
-            f"Ctrl-C stops both services.\n",
+            f"  .venv/bin/lorafleet stats --server {inference_address}\n"
+            f"  curl {gateway_url}/v1/completions -H 'Content-Type: application/json' "
+            f"""-d '{{"model": "demo/poet", "prompt": "Once upon a time", "max_tokens": 16}}'\n\n"""
+            f"Ctrl-C stops the services.\n",
             flush=True,
         )
         while not stop_requested.wait(0.5):

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx2 as httpx
 import pytest
 import yaml
 
@@ -40,12 +41,22 @@ def generate(address: str, adapter_id: str, prompt: str = "Once upon a time") ->
         return list(stub.Generate(request, timeout=60))
 
 
+def complete_over_http(base_url: str, model: str) -> dict:
+    reply = httpx.post(
+        f"{base_url}/v1/completions",
+        json={"model": model, "prompt": "Once upon a time", "max_tokens": 6, "ignore_eos": True},
+        timeout=60,
+    )
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
 def test_make_run_supervisor_serves_demo_adapters_and_stops_on_ctrl_c(tmp_path):
-    ports = [free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(4)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.local_stack", "--data", str(tmp_path / "data"),
          "--store-port", str(ports[0]), "--inference-port", str(ports[1]),
-         "--metrics-port", str(ports[2]), "--device", "cpu"],
+         "--metrics-port", str(ports[2]), "--gateway-port", str(ports[3]), "--device", "cpu"],
         cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     lines: list[str] = []
@@ -56,13 +67,16 @@ def test_make_run_supervisor_serves_demo_adapters_and_stops_on_ctrl_c(tmp_path):
             if not line:
                 break
             lines.append(line)
-            if "Ctrl-C stops both services" in line:
+            if "Ctrl-C stops the services" in line:
                 break
         assert any("lorafleet is up" in x for x in lines), "".join(lines[-40:])
         for adapter in ("demo/support", "demo/poet", "demo/coder", ""):
             messages = generate(f"127.0.0.1:{ports[1]}", adapter)
             assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
             assert messages[-1].usage.completion_tokens == 6
+        # The gateway speaks OpenAI's API over the same services.
+        out = complete_over_http(f"http://127.0.0.1:{ports[3]}", "demo/poet")
+        assert out["usage"]["completion_tokens"] == 6
         assert (tmp_path / "data" / "models" / "demo" / "config.json").is_file()
     finally:
         proc.send_signal(signal.SIGINT)
@@ -70,6 +84,7 @@ def test_make_run_supervisor_serves_demo_adapters_and_stops_on_ctrl_c(tmp_path):
     log = "".join(lines) + out
     assert proc.returncode == 0, log[-3000:]
     assert "stopping inference service" in log and "stopping adapter store" in log
+    assert "stopping gateway" in log
     # A second start reuses the model, the adapters and the store's versions.
     assert len(list((tmp_path / "data" / "adapters").iterdir())) == 3
 
@@ -98,7 +113,9 @@ def localize(command: list[str], replacements: dict[str, str]) -> list[str]:
 def test_docker_compose_services_run_as_processes_and_stream_a_generation(tmp_path, seaweed):
     services = compose("docker-compose.yml")
     cpu = compose("docker-compose.cpu.yml")
-    assert set(services) >= {"minio", "minio-init", "adapter-store", "model-init", "inference"}
+    assert set(services) >= {
+        "minio", "minio-init", "adapter-store", "model-init", "inference", "gateway"
+    }  # fmt: skip
     assert (
         services["inference"]["deploy"]["resources"]["reservations"]["devices"][0]["driver"]
         == "nvidia"
@@ -111,15 +128,17 @@ def test_docker_compose_services_run_as_processes_and_stream_a_generation(tmp_pa
     bucket = re.search(r"mc mb --ignore-existing local/(\S+)", init).group(1)
     seaweed.create_bucket(bucket)
 
-    store_port, inference_port = free_port(), free_port()
+    store_port, inference_port, gateway_port = free_port(), free_port(), free_port()
     models = tmp_path / "models"
     replacements = {
         "http://minio:9000": seaweed.endpoint,
         "adapter-store:50051": f"127.0.0.1:{store_port}",
+        "inference:50052": f"127.0.0.1:{inference_port}",
         "0.0.0.0": "127.0.0.1",
         "50051": str(store_port),
         "50052": str(inference_port),
         "9400": str(free_port()),
+        "8000": str(gateway_port),
         "/models": str(models),
     }
     procs: list[subprocess.Popen] = []
@@ -170,6 +189,12 @@ def test_docker_compose_services_run_as_processes_and_stream_a_generation(tmp_pa
         )  # fmt: skip
         assert streamed.returncode == 0, streamed.stderr
         assert "5 tokens, finish length" in streamed.stderr, streamed.stderr
+
+        # The gateway, as the README shows it: the same adapter over OpenAI's API.
+        gateway = start("gateway", services["gateway"])
+        healthy(services["gateway"], gateway, "gateway")
+        out = complete_over_http(f"http://127.0.0.1:{gateway_port}", "acme/support")
+        assert out["model"] == "acme/support" and out["usage"]["completion_tokens"] == 6
     finally:
         for proc in reversed(procs):
             if proc.poll() is None:

@@ -226,3 +226,28 @@ class GetStatsResponse(_message.Message):
     model: str
     device: str
     def __init__(self, queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_for_adapter: _Optional[int] = ..., pool: _Optional[_Union[PoolStats, _Mapping]] = ..., tokens_per_second: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., resident_adapters: _Optional[int] = ..., host_cache: _Optional[_Union[HostCacheStats, _Mapping]] = ..., adapter_fetch: _Optional[_Union[LatencySummary, _Mapping]] = ..., adapter_copy: _Optional[_Union[LatencySummary, _Mapping]] = ..., adapter_load: _Optional[_Union[LatencySummary, _Mapping]] = ..., adapter_evictions_gpu: _Optional[int] = ..., adapter_evictions_host: _Optional[int] = ..., model: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model_id", "context_window", "chat_template", "special_tokens", "adds_bos_token")
+    class SpecialTokensEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADDS_BOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    context_window: int
+    chat_template: str
+    special_tokens: _containers.ScalarMap[str, str]
+    adds_bos_token: bool
+    def __init__(self, model_id: _Optional[str] = ..., context_window: _Optional[int] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., adds_bos_token: _Optional[bool] = ...) -> None: ...

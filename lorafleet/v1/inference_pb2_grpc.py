@@ -59,6 +59,11 @@ class InferenceStub:
                 request_serializer=lorafleet_dot_v1_dot_inference__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=lorafleet_dot_v1_dot_inference__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/lorafleet.v1.Inference/GetModelInfo',
+                request_serializer=lorafleet_dot_v1_dot_inference__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=lorafleet_dot_v1_dot_inference__pb2.ModelInfo.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -103,6 +108,14 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """The served base model: its id, context window and chat template, so that a front end
+        (the HTTP gateway) can name the model and render chat prompts without the model's files.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +143,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=lorafleet_dot_v1_dot_inference__pb2.GetStatsRequest.FromString,
                     response_serializer=lorafleet_dot_v1_dot_inference__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=lorafleet_dot_v1_dot_inference__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=lorafleet_dot_v1_dot_inference__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -267,6 +285,33 @@ class Inference:
             '/lorafleet.v1.Inference/GetStats',
             lorafleet_dot_v1_dot_inference__pb2.GetStatsRequest.SerializeToString,
             lorafleet_dot_v1_dot_inference__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lorafleet.v1.Inference/GetModelInfo',
+            lorafleet_dot_v1_dot_inference__pb2.GetModelInfoRequest.SerializeToString,
+            lorafleet_dot_v1_dot_inference__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -23,6 +23,7 @@ ENGINE_MODES = ("process", "thread")
 @dataclass(frozen=True)
 class ServiceConfig:
     model: Path
+    served_model_name: str | None = None  # the base model's id for clients; None = model.name
     adapter_store: str | None = None  # HOST:PORT; None = base model only
     host: str = "127.0.0.1"
     port: int = 50052
@@ -54,6 +55,14 @@ class ServiceConfig:
             raise ValueError(f"--log-level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         object.__setattr__(self, "log_level", self.log_level.upper())
         object.__setattr__(self, "model", Path(self.model))
+        served = self.served_model_name
+        if served is not None and (
+            not served or served.strip() != served or not served.isprintable()
+        ):
+            raise ValueError(
+                "--served-model-name must be non-empty printable text without surrounding "
+                f"spaces, got {served!r}"
+            )
         for name in ("port", "metrics_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
@@ -78,6 +87,11 @@ class ServiceConfig:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def model_id(self) -> str:
+        """The base model's id, as GetModelInfo and GetStats report it."""
+        return self.served_model_name or Path(os.path.abspath(self.model)).name
 
     @property
     def host_cache_bytes(self) -> int:
@@ -133,6 +147,8 @@ _TYPES = {
 
 _HELP = {
     "model": "Hugging Face-format model directory (config.json, safetensors, tokenizer.json)",
+    "served_model_name": "the base model's id for clients (GetModelInfo; the HTTP gateway's "
+    "`model`); default: the model directory's name",
     "adapter_store": "adapter store address HOST:PORT (also LORAFLEET_ADAPTER_STORE; without "
     "it, only the base model serves)",
     "host": "address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)",

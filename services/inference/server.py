@@ -27,6 +27,7 @@ from services.inference.engine.engine import Engine
 from services.inference.engine_client import RemoteEngine
 from services.inference.host_cache import HostCache
 from services.inference.metrics import ServiceMetrics
+from services.inference.model_info import read_model_info
 from services.inference.servicer import InferenceServicer
 from services.inference.store_client import StoreClient
 
@@ -78,6 +79,9 @@ class _Gate(pb_grpc.InferenceServicer):
 
     async def GetStats(self, request, context):
         return await (await self._ready(context)).GetStats(request, context)
+
+    async def GetModelInfo(self, request, context):
+        return await (await self._ready(context)).GetModelInfo(request, context)
 
 
 class InferenceServer:
@@ -134,8 +138,11 @@ class InferenceServer:
             self._follower = asyncio.create_task(
                 self._store.follow(registry.on_event, registry.forget_latest)
             )
+        info = await asyncio.to_thread(
+            read_model_info, cfg.model, cfg.model_id, engine_config(cfg).max_model_len
+        )
         self.servicer = InferenceServicer(
-            self.engine, registry, metrics, cfg.model.name, str(device)
+            self.engine, registry, metrics, cfg.model_id, str(device), info
         )
         if cfg.metrics_port is not None:
             self.metrics_port = self.servicer.metrics.serve(cfg.metrics_port, cfg.host)

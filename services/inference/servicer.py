@@ -23,6 +23,7 @@ from services.inference.engine.api import AdapterKey, FinishReason, GenerationRe
 from services.inference.engine.engine import Engine
 from services.inference.errors import BadArgument, QueueFull, ShuttingDown, status_for
 from services.inference.metrics import ServiceMetrics
+from services.inference.model_info import ModelInfo
 from services.inference.service_stats import (
     LatencyWindow,
     RateWindow,
@@ -41,6 +42,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         metrics: ServiceMetrics,
         model_name: str,
         device: str,
+        model_info: ModelInfo | None = None,
     ) -> None:
         self.engine = engine
         self.registry = registry
@@ -51,6 +53,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         # beyond it are refused here, early.
         self._max_calls = engine.limits.max_queue
         self._model_name, self._device = model_name, device
+        self._model_info = model_info
         self._calls: set[str] = set()  # request ids of Generate calls in progress
         self._idle = asyncio.Event()
         self._idle.set()
@@ -182,6 +185,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except Exception as exc:
             await _abort(context, exc)
         return convert.stats_response(self.snapshot(), self._model_name, self._device)
+
+    async def GetModelInfo(self, request, context) -> pb.ModelInfo:
+        if self._model_info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model's info is not known yet")
+        return pb.ModelInfo(**self._model_info._asdict())
 
     def snapshot(self) -> StatsSnapshot:
         e = self.engine.stats()

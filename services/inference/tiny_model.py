@@ -2,9 +2,9 @@
 
 Tests and the demo cannot download weights, so this module writes complete model directories:
 config.json, model.safetensors (or shards with model.safetensors.index.json), tokenizer.json
-(byte-level BPE trained here on a built-in corpus), tokenizer_config.json and
-generation_config.json. Everything is deterministic for a given seed, and nothing here imports
-transformers or peft (they are test-only references).
+(byte-level BPE trained here on a built-in corpus), tokenizer_config.json (with a small chat
+template) and generation_config.json. Everything is deterministic for a given seed, and nothing
+here imports transformers or peft (they are test-only references).
 
 Config keys follow what transformers 5 reads. Llama 3 rope scaling is written the way
 transformers 5 saves it (`rope_parameters` with `rope_type`, `rope_theta`, ...); presets with
@@ -48,6 +48,15 @@ LORA_MODULES = ATTN_MODULES + MLP_MODULES
 LOGIT_SCALE = 4.0
 # A LoRA delta is drawn to be about this fraction of the base projection's output.
 LORA_STRENGTH = 0.75
+# The chat template written into tokenizer_config.json (Hugging Face's Jinja conventions):
+# "role: content</s>" per message, then "assistant: " when a generation prompt is asked for.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('roles must be system, user or assistant') }}{% endif %}"
+    "{{ message['role'] + ': ' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
 
 # The tokenizer's training text: prose, code and multi-byte UTF-8 (accents, CJK, emoji), so
 # that merges cover common English and some characters span several byte-level tokens.
@@ -328,6 +337,7 @@ def make_model(
             "add_eos_token": False,
             "clean_up_tokenization_spaces": False,
             "model_max_length": p.max_position_embeddings,
+            "chat_template": CHAT_TEMPLATE,
         },
     )
     _write_json(

@@ -1,0 +1,139 @@
+"""OpenAI's response shapes: whole responses and streamed chunks, for completions and for chat.
+
+A stream sends, per choice, text deltas as the tokens come and then one chunk with empty text
+and the finish reason; chat streams first send each choice's role. With
+``stream_options.include_usage`` every chunk has ``"usage": null`` and one last chunk with no
+choices carries the usage. Prompt tokens count each prompt once, however many choices it has
+(OpenAI's rule); completion tokens count every choice.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Sequence
+
+from services.gateway.generation import ChoiceResult
+
+
+def usage(prompt_tokens: Sequence[int], completion_tokens: int) -> dict:
+    prompt = sum(prompt_tokens)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt + completion_tokens,
+    }
+
+
+class Format:
+    """What completions and chat share: an id, the envelope, usage, SSE encoding."""
+
+    object_name = ""
+    chunk_object_name = ""
+    id_prefix = ""
+
+    def __init__(self, model: str, n: int, include_usage: bool = False) -> None:
+        self.id = self.id_prefix + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+        self.n = n  # choices per prompt
+        self.include_usage = include_usage
+
+    # --- whole responses ----------------------------------------------------------------------
+
+    def response(self, results: list[ChoiceResult]) -> dict:
+        prompts = [r.prompt_tokens for i, r in enumerate(results) if i % self.n == 0]
+        return {
+            "id": self.id,
+            "object": self.object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": [self.choice(i, r.text, r.finish_reason) for i, r in enumerate(results)],
+            "usage": usage(prompts, sum(r.completion_tokens for r in results)),
+        }
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+        raise NotImplementedError
+
+    # --- streams ------------------------------------------------------------------------------
+
+    def opening(self, index: int) -> dict | None:
+        """The chunk that starts choice ``index``, if the format has one."""
+        return None
+
+    def delta(self, index: int, text: str, finish_reason: str | None) -> dict:
+        raise NotImplementedError
+
+    def chunk(self, choices: list[dict]) -> str:
+        body = {
+            "id": self.id,
+            "object": self.chunk_object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            body["usage"] = None
+        return event(body)
+
+    def usage_chunk(self, results: list[ChoiceResult]) -> str:
+        prompts = [r.prompt_tokens for i, r in enumerate(results) if i % self.n == 0]
+        body = {
+            "id": self.id,
+            "object": self.chunk_object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage(prompts, sum(r.completion_tokens for r in results)),
+        }
+        return event(body)
+
+
+class CompletionFormat(Format):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+    id_prefix = "cmpl-"
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    delta = choice
+
+
+class ChatFormat(Format):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+
+    def opening(self, index: int) -> dict:
+        return {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+
+    def delta(self, index: int, text: str, finish_reason: str | None) -> dict:
+        return {
+            "index": index,
+            "delta": {"content": text} if text else {},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+
+
+def event(body: dict) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
