@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -23,21 +24,35 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # A request carries a chunk of up to 4 MiB, or a header with adapter_config.json (<= 1 MiB).
 MAX_MESSAGE_BYTES = MAX_UPLOAD_CHUNK_BYTES + 2 * MIB
 STOP_GRACE_S = 3.0
+SWEEP_EVERY_S = 60.0
 
 
 async def _probe_storage(store: AdapterStore, status: health.aio.HealthServicer, every: float):
-    """Keep the AdapterStore service's health in step with the storage, and retry clean-up
-    that failed while the storage was down. The server itself ("") stays SERVING."""
+    """Keep the AdapterStore service's health in step with the storage, retry clean-up that
+    failed while the storage was down, and sweep uploads that a store process that died left
+    unfinished (at the first probe that reaches the storage, then every SWEEP_EVERY_S). The
+    server itself ("") stays SERVING."""
+    swept_at = None
     while True:
         try:
             await store.probe()
             await status.set(SERVICE, SERVING)
             if store.leftovers:
                 await store.retry_cleanup()
+            if swept_at is None or time.monotonic() - swept_at >= SWEEP_EVERY_S:
+                await _sweep(store)
+                swept_at = time.monotonic()
         except (StorageUnavailable, StorageError) as exc:
             log.warning("storage check failed: %s", exc)
             await status.set(SERVICE, NOT_SERVING)
         await asyncio.sleep(every)
+
+
+async def _sweep(store: AdapterStore) -> None:
+    try:
+        await store.sweep_uploads()
+    except (StorageUnavailable, StorageError) as exc:  # the next sweep tries again
+        log.warning("could not sweep unfinished uploads: %s", exc)
 
 
 async def serve(config: StoreConfig) -> None:
@@ -50,6 +65,8 @@ async def serve(config: StoreConfig) -> None:
     except StorageError:
         await store.close()
         raise
+    else:
+        await _sweep(store)  # uploads that a killed store left unfinished are gone once it serves
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
