@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,24 +23,20 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # A request carries a chunk of up to 4 MiB, or a header with adapter_config.json (<= 1 MiB).
 MAX_MESSAGE_BYTES = MAX_UPLOAD_CHUNK_BYTES + 2 * MIB
 STOP_GRACE_S = 3.0
-SWEEP_EVERY_S = 60.0
 
 
 async def _probe_storage(store: AdapterStore, status: health.aio.HealthServicer, every: float):
     """Keep the AdapterStore service's health in step with the storage, retry clean-up that
     failed while the storage was down, and sweep uploads that a store process that died left
-    unfinished (at the first probe that reaches the storage, then every SWEEP_EVERY_S). The
-    server itself ("") stays SERVING."""
-    swept_at = None
+    unfinished (one listing of unfinished uploads per probe). The server itself ("") stays
+    SERVING."""
     while True:
         try:
             await store.probe()
             await status.set(SERVICE, SERVING)
             if store.leftovers:
                 await store.retry_cleanup()
-            if swept_at is None or time.monotonic() - swept_at >= SWEEP_EVERY_S:
-                await _sweep(store)
-                swept_at = time.monotonic()
+            await _sweep(store)
         except (StorageUnavailable, StorageError) as exc:
             log.warning("storage check failed: %s", exc)
             await status.set(SERVICE, NOT_SERVING)

@@ -73,11 +73,13 @@ class StoreProcess:
         seaweed: SeaweedServer | None = None,
         bucket: str | None = None,
         extra_args: tuple[str, ...] = (),
+        root: Path | None = None,
     ) -> None:
+        """``root``: the local backend's directory (default: under ``workdir``)."""
         self.backend = backend
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.root = self.workdir / "root"
+        self.root = self.workdir / "root" if root is None else Path(root)
         self.seaweed = seaweed
         self.bucket = bucket
         (self.port,) = free_ports(1)
