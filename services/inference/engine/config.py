@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from services.inference.engine.limits import RequestLimits
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -26,6 +28,7 @@ class EngineConfig:
     max_loras: int = 32  # rows of the LoRA index = adapters resident in the pool at once
     max_queue: int = 1024  # requests waiting or running before generate() is refused
     cuda_graphs: bool = True  # on CUDA, run decode-only steps as captured CUDA graphs
+    limits: RequestLimits = field(default_factory=RequestLimits)  # per-request input sizes
 
     def __post_init__(self) -> None:
         if not str(self.model_dir):

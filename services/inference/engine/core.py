@@ -36,6 +36,7 @@ from services.inference.engine.errors import (
     EngineOverloaded,
     InvalidRequest,
     ModelLoadError,
+    RequestFailed,
     UnknownAdapter,
 )
 from services.inference.engine.gc_pacing import collect_if_due
@@ -101,6 +102,7 @@ class EngineCore:
         self._seq_ids = itertools.count()
         self._lock = threading.Lock()
         self._live: dict[str, Sequence] = {}  # request_id -> sequence, prepared until finished
+        self._step_failures: list[tuple[str, RequestFailed]] = []  # take_step_failures
         self.steps = self.computed_tokens = self.generated_tokens = 0
         self.last_step_ran = False
         log.info(
@@ -157,25 +159,25 @@ class EngineCore:
         """Validate a request and make its sequence; any thread. Raises before anything is
         queued: InvalidRequest, DuplicateRequest, UnknownAdapter, EngineOverloaded."""
         sp = request.sampling
+        # Sizes first, each before any work proportional to it (limits.py); the service has
+        # checked them already and passes token ids (it tokenizes: never on the step thread).
+        limits = self.config.limits
+        limits.check_request_id(request.request_id)
+        limits.check_stops(sp.stop, len(sp.stop_token_ids))
         if request.prompt is not None:
-            ids = self.tokenizer.encode(request.prompt)
+            limits.check_prompt_text(request.prompt)
+            given = self.tokenizer.encode(request.prompt)
         else:
-            ids = [_token_id(t) for t in request.prompt_token_ids]
-        if not ids:
+            given = request.prompt_token_ids
+        limits.check_prompt_tokens(len(given))
+        if not given:
             raise InvalidRequest(f"request {request.request_id}: the prompt is empty")
-        vocab = self.model_config.vocab_size
-        for i, t in enumerate(ids):
-            if t is None or not 0 <= t < vocab:
-                given = t if request.prompt_token_ids is None else request.prompt_token_ids[i]
-                raise InvalidRequest(
-                    f"request {request.request_id}: prompt token {i} is "
-                    f"{given!r}, outside the vocabulary [0, {vocab})"
-                )
-        if len(ids) + sp.max_new_tokens > self.max_len:
+        if len(given) + sp.max_new_tokens > self.max_len:
             raise InvalidRequest(
-                f"request {request.request_id}: {len(ids)} prompt tokens + max_new_tokens "
+                f"request {request.request_id}: {len(given)} prompt tokens + max_new_tokens "
                 f"{sp.max_new_tokens} exceed the context window of {self.max_len} tokens"
             )
+        ids = _vocabulary_ids(given, self.model_config.vocab_size, request.request_id)
         adapter_pages = 0
         if request.adapter is not None:
             host = self.adapters.get(request.adapter)
@@ -294,13 +296,51 @@ class EngineCore:
             self.computed_tokens += s.num_tokens
         if not sampling:
             return []
+        finite = torch.isfinite(logits).all(dim=-1)  # [S]; the sampler's sync waits for it too
         tokens = self.sampler(
             logits, [q.sampling for q in sampling], [q.generator for q in sampling]
         ).tolist()
         if self.logits_hook is not None:
             for i, seq in enumerate(sampling):
                 self.logits_hook(seq.request_id, logits[i])
-        return [self._append(seq, tok) for seq, tok in zip(sampling, tokens, strict=True)]
+        return self._append_all(sampling, tokens, finite.tolist())
+
+    # --- failures that stay with their request ----------------------------------------------
+
+    def _append_all(self, sampling, tokens: list[int], finite: list[bool]) -> list:
+        """Each sampled token's output; a request whose logits are not finite, or whose token
+        cannot be taken (its detokenizer or stop strings fail), ends with RequestFailed
+        (take_step_failures) and the others go on."""
+        outputs = []
+        for seq, token, ok in zip(sampling, tokens, finite, strict=True):
+            if not ok:
+                where = "its adapter" if seq.adapter is not None else "the base model"
+                self._fail(seq, RequestFailed(
+                    f"request {seq.request_id}: {where} produced logits that are not finite "
+                    f"(NaN or infinite) for token {len(seq.output_ids)}; "
+                    + ("the adapter's weights do not work with this base model"
+                       if seq.adapter is not None else "the request cannot go on")
+                ))  # fmt: skip
+                continue
+            try:
+                outputs.append(self._append(seq, token))
+            except Exception as exc:
+                log.exception("request %s failed in the step", seq.request_id)
+                self._fail(seq, RequestFailed(
+                    f"request {seq.request_id} failed in the engine: {type(exc).__name__}: {exc}"
+                ))  # fmt: skip
+        return outputs
+
+    def _fail(self, seq: Sequence, error: RequestFailed) -> None:
+        if seq.status is not SequenceStatus.FINISHED:
+            self._finish(seq, FinishReason.ABORT, (), "")
+        self._step_failures.append((seq.request_id, error))
+
+    def take_step_failures(self) -> list[tuple[str, RequestFailed]]:
+        """(request_id, error) of the requests that steps ended since the last call (step
+        thread); their streams end with the error."""
+        failures, self._step_failures = self._step_failures, []
+        return failures
 
     def _append(self, seq: Sequence, token: int) -> GenerationOutput:
         self.generated_tokens += 1
@@ -363,6 +403,22 @@ def load_failed(key: AdapterKey, cause: BaseException) -> AdapterLoadFailed:
         f"adapter {key} could not be copied into the GPU page pool "
         f"({type(cause).__name__}: {cause}); the engine keeps serving, retry later"
     )
+
+
+def _vocabulary_ids(given, vocab: int, request_id: str) -> list[int]:
+    """``given`` as a list of token ids in [0, vocab); InvalidRequest names the first that is
+    not. Plain ints take C-speed checks only (a long prompt costs the step thread ~1 ms)."""
+    ids = list(given)
+    if set(map(type, ids)) <= {int} and min(ids) >= 0 and max(ids) < vocab:
+        return ids
+    ids = [_token_id(t) for t in ids]
+    for i, t in enumerate(ids):
+        if t is None or not 0 <= t < vocab:
+            raise InvalidRequest(
+                f"request {request_id}: prompt token {i} is {given[i]!r}, outside the "
+                f"vocabulary [0, {vocab})"
+            )
+    return ids
 
 
 def _token_id(value: object) -> int | None:
