@@ -74,8 +74,11 @@ class StoreProcess:
         bucket: str | None = None,
         extra_args: tuple[str, ...] = (),
         root: Path | None = None,
+        python_args: tuple[str, ...] = ("-m", "services.adapter_store"),
     ) -> None:
-        """``root``: the local backend's directory (default: under ``workdir``)."""
+        """``root``: the local backend's directory (default: under ``workdir``);
+        ``python_args``: what the interpreter runs, before the store's flags."""
+        self.python_args = python_args
         self.backend = backend
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -99,7 +102,7 @@ class StoreProcess:
         self.log_path = self.workdir / "store.log"
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "services.adapter_store", *self.args],
+            [sys.executable, *self.python_args, *self.args],
             cwd=REPO,
             env=self.env,
             stdout=self._log,
