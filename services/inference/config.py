@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from services.inference.engine.limits import RequestLimits
+
 ENV_PREFIX = "LORAFLEET_INFERENCE_"
 DEVICES = ("cpu", "cuda", "auto")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -40,6 +42,13 @@ class ServiceConfig:
     shutdown_grace_s: float = 5.0  # in-flight streams may finish within this after SIGTERM
     log_level: str = "INFO"
     engine: str = "process"  # where the step loop runs: its own process, or a thread here
+    # Per-request inputs, each checked before work proportional to it (engine/limits.py).
+    max_request_id_chars: int = RequestLimits.max_request_id_chars
+    max_prompt_bytes: int = RequestLimits.max_prompt_bytes
+    max_prompt_tokens: int = RequestLimits.max_prompt_tokens
+    max_stop_strings: int = RequestLimits.max_stop_strings
+    max_stop_string_chars: int = RequestLimits.max_stop_string_chars
+    max_stop_token_ids: int = RequestLimits.max_stop_token_ids
 
     def __post_init__(self) -> None:
         if not str(self.model):
@@ -60,7 +69,8 @@ class ServiceConfig:
             host, sep, port = self.adapter_store.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"--adapter-store must be HOST:PORT, got {self.adapter_store!r}")
-        for name in ("max_queue", "max_num_seqs", "max_loras", "max_lora_rank", "host_cache_mb"):
+        for name in ("max_queue", "max_num_seqs", "max_loras", "max_lora_rank", "host_cache_mb",
+                     *_LIMITS):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
         for name in ("num_pages", "pool_memory_mb"):
@@ -80,6 +90,10 @@ class ServiceConfig:
     @property
     def host_cache_bytes(self) -> int:
         return self.host_cache_mb * 2**20
+
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(**{name: getattr(self, name) for name in _LIMITS})
 
     @classmethod
     def from_args(
@@ -109,6 +123,8 @@ class ServiceConfig:
             raise  # unreachable: parser.error exits
 
 
+_LIMITS = tuple(f.name for f in fields(RequestLimits))
+
 # Variables the whole stack shares (the CLI finds the store through LORAFLEET_ADAPTER_STORE too).
 _SHARED_ENV = {"log_level": "LORAFLEET_LOG_LEVEL", "adapter_store": "LORAFLEET_ADAPTER_STORE"}
 
@@ -126,6 +142,7 @@ _TYPES = {
     "store_timeout_s": float,
     "fetch_timeout_s": float,
     "shutdown_grace_s": float,
+    **dict.fromkeys(_LIMITS, int),
 }
 
 _HELP = {
@@ -149,6 +166,13 @@ _HELP = {
     "log_level": "DEBUG, INFO, WARNING or ERROR (also LORAFLEET_LOG_LEVEL)",
     "engine": "where the engine's step loop runs: 'process' (default: its own process, so no "
     "gRPC Python shares its GIL) or 'thread' (a thread of the service process)",
+    "max_request_id_chars": "longest request_id accepted (default 256)",
+    "max_prompt_bytes": "largest text prompt in UTF-8 bytes, checked before tokenizing "
+    "(default 1048576)",
+    "max_prompt_tokens": "most prompt tokens (default 131072; the context window bounds them too)",
+    "max_stop_strings": "most stop strings per request (default 16)",
+    "max_stop_string_chars": "longest stop string in characters (default 1024)",
+    "max_stop_token_ids": "most stop_token_ids per request (default 128)",
 }
 
 

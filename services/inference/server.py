@@ -29,6 +29,7 @@ from services.inference.host_cache import HostCache
 from services.inference.metrics import ServiceMetrics
 from services.inference.servicer import InferenceServicer
 from services.inference.store_client import StoreClient
+from services.inference.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ def engine_config(config: ServiceConfig) -> EngineConfig:
         max_lora_rank=config.max_lora_rank,
         max_loras=config.max_loras,
         max_queue=config.max_queue + config.max_num_seqs,
+        limits=config.limits,
     )
 
 
@@ -133,8 +135,12 @@ class InferenceServer:
             self._follower = asyncio.create_task(
                 self._store.follow(registry.on_event, registry.forget_latest)
             )
+        # The service tokenizes prompts itself (servicer.py), never the engine's step thread.
+        tokenizer = getattr(self.engine, "tokenizer", None) or await asyncio.to_thread(
+            Tokenizer.from_model_dir, cfg.model
+        )
         self.servicer = InferenceServicer(
-            self.engine, registry, metrics, cfg.model.name, str(device)
+            self.engine, registry, metrics, cfg.model.name, str(device), tokenizer, cfg.limits
         )
         if cfg.metrics_port is not None:
             self.metrics_port = self.servicer.metrics.serve(cfg.metrics_port, cfg.host)
