@@ -94,8 +94,14 @@ def _first_tail_match(patterns: tuple[str, ...], key: str) -> int | None:
 def _list_matches(names: frozenset[str], key: str) -> bool:
     """Whether a name equals ``key`` or one of its dot-separated tails (PEFT's rule): a few set
     lookups per key however long the list."""
-    parts = key.split(".")
-    return any(".".join(parts[i:]) in names for i in range(len(parts)))
+    if key in names:
+        return True
+    dot = key.find(".")
+    while dot >= 0:
+        if key[dot + 1 :] in names:
+            return True
+        dot = key.find(".", dot + 1)
+    return False
 
 
 @dataclass(frozen=True)
@@ -295,8 +301,11 @@ def _layers(data: dict[str, Any], regex: str | None) -> tuple[int, ...] | None:
     raw = data.get("layers_to_transform")
     if raw is None or raw == []:
         return None
-    if regex is not None:
-        raise AdapterFormatError("layers_to_transform cannot be used with a regex target_modules")
+    if regex is not None or isinstance(data.get("target_modules"), str):
+        # PEFT refuses it with any string target_modules, "all-linear" included.
+        raise AdapterFormatError(
+            'layers_to_transform cannot be used with a regex or "all-linear" target_modules'
+        )
     values = [raw] if isinstance(raw, int) and not isinstance(raw, bool) else raw
     if not isinstance(values, list) or not all(
         isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_LAYERS for v in values
@@ -334,11 +343,15 @@ def parse_adapter_config(
         exclude_names=exclude_names,
         exclude_regex=exclude_regex,
     )
-    probe = max([_PROBE_LAYERS - 1, *(config.layers_to_transform or ())]) + 1
+    probe = range(_PROBE_LAYERS)
+    names = config.target_names | config.exclude_names
+    if regex is None and exclude_regex is None and not any(c.isdigit() for n in names for c in n):
+        # Names without a layer index match every layer alike (but layers_to_transform's).
+        probe = config.layers_to_transform or (0,)
     targeted = tuple(
         module
         for module in SUPPORTED_MODULES
-        if any(config.targets(layer, module) for layer in range(probe))
+        if any(config.targets(layer, module) for layer in probe)
     )
     if not targeted:
         raise AdapterFormatError(

@@ -107,7 +107,7 @@ def _entry(name: str, info: object) -> TensorEntry:
         raise AdapterFormatError(f"safetensors header entry {name!r} is not an object")
     layer, module, kind = _parse_name(name)
     dtype = info.get("dtype")
-    if dtype not in DTYPE_SIZES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
         raise AdapterFormatError(
             f"tensor {name} has dtype {dtype!r}; supported are {', '.join(DTYPE_SIZES)}"
         )

@@ -191,3 +191,15 @@ def test_upload_check_bounds_and_order():
     with pytest.raises(InvalidRequest, match="more bytes than its header"):
         check.feed(b"\0")
     assert struct.unpack("<Q", data[:8])[0] > 0
+
+
+def test_found_by_the_fuzzer():
+    """A dtype that is not a string was a TypeError (INTERNAL); PEFT refuses
+    layers_to_transform with target_modules "all-linear", and so does the store now."""
+    name = tensor_name(0, "q_proj", "A")
+    text = json.dumps({name: {"dtype": {}, "shape": [4, 16], "data_offsets": [0, 128]}})
+    with pytest.raises(AdapterFormatError, match="has dtype {}"):
+        parse_safetensors_header(struct.pack("<Q", len(text)) + text.encode())
+    with pytest.raises(AdapterFormatError, match="layers_to_transform cannot be used"):
+        parse_adapter_config(lora_config_json(4, 8, [], target_modules="all-linear",
+                                              layers_to_transform=[0]))  # fmt: skip
