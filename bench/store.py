@@ -320,7 +320,7 @@ def main() -> int:
         "store_over_direct": round(ratio, 3),
         "grpc_alone_over_direct": round(floor, 3),
         "upload_value_check_over_none": round(checked, 3),
-        "command": "python bench/store.py",
+        "command": " ".join(["python bench/store.py", *sys.argv[1:]]),
         "goal": ">= 0.8",
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
