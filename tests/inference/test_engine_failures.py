@@ -127,3 +127,49 @@ def test_a_failing_detokenizer_fails_only_its_request(core):
     assert len(results["broken"].token_ids) == 2  # the tokens before the failure streamed
     core.check_integrity()
     assert core.stats().kv_pages == 0
+
+
+def test_a_forward_pass_that_fails_on_one_request_fails_only_that_request(core):
+    """A token id the embedding cannot look up (it passed prepare's checks and was damaged
+    after them): the step's forward pass raises; run one by one, only that request fails."""
+    healthy = [_request("base"), _request("good", GOOD)]
+    alone = {}
+    for request in healthy:
+        alone.update(run(core, {0: [request]}))
+    for request in healthy:
+        core.add_request(request)
+    seq = core.prepare(_request("damaged"))
+    seq.prompt_ids[3] = core.model_config.vocab_size + 7
+    core.enqueue(seq)
+    results = run(core, {})
+    failures = dict(core.take_step_failures())
+    assert list(failures) == ["damaged"]
+    assert "the model failed on its data (IndexError" in str(failures["damaged"])
+    for request in healthy:
+        assert results[request.request_id].token_ids == alone[request.request_id].token_ids
+    core.check_integrity()
+    assert core.stats().kv_pages == 0
+
+
+def test_a_step_that_fails_for_every_request_again_and_again_is_the_engines_fault(core):
+    """Steps in a row in which every request fails alone: the first two fail their requests,
+    the third raises (the engine stops, and the service with it, for a supervisor to restart);
+    a step that runs in between resets the count."""
+
+    def damaged(rid: str) -> None:
+        seq = core.prepare(_request(rid))
+        seq.prompt_ids[0] = -1
+        core.enqueue(seq)
+
+    damaged("d0")
+    damaged("d1")
+    core.step()
+    assert [rid for rid, _ in core.take_step_failures()] == ["d0", "d1"]
+    run(core, {0: [_request("fine", n=2)]})
+    for rid in ("d2", "d3"):
+        damaged(rid)
+        core.step()
+    assert [rid for rid, _ in core.take_step_failures()] == ["d2", "d3"]
+    damaged("d4")
+    with pytest.raises(IndexError):
+        core.step()

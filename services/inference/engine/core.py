@@ -56,6 +56,8 @@ from store.peft import BaseModelShape
 
 log = logging.getLogger(__name__)
 
+# Steps in a row whose every sequence fails alone before the failure is the engine's (_execute).
+MAX_FAILED_STEPS = 3
 # Called with (request_id, logits [vocab] float32) for every sampled token: a test hook.
 LogitsHook = Callable[[str, torch.Tensor], None]
 
@@ -103,6 +105,7 @@ class EngineCore:
         self._lock = threading.Lock()
         self._live: dict[str, Sequence] = {}  # request_id -> sequence, prepared until finished
         self._step_failures: list[tuple[str, RequestFailed]] = []  # take_step_failures
+        self._failed_steps = 0  # steps in a row in which every sequence failed (_execute)
         self.steps = self.computed_tokens = self.generated_tokens = 0
         self.last_step_ran = False
         log.info(
@@ -281,7 +284,7 @@ class EngineCore:
             )  # fmt: skip
             for s in scheduled
         ]
-        logits = self.runner.execute(entries)  # [sampling sequences, vocab]
+        logits, scheduled = self._execute(scheduled, entries)  # [sampling sequences, vocab]
         # The GPU computes meanwhile (the step's work is queued; the sampler's sync waits for
         # it), so the adapter copies prepared for this step are issued now, and a collection
         # due now costs nothing; on CPU both simply run after the forward.
@@ -306,6 +309,41 @@ class EngineCore:
         return self._append_all(sampling, tokens, finite.tolist())
 
     # --- failures that stay with their request ----------------------------------------------
+
+    def _execute(self, scheduled, entries):
+        """The step's logits, and the scheduled sequences they are for. A forward pass that
+        raises (a kernel's error on one request's data) runs again one sequence at a time: a
+        sequence that fails alone ends with RequestFailed, the others keep their logits (each
+        one's K/V is written again, at the same positions). When every sequence fails alone in
+        MAX_FAILED_STEPS steps in a row, the fault is the engine's, not a request's: raised."""
+        try:
+            logits = self.runner.execute(entries)
+            self._failed_steps = 0
+            return logits, scheduled
+        except Exception as exc:
+            log.warning("a step of %d sequences failed (%r); running them one by one",
+                        len(entries), exc)  # fmt: skip
+            error = exc
+        rows, kept = [], []
+        for s, entry in zip(scheduled, entries, strict=True):
+            try:
+                row = self.runner.execute([entry])
+            except Exception as exc:  # noqa: BLE001 (reported to the request, and logged)
+                log.warning("request %s fails alone: %r", s.seq.request_id, exc)
+                self._fail(s.seq, RequestFailed(
+                    f"request {s.seq.request_id}: the model failed on its data "
+                    f"({type(exc).__name__}: {exc}); the engine keeps serving"
+                ))  # fmt: skip
+                continue
+            kept.append(s)
+            if s.samples:
+                rows.append(row.clone())  # a graph's output is overwritten by the next run
+        self._failed_steps = 0 if kept else self._failed_steps + 1
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            raise error
+        vocab = self.model_config.vocab_size
+        logits = torch.cat(rows) if rows else torch.empty(0, vocab, device=self.device)
+        return logits, kept
 
     def _append_all(self, sampling, tokens: list[int], finite: list[bool]) -> list:
         """Each sampled token's output; a request whose logits are not finite, or whose token
