@@ -16,6 +16,12 @@ loopback ports, uploads the adapter, then alternates timed reads of the same obj
 
 Prints a table and writes bench/results/store.json. Goal: store >= 0.8x direct.
 
+Upload throughput, side by side in the same run: UploadAdapter of the same adapter (1 MiB
+chunks) to the store as shipped, which checks every tensor value as the bytes stream in
+(store/tensor_values.py), and to a second store process, identical but for that check, which it
+skips (``no_value_check``: the cost of the check is the difference). Each upload's version is
+deleted after it, so storage does not grow.
+
     python bench/store.py [--repeats 7] [--out bench/results/store.json]
 
 Needs only pip wheels (boto3, grpcio, grpcio-health-checking, grpcio-reflection, protobuf,
@@ -131,6 +137,23 @@ def fetch_direct(client, bucket: str, key: str) -> tuple[float, bytes]:
     return time.perf_counter() - start, body
 
 
+# The store without the value check: the same code, with ValueChecker.feed a no-op.
+NO_VALUE_CHECK = (
+    "-c",
+    "import runpy, store.tensor_values as v; v.ValueChecker.feed = lambda self, data: None; "
+    "runpy.run_module('services.adapter_store', run_name='__main__')",
+)
+
+
+def upload_to(store: StoreProcess, files) -> float:
+    """One UploadAdapter of ``files`` in 1 MiB chunks, its version deleted afterwards."""
+    start = time.perf_counter()
+    info = store.stub.UploadAdapter(upload_requests(ADAPTER_ID + "-up", files, 1 << 20))
+    elapsed = time.perf_counter() - start
+    store.stub.DeleteAdapter(pb.DeleteAdapterRequest(adapter_id=info.adapter_id))
+    return elapsed
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process and its reaped children, from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -187,9 +210,13 @@ def main() -> int:
         seaweed = SeaweedServer(Path(tmp) / "seaweed", bucket="bench")
         seaweed.start()
         store = StoreProcess(Path(tmp) / "store", "s3", seaweed, "bench")
+        unchecked = StoreProcess(
+            Path(tmp) / "unchecked", "s3", seaweed, "bench", python_args=NO_VALUE_CHECK
+        )
         memory, memory_address = start_memory_server(files.safetensors)
         try:
             store.start()
+            unchecked.start()
             info = store.stub.UploadAdapter(upload_requests(ADAPTER_ID, files, 1 << 20))
             (key,) = store.blob_keys(ADAPTER_ID)
             client = seaweed.client()
@@ -221,10 +248,24 @@ def main() -> int:
                     times[path].append(elapsed)
                     for name, seconds in spent.items():
                         cpu[path][name] = cpu[path].get(name, 0.0) + seconds / args.repeats
+            uploads = {"upload": store, "upload_no_value_check": unchecked}
+            for target in uploads.values():
+                upload_to(target, files)  # warm: connections, the store's first multipart
+            for _ in range(args.repeats):
+                for path, target in uploads.items():
+                    upload_pids = {"seaweedfs": seaweed.process.pid, "adapter_store":
+                                   target.process.pid, "client": os.getpid()}  # fmt: skip
+                    elapsed, spent = timed(lambda t=target: upload_to(t, files), upload_pids)
+                    times.setdefault(path, []).append(elapsed)
+                    for name, seconds in spent.items():
+                        row = cpu.setdefault(path, {})
+                        row[name] = row.get(name, 0.0) + seconds / args.repeats
             assert store.stop() == 0
+            assert unchecked.stop() == 0
         finally:
-            if store.process is not None:
-                store.process.kill()
+            for process in (store, unchecked):
+                if process.process is not None:
+                    process.process.kill()
             memory.kill()
             seaweed.stop()
 
@@ -252,12 +293,15 @@ def main() -> int:
         )
     floor = rows["grpc"]["mb_per_s"] / rows["direct"]["mb_per_s"]
     print(f"store / direct: {ratio:.2f}x (goal >= 0.8x); gRPC alone / direct: {floor:.2f}x")
+    checked = rows["upload"]["mb_per_s"] / rows["upload_no_value_check"]["mb_per_s"]
+    print(f"upload with the value check / without: {checked:.3f}x")
     floors = ", ".join(f"{k} {v['cpu_bound_floor_s']:.3f}s" for k, v in rows.items())
     print(f"CPU-bound floor on {cores} cores (total CPU / cores): {floors}")
 
     result = {
         "benchmark": "adapter store FetchAdapter vs boto3 get_object, same SeaweedFS; "
-        "gRPC alone streaming the bytes from memory",
+        "gRPC alone streaming the bytes from memory; UploadAdapter with and without the check "
+        "of tensor values",
         "adapter": {
             "shape": "llama-7b",
             "rank": RANK,
@@ -275,6 +319,8 @@ def main() -> int:
         "results": rows,
         "store_over_direct": round(ratio, 3),
         "grpc_alone_over_direct": round(floor, 3),
+        "upload_value_check_over_none": round(checked, 3),
+        "command": " ".join(["python bench/store.py", *sys.argv[1:]]),
         "goal": ">= 0.8",
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),

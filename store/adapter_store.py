@@ -15,10 +15,17 @@ from typing import NamedTuple
 from store.backends.base import ObjectNotFound, ObjectStore
 from store.catalog import Catalog
 from store.config import StoreConfig
-from store.errors import AdapterNotFound, DataCorruption, InvalidRequest, ShuttingDown
+from store.errors import (
+    AdapterNotFound,
+    DataCorruption,
+    InvalidRequest,
+    ShuttingDown,
+    TooManyUploads,
+    UploadTimedOut,
+)
 from store.events import AdapterEvent, EventBus, EventKind
 from store.fetch import FetchPlan, stream_blob
-from store.layout import check_adapter_id, check_prefix, check_version
+from store.layout import BLOBS, check_adapter_id, check_prefix, check_version
 from store.manifest import AdapterRecord
 from store.peft import parse_adapter_config
 from store.upload import UploadHeader, UploadLimits, UploadSession
@@ -65,17 +72,33 @@ class AdapterStore:
         cancellation included, nothing of the upload remains visible or stored."""
         if self.closing:
             raise ShuttingDown("the store is shutting down")
-        config = parse_adapter_config(header.adapter_config_json, self.config.max_rank)
-        session = UploadSession(self.backend, header, config, self._limits)
+        if len(self._uploads) >= self.config.max_concurrent_uploads:
+            raise TooManyUploads(
+                f"{len(self._uploads)} uploads are in flight, as many as this store takes at "
+                "once (--max-concurrent-uploads); retry later"
+            )
         task = asyncio.current_task()
-        self._uploads.add(task)
+        self._uploads.add(task)  # before any await: the limit holds however many arrive at once
         try:
-            async for chunk in chunks:
-                await session.write(chunk)
-            blob = await session.finish()
-        except BaseException:
-            await self._cleanup(self._abort_session(session))
-            raise
+            # Regexes and all: parsing costs up to tens of milliseconds, off the event loop.
+            config = await asyncio.to_thread(
+                parse_adapter_config, header.adapter_config_json, self.config.max_rank
+            )
+            session = UploadSession(self.backend, header, config, self._limits)
+            timer = asyncio.timeout(self.config.upload_timeout_s)
+            try:
+                async with timer:
+                    async for chunk in chunks:
+                        await session.write(chunk)
+                    blob = await session.finish()
+            except BaseException:
+                await self._cleanup(self._abort_session(session))
+                if timer.expired():
+                    raise UploadTimedOut(
+                        f"the upload took longer than {self.config.upload_timeout_s:g} s "
+                        "(--upload-timeout-s)"
+                    ) from None
+                raise
         finally:
             self._uploads.discard(task)
         first = blob.header.tensors[0]
@@ -124,6 +147,17 @@ class AdapterStore:
         except Exception:
             log.warning("could not delete %s yet; will retry", key, exc_info=True)
             self._leftover_blobs.append(key)
+
+    async def sweep_uploads(self) -> list[str]:
+        """Abort the unfinished multipart uploads of this store's blobs that no live upload
+        owns, left by a store process that was killed (kill -9, a crash) mid-upload. The
+        local backend knows them exactly (a live upload holds a lock on its file); on S3 they
+        are those begun more than --stale-upload-s ago, since no store keeps an upload longer
+        than --upload-timeout-s. Returns their keys."""
+        keys = await self.backend.abort_stale_uploads(BLOBS, self.config.stale_upload_after_s)
+        for key in keys:
+            log.warning("aborted %s, an upload left unfinished by a store that stopped", key)
+        return keys
 
     async def retry_cleanup(self) -> None:
         """Retry aborts and deletes that failed while storage was down."""

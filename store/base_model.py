@@ -11,6 +11,9 @@ from typing import Any, NamedTuple
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+# Layer indices an adapter may name: far above any model of the supported families (Llama 3.1
+# 405B has 126 layers), and a bound on the work that checking an adapter's layers costs.
+MAX_LAYERS = 256
 
 
 class ModuleDims(NamedTuple):

@@ -57,6 +57,13 @@ class StoreConfig:
     fetch_chunk_bytes: int = 4 * MIB - 4096
     fetch_queue_chunks: int = 2
     upload_parts_in_flight: int = 2
+    # Uploads in flight at once: each holds up to upload_parts_in_flight + 1 parts and a chunk.
+    max_concurrent_uploads: int = 8
+    # An upload still running after this long fails. So an unfinished S3 multipart upload of
+    # the store's blobs begun longer ago than stale_upload_s (at least upload_timeout_s; by
+    # default 5 minutes more, for clocks that disagree) is no live upload's, and is aborted.
+    upload_timeout_s: float = 1800.0
+    stale_upload_s: float | None = None
     probe_interval_s: float = 5.0  # how often the service checks that storage answers
 
     def __post_init__(self) -> None:
@@ -79,17 +86,30 @@ class StoreConfig:
             "fetch_parallelism",
             "fetch_queue_chunks",
             "upload_parts_in_flight",
+            "max_concurrent_uploads",
             "max_attempts",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        for name in ("connect_timeout_s", "read_timeout_s", "probe_interval_s"):
+        for name in ("connect_timeout_s", "read_timeout_s", "probe_interval_s", "upload_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.stale_upload_s is not None and self.stale_upload_s < self.upload_timeout_s:
+            raise ValueError(
+                "stale_upload_s must be at least upload_timeout_s: an upload younger than the "
+                "timeout may still be live"
+            )
         if logging.getLevelName(self.log_level.upper()) not in range(0, 100):
             raise ValueError(f"unknown log level {self.log_level!r}")
         if self.base_model_config is not None and not self.base_model_config.is_file():
             raise ValueError(f"--base-model-config {self.base_model_config} is not a file")
+
+    @property
+    def stale_upload_after_s(self) -> float:
+        """Age past which an unfinished multipart upload on S3 is left over (sweep_uploads)."""
+        if self.stale_upload_s is not None:
+            return self.stale_upload_s
+        return self.upload_timeout_s + 300.0
 
     @cached_property
     def base_shape(self) -> BaseModelShape | None:
@@ -126,6 +146,9 @@ class StoreConfig:
             base_model_config=Path(args.base_model_config) if args.base_model_config else None,
             log_level=args.log_level.upper(),
             probe_interval_s=args.probe_interval_s,
+            max_concurrent_uploads=args.max_concurrent_uploads,
+            upload_timeout_s=args.upload_timeout_s,
+            stale_upload_s=args.stale_upload_s,
         )
 
 
@@ -147,6 +170,24 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-adapter-bytes", type=int, default=d.max_adapter_bytes)
     parser.add_argument("--max-rank", type=int, default=d.max_rank)
+    parser.add_argument(
+        "--max-concurrent-uploads",
+        type=int,
+        default=d.max_concurrent_uploads,
+        help="uploads in flight at once; more fail RESOURCE_EXHAUSTED",
+    )
+    parser.add_argument(
+        "--upload-timeout-s",
+        type=float,
+        default=d.upload_timeout_s,
+        help="seconds one upload may take; longer ones fail DEADLINE_EXCEEDED",
+    )
+    parser.add_argument(
+        "--stale-upload-s",
+        type=float,
+        help="s3 backend: unfinished multipart uploads under blobs/ begun longer ago than this "
+        "are aborted (default: --upload-timeout-s + 300)",
+    )
     parser.add_argument(
         "--base-model-config", help="config.json of the base model that adapters must fit"
     )

@@ -27,6 +27,14 @@ class AdapterTooLarge(StoreError):
     """The adapter is larger than the store's configured limit."""
 
 
+class TooManyUploads(StoreError):
+    """As many uploads as the store takes at once are in flight; retry later."""
+
+
+class UploadTimedOut(StoreError):
+    """The upload took longer than the store allows one upload to take."""
+
+
 class StorageUnavailable(StoreError):
     """The backing storage cannot be reached or did not answer in time; retrying may succeed."""
 

@@ -6,10 +6,17 @@ Matching follows PEFT: a module is named by its key in the base model, e.g.
 ``.<target>``; a string target is a regex that must match the whole key. rank_pattern and
 alpha_pattern keys are regexes matched against the key's tail (``(.*\\.)?(<key>)$``); the first
 matching key in the file's order wins.
+
+Regexes are matched with RE2, in time linear in the module name: Python's backtracking ``re``
+(which PEFT uses) takes exponential time on patterns such as ``(.*)*x``, so one adapter's config
+could keep a validator busy for hours. A regex must compile with both (RE2 has no
+backreferences or lookarounds); for every pattern both accept, both give the same answer on
+module names.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -18,13 +25,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from store.base_model import ATTENTION_MODULES, SUPPORTED_MODULES
+import re2
+
+from store.base_model import ATTENTION_MODULES, MAX_LAYERS, SUPPORTED_MODULES
 from store.format_errors import AdapterFormatError
 
 MAX_CONFIG_BYTES = 1 << 20
-# Regex targets are resolved to module names by probing this many layers; no model in the
-# supported families comes close to it.
-_PROBE_LAYERS = 256
+# Entries of rank_pattern / alpha_pattern: each may be matched against every module.
+MAX_PATTERNS = 256
+# Regex targets are resolved to module names by probing every layer an adapter may have.
+_PROBE_LAYERS = MAX_LAYERS
 _UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
 # Options that change what the adapter computes in ways the LoRA kernels do not implement.
 _FLAG_OPTIONS = {
@@ -55,12 +65,43 @@ def module_key(layer: int, module: str) -> str:
     return f"model.layers.{layer}.{block}.{module}"
 
 
-def _tail_matches(pattern: str, key: str) -> bool:
-    return re.match(rf"(.*\.)?({pattern})$", key) is not None
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False  # a refused pattern is the caller's error, reported as such
 
 
-def _list_matches(names: tuple[str, ...], key: str) -> bool:
-    return any(key == name or key.endswith(f".{name}") for name in names)
+@functools.lru_cache(maxsize=1024)
+def _regex(pattern: str):
+    return re2.compile(pattern, _RE2_OPTIONS)
+
+
+@functools.lru_cache(maxsize=256)
+def _tail_set(patterns: tuple[str, ...]):
+    """One RE2 set of every pattern's tail match: one pass over a key finds all that match."""
+    table = re2.Set.MatchSet(_RE2_OPTIONS)
+    for pattern in patterns:
+        table.Add(rf"(.*\.)?({pattern})$")
+    table.Compile()
+    return table
+
+
+def _first_tail_match(patterns: tuple[str, ...], key: str) -> int | None:
+    if not patterns:
+        return None
+    matched = _tail_set(patterns).Match(key)
+    return min(matched) if matched else None
+
+
+def _list_matches(names: frozenset[str], key: str) -> bool:
+    """Whether a name equals ``key`` or one of its dot-separated tails (PEFT's rule): a few set
+    lookups per key however long the list."""
+    if key in names:
+        return True
+    dot = key.find(".")
+    while dot >= 0:
+        if key[dot + 1 :] in names:
+            return True
+        dot = key.find(".", dot + 1)
+    return False
 
 
 @dataclass(frozen=True)
@@ -73,24 +114,18 @@ class LoraAdapterConfig:
     alpha_pattern: Mapping[str, float] = field(default_factory=lambda: types.MappingProxyType({}))
     layers_to_transform: tuple[int, ...] | None = None
     # How targets are matched, as in the file: list entries, or one regex (target_regex).
-    target_names: tuple[str, ...] = ()
+    target_names: frozenset[str] = frozenset()
     target_regex: str | None = None
-    exclude_names: tuple[str, ...] = ()
+    exclude_names: frozenset[str] = frozenset()
     exclude_regex: str | None = None
 
     def rank(self, layer: int, module: str) -> int:
-        key = module_key(layer, module)
-        for pattern, rank in self.rank_pattern.items():
-            if _tail_matches(pattern, key):
-                return rank
-        return self.r
+        first = _first_tail_match(tuple(self.rank_pattern), module_key(layer, module))
+        return self.r if first is None else list(self.rank_pattern.values())[first]
 
     def alpha(self, layer: int, module: str) -> float:
-        key = module_key(layer, module)
-        for pattern, alpha in self.alpha_pattern.items():
-            if _tail_matches(pattern, key):
-                return alpha
-        return self.lora_alpha
+        first = _first_tail_match(tuple(self.alpha_pattern), module_key(layer, module))
+        return self.lora_alpha if first is None else list(self.alpha_pattern.values())[first]
 
     def scale(self, layer: int, module: str) -> float:
         """The factor PEFT multiplies B·A·x by: alpha/r, or alpha/sqrt(r) with rsLoRA."""
@@ -103,12 +138,12 @@ class LoraAdapterConfig:
         if module not in SUPPORTED_MODULES:
             return False
         key = module_key(layer, module)
-        if self.exclude_regex is not None and re.fullmatch(self.exclude_regex, key):
+        if self.exclude_regex is not None and _regex(self.exclude_regex).fullmatch(key):
             return False
         if _list_matches(self.exclude_names, key):
             return False
         if self.target_regex is not None:
-            return re.fullmatch(self.target_regex, key) is not None
+            return _regex(self.target_regex).fullmatch(key) is not None
         if not _list_matches(self.target_names, key):
             return False
         return self.layers_to_transform is None or layer in self.layers_to_transform
@@ -141,8 +176,16 @@ def _compile(pattern: Any, what: str) -> str:
         raise AdapterFormatError(f"{what} is longer than 1024 characters")
     try:
         re.compile(pattern)
-    except re.error as exc:
-        raise AdapterFormatError(f"{what} {pattern!r} is not a valid regex: {exc}") from exc
+    except (re.error, RecursionError, OverflowError) as exc:
+        raise AdapterFormatError(f"{what} {pattern[:80]!r} is not a valid regex: {exc}") from exc
+    try:
+        _regex(pattern)
+        _tail_set((pattern,))
+    except re2.error as exc:
+        raise AdapterFormatError(
+            f"{what} {pattern[:80]!r} uses regex syntax that cannot be matched in linear time "
+            f"(backreferences, lookarounds): {exc}"
+        ) from None
     return pattern
 
 
@@ -159,35 +202,37 @@ def _check_name(name: Any, what: str) -> str:
     return name
 
 
-def _targets(data: dict[str, Any]) -> tuple[tuple[str, ...], str | None]:
+def _targets(data: dict[str, Any]) -> tuple[frozenset[str], str | None]:
     raw = data.get("target_modules")
     if raw == "all-linear" or raw == ["all-linear"]:
-        return SUPPORTED_MODULES, None
+        return frozenset(SUPPORTED_MODULES), None
     if isinstance(raw, str):
         regex = _compile(raw, "target_modules")
         for other in ("model.embed_tokens", "lm_head"):
-            if re.fullmatch(regex, other):
+            if _regex(regex).fullmatch(other):
                 leaf = other.rsplit(".", 1)[-1]
                 raise AdapterFormatError(
                     f"LoRA on {leaf} is not supported (target_modules {regex!r} matches it)"
                 )
-        return (), regex
+        return frozenset(), regex
     if isinstance(raw, list) and raw:
-        return tuple(_check_name(name, "target_modules") for name in raw), None
+        return frozenset(_check_name(name, "target_modules") for name in raw), None
     raise AdapterFormatError(
-        f"target_modules must be a non-empty list of module names or a regex, got {raw!r}"
+        f"target_modules must be a non-empty list of module names or a regex, got {raw!r:.200}"
     )
 
 
-def _excludes(data: dict[str, Any]) -> tuple[tuple[str, ...], str | None]:
+def _excludes(data: dict[str, Any]) -> tuple[frozenset[str], str | None]:
     raw = data.get("exclude_modules")
     if raw is None or raw == []:
-        return (), None
+        return frozenset(), None
     if isinstance(raw, str):
-        return (), _compile(raw, "exclude_modules")
+        return frozenset(), _compile(raw, "exclude_modules")
     if isinstance(raw, list) and all(isinstance(n, str) and n for n in raw):
-        return tuple(raw), None
-    raise AdapterFormatError(f"exclude_modules must be a list of names or a regex, got {raw!r}")
+        return frozenset(raw), None
+    raise AdapterFormatError(
+        f"exclude_modules must be a list of names or a regex, got {raw!r:.200}"
+    )
 
 
 def _positive_rank(value: Any, what: str, max_rank: int) -> int:
@@ -198,9 +243,16 @@ def _positive_rank(value: Any, what: str, max_rank: int) -> int:
     return value
 
 
-def _finite(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise AdapterFormatError(f"{what} must be a finite number, got {value!r}")
+def _alpha(value: Any, what: str) -> float:
+    """A LoRA alpha: PEFT scales the update by alpha / r, so 0 switches the adapter off and a
+    negative alpha turns it around; neither is a trained adapter."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise AdapterFormatError(f"{what} must be a finite number > 0, got {value!r}")
     return float(value)
 
 
@@ -208,6 +260,8 @@ def _pattern_map(data: dict[str, Any], name: str, convert) -> types.MappingProxy
     raw = data.get(name) or {}
     if not isinstance(raw, dict):
         raise AdapterFormatError(f"{name} must be an object mapping module patterns to values")
+    if len(raw) > MAX_PATTERNS:
+        raise AdapterFormatError(f"{name} has {len(raw)} entries; at most {MAX_PATTERNS} allowed")
     # Insertion order is kept: PEFT uses the first key that matches.
     return types.MappingProxyType(
         {
@@ -247,14 +301,18 @@ def _layers(data: dict[str, Any], regex: str | None) -> tuple[int, ...] | None:
     raw = data.get("layers_to_transform")
     if raw is None or raw == []:
         return None
-    if regex is not None:
-        raise AdapterFormatError("layers_to_transform cannot be used with a regex target_modules")
+    if regex is not None or isinstance(data.get("target_modules"), str):
+        # PEFT refuses it with any string target_modules, "all-linear" included.
+        raise AdapterFormatError(
+            'layers_to_transform cannot be used with a regex or "all-linear" target_modules'
+        )
     values = [raw] if isinstance(raw, int) and not isinstance(raw, bool) else raw
     if not isinstance(values, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_LAYERS for v in values
     ):
         raise AdapterFormatError(
-            f"layers_to_transform must be a layer index or a list of them, got {raw!r}"
+            f"layers_to_transform must be a layer index in [0, {MAX_LAYERS}) or a list of "
+            f"them, got {str(raw)[:80]}"
         )
     return tuple(sorted(set(values)))
 
@@ -272,24 +330,28 @@ def parse_adapter_config(
         raise AdapterFormatError(f"use_rslora must be true or false, got {use_rslora!r}")
     config = LoraAdapterConfig(
         r=_positive_rank(data.get("r"), "r", max_rank),
-        lora_alpha=_finite(data.get("lora_alpha", 8), "lora_alpha"),
+        lora_alpha=_alpha(data.get("lora_alpha", 8), "lora_alpha"),
         target_modules=(),
         use_rslora=use_rslora,
         rank_pattern=_pattern_map(
             data, "rank_pattern", lambda v, w: _positive_rank(v, w, max_rank)
         ),
-        alpha_pattern=_pattern_map(data, "alpha_pattern", _finite),
+        alpha_pattern=_pattern_map(data, "alpha_pattern", _alpha),
         layers_to_transform=_layers(data, regex),
         target_names=names,
         target_regex=regex,
         exclude_names=exclude_names,
         exclude_regex=exclude_regex,
     )
-    probe = max([_PROBE_LAYERS - 1, *(config.layers_to_transform or ())]) + 1
+    probe = range(_PROBE_LAYERS)
+    names = config.target_names | config.exclude_names
+    if regex is None and exclude_regex is None and not any(c.isdigit() for n in names for c in n):
+        # Names without a layer index match every layer alike (but layers_to_transform's).
+        probe = config.layers_to_transform or (0,)
     targeted = tuple(
         module
         for module in SUPPORTED_MODULES
-        if any(config.targets(layer, module) for layer in range(probe))
+        if any(config.targets(layer, module) for layer in probe)
     )
     if not targeted:
         raise AdapterFormatError(

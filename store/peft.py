@@ -20,6 +20,7 @@ from store.safetensors_header import (
     TensorEntry,
     parse_safetensors_header,
 )
+from store.tensor_values import check_values
 
 __all__ = [
     "check_adapter_file",
@@ -69,7 +70,13 @@ def lora_pairs(header: SafetensorsHeader) -> dict[tuple[int, str], dict[str, Ten
     """The header's tensors by (layer, module), then "A" / "B"; a half pair is an error."""
     pairs: dict[tuple[int, str], dict[str, TensorEntry]] = defaultdict(dict)
     for tensor in header.tensors:
-        pairs[(tensor.layer, tensor.module)][tensor.kind] = tensor
+        kinds = pairs[(tensor.layer, tensor.module)]
+        other = kinds.setdefault(tensor.kind, tensor)
+        if other is not tensor:  # one silently replacing the other would serve a third model
+            raise AdapterFormatError(
+                f"tensors {other.name!r} and {tensor.name!r} are both layer {tensor.layer} "
+                f"{tensor.module} lora_{tensor.kind}"
+            )
     for (layer, module), kinds in pairs.items():
         for kind, other in (("A", "B"), ("B", "A")):
             if kind in kinds and other not in kinds:
@@ -175,7 +182,8 @@ def check_adapter_file(
     config: LoraAdapterConfig, data: memoryview | bytes, base: BaseModelShape | None
 ) -> SafetensorsHeader:
     """The header of a whole ``adapter_model.safetensors`` (``data``), validated with its config
-    (and against the base model when given). Raises AdapterFormatError / BaseModelMismatch."""
+    (and against the base model when given), every value finite. Raises AdapterFormatError /
+    BaseModelMismatch."""
     header = parse_safetensors_header(data)
     if len(data) != header.total_size:
         raise AdapterFormatError(
@@ -183,4 +191,5 @@ def check_adapter_file(
             f"{header.total_size}"
         )
     validate_adapter(config, header, base)
+    check_values(header, data)
     return header

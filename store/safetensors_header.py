@@ -14,15 +14,21 @@ import re
 import struct
 from dataclasses import dataclass
 
-from store.base_model import ATTENTION_MODULES, MLP_MODULES
+from store.base_model import ATTENTION_MODULES, MAX_LAYERS, MLP_MODULES
 from store.format_errors import AdapterFormatError
 
 MAX_HEADER_BYTES = 1 << 20
 DTYPE_SIZES = {"F16": 2, "BF16": 2, "F32": 4}
+# Exactly the names PEFT saves and loads: PEFT finds a tensor's module by the name's path, and
+# torch names the layers of a ModuleList by str(index), so a layer index is canonical ASCII
+# decimal (no leading zeros, no other digits: "layers.03" and "layers.\u0663" name no module and
+# PEFT drops them). One tensor then has exactly one name.
 _NAME = re.compile(
-    r"base_model\.model\.model\.layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp)\."
-    r"(?P<module>[A-Za-z0-9_]+)\.lora_(?P<kind>[AB])\.weight"
+    r"base_model\.model\.model\.layers\.(?P<layer>0|[1-9][0-9]*)\.(?P<block>self_attn|mlp)\."
+    r"(?P<module>[A-Za-z0-9_]+)\.lora_(?P<kind>[AB])\.weight",
+    re.ASCII,
 )
+_LAYER = re.compile(r"\.layers\.([^.]+)\.")
 _EXAMPLE = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 
 
@@ -52,6 +58,13 @@ class SafetensorsHeader:
 def _parse_name(name: str) -> tuple[int, str, str]:
     match = _NAME.fullmatch(name)
     if match is None:
+        layer = _LAYER.search(name)
+        canonical = layer is not None and name[: layer.start(1)] + "0" + name[layer.end(1) :]
+        if layer is not None and layer[1].isdecimal() and _NAME.fullmatch(canonical):
+            raise AdapterFormatError(
+                f"tensor {name!r}: layer index {layer[1]!r} is not written as PEFT writes "
+                f"layer indices (ASCII digits without leading zeros), so PEFT would not load it"
+            )
         for unsupported in ("embed_tokens", "lm_head"):
             if unsupported in name:
                 raise AdapterFormatError(f"LoRA on {unsupported} is not supported (tensor {name})")
@@ -71,7 +84,13 @@ def _parse_name(name: str) -> tuple[int, str, str]:
         )
     if block != expected_block:
         raise AdapterFormatError(f"tensor {name!r}: {module} belongs under {expected_block}")
-    return int(match["layer"]), module, match["kind"]
+    digits = match["layer"]
+    if len(digits) > len(str(MAX_LAYERS)) or int(digits) >= MAX_LAYERS:
+        raise AdapterFormatError(
+            f"tensor {name!r}: layer {digits[:12]} is beyond the largest layer index "
+            f"supported ({MAX_LAYERS - 1})"
+        )
+    return int(digits), module, match["kind"]
 
 
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
@@ -88,7 +107,7 @@ def _entry(name: str, info: object) -> TensorEntry:
         raise AdapterFormatError(f"safetensors header entry {name!r} is not an object")
     layer, module, kind = _parse_name(name)
     dtype = info.get("dtype")
-    if dtype not in DTYPE_SIZES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
         raise AdapterFormatError(
             f"tensor {name} has dtype {dtype!r}; supported are {', '.join(DTYPE_SIZES)}"
         )

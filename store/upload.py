@@ -1,4 +1,5 @@
-"""One adapter upload: checks the bytes as they arrive and streams them into a multipart upload.
+"""One adapter upload: checks the bytes as they arrive (upload_check.py) and streams them into a
+multipart upload.
 
 Memory stays bounded by ``parts_in_flight + 1`` parts whatever the adapter's size. The object
 is invisible until complete(); any failure calls abort(), which removes every trace of it.
@@ -17,14 +18,10 @@ from enum import Enum
 from store.backends.base import MultipartWriter, ObjectStore
 from store.base_model import BaseModelShape
 from store.config import MAX_UPLOAD_CHUNK_BYTES
-from store.errors import AdapterTooLarge, ChecksumMismatch, InvalidRequest
+from store.errors import ChecksumMismatch, InvalidRequest
 from store.layout import blob_key, check_adapter_id
-from store.peft import (
-    LoraAdapterConfig,
-    SafetensorsHeader,
-    SafetensorsHeaderReader,
-    validate_adapter,
-)
+from store.peft import LoraAdapterConfig, SafetensorsHeader
+from store.upload_check import UploadCheck
 
 log = logging.getLogger(__name__)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -83,12 +80,10 @@ class UploadSession:
         self.status = UploadStatus.RECEIVING
         self.key = blob_key(header.adapter_id, uuid.uuid4().hex)
         self._backend = backend
-        self._config = config
         self._limits = limits
-        self._reader = SafetensorsHeaderReader()
+        self._check = UploadCheck(config, limits.max_adapter_bytes, limits.base, header.size_bytes)
         self._hash = hashlib.sha256()
         self._buffer = bytearray()
-        self._received = 0
         self._flushed = 0  # bytes handed to part uploads
         self._writer: MultipartWriter | None = None
         self._parts: list[asyncio.Task[None]] = []
@@ -100,37 +95,16 @@ class UploadSession:
             raise InvalidRequest(
                 f"chunk of {len(chunk)} bytes is larger than {MAX_UPLOAD_CHUNK_BYTES} bytes"
             )
-        self._received += len(chunk)
-        if self._received > self._limits.max_adapter_bytes:
-            raise AdapterTooLarge(
-                f"adapter is over the limit of {self._limits.max_adapter_bytes} bytes"
-            )
-        if self._reader.header is None and self._reader.feed(chunk) is not None:
-            self._check_header(self._reader.header)
-        expected = self._reader.header.total_size if self._reader.header else None
-        if expected is not None and self._received > expected:
-            raise InvalidRequest(
-                f"adapter_model.safetensors has more bytes than its header describes "
-                f"({self._received} > {expected})"
-            )
-        # hashlib releases the GIL on large inputs: hash on a thread, off the event loop.
-        await asyncio.to_thread(self._hash.update, chunk)
+        # Checking and hashing cost time proportional to the chunk: on a thread, off the event
+        # loop (numpy and hashlib release the GIL on large inputs).
+        await asyncio.to_thread(self._take, chunk)
         self._buffer += chunk
         while len(self._buffer) >= self._limits.part_bytes:
             await self._flush(self._limits.part_bytes)
 
-    def _check_header(self, header: SafetensorsHeader) -> None:
-        if header.total_size > self._limits.max_adapter_bytes:
-            raise AdapterTooLarge(
-                f"adapter_model.safetensors is {header.total_size} bytes; the limit is "
-                f"{self._limits.max_adapter_bytes}"
-            )
-        if self.header.size_bytes and self.header.size_bytes != header.total_size:
-            raise InvalidRequest(
-                f"size_bytes says {self.header.size_bytes} but the safetensors header describes "
-                f"a file of {header.total_size} bytes"
-            )
-        validate_adapter(self._config, header, self._limits.base)
+    def _take(self, chunk: bytes) -> None:
+        self._check.feed(chunk)
+        self._hash.update(chunk)
 
     async def _flush(self, size: int) -> None:
         part = bytes(self._buffer[:size])
@@ -147,16 +121,7 @@ class UploadSession:
 
     async def finish(self) -> StoredBlob:
         """Check that the file is whole and as announced, then make the object visible."""
-        header = self._reader.header
-        if header is None:
-            raise InvalidRequest(
-                f"upload ended after {self._received} bytes, inside the safetensors header"
-            )
-        if self._received < header.total_size:
-            raise InvalidRequest(
-                f"adapter_model.safetensors is truncated: received {self._received} of "
-                f"{header.total_size} bytes"
-            )
+        header = self._check.finish()
         digest = self._hash.hexdigest()
         if self.header.sha256 and digest != self.header.sha256:
             raise ChecksumMismatch(
@@ -169,7 +134,7 @@ class UploadSession:
         self._parts.clear()
         await self._writer.complete()
         self.status = UploadStatus.COMPLETE
-        return StoredBlob(self.key, self._received, digest, header)
+        return StoredBlob(self.key, self._check.received, digest, header)
 
     async def abort(self) -> None:
         """Drop the multipart upload; idempotent. Parts in flight run on storage threads that

@@ -17,6 +17,8 @@ from store.errors import (
     StorageError,
     StorageUnavailable,
     StoreError,
+    TooManyUploads,
+    UploadTimedOut,
     VersionConflict,
     WatchOverflow,
 )
@@ -31,6 +33,8 @@ STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (AdapterNotFound, grpc.StatusCode.NOT_FOUND),
     (AdapterTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (TooManyUploads, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (UploadTimedOut, grpc.StatusCode.DEADLINE_EXCEEDED),
     (StorageUnavailable, grpc.StatusCode.UNAVAILABLE),
     (DataCorruption, grpc.StatusCode.DATA_LOSS),
     (VersionConflict, grpc.StatusCode.ABORTED),

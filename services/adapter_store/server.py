@@ -26,18 +26,28 @@ STOP_GRACE_S = 3.0
 
 
 async def _probe_storage(store: AdapterStore, status: health.aio.HealthServicer, every: float):
-    """Keep the AdapterStore service's health in step with the storage, and retry clean-up
-    that failed while the storage was down. The server itself ("") stays SERVING."""
+    """Keep the AdapterStore service's health in step with the storage, retry clean-up that
+    failed while the storage was down, and sweep uploads that a store process that died left
+    unfinished (one listing of unfinished uploads per probe). The server itself ("") stays
+    SERVING."""
     while True:
         try:
             await store.probe()
             await status.set(SERVICE, SERVING)
             if store.leftovers:
                 await store.retry_cleanup()
+            await _sweep(store)
         except (StorageUnavailable, StorageError) as exc:
             log.warning("storage check failed: %s", exc)
             await status.set(SERVICE, NOT_SERVING)
         await asyncio.sleep(every)
+
+
+async def _sweep(store: AdapterStore) -> None:
+    try:
+        await store.sweep_uploads()
+    except (StorageUnavailable, StorageError) as exc:  # the next sweep tries again
+        log.warning("could not sweep unfinished uploads: %s", exc)
 
 
 async def serve(config: StoreConfig) -> None:
@@ -50,6 +60,8 @@ async def serve(config: StoreConfig) -> None:
     except StorageError:
         await store.close()
         raise
+    else:
+        await _sweep(store)  # uploads that a killed store left unfinished are gone once it serves
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from services.inference.engine.limits import RequestLimits
+
 ENV_PREFIX = "LORAFLEET_INFERENCE_"
 DEVICES = ("cpu", "cuda", "auto")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -43,6 +45,13 @@ class ServiceConfig:
     log_level: str = "INFO"
     engine: str = "process"  # where the step loop runs: its own process, or a thread here
     step_log: Path | None = None  # one JSON line per engine step (engine/step_log.py)
+    # Per-request inputs, each checked before work proportional to it (engine/limits.py).
+    max_request_id_chars: int = RequestLimits.max_request_id_chars
+    max_prompt_bytes: int = RequestLimits.max_prompt_bytes
+    max_prompt_tokens: int = RequestLimits.max_prompt_tokens
+    max_stop_strings: int = RequestLimits.max_stop_strings
+    max_stop_string_chars: int = RequestLimits.max_stop_string_chars
+    max_stop_token_ids: int = RequestLimits.max_stop_token_ids
 
     def __post_init__(self) -> None:
         if not str(self.model):
@@ -71,7 +80,7 @@ class ServiceConfig:
             host, sep, port = self.adapter_store.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"--adapter-store must be HOST:PORT, got {self.adapter_store!r}")
-        for name in ("max_loras", "max_lora_rank", "host_cache_mb"):
+        for name in ("max_loras", "max_lora_rank", "host_cache_mb", *_LIMITS):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
         for name in ("num_pages", "pool_memory_mb", "max_queue", "max_num_seqs"):
@@ -96,6 +105,10 @@ class ServiceConfig:
     @property
     def host_cache_bytes(self) -> int:
         return self.host_cache_mb * 2**20
+
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(**{name: getattr(self, name) for name in _LIMITS})
 
     @classmethod
     def from_args(
@@ -125,6 +138,8 @@ class ServiceConfig:
             raise  # unreachable: parser.error exits
 
 
+_LIMITS = tuple(f.name for f in fields(RequestLimits))
+
 # Variables the whole stack shares (the CLI finds the store through LORAFLEET_ADAPTER_STORE too).
 _SHARED_ENV = {"log_level": "LORAFLEET_LOG_LEVEL", "adapter_store": "LORAFLEET_ADAPTER_STORE"}
 
@@ -143,6 +158,7 @@ _TYPES = {
     "store_timeout_s": float,
     "fetch_timeout_s": float,
     "shutdown_grace_s": float,
+    **dict.fromkeys(_LIMITS, int),
 }
 
 _HELP = {
@@ -172,6 +188,13 @@ _HELP = {
     "gRPC Python shares its GIL) or 'thread' (a thread of the service process)",
     "step_log": "append one JSON line per engine step to this file (tokens, KV read, host and "
     "GPU time: what bench/serving.py reads)",
+    "max_request_id_chars": "longest request_id accepted (default 256)",
+    "max_prompt_bytes": "largest text prompt in UTF-8 bytes, checked before tokenizing "
+    "(default 1048576)",
+    "max_prompt_tokens": "most prompt tokens (default 131072; the context window bounds them too)",
+    "max_stop_strings": "most stop strings per request (default 16)",
+    "max_stop_string_chars": "longest stop string in characters (default 1024)",
+    "max_stop_token_ids": "most stop_token_ids per request (default 128)",
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from lorafleet.v1 import inference_pb2 as pb
 from services.inference.engine.adapter_manager import AdapterState, AdapterStatus
 from services.inference.engine.api import AdapterKey, FinishReason, GenerationOutput
+from services.inference.engine.limits import RequestLimits
 from services.inference.engine.sampling_params import SamplingParams
 from services.inference.errors import BadArgument
 from services.inference.service_stats import LatencySummary, StatsSnapshot
@@ -27,9 +28,11 @@ def residency(status: AdapterStatus | None) -> int:
     return pb.RESIDENCY_LOADING if status is None else _RESIDENCY[status.state]
 
 
-def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
+def sampling_params(msg: pb.SamplingParams, limits: RequestLimits) -> SamplingParams:
     """SamplingParams from the message; proto defaults mean the engine's defaults. Raises
-    BadArgument naming the field."""
+    BadArgument naming the field, or InvalidRequest for lists over ``limits`` (checked before
+    they are copied)."""
+    limits.check_stops(msg.stop, len(msg.stop_token_ids))
     kwargs: dict = {
         "temperature": msg.temperature,
         "top_k": msg.top_k,

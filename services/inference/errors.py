@@ -15,6 +15,7 @@ from services.inference.engine.errors import (
     EngineOverloaded,
     EngineStopped,
     InvalidRequest,
+    RequestFailed,
     UnknownAdapter,
 )
 from services.inference.host_cache import HostCacheFull
@@ -66,6 +67,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
     (EngineStopped, grpc.StatusCode.UNAVAILABLE),
     (AdapterLoadFailed, grpc.StatusCode.UNAVAILABLE),
+    (RequestFailed, grpc.StatusCode.INTERNAL),  # this request alone; the message says why
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineOverloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (HostCacheFull, grpc.StatusCode.RESOURCE_EXHAUSTED),

@@ -30,6 +30,7 @@ from services.inference.metrics import ServiceMetrics
 from services.inference.model_info import read_model_info
 from services.inference.servicer import InferenceServicer
 from services.inference.store_client import StoreClient
+from services.inference.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ def engine_config(config: ServiceConfig) -> EngineConfig:
         max_loras=config.max_loras,
         max_waiting=config.max_queue,
         step_log=config.step_log,
+        limits=config.limits,
     )
 
 
@@ -141,8 +143,12 @@ class InferenceServer:
         info = await asyncio.to_thread(
             read_model_info, cfg.model, cfg.model_id, engine_config(cfg).max_model_len
         )
+        # The service tokenizes prompts itself (servicer.py), never the engine's step thread.
+        tokenizer = getattr(self.engine, "tokenizer", None) or await asyncio.to_thread(
+            Tokenizer.from_model_dir, cfg.model
+        )
         self.servicer = InferenceServicer(
-            self.engine, registry, metrics, cfg.model_id, str(device), info
+            self.engine, registry, metrics, cfg.model_id, str(device), tokenizer, cfg.limits, info
         )
         if cfg.metrics_port is not None:
             self.metrics_port = self.servicer.metrics.serve(cfg.metrics_port, cfg.host)

@@ -8,10 +8,14 @@ leaving the engine's stream aborts the request, whose pages are free at the next
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -19,8 +23,10 @@ from lorafleet.v1 import inference_pb2 as pb
 from lorafleet.v1 import inference_pb2_grpc as pb_grpc
 from services.inference import convert
 from services.inference.adapter_registry import AdapterRegistry, HeldAdapter
+from services.inference.engine.adapter_manager import AdapterStatus
 from services.inference.engine.api import AdapterKey, FinishReason, GenerationRequest
 from services.inference.engine.engine import Engine
+from services.inference.engine.limits import RequestLimits
 from services.inference.errors import BadArgument, QueueFull, ShuttingDown, status_for
 from services.inference.metrics import ServiceMetrics
 from services.inference.model_info import ModelInfo
@@ -30,8 +36,20 @@ from services.inference.service_stats import (
     StatsSnapshot,
     summarize,
 )
+from services.inference.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+# Prompts are tokenized on these threads (tokenizers releases the GIL while it encodes): the event
+# loop keeps streaming meanwhile, and long prompts take at most this many cores, at a lower CPU
+# priority than the engine's step loop (on Linux, nice applies to the thread alone).
+_TOKENIZER_THREADS = 2
+_TOKENIZER_NICE = 10
+
+
+def _lower_priority() -> None:
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _TOKENIZER_NICE)
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -42,10 +60,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         metrics: ServiceMetrics,
         model_name: str,
         device: str,
+        tokenizer: Tokenizer,
+        limits: RequestLimits,
         model_info: ModelInfo | None = None,
     ) -> None:
         self.engine = engine
         self.registry = registry
+        self._tokenizer, self._limits = tokenizer, limits
+        self._tokenize = ThreadPoolExecutor(
+            _TOKENIZER_THREADS, thread_name_prefix="tokenize", initializer=_lower_priority
+        )
         self.metrics = metrics
         metrics.track(self.snapshot)
         # The engine admits max_queue requests, waiting and running together (--max-queue
@@ -72,10 +96,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         code = grpc.StatusCode.OK
         admitted = False
         try:
+            self._limits.check_request_id(rid)  # before it is kept, and echoed
             self._admit(rid)
             admitted = True
-            sampling = convert.sampling_params(request.sampling)
-            prompt, ids = _prompt(request)
+            if request.adapter_version and not request.adapter_id:
+                raise BadArgument(
+                    f"adapter_version {request.adapter_version} is given without an adapter_id; "
+                    "name the adapter, or leave both empty for the base model"
+                )
+            sampling = convert.sampling_params(request.sampling, self._limits)
+            ids = await self._prompt_ids(request)
             key = None
             if request.adapter_id:
                 key = await self.registry.acquire(request.adapter_id, request.adapter_version)
@@ -83,7 +113,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if self._aborting:
                     raise ShuttingDown(f"request {rid} was ended: the server is shutting down")
                 cold = key is not None and not self.engine.adapter_in_pool(key)
-                gen = GenerationRequest(rid, prompt, ids, key, sampling)
+                gen = GenerationRequest(rid, None, ids, key, sampling)
                 last = None
                 async for out in self.engine.generate(gen):
                     if out.finish_reason is FinishReason.ABORT:
@@ -112,6 +142,20 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if not self._calls:
                     self._idle.set()
             self.metrics.requests.labels(code.name).inc()
+
+    async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        """The prompt's token ids, each size checked before the work it bounds."""
+        if request.prompt_token_ids:
+            self._limits.check_prompt_tokens(len(request.prompt_token_ids))
+            return list(request.prompt_token_ids)
+        prompt = request.prompt
+        if not prompt:
+            raise BadArgument("give a prompt or prompt_token_ids")
+        self._limits.check_prompt_text(prompt)
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(self._tokenize, self._tokenizer.encode, prompt)
+        self._limits.check_prompt_tokens(len(ids))
+        return ids
 
     def _admit(self, rid: str) -> None:
         if self._closing:
@@ -148,8 +192,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             if not request.adapter_id:
                 raise BadArgument("adapter_id is required")
+            # Where each one is as it is unloaded: one no request uses leaves the engine at once.
+            before = {h.key: self.engine.adapter_status(h.key) for h in self.registry.held()}
             unloaded = self.registry.unload(request.adapter_id, request.adapter_version)
-            return pb.UnloadAdapterResponse(adapters=[self._resident(h.key, h) for h in unloaded])
+            return pb.UnloadAdapterResponse(
+                adapters=[self._resident(h.key, h, before.get(h.key)) for h in unloaded]
+            )
         except Exception as exc:
             await _abort(context, exc)
 
@@ -165,8 +213,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         out.sort(key=lambda a: (a.adapter_id, a.version))
         return pb.ListResidentAdaptersResponse(adapters=out)
 
-    def _resident(self, key: AdapterKey, held: HeldAdapter | None) -> pb.ResidentAdapter:
-        status = self.engine.adapter_status(key)
+    def _resident(
+        self, key: AdapterKey, held: HeldAdapter | None, status: AdapterStatus | None = None
+    ) -> pb.ResidentAdapter:
+        status = status or self.engine.adapter_status(key)
         return pb.ResidentAdapter(
             adapter_id=key.adapter_id,
             version=key.version,
@@ -236,14 +286,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 await asyncio.wait_for(self._idle.wait(), timeout=5.0)
             except TimeoutError:
                 log.warning("%d calls did not end after their abort", len(self._calls))
-
-
-def _prompt(request: pb.GenerateRequest) -> tuple[str | None, list[int] | None]:
-    if request.prompt_token_ids:
-        return None, list(request.prompt_token_ids)
-    if request.prompt:
-        return request.prompt, None
-    raise BadArgument("give a prompt or prompt_token_ids")
+        self._tokenize.shutdown(wait=False, cancel_futures=True)
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:

@@ -126,12 +126,17 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"text must be str, got {type(text).__name__}")
         if self._add_bos is None:
-            return self.inner.encode(text, add_special_tokens=True).ids
-        ids = self.inner.encode(text, add_special_tokens=False).ids
+            return self._encode(text, add_special_tokens=True)
+        ids = self._encode(text, add_special_tokens=False)
         if self._add_bos:
             assert self.bos_token_id is not None  # checked in __init__
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch releases the GIL while it works (encode holds it throughout: a 1 MB
+        # prompt stalled every other thread for 0.55 s on a 2-core machine); same encoding.
+        return self.inner.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ids; ids that end mid-character decode to U+FFFD for the broken bytes."""

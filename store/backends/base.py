@@ -100,6 +100,13 @@ class ObjectStore(ABC):
         """Keys of multipart uploads begun but neither completed nor aborted."""
 
     @abstractmethod
+    async def abort_stale_uploads(self, prefix: str, older_than_s: float) -> list[str]:
+        """Abort the multipart uploads under ``prefix`` that no live writer owns (left by a
+        process that died mid-upload) and return their keys. A backend that can tell which
+        uploads are live does so; otherwise those begun more than ``older_than_s`` ago (by the
+        storage's clock) count as left over."""
+
+    @abstractmethod
     async def probe(self) -> None:
         """Return when the storage answers; raise StorageUnavailable or StorageError."""
 

@@ -6,12 +6,19 @@
 
 Every write goes to a temporary file first and is renamed into place, so a reader sees the old
 object or the new one, never part of one. File work runs on worker threads.
+
+Crash consistency: while a temporary or .part file exists its writer holds an exclusive flock on
+it (the kernel drops the locks of a process that dies, kill -9 included), so a file that can be
+locked by someone else belongs to no live writer. abort_stale_uploads (run by the store at
+start-up and then now and again) removes those, also while other store processes use the same
+directory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import os
 import uuid
 from collections.abc import AsyncIterator
@@ -55,23 +62,35 @@ class LocalObjectStore(ObjectStore):
         except OSError as exc:
             raise _storage_error(self.root, exc) from exc
 
-    def _write_tmp(self, data: bytes) -> Path:
+    def _write_tmp(self, data: bytes) -> tuple[Path, int]:
+        """A temporary file holding ``data``, and its locked descriptor: close it only once the
+        file is renamed or removed."""
         tmp = self._tmp / uuid.uuid4().hex
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        return tmp
+        fd = _create_locked(tmp)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            os.close(fd)
+            raise
+        return tmp, fd
 
     def _put(self, key: str, data: bytes) -> None:
         path = self._path(key)
-        tmp = self._write_tmp(data)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, path)
+        tmp, fd = self._write_tmp(data)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)  # gone already unless the rename failed
+            os.close(fd)
 
     def _put_if_absent(self, key: str, data: bytes) -> bool:
         path = self._path(key)
-        tmp = self._write_tmp(data)
+        tmp, fd = self._write_tmp(data)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             os.link(tmp, path)  # fails if the key exists: an atomic create-if-absent
@@ -80,6 +99,7 @@ class LocalObjectStore(ObjectStore):
             return False
         finally:
             tmp.unlink()
+            os.close(fd)
 
     def _delete(self, key: str) -> None:
         path = self._path(key)
@@ -131,10 +151,42 @@ class LocalObjectStore(ObjectStore):
 
     async def pending_uploads(self, prefix: str = "") -> list[str]:
         def scan() -> list[str]:
-            keys = [p.read_text() for p in self._uploads.glob("*.key")]
+            keys = []
+            for marker in self._uploads.glob("*.key"):
+                try:
+                    keys.append(marker.read_text())
+                except FileNotFoundError:  # completed or aborted meanwhile
+                    continue
             return sorted(k for k in keys if k.startswith(prefix))
 
         return await self._run(scan)
+
+    async def abort_stale_uploads(self, prefix: str, older_than_s: float) -> list[str]:
+        """Exact here (the locks say which files are live), so ``older_than_s`` is not needed.
+        Also removes temporary files left by a dead writer."""
+        return await self._run(self._sweep, prefix)
+
+    def _sweep(self, prefix: str) -> list[str]:
+        swept = []
+        for part in self._uploads.glob("*.part"):
+            marker = part.with_suffix(".key")
+            try:
+                key = marker.read_text()
+            except FileNotFoundError:
+                key = None  # the writer died before it wrote its marker
+            if key is not None and not key.startswith(prefix):
+                continue
+            if _remove_unlocked(part):
+                marker.unlink(missing_ok=True)
+                swept.append(key or part.name)
+        for marker in self._uploads.glob("*.key"):
+            # A marker whose .part is gone: its upload completed or aborted and the writer
+            # died before removing the marker (a live one removes it a moment later anyway).
+            if not marker.with_suffix(".part").exists():
+                marker.unlink(missing_ok=True)
+        for tmp in self._tmp.iterdir():
+            _remove_unlocked(tmp)
+        return sorted(swept)
 
     async def probe(self) -> None:
         await self._run(os.statvfs, self._objects)
@@ -187,38 +239,75 @@ class _LocalRange(RangeReader):
         os.close(fd)
 
 
+def _create_locked(path: Path) -> int:
+    """A new file at ``path``, open for reading and writing and locked (flock, exclusive)
+    through the returned descriptor for as long as it stays open."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.fstat(fd).st_nlink:
+            return fd
+        os.close(fd)  # a sweep removed it between its creation and the lock: make it again
+
+
+def _remove_unlocked(path: Path) -> bool:
+    """Remove ``path`` if no one holds its lock (its writer is gone); whether it did."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False  # a live writer holds it
+    try:
+        path.unlink(missing_ok=True)
+        return True
+    finally:
+        os.close(fd)
+
+
 class _LocalMultipart(MultipartWriter):
     def __init__(self, store: LocalObjectStore, key: str, name: str) -> None:
         self.key = key
         self._store = store
         self._part = store._uploads / f"{name}.part"
         self._marker = store._uploads / f"{name}.key"
+        self._fd: int | None = None  # open, and locked, from begin to complete or abort
 
     @classmethod
     def begin(cls, store: LocalObjectStore, key: str) -> _LocalMultipart:
         writer = cls(store, key, uuid.uuid4().hex)
-        writer._part.touch()
+        writer._fd = _create_locked(writer._part)
         writer._marker.write_text(key)
         return writer
 
     def _pwrite(self, offset: int, data: bytes) -> None:
-        fd = os.open(self._part, os.O_WRONLY)
-        try:
-            os.pwrite(fd, data, offset)
-        finally:
-            os.close(fd)
+        if self._fd is None:
+            raise ValueError(f"upload of {self.key} has ended")
+        view = memoryview(data)
+        while view:
+            written = os.pwrite(self._fd, view, offset)
+            view, offset = view[written:], offset + written
 
     def _complete(self) -> None:
         path = self._store._path(self.key)
-        with open(self._part, "rb+") as f:
-            os.fsync(f.fileno())
+        os.fsync(self._fd)
         path.parent.mkdir(parents=True, exist_ok=True)
         os.replace(self._part, path)
-        self._marker.unlink()
+        self._marker.unlink(missing_ok=True)
+        self._close()
 
     def _abort(self) -> None:
         self._part.unlink(missing_ok=True)
         self._marker.unlink(missing_ok=True)
+        self._close()
+
+    def _close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
     async def write_part(self, number: int, offset: int, data: bytes) -> None:
         await self._store._run(self._pwrite, offset, data)

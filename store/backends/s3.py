@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
+import email.utils
 import http.client
 import logging
 from collections.abc import AsyncIterator
@@ -169,6 +171,26 @@ class S3ObjectStore(ObjectStore):
             kwargs["KeyMarker"] = page["NextKeyMarker"]
             kwargs["UploadIdMarker"] = page["NextUploadIdMarker"]
 
+    async def abort_stale_uploads(self, prefix: str, older_than_s: float) -> list[str]:
+        """S3 cannot tell a live multipart upload from one whose writer died: uploads begun
+        more than ``older_than_s`` ago (by the server's clock, as S3 reports it) are aborted."""
+        stale: list[tuple[str, str]] = []
+        kwargs = {"Bucket": self.bucket, "Prefix": prefix}
+        while True:
+            page = await self._call(self.client.list_multipart_uploads, **kwargs)
+            now = _server_time(page)
+            for upload in page.get("Uploads", []) or []:
+                begun = upload.get("Initiated")
+                if begun is not None and (now - begun).total_seconds() > older_than_s:
+                    stale.append((upload["Key"], upload["UploadId"]))
+            if not page.get("IsTruncated"):
+                break
+            kwargs["KeyMarker"] = page["NextKeyMarker"]
+            kwargs["UploadIdMarker"] = page["NextUploadIdMarker"]
+        for key, upload_id in stale:
+            await _S3Multipart(self, key, upload_id).abort()
+        return sorted(key for key, _ in stale)
+
     async def probe(self) -> None:
         try:
             await self._call(self.client.head_bucket, Bucket=self.bucket)
@@ -179,6 +201,15 @@ class S3ObjectStore(ObjectStore):
     async def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()
+
+
+def _server_time(response: dict) -> datetime.datetime:
+    """When the server answered (its Date header), else this machine's clock."""
+    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    if date:
+        with contextlib.suppress(TypeError, ValueError):
+            return email.utils.parsedate_to_datetime(date)
+    return datetime.datetime.now(datetime.UTC)
 
 
 def _socket_response(body: StreamingBody) -> http.client.HTTPResponse | None:

@@ -171,3 +171,46 @@ def test_bad_stops():
         StopStringMatcher("END")
     with pytest.raises(ValueError, match="non-empty"):
         StopStringMatcher(["ok", ""])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stop_matcher_holds_exactly_the_tail_that_could_begin_a_stop(seed: int):
+    """After each delta without a match, everything is emitted but the longest tail that is a
+    proper prefix of some stop string; many stops, self-overlapping ones included."""
+    rng = random.Random(100 + seed)
+    for _ in range(200):
+        stops = ["".join(rng.choice("aab") for _ in range(rng.randrange(1, 7))) for _ in range(5)]
+        m, fed, out = StopStringMatcher(stops), "", ""
+        while not m.stopped and len(fed) < 60:
+            delta = "".join(rng.choice("aabc") for _ in range(rng.randrange(0, 5)))
+            emit, stopped = m.add(delta)
+            fed, out = fed + delta, out + emit
+            if stopped:
+                break
+            hold = max(
+                (k for s in stops for k in range(1, len(s)) if fed.endswith(s[:k])), default=0
+            )
+            assert out == fed[: len(fed) - hold], (stops, fed, out)
+
+
+def test_stop_strings_cost_memory_and_time_linear_in_their_length():
+    """One 40,000-character stop string that keeps almost matching: the matcher's memory stays
+    a few bytes per character of it (every prefix of it, kept as a string, is 800 MB), and
+    streaming 40,000 characters through it costs milliseconds per thousand."""
+    import time
+    import tracemalloc
+
+    stop = "ab" * 20_000
+    text = "ab" * 19_999 + "ax"
+    tracemalloc.start()
+    try:
+        start = time.perf_counter()
+        m = StopStringMatcher([stop])
+        out = "".join(m.add(text[i : i + 7]).emit for i in range(0, len(text), 7))
+        elapsed = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert not m.stopped and out + m.flush() == text
+    assert peak < 4 * 2**20, peak
+    assert elapsed < 2.0, elapsed

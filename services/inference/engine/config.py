@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from services.inference.engine.limits import RequestLimits
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,6 +39,7 @@ class EngineConfig:
     # (max_queue wins when both are set; None for both: 16 x max_num_seqs waiting)
     cuda_graphs: bool = True  # on CUDA, run decode-only steps as captured CUDA graphs
     step_log: str | Path | None = None  # append one JSON line per step here (step_log.py)
+    limits: RequestLimits = field(default_factory=RequestLimits)  # per-request input sizes
 
     def __post_init__(self) -> None:
         if not str(self.model_dir):

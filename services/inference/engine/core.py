@@ -38,6 +38,7 @@ from services.inference.engine.errors import (
     EngineOverloaded,
     InvalidRequest,
     ModelLoadError,
+    RequestFailed,
     UnknownAdapter,
 )
 from services.inference.engine.gc_pacing import collect_if_due
@@ -59,6 +60,8 @@ from store.peft import BaseModelShape
 
 log = logging.getLogger(__name__)
 
+# Steps in a row whose every sequence fails alone before the failure is the engine's (_execute).
+MAX_FAILED_STEPS = 3
 # Called with (request_id, logits [vocab] float32) for every sampled token: a test hook.
 LogitsHook = Callable[[str, torch.Tensor], None]
 
@@ -117,6 +120,8 @@ class EngineCore:
         self._seq_ids = itertools.count()
         self._lock = threading.Lock()
         self._live: dict[str, Sequence] = {}  # request_id -> sequence, prepared until finished
+        self._step_failures: list[tuple[str, RequestFailed]] = []  # take_step_failures
+        self._failed_steps = 0  # steps in a row in which every sequence failed (_execute)
         self.steps = self.computed_tokens = self.generated_tokens = 0
         self.last_step_ran = False
         log.info(
@@ -174,25 +179,25 @@ class EngineCore:
         """Validate a request and make its sequence; any thread. Raises before anything is
         queued: InvalidRequest, DuplicateRequest, UnknownAdapter, EngineOverloaded."""
         sp = request.sampling
+        # Sizes first, each before any work proportional to it (limits.py); the service has
+        # checked them already and passes token ids (it tokenizes: never on the step thread).
+        limits = self.config.limits
+        limits.check_request_id(request.request_id)
+        limits.check_stops(sp.stop, len(sp.stop_token_ids))
         if request.prompt is not None:
-            ids = self.tokenizer.encode(request.prompt)
+            limits.check_prompt_text(request.prompt)
+            given = self.tokenizer.encode(request.prompt)
         else:
-            ids = [_token_id(t) for t in request.prompt_token_ids]
-        if not ids:
+            given = request.prompt_token_ids
+        limits.check_prompt_tokens(len(given))
+        if not given:
             raise InvalidRequest(f"request {request.request_id}: the prompt is empty")
-        vocab = self.model_config.vocab_size
-        for i, t in enumerate(ids):
-            if t is None or not 0 <= t < vocab:
-                given = t if request.prompt_token_ids is None else request.prompt_token_ids[i]
-                raise InvalidRequest(
-                    f"request {request.request_id}: prompt token {i} is "
-                    f"{given!r}, outside the vocabulary [0, {vocab})"
-                )
-        if len(ids) + sp.max_new_tokens > self.max_len:
+        if len(given) + sp.max_new_tokens > self.max_len:
             raise InvalidRequest(
-                f"request {request.request_id}: {len(ids)} prompt tokens + max_new_tokens "
+                f"request {request.request_id}: {len(given)} prompt tokens + max_new_tokens "
                 f"{sp.max_new_tokens} exceed the context window of {self.max_len} tokens"
             )
+        ids = _vocabulary_ids(given, self.model_config.vocab_size, request.request_id)
         adapter_pages = 0
         if request.adapter is not None:
             host = self.adapters.get(request.adapter)
@@ -304,7 +309,7 @@ class EngineCore:
                 ids, s.seq.num_computed, self.pool.kv_pages(s.seq.seq_id), s.lora_row,
                 s.samples, s.seq.last_row if pending else None,
             ))  # fmt: skip
-        logits = self.runner.execute(entries)  # [sampling sequences, vocab]
+        logits, scheduled = self._execute(scheduled, entries)  # [sampling sequences, vocab]
         sampling = [s.seq for s in scheduled if s.samples]
         for s in scheduled:
             s.seq.num_computed += s.num_tokens
@@ -313,8 +318,11 @@ class EngineCore:
         if sampling:
             tokens = self.sampler(
                 logits, [q.sampling for q in sampling], [q.generator for q in sampling]
-            )  # [sampling sequences] on the device
-            ticket = self._tokens.put(tokens, self.runner.batch.prev_tokens)
+            )  # [sampling sequences] on the device, each in the vocabulary
+            # The host reads -1 for a row whose logits are not finite (finish fails its
+            # request); the next step, launched before that, reads the sampler's token.
+            marked = torch.where(torch.isfinite(logits).all(dim=-1), tokens, -1)
+            ticket = self._tokens.put(tokens, self.runner.batch.prev_tokens, marked)
             if self.logits_hook is not None:
                 for i, seq in enumerate(sampling):
                     self.logits_hook(seq.request_id, logits[i])
@@ -341,12 +349,83 @@ class EngineCore:
             return []
         tokens = self._tokens.take(launched.ticket)
         self.step_log.end(launched.record)
-        outputs = []
+        live = []
         for seq, tok in zip(launched.sampled, tokens, strict=True):
             seq.inflight -= 1
             if seq.status is not SequenceStatus.FINISHED:
-                outputs.append(self._append(seq, tok))
+                live.append((seq, tok))
+        return self._append_all(live)
+    # --- failures that stay with their request ----------------------------------------------
+
+    def _execute(self, scheduled, entries):
+        """The step's logits, and the scheduled sequences they are for. A forward pass that
+        raises (a kernel's error on one request's data) runs again one sequence at a time: a
+        sequence that fails alone ends with RequestFailed, the others keep their logits (each
+        one's K/V is written again, at the same positions). When every sequence fails alone in
+        MAX_FAILED_STEPS steps in a row, the fault is the engine's, not a request's: raised."""
+        try:
+            logits = self.runner.execute(entries)
+            self._failed_steps = 0
+            return logits, scheduled
+        except Exception as exc:
+            log.warning("a step of %d sequences failed (%r); running them one by one",
+                        len(entries), exc)  # fmt: skip
+            error = exc
+        rows, kept = [], []
+        for s, entry in zip(scheduled, entries, strict=True):
+            try:
+                row = self.runner.execute([entry])
+            except Exception as exc:  # noqa: BLE001 (reported to the request, and logged)
+                log.warning("request %s fails alone: %r", s.seq.request_id, exc)
+                self._fail(s.seq, RequestFailed(
+                    f"request {s.seq.request_id}: the model failed on its data "
+                    f"({type(exc).__name__}: {exc}); the engine keeps serving"
+                ))  # fmt: skip
+                continue
+            kept.append(s)
+            if s.samples:
+                rows.append(row.clone())  # a graph's output is overwritten by the next run
+        self._failed_steps = 0 if kept else self._failed_steps + 1
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            raise error
+        vocab = self.model_config.vocab_size
+        logits = torch.cat(rows) if rows else torch.empty(0, vocab, device=self.device)
+        return logits, kept
+
+    def _append_all(self, sampled: list[tuple[Sequence, int]]) -> list:
+        """Each sampled token's output; a request whose logits were not finite (token -1), or
+        whose token cannot be taken (its detokenizer or stop strings fail), ends with
+        RequestFailed (take_step_failures) and the others go on."""
+        outputs = []
+        for seq, token in sampled:
+            if token < 0:
+                where = "its adapter" if seq.adapter is not None else "the base model"
+                self._fail(seq, RequestFailed(
+                    f"request {seq.request_id}: {where} produced logits that are not finite "
+                    f"(NaN or infinite) for token {len(seq.output_ids)}; "
+                    + ("the adapter's weights do not work with this base model"
+                       if seq.adapter is not None else "the request cannot go on")
+                ))  # fmt: skip
+                continue
+            try:
+                outputs.append(self._append(seq, token))
+            except Exception as exc:
+                log.exception("request %s failed in the step", seq.request_id)
+                self._fail(seq, RequestFailed(
+                    f"request {seq.request_id} failed in the engine: {type(exc).__name__}: {exc}"
+                ))  # fmt: skip
         return outputs
+
+    def _fail(self, seq: Sequence, error: RequestFailed) -> None:
+        if seq.status is not SequenceStatus.FINISHED:
+            self._finish(seq, FinishReason.ABORT, (), "")
+        self._step_failures.append((seq.request_id, error))
+
+    def take_step_failures(self) -> list[tuple[str, RequestFailed]]:
+        """(request_id, error) of the requests that steps ended since the last call (step
+        thread); their streams end with the error."""
+        failures, self._step_failures = self._step_failures, []
+        return failures
 
     def _append(self, seq: Sequence, token: int) -> GenerationOutput:
         self.generated_tokens += 1
@@ -409,6 +488,22 @@ def load_failed(key: AdapterKey, cause: BaseException) -> AdapterLoadFailed:
         f"adapter {key} could not be copied into the GPU page pool "
         f"({type(cause).__name__}: {cause}); the engine keeps serving, retry later"
     )
+
+
+def _vocabulary_ids(given, vocab: int, request_id: str) -> list[int]:
+    """``given`` as a list of token ids in [0, vocab); InvalidRequest names the first that is
+    not. Plain ints take C-speed checks only (a long prompt costs the step thread ~1 ms)."""
+    ids = list(given)
+    if set(map(type, ids)) <= {int} and min(ids) >= 0 and max(ids) < vocab:
+        return ids
+    ids = [_token_id(t) for t in ids]
+    for i, t in enumerate(ids):
+        if t is None or not 0 <= t < vocab:
+            raise InvalidRequest(
+                f"request {request_id}: prompt token {i} is {given[i]!r}, outside the "
+                f"vocabulary [0, {vocab})"
+            )
+    return ids
 
 
 def _token_id(value: object) -> int | None:

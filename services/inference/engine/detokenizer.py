@@ -11,6 +11,8 @@ offset), keeping a few ids of left context: tokenizers whose decoders look at ne
 
 from __future__ import annotations
 
+import re
+from array import array
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -81,6 +83,13 @@ class StopStringMatcher:
     Holds back the longest tail that could still begin a stop string; on a match it releases
     the text before the stop string that completed first, and nothing after (the stop string
     itself is not emitted). The result does not depend on how the text was cut into deltas.
+
+    Cost: each stop string keeps a Knuth-Morris-Pratt automaton, its failure table (one int per
+    character) and its state (the length of the longest tail that is a prefix of it); each new
+    character advances every state in amortized O(1), and runs of characters that begin no stop
+    string while every state is at 0 are skipped in one regex search. Memory is linear in the
+    stop strings' length and time linear in the text (times the number of stop strings, which
+    the engine bounds: limits.py); the held tail is at most the longest stop string.
     """
 
     def __init__(self, stops: Sequence[str]) -> None:
@@ -89,9 +98,13 @@ class StopStringMatcher:
         self._stops = tuple(stops)
         if any(not isinstance(s, str) or not s for s in self._stops):
             raise ValueError(f"stop strings must be non-empty strings, got {self._stops!r}")
-        # Every proper prefix of a stop string: a tail equal to one of them is held back.
-        self._prefixes = {s[:i] for s in self._stops for i in range(1, len(s))}
-        self._max_hold = max((len(s) - 1 for s in self._stops), default=0)
+        self._fail = [_failure_table(s) for s in self._stops]
+        self._state = [0] * len(self._stops)  # per stop: matched prefix length
+        # Characters that can start a match from state 0: the stops' first characters.
+        firsts = {s[0] for s in self._stops}
+        self._starts = (
+            re.compile(f"[{''.join(map(re.escape, sorted(firsts)))}]") if firsts else None
+        )
         self._held = ""
         self.stopped = False
 
@@ -99,26 +112,62 @@ class StopStringMatcher:
         if self.stopped:
             raise RuntimeError("StopStringMatcher.add after a stop string matched")
         text = self._held + delta
-        # The stop string that completes first (smallest end; on a tie, the longer one) ends
-        # the text, as if it were streamed one character at a time: an earlier-starting, longer
-        # stop that would complete later cannot be waited for. str.find gives each stop's
-        # first occurrence, which is also its first completion.
-        hits = [(i + len(s), i) for s in self._stops if (i := text.find(s)) >= 0]
-        if hits:
-            self.stopped = True
-            self._held = ""
-            return StopMatch(text[: min(hits)[1]], True)
-        # Longest tail that is a proper prefix of a stop; any earlier start of a stop string
-        # would already be a complete match above, so everything before the tail is safe.
-        hold = 0
-        for n in range(min(len(text), self._max_hold), 0, -1):
-            if text[-n:] in self._prefixes:
-                hold = n
+        base = len(self._held)  # text[:base] was fed before; the states describe it
+        i = base
+        while i < len(text):
+            if self._starts is None:
+                i = len(text)
                 break
-        self._held = text[len(text) - hold :]
+            if not any(self._state):
+                found = self._starts.search(text, i)
+                if found is None:
+                    i = len(text)
+                    break
+                i = found.start()
+            end = self._advance(text[i])
+            i += 1
+            if end is not None:
+                # The stop that completes first (smallest end; on a tie the longest, which
+                # starts first) ends the text, as if streamed one character at a time.
+                self.stopped = True
+                self._held = ""
+                return StopMatch(text[: i - end], True)
+        hold = max(self._state, default=0)
+        self._held = text[len(text) - hold :] if hold else ""
         return StopMatch(text[: len(text) - hold], False)
+
+    def _advance(self, c: str) -> int | None:
+        """Feed one character to every automaton; the length of the longest stop string that
+        ends with it, if any does."""
+        done = None
+        for k, stop in enumerate(self._stops):
+            q, fail = self._state[k], self._fail[k]
+            while q and stop[q] != c:
+                q = fail[q - 1]
+            if stop[q] == c:
+                q += 1
+            if q == len(stop):
+                done = q if done is None else max(done, q)
+                q = fail[q - 1]
+            self._state[k] = q
+        return done
 
     def flush(self) -> str:
         """At the end of the request without a match: the held tail is ordinary text."""
         held, self._held = self._held, ""
+        self._state = [0] * len(self._stops)
         return held
+
+
+def _failure_table(s: str) -> array:
+    """KMP: entry i is the length of the longest proper prefix of s[: i + 1] that is also
+    its suffix."""
+    table = array("i", [0]) * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = table[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        table[i] = k
+    return table

@@ -393,8 +393,10 @@ class Engine:
         self._loads = waiting
 
     def _take_load_failures(self) -> None:
-        """End the requests and LoadAdapter calls waiting for an adapter whose copy failed."""
+        """End the requests and LoadAdapter calls waiting for an adapter whose copy failed, and
+        the requests a step failed."""
         errors, failed = self.core.take_load_failures()
+        errors += self.core.take_step_failures()  # non-finite logits, a failing detokenizer
         if errors:
             self._fail_requests(errors)
         if failed:

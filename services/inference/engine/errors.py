@@ -37,3 +37,8 @@ class AdapterLoadFailed(EngineError):
 
 class ModelLoadError(EngineError):
     """The model directory cannot be served: missing file, unsupported architecture, bad shape."""
+
+
+class RequestFailed(EngineError):
+    """A step could not go on with one request (its logits were not finite, its text could not
+    be decoded): that request ends with this, and every other one keeps running."""

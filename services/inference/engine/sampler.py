@@ -73,9 +73,10 @@ def _sample_rows(logits: Tensor, temps: Tensor, top_k: Tensor, top_p: Tensor, u:
     logits [S, V], temps/top_k/top_p/u [S] -> [S] token ids. Every operation is row-wise.
     """
     vocab = logits.shape[-1]
-    sorted_logits, order = torch.sort(
-        logits / temps[:, None], dim=-1, descending=True, stable=True
-    )  # [S, V]
+    # Shifted by the row's maximum first, so that a tiny temperature cannot overflow finite
+    # logits to inf (softmax is unchanged by the shift).
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temps[:, None]  # [S, V]
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)  # [S, V]
     probs = torch.softmax(sorted_logits, dim=-1)  # [S, V]
     rank = torch.arange(vocab, device=logits.device)[None, :]  # [1, V]
     # top-k: keep ranks < k (k = 0 keeps all).
@@ -93,5 +94,7 @@ def _sample_rows(logits: Tensor, temps: Tensor, top_k: Tensor, top_p: Tensor, u:
     # prefix (probs are sorted and both filters keep prefixes; the top token is always
     # positive), so the clamp, which only catches float rounding at the end, stays inside it.
     pos = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)  # [S]
-    pos = torch.minimum(pos, (probs > 0).sum(dim=-1) - 1)
+    # A row whose logits are not finite has no positive entry (NaN compares false): it gets
+    # position 0 rather than an index error (the engine fails that request, not the step).
+    pos = torch.minimum(pos, (probs > 0).sum(dim=-1) - 1).clamp(min=0)
     return order.gather(-1, pos[:, None]).squeeze(-1)

@@ -30,20 +30,23 @@ class TokenTransfer:
         ]
         self._next = 0
 
-    def put(self, tokens: torch.Tensor, prev_tokens: torch.Tensor) -> TokenTicket:
-        """Queue ``tokens`` [n] (on the device) for the host and for the next step."""
+    def put(
+        self, tokens: torch.Tensor, prev_tokens: torch.Tensor, host: torch.Tensor | None = None
+    ) -> TokenTicket:
+        """Queue ``tokens`` [n] (on the device) for the next step, and ``host`` (the same shape;
+        default ``tokens``) for the host."""
         n = tokens.numel()
         if n > prev_tokens.numel() or n > self._bufs[0].numel():
             raise ValueError(f"{n} sampled tokens exceed the capacity {prev_tokens.numel()}")
         prev_tokens[:n].copy_(tokens)
-        host = self._bufs[self._next][:n]
+        out = self._bufs[self._next][:n]
         self._next = (self._next + 1) % _BUFFERS
-        host.copy_(tokens, non_blocking=self._cuda)
+        out.copy_(tokens if host is None else host, non_blocking=self._cuda)
         ready = None
         if self._cuda:
             ready = torch.cuda.Event()
             ready.record()
-        return TokenTicket(host, ready)
+        return TokenTicket(out, ready)
 
     @staticmethod
     def take(ticket: TokenTicket) -> list[int]:

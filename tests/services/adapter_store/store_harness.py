@@ -73,11 +73,16 @@ class StoreProcess:
         seaweed: SeaweedServer | None = None,
         bucket: str | None = None,
         extra_args: tuple[str, ...] = (),
+        root: Path | None = None,
+        python_args: tuple[str, ...] = ("-m", "services.adapter_store"),
     ) -> None:
+        """``root``: the local backend's directory (default: under ``workdir``);
+        ``python_args``: what the interpreter runs, before the store's flags."""
+        self.python_args = python_args
         self.backend = backend
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.root = self.workdir / "root"
+        self.root = self.workdir / "root" if root is None else Path(root)
         self.seaweed = seaweed
         self.bucket = bucket
         (self.port,) = free_ports(1)
@@ -97,7 +102,7 @@ class StoreProcess:
         self.log_path = self.workdir / "store.log"
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "services.adapter_store", *self.args],
+            [sys.executable, *self.python_args, *self.args],
             cwd=REPO,
             env=self.env,
             stdout=self._log,

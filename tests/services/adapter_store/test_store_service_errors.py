@@ -8,6 +8,7 @@ import struct
 from functools import cache
 
 import grpc
+import numpy as np
 import pytest
 
 from lorafleet.v1 import adapter_store_pb2 as pb
@@ -58,6 +59,24 @@ def with_files(config: bytes, body: bytes) -> AdapterFiles:
 def _missing_b() -> bytes:
     tensors = dict(lora_tensors(BASE, 4, ("q_proj", "v_proj")))
     del tensors[tensor_name(1, "v_proj", "B")]
+    return safetensors_bytes(tensors)
+
+
+def _poisoned(files: AdapterFiles, value: float, at_end: bool = False) -> AdapterFiles:
+    """``files`` with one F16 value replaced (NaN or infinite): in the first tensor, or in the
+    last value of the file, after every part but the last has reached storage."""
+    body = bytearray(files.safetensors)
+    start = 8 + struct.unpack("<Q", body[:8])[0]
+    at = len(body) - 2 if at_end else start + 6
+    body[at : at + 2] = np.array([value], dtype="<f2").tobytes()
+    return AdapterFiles(files.config_json, bytes(body))
+
+
+def _renamed_layer(layer: str) -> bytes:
+    tensors = dict(lora_tensors(BASE, 4, ("q_proj", "v_proj")))
+    for kind in ("A", "B"):
+        name = tensor_name(1, "q_proj", kind)
+        tensors[name.replace(".layers.1.", f".layers.{layer}.")] = tensors.pop(name)
     return safetensors_bytes(tensors)
 
 
@@ -170,6 +189,38 @@ CASES = {
         lambda i: upload_requests(i, big(), 1 << 20, sha256="f" * 64),
         INVALID,
         "sha256",
+    ),
+    "nan": (
+        lambda i: upload_requests(i, _poisoned(GOOD, np.nan)),
+        INVALID,
+        "holds a value that is not finite",
+    ),
+    "inf": (
+        lambda i: upload_requests(i, _poisoned(GOOD, -np.inf)),
+        INVALID,
+        "not finite (NaN or infinite: outside the range of F16)",
+    ),
+    "big nan in the last part": (
+        lambda i: upload_requests(i, _poisoned(big(), np.nan, at_end=True), 1 << 20),
+        INVALID,
+        "down_proj.lora_B.weight holds a value that is not finite",
+    ),
+    "leading zeros": (
+        lambda i: upload_requests(i, with_files(GOOD.config_json, _renamed_layer("0001"))),
+        INVALID,
+        "layer index '0001' is not written as PEFT writes",
+    ),
+    "arabic-indic digit": (
+        lambda i: upload_requests(i, with_files(GOOD.config_json, _renamed_layer("\u0661"))),
+        INVALID,
+        "not written as PEFT writes layer indices",
+    ),
+    "alpha 0": (
+        lambda i: upload_requests(
+            i, with_files(lora_config_json(4, 0, ["q_proj", "v_proj"]), GOOD.safetensors)
+        ),
+        INVALID,
+        "lora_alpha must be a finite number > 0, got 0",
     ),
     "big truncated": (
         lambda i: upload_requests(

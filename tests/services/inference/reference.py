@@ -16,6 +16,7 @@ from services.inference.convert import sampling_params
 from services.inference.engine.api import AdapterKey, FinishReason, GenerationRequest
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.core import EngineCore
+from services.inference.engine.limits import RequestLimits
 
 FINISH = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -58,7 +59,7 @@ class Reference:
         return self.run(prompt, ids, key, request.sampling.SerializeToString())
 
     def _run(self, prompt, ids, key, sampling_bytes: bytes) -> Expected:
-        sampling = sampling_params(pb.SamplingParams.FromString(sampling_bytes))
+        sampling = sampling_params(pb.SamplingParams.FromString(sampling_bytes), RequestLimits())
         self.core.add_request(GenerationRequest("alone", prompt, ids, key, sampling))
         tokens: list[int] = []
         text = ""

@@ -72,6 +72,20 @@ def test_request_id_is_generated_when_empty(stack):
          "max_new_tokens"),
         (dict(prompt="x", sampling=sampling(top_k=-2)), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
         (dict(), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        (dict(prompt="x", adapter_version=3), grpc.StatusCode.INVALID_ARGUMENT,
+         "adapter_version 3 is given without an adapter_id"),
+        (dict(prompt="x", request_id="r" * 257), grpc.StatusCode.INVALID_ARGUMENT,
+         "request_id is 257 characters; at most 256"),
+        (dict(prompt="é" * 600_000), grpc.StatusCode.INVALID_ARGUMENT,
+         "over 1048576 bytes of UTF-8 (--max-prompt-bytes)"),
+        (dict(prompt_token_ids=[5] * 131073), grpc.StatusCode.INVALID_ARGUMENT,
+         "131073 tokens; at most 131072"),
+        (dict(prompt="x", sampling=sampling(stop=["s"] * 17)), grpc.StatusCode.INVALID_ARGUMENT,
+         "17 stop strings; at most 16"),
+        (dict(prompt="x", sampling=sampling(stop=["s" * 1025])), grpc.StatusCode.INVALID_ARGUMENT,
+         "stop string of 1025 characters"),
+        (dict(prompt="x", sampling=sampling(stop_token_ids=[1] * 129)),
+         grpc.StatusCode.INVALID_ARGUMENT, "129 stop_token_ids; at most 128"),
     ],
 )  # fmt: skip
 def test_bad_requests_get_the_contract_status(stack, fields, code, fragment):
@@ -163,6 +177,8 @@ def test_load_list_unload_and_stats(stack, reference):
 
     unloaded = stub.UnloadAdapter(pb.UnloadAdapterRequest(adapter_id="c"), timeout=10)
     assert [a.adapter_id for a in unloaded.adapters] == ["c"]
+    # Where it was when unloaded: in the pool (it had been pinned there), not "loading".
+    assert unloaded.adapters[0].residency == pb.RESIDENCY_GPU and unloaded.adapters[0].retired
     listed = {a.adapter_id for a in stub.ListAdapters(pb.ListResidentAdaptersRequest()).adapters}
     assert "c" not in listed
     with pytest.raises(grpc.RpcError) as missing:
