@@ -1,8 +1,8 @@
 """Random models and adapters of real shapes for the benchmarks, generated on the fly.
 
 The weights are random (scaled normal) and written as Hugging Face safetensors, one shard per
-layer; the tokenizer is the tiny models' byte-level BPE (ids beyond its vocabulary decode to
-nothing, which the benchmarks never look at). Adapters are store.synthetic's PEFT files.
+layer; the tokenizer is the tiny models' byte-level BPE with a word added for every id beyond
+its 512, so that every generated token decodes to text. Adapters are store.synthetic's PEFT files.
 """
 
 from __future__ import annotations
@@ -73,14 +73,29 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
+def _vocab_size(path: Path) -> int | None:
+    if not path.exists():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path)).get_vocab_size()
+
+
 def make_model(out: Path, shape: Shape, device: torch.device, seed: int = 0) -> Path:
     """Writes the model unless ``out`` already holds one of this shape; returns ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(512)
+    # Every id the model can generate decodes to text (one word each beyond the BPE's 512), as
+    # with a real tokenizer: the streams carry text for every token.
+    tok.add_tokens([f" w{i}" for i in range(tok.get_vocab_size(), shape.vocab)])
     special = {t: tok.token_to_id(t) for t in (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)}
     config = shape.config(special)
     done = out / "config.json"
-    if done.exists() and json.loads(done.read_text()) == config:
+    if (
+        done.exists()
+        and json.loads(done.read_text()) == config
+        and _vocab_size(out / "tokenizer.json") == shape.vocab
+    ):
         return out
     tok.save(str(out / "tokenizer.json"))
     _write_json(

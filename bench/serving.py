@@ -18,6 +18,11 @@ measured on this machine in this run), as a distribution over the steps of 64 se
     python bench/serving.py                                    # CUDA, Llama-7B shape, base model
     python bench/serving.py --runs inf:1000 40:15 --adapters 0 5 100 --workload S1
     python bench/serving.py --shape tiny --device cpu --runs inf:24 4:3 --adapters 0 3
+    python bench/serving.py --via grpc gateway      # the HTTP gateway's overhead, same traces
+
+With ``--via gateway`` the clients call the HTTP gateway (services/gateway) with streamed
+completions of the same token ids instead of Generate; the rows say how it compares with gRPC
+(vs_grpc: throughput ratio; ttft_p50_added_s).
 """
 
 from __future__ import annotations
@@ -96,9 +101,64 @@ def with_adapters(trace: list[Request], n: int, alpha: float, seed: int) -> list
 # ------------------------------------------------------------------ the clients (own processes)
 
 
+_HTTP_STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED",
+                503: "UNAVAILABLE"}  # fmt: skip
+
+
+async def http_completion(address: str, body: dict, timeout: float) -> tuple:
+    """POST /v1/completions with stream true over one HTTP/1.1 connection, reading the
+    server-sent events as they come: (first token time, last token time, tokens, status)."""
+    host, _, port = address.rpartition(":")
+    raw = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    first = last = None
+    tokens, status = 0, "OK"
+    try:
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%b" % (host.encode(), len(raw), raw)
+        )
+        code = int((await reader.readline()).split()[1])
+        chunked = False
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            chunked |= line.lower().startswith(b"transfer-encoding: chunked")
+        if code != 200:
+            return None, None, 0, _HTTP_STATUS.get(code, f"HTTP_{code}")
+        pending = b""
+        while True:
+            if chunked:
+                size = int((await asyncio.wait_for(reader.readline(), timeout)).strip(), 16)
+                if size == 0:
+                    break
+                data = await reader.readexactly(size + 2)
+                pending += data[:-2]
+            else:
+                data = await asyncio.wait_for(reader.read(65536), timeout)
+                if not data:
+                    break
+                pending += data
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                payload = event.removeprefix(b"data: ")
+                if payload == b"[DONE]":
+                    return first, last, tokens, status
+                msg = json.loads(payload)
+                if "error" in msg:
+                    status = "STREAM_ERROR"
+                elif msg.get("choices") and msg["choices"][0].get("text"):
+                    last = time.perf_counter()
+                    first = first or last
+                if msg.get("usage"):
+                    tokens = msg["usage"]["completion_tokens"]
+        return first, last, tokens, status
+    finally:
+        writer.close()
+
+
 async def client(spec: dict) -> list[dict]:
     """Replay this client's share of the trace; per request: send, first token and last token
-    times (perf_counter, comparable across processes), tokens, status."""
+    times (perf_counter, comparable across processes), tokens, status. Over gRPC, or over the
+    HTTP gateway's streamed completions when spec["http"] names it."""
     start, vocab, names = spec["start"], spec["vocab"], spec["adapters"]
     channels = [grpc.aio.insecure_channel(spec["address"]) for _ in range(spec["channels"])]
     stubs = [pb_grpc.InferenceStub(c) for c in channels]
@@ -117,6 +177,18 @@ async def client(spec: dict) -> list[dict]:
         first = last = None
         tokens = 0
         status = "OK"
+        if spec.get("http"):
+            body = {
+                "model": spec["base_model"] if r["adapter"] is None else names[r["adapter"]],
+                "prompt": prompt, "max_tokens": r["output_len"], "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            }  # fmt: skip
+            first, last, tokens, status = await http_completion(
+                spec["http"], body, spec["timeout_s"]
+            )
+            results.append({"index": r["index"], "sent": sent, "first": first, "last": last,
+                            "tokens": tokens, "status": status})  # fmt: skip
+            return
         try:
             async for msg in stubs[i % len(stubs)].Generate(req, timeout=spec["timeout_s"]):
                 if msg.token_ids:
@@ -196,6 +268,22 @@ def measure_ceilings_subprocess(device: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def wait_gateway(address: str, proc: subprocess.Popen, timeout: float) -> str:
+    """Wait until the gateway answers /health; return the base model's id (/v1/models)."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{address}/v1/models", timeout=5) as r:
+                return json.loads(r.read())["data"][0]["id"]
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway at {address} did not come up") from None
+            time.sleep(0.5)
+
+
 def wait_idle(address: str, timeout: float = 600.0) -> None:
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.InferenceStub(channel)
@@ -212,7 +300,7 @@ def wait_idle(address: str, timeout: float = 600.0) -> None:
 
 
 def run_trace(args, address: str, trace: list[Request], names: list[str], tag: str,
-              vocab: int, work: Path) -> list[dict]:  # fmt: skip
+              vocab: int, work: Path, http: dict | None = None) -> list[dict]:  # fmt: skip
     """Split the trace over args.clients processes, start them together, merge their results."""
     start = time.perf_counter() + 1.0 + 0.05 * args.clients  # every client is up by then
     procs, outs = [], []
@@ -220,7 +308,7 @@ def run_trace(args, address: str, trace: list[Request], names: list[str], tag: s
         mine = [dict(r._asdict(), index=i) for i, r in enumerate(trace) if i % args.clients == c]
         spec = {"start": start, "vocab": vocab, "adapters": names, "address": address,
                 "channels": args.channels, "seed": args.seed * 1000 + c, "tag": f"{tag}-c{c}",
-                "timeout_s": args.timeout_s, "requests": mine}  # fmt: skip
+                "timeout_s": args.timeout_s, "requests": mine, **(http or {})}  # fmt: skip
         path = work / f"{tag}-client{c}.json"
         path.write_text(json.dumps(spec))
         outs.append(path.with_suffix(".out.json"))
@@ -314,7 +402,7 @@ def parse_run(text: str) -> tuple[float, int | None, float | None]:
 
 def table(rows: list[dict]) -> str:
     head = (
-        f"{'run':<10}{'n':>6}{'done':>7}{'rej':>5}{'tok/s':>9}{'vs base':>8}{'req/s':>7}"
+        f"{'run':<10}{'via':>8}{'n':>6}{'done':>7}{'rej':>5}{'tok/s':>9}{'vs base':>8}{'req/s':>7}"
         f"{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}{'tail s':>8}{'step/roof':>10}"
     )
 
@@ -325,7 +413,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         share = r["roofline_share_batch_64_plus"][50]
         lines.append(
-            f"{r['run']:<10}{r['adapters']:>6}{r['completed']:>7}{r['rejected']:>5}"
+            f"{r['run']:<10}{r.get('via', 'grpc'):>8}{r['adapters']:>6}{r['completed']:>7}"
+            f"{r['rejected']:>5}"
             f"{r['output_tokens_per_s']:>9.0f}{r.get('vs_base', 1.0):>8.2f}"
             f"{r['requests_per_s']:>7.1f}{ms(r['ttft_p50_s']):>10}{ms(r['ttft_p99_s']):>8}"
             f"{ms(r['tpot_p50_s']):>10}{ms(r['tpot_p99_s']):>8}"
@@ -367,6 +456,10 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, nargs="+", default=[0],
                         help="adapter counts n, 0 = base model; each runs every trace")  # fmt: skip
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="S1")
+    parser.add_argument(
+        "--via", nargs="+", choices=["grpc", "gateway"], default=["grpc"],
+        help="the front the clients call: gRPC, the HTTP gateway, or both (side by side)",
+    )  # fmt: skip
     parser.add_argument("--alpha", type=float, default=1.0, help="popularity power law")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--clients", type=int, default=4, help="client processes")
@@ -402,7 +495,7 @@ def main() -> None:
     store = subprocess.Popen([sys.executable, "-m", "services.adapter_store", "--port",
                               str(store_port), "--backend", "local", "--root", str(store_dir)],
                              cwd=REPO, env=env)  # fmt: skip
-    service = None
+    service = gateway = None
     rows = []
     try:
         wait_serving(f"127.0.0.1:{store_port}", store, 60)
@@ -414,28 +507,49 @@ def main() -> None:
         ], cwd=REPO, env=env)  # fmt: skip
         address = f"127.0.0.1:{port}"
         wait_serving(address, service, 1200)
+        http = None
+        if "gateway" in args.via:
+            gateway_port = free_port()
+            gateway = subprocess.Popen([
+                sys.executable, "-m", "services.gateway", "--port", str(gateway_port),
+                "--inference", address, "--adapter-store", f"127.0.0.1:{store_port}",
+            ], cwd=REPO, env=env)  # fmt: skip
+            base_model = wait_gateway(f"127.0.0.1:{gateway_port}", gateway, 120)
+            http = {"http": f"127.0.0.1:{gateway_port}", "base_model": base_model}
         warm = [Request(0.0, 64, 8, None)] * 4
-        run_trace(args, address, warm, names, "warmup", shape.vocab, work)
-        base_tps: dict[str, float] = {}
+        for via in args.via:
+            run_trace(args, address, warm, names, f"warmup-{via}", shape.vocab, work,
+                      http if via == "gateway" else None)  # fmt: skip
+        base_tps: dict[tuple, float] = {}
+        grpc_rows: dict[tuple, dict] = {}
         for n in args.adapters:  # the base model first: every later row is compared with it
             for run in args.runs:
                 rate, count, duration = parse_run(run)
                 trace = with_adapters(make_trace(rate, count, duration, args.seed), n,
                                       args.alpha, args.seed)  # fmt: skip
-                log.info("run %s, %d adapters: %d requests", run, n, len(trace))
-                tag = f"r{run}-n{n}".replace(":", "_")
-                results = run_trace(args, address, trace, names[:n], tag, shape.vocab, work)
-                wait_idle(address)
-                row = {"run": run, "adapters": n, **analyse(results, read_steps(step_log), roof)}
-                if n == 0:
-                    base_tps[run] = row["output_tokens_per_s"]
-                elif base_tps.get(run):
-                    row["vs_base"] = row["output_tokens_per_s"] / base_tps[run]
-                rows.append(row)
-                print(table(rows[-1:]).splitlines()[1], flush=True)
-                write_result(args, ceilings, rows)
+                for via in args.via:  # the same trace through each front, one after the other
+                    log.info("run %s, %d adapters, via %s: %d requests", run, n, via, len(trace))
+                    tag = f"r{run}-n{n}-{via}".replace(":", "_")
+                    results = run_trace(args, address, trace, names[:n], tag, shape.vocab, work,
+                                        http if via == "gateway" else None)  # fmt: skip
+                    wait_idle(address)
+                    steps = read_steps(step_log)
+                    row = {"run": run, "adapters": n, "via": via, **analyse(results, steps, roof)}
+                    if n == 0:
+                        base_tps[run, via] = row["output_tokens_per_s"]
+                    elif base_tps.get((run, via)):
+                        row["vs_base"] = row["output_tokens_per_s"] / base_tps[run, via]
+                    if via == "grpc":
+                        grpc_rows[run, n] = row
+                    elif (run, n) in grpc_rows:
+                        g = grpc_rows[run, n]
+                        row["vs_grpc"] = row["output_tokens_per_s"] / g["output_tokens_per_s"]
+                        row["ttft_p50_added_s"] = row["ttft_p50_s"] - g["ttft_p50_s"]
+                    rows.append(row)
+                    print(table(rows[-1:]).splitlines()[1], flush=True)
+                    write_result(args, ceilings, rows)
     finally:
-        for p in (service, store):
+        for p in (gateway, service, store):
             if p is not None and p.poll() is None:
                 p.terminate()
                 try:
