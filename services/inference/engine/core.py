@@ -355,6 +355,7 @@ class EngineCore:
             if seq.status is not SequenceStatus.FINISHED:
                 live.append((seq, tok))
         return self._append_all(live)
+
     # --- failures that stay with their request ----------------------------------------------
 
     def _execute(self, scheduled, entries):
