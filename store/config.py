@@ -58,6 +58,11 @@ class StoreConfig:
     fetch_queue_chunks: int = 2
     upload_parts_in_flight: int = 2
     probe_interval_s: float = 5.0  # how often the service checks that storage answers
+    # Tenancy (services/auth.py, services/tls.py): None = no authentication, plain TCP.
+    auth_tokens: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # mutual TLS: clients must present a cert it signed
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -90,6 +95,14 @@ class StoreConfig:
             raise ValueError(f"unknown log level {self.log_level!r}")
         if self.base_model_config is not None and not self.base_model_config.is_file():
             raise ValueError(f"--base-model-config {self.base_model_config} is not a file")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together: give both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS)")
+        for name in ("auth_tokens", "tls_cert", "tls_key", "tls_client_ca"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ValueError(f"--{name.replace('_', '-')} {path} is not a file")
 
     @cached_property
     def base_shape(self) -> BaseModelShape | None:
@@ -126,6 +139,10 @@ class StoreConfig:
             base_model_config=Path(args.base_model_config) if args.base_model_config else None,
             log_level=args.log_level.upper(),
             probe_interval_s=args.probe_interval_s,
+            **{
+                name: Path(getattr(args, name)) if getattr(args, name) else None
+                for name in ("auth_tokens", "tls_cert", "tls_key", "tls_client_ca")
+            },
         )
 
 
@@ -156,5 +173,14 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         type=float,
         default=d.probe_interval_s,
         help="seconds between storage checks",
+    )
+    parser.add_argument(
+        "--auth-tokens",
+        help="JSON file of sha256 token digests with their roles; without it, no authentication",
+    )
+    parser.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument(
+        "--tls-client-ca", help="PEM CA certificates: require client certificates (mutual TLS)"
     )
     return parser

@@ -73,6 +73,7 @@ class StoreProcess:
         seaweed: SeaweedServer | None = None,
         bucket: str | None = None,
         extra_args: tuple[str, ...] = (),
+        credentials: grpc.ChannelCredentials | None = None,  # the store serves TLS
     ) -> None:
         self.backend = backend
         self.workdir = Path(workdir)
@@ -90,6 +91,7 @@ class StoreProcess:
             args += ["--backend", "s3", "--s3-endpoint", seaweed.endpoint, "--s3-bucket", bucket]
             self.env = seaweed.env
         self.args = [*args, *extra_args]
+        self.credentials = credentials
         self.process: subprocess.Popen | None = None
         self.channel: grpc.Channel | None = None
 
@@ -103,7 +105,11 @@ class StoreProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = (
+            grpc.insecure_channel(self.address)
+            if self.credentials is None
+            else grpc.secure_channel(self.address, self.credentials)
+        )
         self.stub = pb_grpc.AdapterStoreStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         deadline = time.monotonic() + timeout_s
