@@ -87,8 +87,9 @@ class EngineCore:
         capacity = pages_needed(biggest.num_slots, config.page_size) * config.page_size
         self.adapters = AdapterManager(self.pool, config.max_loras, capacity)
         self.scheduler = Scheduler(
-            self.pool, self.adapters, config.max_num_seqs, config.max_num_batched_tokens
-        )
+            self.pool, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
+            config.scheduling,
+        )  # fmt: skip
         self.runner = ModelRunner(
             self.model, self.pool, self.adapters.index, config.max_lora_rank,
             config.max_num_seqs, config.max_num_batched_tokens, self.max_len, config.max_loras,
@@ -209,6 +210,7 @@ class EngineCore:
                 generator=make_generator(sp, self.device),
                 detokenizer=IncrementalDetokenizer(self.tokenizer, ids),
                 stops=StopStringMatcher(sp.stop),
+                tenant=request.tenant,
             )
             self._live[request.request_id] = seq
         return seq
