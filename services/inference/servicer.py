@@ -17,10 +17,12 @@ import grpc
 
 from lorafleet.v1 import inference_pb2 as pb
 from lorafleet.v1 import inference_pb2_grpc as pb_grpc
+from services.auth import audited, check_inference, visible
 from services.inference import convert
 from services.inference.adapter_registry import AdapterRegistry, HeldAdapter
 from services.inference.engine.api import AdapterKey, FinishReason, GenerationRequest
 from services.inference.engine.engine import Engine
+from services.inference.engine.sampling_params import SamplingParams
 from services.inference.errors import BadArgument, QueueFull, ShuttingDown, status_for
 from services.inference.metrics import ServiceMetrics
 from services.inference.service_stats import (
@@ -29,6 +31,7 @@ from services.inference.service_stats import (
     StatsSnapshot,
     summarize,
 )
+from services.inference.tenancy import Tenancy
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +44,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         metrics: ServiceMetrics,
         model_name: str,
         device: str,
+        tenancy: Tenancy | None = None,
     ) -> None:
         self.engine = engine
+        # Who calls, what they may touch, their quotas (tenancy.py, services/auth.py).
+        self.tenancy = tenancy or Tenancy()
         self.registry = registry
         self.metrics = metrics
         metrics.track(self.snapshot)
@@ -67,7 +73,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         rid = request.request_id or uuid.uuid4().hex
         code = grpc.StatusCode.OK
         admitted = False
+        ticket, used = None, 0  # the tenant's quota ticket; tokens the call used
         try:
+            caller = self.tenancy.caller(context)
+            check_inference(caller, request.adapter_id)
+            ticket = self.tenancy.admit(caller, _estimate(request))
             self._admit(rid)
             admitted = True
             sampling = convert.sampling_params(request.sampling)
@@ -79,13 +89,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if self._aborting:
                     raise ShuttingDown(f"request {rid} was ended: the server is shutting down")
                 cold = key is not None and not self.engine.adapter_in_pool(key)
-                gen = GenerationRequest(rid, prompt, ids, key, sampling)
+                gen = GenerationRequest(rid, prompt, ids, key, sampling, tenant=caller.tenant)
                 last = None
                 async for out in self.engine.generate(gen):
                     if out.finish_reason is FinishReason.ABORT:
                         raise ShuttingDown(f"request {rid} was ended: the server is shutting down")
                     now = time.perf_counter()
+                    used = out.prompt_tokens + out.completion_tokens
                     if last is None:
+                        ticket.started()
                         self.metrics.ttft.observe(now - start)
                         if cold:
                             self.cold_ttft.add(now - start)
@@ -103,6 +115,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             code = status_for(exc).code
             await _abort(context, exc)
         finally:
+            if ticket is not None:
+                ticket.close(used)
             if admitted:
                 self._calls.discard(rid)
                 if not self._calls:
@@ -126,13 +140,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def LoadAdapter(self, request, context) -> pb.LoadAdapterResponse:
         start = time.perf_counter()
         try:
-            key = await self.registry.acquire(request.adapter_id, request.adapter_version)
-            try:
-                if request.pin:
-                    self.registry.pin(key, True)
-                await self.engine.load_adapter(key)
-            finally:
-                self.registry.release(key)
+            caller = self.tenancy.caller(context)
+            with audited("load", caller, request.adapter_id, request.adapter_version) as entry:
+                check_inference(caller, request.adapter_id)
+                key = await self.registry.acquire(request.adapter_id, request.adapter_version)
+                entry.version = key.version
+                try:
+                    if request.pin:
+                        self.registry.pin(key, True)
+                    await self.engine.load_adapter(key)
+                finally:
+                    self.registry.release(key)
             return pb.LoadAdapterResponse(
                 adapter=self._resident(key, self.registry.get(key)),
                 load_seconds=time.perf_counter() - start,
@@ -142,16 +160,31 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def UnloadAdapter(self, request, context) -> pb.UnloadAdapterResponse:
         try:
-            if not request.adapter_id:
-                raise BadArgument("adapter_id is required")
-            unloaded = self.registry.unload(request.adapter_id, request.adapter_version)
+            caller = self.tenancy.caller(context)
+            with audited("unload", caller, request.adapter_id, request.adapter_version):
+                check_inference(caller, request.adapter_id)
+                if not request.adapter_id:
+                    raise BadArgument("adapter_id is required")
+                unloaded = self.registry.unload(request.adapter_id, request.adapter_version)
             return pb.UnloadAdapterResponse(adapters=[self._resident(h.key, h) for h in unloaded])
         except Exception as exc:
             await _abort(context, exc)
 
     async def ListAdapters(self, request, context) -> pb.ListResidentAdaptersResponse:
-        out = [self._resident(h.key, h) for h in self.registry.held()]
+        try:
+            caller = self.tenancy.caller(context)
+            check_inference(caller, "")
+        except Exception as exc:
+            await _abort(context, exc)
+        # A tenant sees only its own adapters.
+        out = [
+            self._resident(h.key, h)
+            for h in self.registry.held()
+            if visible(caller, h.key.adapter_id)
+        ]
         for key, waiting in self.registry.fetching().items():
+            if not visible(caller, key.adapter_id):
+                continue
             out.append(
                 pb.ResidentAdapter(
                     adapter_id=key.adapter_id, version=key.version,
@@ -177,6 +210,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def GetStats(self, request, context) -> pb.GetStatsResponse:
         try:
+            check_inference(self.tenancy.caller(context), "")  # totals only: any tenant
             await self.engine.sync_stats()
         except Exception as exc:
             await _abort(context, exc)
@@ -227,6 +261,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 await asyncio.wait_for(self._idle.wait(), timeout=5.0)
             except TimeoutError:
                 log.warning("%d calls did not end after their abort", len(self._calls))
+
+
+def _estimate(request: pb.GenerateRequest) -> int:
+    """Tokens a call is charged at admission (tenancy.py settles it at its end)."""
+    if request.sampling.HasField("max_new_tokens"):
+        new = request.sampling.max_new_tokens
+    else:
+        new = SamplingParams.max_new_tokens  # the default
+    return len(request.prompt_token_ids) + max(new, 0)
 
 
 def _prompt(request: pb.GenerateRequest) -> tuple[str | None, list[int] | None]:
