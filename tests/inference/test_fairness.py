@@ -75,12 +75,18 @@ def test_admission_prefers_tenants_below_their_share_then_the_least_served():
         fair.arrive(s)
     fair.served([(heavy[0], 40), (light[0], 10)])
     running = heavy[:3]
-    order = fair.admission([*heavy[3:], *light], running, max_num_seqs=4)
+    order = fair.admission([*heavy[3:], *light], running, max_num_seqs=8)
     first = next(order)
-    assert first is light[0]  # below its share of 2, and served less
+    assert first is light[0]  # served less (both are below their share of 4)
     order.admitted(first, 4)
     assert next(order) is light[1]
     assert next(order) is heavy[3]  # then the others, in queue order
+    # Above its share, a tenant comes after those below theirs, however little it was served.
+    fair.served([(light[0], 1000)])
+    order = fair.admission([*heavy[4:], *light], heavy[:4], max_num_seqs=5)
+    assert next(order) is light[0]
+    # A full batch admits nothing.
+    assert list(fair.admission(light, heavy[:4], max_num_seqs=4)) == []
     # One tenant: exactly the queue's order.
     solo = FairShare()
     queue = seqs("x", 5)

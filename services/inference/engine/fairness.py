@@ -122,30 +122,42 @@ class FairShare:
 
 class Admission:
     """One step's admission order; the scheduler reports each sequence it admits
-    (``admitted``), which moves that tenant's place for the rest of the step."""
+    (``admitted``), which moves that tenant's place for the rest of the step. Nothing is offered
+    once the batch is full, and the queue is read only when something may be admitted (most
+    steps of a busy engine admit nothing)."""
 
     def __init__(self, policy: FairShare, waiting, running, max_num_seqs: int, skip) -> None:
         self._policy = policy
         self._share = policy.share(max_num_seqs)
         self._count = Counter(s.tenant for s in running)
+        self._room = max_num_seqs - len(running)
+        self._waiting, self._skip = waiting, skip
         self._counter: dict[Tenant, float] = {}
-        self._queues: dict[Tenant, deque[_Seq]] = {}
+        self._queues: dict[Tenant, deque[_Seq]] | None = None
         self._first: dict[Tenant, int] = {}  # queue position of each tenant's first sequence
-        skipped = {id(s) for s in skip}
-        for position, seq in enumerate(waiting):
+
+    def _group(self) -> dict[Tenant, deque[_Seq]]:
+        queues: dict[Tenant, deque[_Seq]] = {}
+        skipped = {id(s) for s in self._skip}
+        for position, seq in enumerate(self._waiting):
             if id(seq) in skipped:
                 continue
-            queue = self._queues.get(seq.tenant)
+            queue = queues.get(seq.tenant)
             if queue is None:
-                queue = self._queues[seq.tenant] = deque()
+                queue = queues[seq.tenant] = deque()
                 self._first[seq.tenant] = position
-                self._counter[seq.tenant] = policy.counters.get(seq.tenant, 0.0)
+                self._counter[seq.tenant] = self._policy.counters.get(seq.tenant, 0.0)
             queue.append(seq)
+        return queues
 
     def __iter__(self) -> Iterator[_Seq]:
         return self
 
     def __next__(self) -> _Seq:
+        if self._room <= 0:
+            raise StopIteration
+        if self._queues is None:
+            self._queues = self._group()
         if not self._queues:
             raise StopIteration
         tenant = min(
@@ -159,6 +171,7 @@ class Admission:
         return seq
 
     def admitted(self, seq: _Seq, num_tokens: int) -> None:
+        self._room -= 1
         self._count[seq.tenant] += 1
         if seq.tenant in self._counter:
             self._counter[seq.tenant] += step_cost(seq, num_tokens)
