@@ -17,29 +17,6 @@ import grpc
 log = logging.getLogger(__name__)
 
 
-class TLSConfigError(ValueError):
-    """A TLS flag is missing its partner or names a file that cannot be read."""
-
-
-def check_server_flags(cert: Path | None, key: Path | None, client_ca: Path | None) -> None:
-    if (cert is None) != (key is None):
-        raise TLSConfigError("--tls-cert and --tls-key go together: give both or neither")
-    if client_ca is not None and cert is None:
-        raise TLSConfigError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS)")
-    for flag, path in (("--tls-cert", cert), ("--tls-key", key), ("--tls-client-ca", client_ca)):
-        if path is not None and not Path(path).is_file():
-            raise TLSConfigError(f"{flag} {path} is not a file")
-
-
-def check_client_flags(prefix: str, ca: Path | None, cert: Path | None, key: Path | None) -> None:
-    """``prefix``: how the flags are named, e.g. "--adapter-store" for --adapter-store-ca."""
-    if (cert is None) != (key is None):
-        raise TLSConfigError(f"{prefix}-cert and {prefix}-key go together: give both or neither")
-    for flag, path in ((f"{prefix}-ca", ca), (f"{prefix}-cert", cert), (f"{prefix}-key", key)):
-        if path is not None and not Path(path).is_file():
-            raise TLSConfigError(f"{flag} {path} is not a file")
-
-
 def _read(path: Path | None) -> bytes | None:
     return None if path is None else Path(path).read_bytes()
 

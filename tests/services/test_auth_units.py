@@ -213,3 +213,42 @@ def test_quotas_count_calls_and_tokens_per_tenant():
 def test_loopback_hosts():
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.5.0.1", "::1", "[::1]", "localhost"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "10.0.0.1", "::", "example.com"))
+
+
+def test_tenancy_flags_are_checked_naming_the_flag(tmp_path, capsys):
+    from services.inference.config import ServiceConfig
+    from services.inference.errors import status_for
+    from services.inference.server import engine_config
+    from store.config import StoreConfig
+
+    pem = tmp_path / "x.pem"
+    pem.write_text("-")
+    f = str(pem)
+    for argv, fragment in (
+        (["--tls-cert", f], "--tls-cert and --tls-key go together"),
+        (["--tls-client-ca", f], "--tls-client-ca needs --tls-cert"),
+        (["--auth-tokens", str(tmp_path / "none.json")], "--auth-tokens"),
+        (["--adapter-store-cert", f, "--adapter-store-key", f], "needs --adapter-store-ca"),
+        (["--adapter-store-ca", f, "--adapter-store-key", f], "--adapter-store-cert and"),
+        (["--tenant-max-in-flight", "0"], "--tenant-max-in-flight must be positive"),
+        (["--tenant-tokens-per-second", "-1"], "--tenant-tokens-per-second must be positive"),
+        (["--scheduling", "lottery"], "--scheduling"),
+    ):
+        with pytest.raises(SystemExit):
+            ServiceConfig.from_args(["--model", "m", *argv], environ={})
+        assert fragment in capsys.readouterr().err, argv
+    for argv, fragment in (
+        (["--tls-key", f], "--tls-cert and --tls-key go together"),
+        (["--tls-client-ca", f], "--tls-client-ca needs"),
+        (["--auth-tokens", str(tmp_path / "none.json")], "--auth-tokens"),
+    ):
+        with pytest.raises(ValueError, match=fragment):
+            StoreConfig.from_args(argv, environ={})
+    cfg = ServiceConfig.from_args(
+        ["--model", "m", "--scheduling", "fcfs"],
+        environ={"LORAFLEET_INFERENCE_TENANT_MAX_QUEUED": "3"},
+    )
+    assert cfg.tenant_max_queued == 3 and engine_config(cfg).scheduling == "fcfs"
+    assert status_for(Unauthenticated("x")).code.name == "UNAUTHENTICATED"
+    assert status_for(PermissionDenied("x")).code.name == "PERMISSION_DENIED"
+    assert status_for(TenantQuotaExceeded("x")).code.name == "RESOURCE_EXHAUSTED"
