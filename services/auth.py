@@ -167,6 +167,7 @@ class TokenTable:
             raise TokenFileError(f"--auth-tokens {self.path} cannot be read")
         self._entries = self._read()
         self._failed: _Signature | None = None  # a changed file that did not parse
+        self._missing = False  # the file was gone at the last look (logged once)
         log.info("authentication on: %d tokens from %s", len(self._entries), self.path)
 
     def _stat(self) -> _Signature | None:
@@ -185,7 +186,13 @@ class TokenTable:
 
     def _refresh(self) -> None:
         signature = self._stat()
-        if signature is None or signature == self._signature or signature == self._failed:
+        if signature is None:
+            if not self._missing:
+                self._missing = True
+                log.error("token file %s is gone; the previous tokens stay", self.path)
+            return
+        self._missing = False
+        if signature == self._signature or signature == self._failed:
             return
         try:
             entries = self._read()

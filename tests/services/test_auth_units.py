@@ -112,6 +112,7 @@ def test_the_table_follows_the_file_and_keeps_the_last_good_version(tmp_path, ca
     assert "the previous tokens stay" in caplog.text
     path.unlink()
     assert table.lookup("two") == Caller(Role.TENANT, "b")
+    assert "is gone; the previous tokens stay" in caplog.text
     with pytest.raises(TokenFileError):
         TokenTable(tmp_path / "missing.json")
 
