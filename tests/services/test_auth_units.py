@@ -253,3 +253,15 @@ def test_tenancy_flags_are_checked_naming_the_flag(tmp_path, capsys):
     assert status_for(Unauthenticated("x")).code.name == "UNAUTHENTICATED"
     assert status_for(PermissionDenied("x")).code.name == "PERMISSION_DENIED"
     assert status_for(TenantQuotaExceeded("x")).code.name == "RESOURCE_EXHAUSTED"
+
+
+def test_a_server_beyond_loopback_without_tokens_or_tls_warns(caplog):
+    from services.tls import warn_if_exposed
+
+    warn_if_exposed("the store", "127.0.0.1", authenticated=False, tls=False)
+    assert caplog.text == ""
+    warn_if_exposed("the store", "0.0.0.0", authenticated=True, tls=True)
+    assert caplog.text == ""
+    warn_if_exposed("the store", "0.0.0.0", authenticated=False, tls=False)
+    assert "without authentication" in caplog.text and "--auth-tokens" in caplog.text
+    assert "without TLS" in caplog.text

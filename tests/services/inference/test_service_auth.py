@@ -1,9 +1,10 @@
-"""Tenancy at the inference service, as deployed: both services with --auth-tokens, the store
-behind mutual TLS, the inference service behind TLS, its store client (lookups, the watch, and
+"""Tenancy at the inference service, as deployed: both services with --auth-tokens and behind
+mutual TLS, the inference service's store client (lookups, the watch, and
 the fetch worker process) sending the service token; per-tenant quotas; the CLI."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from lorafleet.v1 import adapter_store_pb2_grpc as store_grpc
 from lorafleet.v1 import inference_pb2 as pb
 from lorafleet.v1 import inference_pb2_grpc as pb_grpc
 from services import tls
+from services.healthcheck import check
 from tests.services.inference.stack import REPO, collect, inference_proc, store_proc, wait_for
 from tests.services.tokens import Tokens, entries, make_tokens, write_token_file
 from tests.tls_certs import Certs, make_certs
@@ -33,7 +35,7 @@ class Deployment:
         self.tokens: Tokens = make_tokens(tmp / "tokens")
         c = self.certs
         self.store_credentials = tls.channel_credentials(c.ca, c.client.cert, c.client.key)
-        self.inference_credentials = tls.channel_credentials(c.ca)
+        self.inference_credentials = self.store_credentials  # the same CA and client cert
         self.store = store_proc(tmp / "store", tmp, extra=[
             "--backend", "local", "--root", str(tmp / "store"),
             "--auth-tokens", str(self.tokens.path),
@@ -60,7 +62,8 @@ class Deployment:
             "--adapter-store-key", str(c.client.key), *flags,
         ]  # fmt: skip
         if tls_on:
-            args += ["--tls-cert", str(c.server.cert), "--tls-key", str(c.server.key)]
+            args += ["--tls-cert", str(c.server.cert), "--tls-key", str(c.server.key),
+                     "--tls-client-ca", str(c.ca)]  # fmt: skip
         proc = inference_proc(self.model, self.store.address, self.tmp, *args)
         proc.credentials = self.inference_credentials if tls_on else None
         self.procs.append(proc)
@@ -80,7 +83,7 @@ def deployment(svc_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def secure(deployment):
-    """The inference service behind TLS, tokens on, default limits."""
+    """The inference service behind mutual TLS, tokens on, default limits."""
     proc = deployment.inference()
     channel = proc.channel()
     yield proc, pb_grpc.InferenceStub(channel)
@@ -148,12 +151,18 @@ def test_generate_needs_a_token_and_a_tenant_uses_only_its_own_adapters(deployme
     assert code_of(lambda: stub.GetStats(pb.GetStatsRequest(), metadata=t.md("service"))) == DENIED
     assert stub.GetStats(pb.GetStatsRequest(), metadata=t.md("beta")).generated_tokens > 0
 
-    # Health needs no token (but TLS: the server speaks nothing else).
-    with grpc.insecure_channel(proc.address) as plain:
-        assert (
-            code_of(lambda: pb_grpc.InferenceStub(plain).GetStats(pb.GetStatsRequest(), timeout=5))
-            == grpc.StatusCode.UNAVAILABLE
-        )
+    # Health needs no token (but mutual TLS: the server speaks nothing else).
+    assert check(proc.address, timeout=5, credentials=deployment.inference_credentials)
+    no_cert = tls.channel_credentials(deployment.certs.ca)
+    for channel in (
+        grpc.insecure_channel(proc.address),
+        grpc.secure_channel(proc.address, no_cert),
+    ):
+        with channel:
+            stub = pb_grpc.InferenceStub(channel)
+            request = pb.GetStatsRequest()
+            call = functools.partial(stub.GetStats, request, metadata=t.md("admin"), timeout=5)
+            assert code_of(call) == grpc.StatusCode.UNAVAILABLE
 
 
 def test_loads_unloads_and_listings_are_per_tenant_and_audited(deployment, secure):
@@ -294,7 +303,8 @@ def test_the_cli_sends_its_token_and_speaks_tls(deployment, secure, svc_models):
     )
     assert no_tls.returncode == 1 and "UNAVAILABLE" in no_tls.stderr
 
-    server = ["--server", proc.address, "--ca", str(c.ca)]
+    server = ["--server", proc.address, "--ca", str(c.ca), "--cert", str(c.client.cert),
+              "--key", str(c.client.key)]  # fmt: skip
     done = cli("generate", *server, "--adapter", "acme/cli", "--max-new-tokens", "3",
                "--ignore-eos", "Hi", env=as_env)  # fmt: skip
     assert done.returncode == 0, done.stderr
