@@ -8,22 +8,17 @@ import grpc
 
 from lorafleet.v1 import adapter_store_pb2 as pb
 from lorafleet.v1 import adapter_store_pb2_grpc as pb_grpc
+from services.access import audited, check_store_read, check_store_write, scope_prefix
 from services.adapter_store import messages
 from services.adapter_store.errors import map_errors, map_stream_errors, within_deadline
 from services.adapter_store.wire import encode_chunk
-from services.auth import (
-    Authenticator,
-    audited,
-    check_store_read,
-    check_store_write,
-    scope_prefix,
-)
+from services.auth import Authenticator
 from store.adapter_store import AdapterStore
 from store.errors import InvalidRequest
 
 
 class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
-    """Every call is authorized against the adapter ids it touches (services/auth.py) before
+    """Every call is authorized against the adapter ids it touches (services/access.py) before
     the store does any work for it."""
 
     def __init__(self, store: AdapterStore, auth: Authenticator | None = None) -> None:

@@ -17,7 +17,7 @@ import grpc
 
 from lorafleet.v1 import inference_pb2 as pb
 from lorafleet.v1 import inference_pb2_grpc as pb_grpc
-from services.auth import audited, check_inference, visible
+from services.access import audited, check_inference, visible
 from services.inference import convert
 from services.inference.adapter_registry import AdapterRegistry, HeldAdapter
 from services.inference.engine.api import AdapterKey, FinishReason, GenerationRequest
@@ -47,7 +47,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         tenancy: Tenancy | None = None,
     ) -> None:
         self.engine = engine
-        # Who calls, what they may touch, their quotas (tenancy.py, services/auth.py).
+        # Who calls, what they may touch, their quotas (tenancy.py, services/access.py).
         self.tenancy = tenancy or Tenancy()
         self.registry = registry
         self.metrics = metrics

@@ -1,5 +1,5 @@
-"""services/auth.py, services/tokens.py and services/inference/tenancy.py without processes:
-the token file's format and reload, the bearer metadata, every authorization rule, the token
+"""services/auth.py, access.py, tokens.py and inference/tenancy.py without processes: the
+token file's format and reload, the bearer metadata, every authorization rule, the token
 tool, and the quota arithmetic on a clock the test moves."""
 
 from __future__ import annotations
@@ -11,6 +11,13 @@ import stat
 import pytest
 
 from services import tokens as tokens_tool
+from services.access import (
+    check_inference,
+    check_store_read,
+    check_store_write,
+    scope_prefix,
+    visible,
+)
 from services.auth import (
     ANONYMOUS,
     Authenticator,
@@ -21,13 +28,8 @@ from services.auth import (
     TokenTable,
     Unauthenticated,
     bearer_metadata,
-    check_inference,
-    check_store_read,
-    check_store_write,
     parse_tokens,
-    scope_prefix,
     token_digest,
-    visible,
 )
 from services.inference.errors import TenantQuotaExceeded
 from services.inference.tenancy import Quotas, Tenancy
