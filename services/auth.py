@@ -1,4 +1,5 @@
-"""Bearer-token authentication and per-tenant authorization, shared by both services.
+"""Bearer-token authentication: who makes each call (a role, and a tenant's name), shared by both
+services.
 
 The token file (``--auth-tokens FILE``) is JSON::
 
