@@ -5,6 +5,10 @@ adapter store (local backend under ``data/store``), the inference service (GPU w
 one, else the CPU) and the HTTP gateway, uploads the demo adapters that the store does not hold
 yet, prints how to call the stack, and stops the services cleanly on Ctrl-C or SIGTERM.
 
+Authentication is on: the first start generates tokens under ``data/auth`` (services/tokens.py:
+an admin token, the inference service's own, and one for tenant ``demo``, whose namespace holds
+the demo adapters), prints them once, and keeps each in a file of mode 0600.
+
     python -m services.local_stack [--data DIR] [--store-port P] [--inference-port P]
         [--gateway-port P] ...
 """
@@ -27,9 +31,14 @@ import grpc
 from lorafleet.cli.adapters import upload_requests
 from lorafleet.v1 import adapter_store_pb2 as pb
 from lorafleet.v1 import adapter_store_pb2_grpc as pb_grpc
+from services import tokens
+from services.auth import bearer_metadata
 from services.healthcheck import check
 
 log = logging.getLogger("lorafleet.local_stack")
+
+
+DEMO_TENANT = "demo"  # the tenant whose namespace holds the demo adapters
 
 
 class DemoAdapter(NamedTuple):
@@ -100,18 +109,34 @@ def wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise RuntimeError(f"the gateway did not answer {url} within {timeout_s:.0f} s")
 
 
-def upload_missing(store_address: str, adapters: list[tuple[DemoAdapter, Path]]) -> None:
+def prepare_tokens(directory: Path) -> None:
+    """The stack's tokens, generated and printed on the first start only."""
+    issued = tokens.init(directory, [DEMO_TENANT])
+    if issued:
+        print(f"\nGenerated tokens (shown only now; kept in {directory}, mode 0600):")
+        for item in issued:
+            print(f"  {item.name:8} {item.token}")
+        print(flush=True)
+
+
+def upload_missing(
+    store_address: str, adapters: list[tuple[DemoAdapter, Path]], token: str
+) -> None:
+    metadata = bearer_metadata(token)
     with grpc.insecure_channel(store_address) as channel:
         stub = pb_grpc.AdapterStoreStub(channel)
         for spec, directory in adapters:
             try:
-                info = stub.GetAdapter(pb.GetAdapterRequest(adapter_id=spec.adapter_id), timeout=10)
+                request = pb.GetAdapterRequest(adapter_id=spec.adapter_id)
+                info = stub.GetAdapter(request, timeout=10, metadata=metadata)
                 log.info("%s version %d is already in the store", spec.adapter_id, info.version)
                 continue
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.NOT_FOUND:
                     raise
-            info = stub.UploadAdapter(upload_requests(spec.adapter_id, directory), timeout=60)
+            info = stub.UploadAdapter(
+                upload_requests(spec.adapter_id, directory), timeout=60, metadata=metadata
+            )
             log.info("uploaded %s as version %d", spec.adapter_id, info.version)
 
 
@@ -151,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop_requested.set())
 
     model_dir, adapters = prepare_demo(args.data)
+    auth = args.data / "auth"
+    prepare_tokens(auth)
     store_address = f"{args.host}:{args.store_port}"
     inference_address = f"{args.host}:{args.inference_port}"
     # Children get their own process group: Ctrl-C reaches only this supervisor, which then
@@ -161,17 +188,19 @@ def main(argv: list[str] | None = None) -> int:
         store = subprocess.Popen(
             [sys.executable, "-m", "services.adapter_store", "--host", args.host,
              "--port", str(args.store_port), "--backend", "local",
-             "--root", str(args.data / "store")],
+             "--root", str(args.data / "store"), "--auth-tokens", str(auth / "tokens.json")],
             **spawn,
         )  # fmt: skip
         procs.append(("adapter store", store))
         wait_serving("adapter store", store_address, store, args.ready_timeout)
-        upload_missing(store_address, adapters)
+        upload_missing(store_address, adapters, (auth / "admin.token").read_text().strip())
         inference = subprocess.Popen(
             [sys.executable, "-m", "services.inference", "--host", args.host,
              "--port", str(args.inference_port), "--model", str(model_dir),
              "--adapter-store", store_address, "--device", args.device,
-             "--metrics-port", str(args.metrics_port)],
+             "--metrics-port", str(args.metrics_port),
+             "--auth-tokens", str(auth / "tokens.json"),
+             "--adapter-store-token-file", str(auth / "service.token")],
             **spawn,
         )  # fmt: skip
         procs.append(("inference service", inference))
@@ -191,12 +220,17 @@ def main(argv: list[str] | None = None) -> int:
             f"  inference  {inference_address}   (metrics http://{args.host}:{args.metrics_port})\n"
             f"  store      {store_address}   (adapters: {ids})\n"
             f"  gateway    {gateway_url}   (OpenAI API, REST adapter registry)\n\n"
+            f"  tokens     {auth}/: {DEMO_TENANT}.token (tenant {DEMO_TENANT}, adapters "
+            f"{DEMO_TENANT}/...), admin.token (everything), service.token (the inference "
+            f"service's)\n\n"
             f"Try:\n"
+            f"  export LORAFLEET_TOKEN=$(cat {auth}/{DEMO_TENANT}.token)\n"
             f"  .venv/bin/lorafleet generate --server {inference_address} "
             f'--adapter demo/poet "Once upon a time"\n'
             f"  .venv/bin/lorafleet adapters --store {store_address} list\n"
             f"  .venv/bin/lorafleet stats --server {inference_address}\n"
-            f"  curl {gateway_url}/v1/completions -H 'Content-Type: application/json' "
+            f"  curl {gateway_url}/v1/completions -H \"Authorization: Bearer $LORAFLEET_TOKEN\" "
+            f"-H 'Content-Type: application/json' "
             f"""-d '{{"model": "demo/poet", "prompt": "Once upon a time", "max_tokens": 16}}'\n\n"""
             f"Ctrl-C stops the services.\n",
             flush=True,

@@ -65,6 +65,11 @@ class StoreConfig:
     upload_timeout_s: float = 1800.0
     stale_upload_s: float | None = None
     probe_interval_s: float = 5.0  # how often the service checks that storage answers
+    # Tenancy (services/auth.py, services/tls.py): None = no authentication, plain TCP.
+    auth_tokens: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # mutual TLS: clients must present a cert it signed
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -103,6 +108,14 @@ class StoreConfig:
             raise ValueError(f"unknown log level {self.log_level!r}")
         if self.base_model_config is not None and not self.base_model_config.is_file():
             raise ValueError(f"--base-model-config {self.base_model_config} is not a file")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together: give both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS)")
+        for name in ("auth_tokens", "tls_cert", "tls_key", "tls_client_ca"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ValueError(f"--{name.replace('_', '-')} {path} is not a file")
 
     @property
     def stale_upload_after_s(self) -> float:
@@ -149,6 +162,10 @@ class StoreConfig:
             max_concurrent_uploads=args.max_concurrent_uploads,
             upload_timeout_s=args.upload_timeout_s,
             stale_upload_s=args.stale_upload_s,
+            **{
+                name: Path(getattr(args, name)) if getattr(args, name) else None
+                for name in ("auth_tokens", "tls_cert", "tls_key", "tls_client_ca")
+            },
         )
 
 
@@ -197,5 +214,14 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         type=float,
         default=d.probe_interval_s,
         help="seconds between storage checks",
+    )
+    parser.add_argument(
+        "--auth-tokens",
+        help="JSON file of sha256 token digests with their roles; without it, no authentication",
+    )
+    parser.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument(
+        "--tls-client-ca", help="PEM CA certificates: require client certificates (mutual TLS)"
     )
     return parser

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -31,20 +32,22 @@ ENV = {
 }
 
 
-def generate(address: str, adapter_id: str, prompt: str = "Once upon a time") -> list:
+def generate(address: str, adapter_id: str, token: str | None, prompt: str = "Once upon") -> list:
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.InferenceStub(channel)
         request = pb.GenerateRequest(
             adapter_id=adapter_id, prompt=prompt,
             sampling=pb.SamplingParams(max_new_tokens=6, ignore_eos=True),
         )  # fmt: skip
-        return list(stub.Generate(request, timeout=60))
+        metadata = () if token is None else (("authorization", f"Bearer {token}"),)
+        return list(stub.Generate(request, timeout=60, metadata=metadata))
 
 
-def complete_over_http(base_url: str, model: str) -> dict:
+def complete_over_http(base_url: str, model: str, token: str | None = None) -> dict:
     reply = httpx.post(
         f"{base_url}/v1/completions",
         json={"model": model, "prompt": "Once upon a time", "max_tokens": 6, "ignore_eos": True},
+        headers={} if token is None else {"Authorization": f"Bearer {token}"},
         timeout=60,
     )
     assert reply.status_code == 200, reply.text
@@ -70,12 +73,22 @@ def test_make_run_supervisor_serves_demo_adapters_and_stops_on_ctrl_c(tmp_path):
             if "Ctrl-C stops the services" in line:
                 break
         assert any("lorafleet is up" in x for x in lines), "".join(lines[-40:])
+        # Authentication is on, with tokens generated once, printed, and kept private.
+        auth = tmp_path / "data" / "auth"
+        token = (auth / "demo.token").read_text().strip()
+        for path in auth.iterdir():
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+        assert any(token in x for x in lines)
+        assert any(f"LORAFLEET_TOKEN=$(cat {auth}/demo.token)" in x for x in lines)
         for adapter in ("demo/support", "demo/poet", "demo/coder", ""):
-            messages = generate(f"127.0.0.1:{ports[1]}", adapter)
+            messages = generate(f"127.0.0.1:{ports[1]}", adapter, token)
             assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
             assert messages[-1].usage.completion_tokens == 6
-        # The gateway speaks OpenAI's API over the same services.
-        out = complete_over_http(f"http://127.0.0.1:{ports[3]}", "demo/poet")
+        with pytest.raises(grpc.RpcError) as refused:
+            generate(f"127.0.0.1:{ports[1]}", "demo/poet", None)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # The gateway speaks OpenAI's API over the same services, with the same tokens.
+        out = complete_over_http(f"http://127.0.0.1:{ports[3]}", "demo/poet", token)
         assert out["usage"]["completion_tokens"] == 6
         assert (tmp_path / "data" / "models" / "demo" / "config.json").is_file()
     finally:
@@ -114,7 +127,8 @@ def test_docker_compose_services_run_as_processes_and_stream_a_generation(tmp_pa
     services = compose("docker-compose.yml")
     cpu = compose("docker-compose.cpu.yml")
     assert set(services) >= {
-        "minio", "minio-init", "adapter-store", "model-init", "inference", "gateway"
+        "minio", "minio-init", "auth-init", "adapter-store", "model-init", "inference",
+        "gateway",
     }  # fmt: skip
     assert (
         services["inference"]["deploy"]["resources"]["reservations"]["devices"][0]["driver"]
@@ -129,7 +143,7 @@ def test_docker_compose_services_run_as_processes_and_stream_a_generation(tmp_pa
     seaweed.create_bucket(bucket)
 
     store_port, inference_port, gateway_port = free_port(), free_port(), free_port()
-    models = tmp_path / "models"
+    models, secrets = tmp_path / "models", tmp_path / "secrets"
     replacements = {
         "http://minio:9000": seaweed.endpoint,
         "adapter-store:50051": f"127.0.0.1:{store_port}",
@@ -140,6 +154,7 @@ def test_docker_compose_services_run_as_processes_and_stream_a_generation(tmp_pa
         "9400": str(free_port()),
         "8000": str(gateway_port),
         "/models": str(models),
+        "/secrets": str(secrets),
     }
     procs: list[subprocess.Popen] = []
 
@@ -166,6 +181,10 @@ def test_docker_compose_services_run_as_processes_and_stream_a_generation(tmp_pa
         raise AssertionError(f"{name} never became healthy")
 
     try:
+        auth_init = start("auth-init", services["auth-init"])
+        assert auth_init.wait(60) == 0, (tmp_path / "auth-init.log").read_text()
+        admin, acme = ((secrets / f"{n}.token").read_text().strip() for n in ("admin", "acme"))
+        assert acme in (tmp_path / "auth-init.log").read_text()  # printed the first time
         model_init = start("model-init", services["model-init"])
         assert model_init.wait(120) == 0, (tmp_path / "model-init.log").read_text()
         store = start("adapter-store", services["adapter-store"])
@@ -178,13 +197,16 @@ def test_docker_compose_services_run_as_processes_and_stream_a_generation(tmp_pa
         cli = [sys.executable, "-m", "lorafleet.cli", "adapters", "--store",
                f"127.0.0.1:{store_port}", "upload", str(adapter), "--id", "acme/support",
                "--quiet"]  # fmt: skip
-        uploaded = subprocess.run(cli, cwd=REPO, env=ENV, capture_output=True, text=True)
+        anonymous = subprocess.run(cli, cwd=REPO, env=ENV, capture_output=True, text=True)
+        assert anonymous.returncode == 1 and "UNAUTHENTICATED" in anonymous.stderr
+        as_acme = {**ENV, "LORAFLEET_TOKEN": acme}
+        uploaded = subprocess.run(cli, cwd=REPO, env=as_acme, capture_output=True, text=True)
         assert uploaded.returncode == 0, uploaded.stderr
         assert "acme/support version 1" in uploaded.stdout
         streamed = subprocess.run(
             [sys.executable, "-m", "lorafleet.cli", "generate", "--server",
              f"127.0.0.1:{inference_port}", "--adapter", "acme/support", "--max-new-tokens",
-             "5", "--ignore-eos", "Hello"],
+             "5", "--ignore-eos", "--token", admin, "Hello"],
             cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert streamed.returncode == 0, streamed.stderr
@@ -193,7 +215,7 @@ def test_docker_compose_services_run_as_processes_and_stream_a_generation(tmp_pa
         # The gateway, as the README shows it: the same adapter over OpenAI's API.
         gateway = start("gateway", services["gateway"])
         healthy(services["gateway"], gateway, "gateway")
-        out = complete_over_http(f"http://127.0.0.1:{gateway_port}", "acme/support")
+        out = complete_over_http(f"http://127.0.0.1:{gateway_port}", "acme/support", acme)
         assert out["model"] == "acme/support" and out["usage"]["completion_tokens"] == 6
     finally:
         for proc in reversed(procs):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 
+from lorafleet.cli import connect
 from lorafleet.cli.errors import report_rpc_error
 from lorafleet.v1 import adapter_store_pb2 as pb
 from lorafleet.v1 import adapter_store_pb2_grpc as pb_grpc
@@ -75,8 +76,7 @@ def upload_requests(
 
 
 def _stub(args: argparse.Namespace) -> pb_grpc.AdapterStoreStub:
-    channel = grpc.insecure_channel(args.store)
-    return pb_grpc.AdapterStoreStub(channel)
+    return pb_grpc.AdapterStoreStub(connect.channel(args.store, args))
 
 
 def _size(n: int) -> str:
@@ -123,7 +123,9 @@ def cmd_upload(args: argparse.Namespace) -> int:
         file=sys.stderr,
     ) as bar:
         requests = upload_requests(args.id, directory, args.description, on_progress=bar.update)
-        info = _stub(args).UploadAdapter(requests, timeout=args.timeout)
+        info = _stub(args).UploadAdapter(
+            requests, timeout=args.timeout, metadata=connect.metadata(args)
+        )
     print(f"stored {info.adapter_id} version {info.version} ({_size(info.size_bytes)})")
     return 0
 
@@ -134,6 +136,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         page = stub.ListAdapters(
             pb.ListAdaptersRequest(prefix=args.prefix, page_token=token, page_size=1000),
             timeout=args.timeout,
+            metadata=connect.metadata(args),
         )
         rows += list(page.adapters)
         token = page.next_page_token
@@ -155,7 +158,9 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_info(args: argparse.Namespace) -> int:
     info = _stub(args).GetAdapter(
-        pb.GetAdapterRequest(adapter_id=args.id, version=args.version), timeout=args.timeout
+        pb.GetAdapterRequest(adapter_id=args.id, version=args.version),
+        timeout=args.timeout,
+        metadata=connect.metadata(args),
     )
     details = _info_dict(info)
     if args.json:
@@ -171,6 +176,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
     response = _stub(args).DeleteAdapter(
         pb.DeleteAdapterRequest(adapter_id=args.id, version=args.version, all_versions=args.all),
         timeout=args.timeout,
+        metadata=connect.metadata(args),
     )
     versions = ", ".join(str(v) for v in response.deleted_versions)
     print(f"deleted {args.id} version(s) {versions}")
@@ -183,7 +189,7 @@ def _run(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
     def run(args: argparse.Namespace) -> int:
         try:
             return handler(args)
-        except CliError as exc:
+        except (CliError, connect.ConnectFlagError) as exc:
             print(f"lorafleet: {exc}", file=sys.stderr)
         except grpc.RpcError as exc:
             report_rpc_error(exc, "adapter store", args.store, "--store", STORE_ENV)
@@ -200,10 +206,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         help=f"adapter store address HOST:PORT (default ${STORE_ENV} or {DEFAULT_STORE})",
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per call")
-    # --store and --timeout may also follow the action: `adapters upload DIR --store H:P`.
+    connect.add_arguments(parser)
+    # These may also follow the action: `adapters upload DIR --store H:P --token T`.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--store", default=argparse.SUPPRESS, help="as above")
     common.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="as above")
+    connect.add_arguments(common, suppress=True)
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
 
     upload = actions.add_parser("upload", help="upload a PEFT adapter directory", parents=[common])

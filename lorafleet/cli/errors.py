@@ -14,6 +14,11 @@ def report_rpc_error(exc: grpc.RpcError, service: str, address: str, flag: str, 
     and how to point it elsewhere."""
     code = exc.code()
     print(f"lorafleet: {code.name}: {exc.details()}", file=sys.stderr)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        print(
+            "lorafleet: the service wants a token: pass --token TOKEN or set LORAFLEET_TOKEN",
+            file=sys.stderr,
+        )
     if code in _UNREACHABLE:
         print(
             f"lorafleet: is the {service} running at {address}? (set {flag} or {env})",

@@ -10,6 +10,7 @@ import time
 
 import grpc
 
+from lorafleet.cli import connect
 from lorafleet.cli.errors import report_rpc_error as report
 
 INFERENCE_ENV = "LORAFLEET_INFERENCE"
@@ -25,6 +26,7 @@ def inference_address_argument(parser: argparse.ArgumentParser) -> None:
         help=f"inference service address HOST:PORT (default ${INFERENCE_ENV} or "
         f"{DEFAULT_INFERENCE})",
     )
+    connect.add_arguments(parser)
 
 
 def report_rpc_error(exc: grpc.RpcError, server: str) -> None:
@@ -67,9 +69,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     first = None
     last = None
     try:
-        with grpc.insecure_channel(args.server) as channel:
+        with connect.channel(args.server, args) as channel:
             stub = pb_grpc.InferenceStub(channel)
-            for msg in stub.Generate(request, timeout=args.timeout):
+            calls = stub.Generate(request, timeout=args.timeout, metadata=connect.metadata(args))
+            for msg in calls:
                 if first is None:
                     first = time.perf_counter() - start
                 sys.stdout.write(msg.text)
@@ -79,6 +82,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if last is not None:
             sys.stdout.write("\n")
         report_rpc_error(exc, args.server)
+        return 1
+    except connect.ConnectFlagError as exc:
+        print(f"lorafleet: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # leaving the stream cancels the request on the server
         sys.stdout.write("\n")

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import grpc
 
+from lorafleet.cli import connect
 from lorafleet.cli.generate import inference_address_argument, report_rpc_error
 
 _RESIDENCY = {1: "gpu", 2: "host", 3: "loading"}
@@ -33,12 +35,18 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from lorafleet.v1 import inference_pb2_grpc as pb_grpc
 
     try:
-        with grpc.insecure_channel(args.server) as channel:
+        with connect.channel(args.server, args) as channel:
             stub = pb_grpc.InferenceStub(channel)
-            stats = stub.GetStats(pb.GetStatsRequest(), timeout=args.timeout)
-            adapters = stub.ListAdapters(pb.ListResidentAdaptersRequest(), timeout=args.timeout)
+            md = connect.metadata(args)
+            stats = stub.GetStats(pb.GetStatsRequest(), timeout=args.timeout, metadata=md)
+            adapters = stub.ListAdapters(
+                pb.ListResidentAdaptersRequest(), timeout=args.timeout, metadata=md
+            )
     except grpc.RpcError as exc:
         report_rpc_error(exc, args.server)
+        return 1
+    except connect.ConnectFlagError as exc:
+        print(f"lorafleet: {exc}", file=sys.stderr)
         return 1
     if args.json:
         out = {

@@ -8,6 +8,7 @@ import logging
 import sys
 
 from services.adapter_store.server import serve
+from services.auth import Authenticator, TokenFileError
 from store.config import StoreConfig
 from store.errors import StorageError
 
@@ -23,7 +24,12 @@ def main(argv: list[str] | None = None) -> int:
         level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        asyncio.run(serve(config))
+        auth = Authenticator.from_file(config.auth_tokens)
+    except TokenFileError as exc:
+        print(f"adapter store: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(config, auth))
     except StorageError as exc:
         logging.getLogger("services.adapter_store").error("cannot start: %s", exc)
         return 1

@@ -8,6 +8,7 @@ import logging
 
 import grpc
 
+from services.auth import AuthError, PermissionDenied, Unauthenticated
 from store.errors import (
     AdapterNotFound,
     AdapterTooLarge,
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 
 # First match wins: subclasses before their bases.
 STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (BaseModelMismatch, grpc.StatusCode.FAILED_PRECONDITION),
     (AdapterFormatError, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
@@ -52,7 +55,7 @@ def status_for(exc: Exception) -> grpc.StatusCode | None:
 
 
 # What a handler may raise that becomes a status; anything else is a bug (gRPC: UNKNOWN).
-_MAPPED = (StoreError, AdapterFormatError, TimeoutError)
+_MAPPED = (StoreError, AdapterFormatError, AuthError, TimeoutError)
 
 
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:

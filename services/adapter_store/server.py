@@ -10,8 +10,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services import tls
+from services.adapter_store.errors import status_for
 from services.adapter_store.servicer import AdapterStoreServicer
 from services.adapter_store.wire import SERVICE, add_servicer
+from services.auth import Authenticator, AuthInterceptor
 from store.adapter_store import AdapterStore
 from store.backends import open_backend
 from store.config import MAX_UPLOAD_CHUNK_BYTES, MIB, StoreConfig
@@ -50,7 +53,10 @@ async def _sweep(store: AdapterStore) -> None:
         log.warning("could not sweep unfinished uploads: %s", exc)
 
 
-async def serve(config: StoreConfig) -> None:
+async def serve(config: StoreConfig, auth: Authenticator | None = None) -> None:
+    """``auth``: the token table read from --auth-tokens (the entry point reads it, so that a
+    bad file stops the start with a clear message); None = no authentication."""
+    auth = auth or Authenticator(None)
     store = AdapterStore(open_backend(config), config)
     try:
         await store.probe()
@@ -63,24 +69,35 @@ async def serve(config: StoreConfig) -> None:
     else:
         await _sweep(store)  # uploads that a killed store left unfinished are gone once it serves
     server = grpc.aio.server(
+        interceptors=[AuthInterceptor(auth, status_for)],
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             # A second store on a taken port must fail, not share the port.
             ("grpc.so_reuseport", 0),
-        ]
+        ],
     )
-    add_servicer(AdapterStoreServicer(store), server)
+    add_servicer(AdapterStoreServicer(store, auth), server)
     status = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(status, server)
     reflection.enable_server_reflection(
         (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     address = f"{config.host}:{config.port}"
-    port = server.add_insecure_port(address)
+    credentials = None
+    if config.tls_cert is not None:
+        credentials = tls.server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+    port = tls.bind(server, address, credentials)
     await server.start()
     await status.set("", SERVING)
-    log.info("adapter store on %s:%d, backend %s", config.host, port, config.backend.value)
+    tls.warn_if_exposed("the adapter store", config.host, auth.enabled, credentials is not None)
+    log.info(
+        "adapter store on %s:%d, backend %s, %s, %s",
+        config.host, port, config.backend.value,
+        "TLS" + (" with client certificates" if config.tls_client_ca else "")
+        if credentials else "plain TCP",
+        "authentication on" if auth.enabled else "no authentication",
+    )  # fmt: skip
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -8,24 +8,37 @@ import grpc
 
 from lorafleet.v1 import adapter_store_pb2 as pb
 from lorafleet.v1 import adapter_store_pb2_grpc as pb_grpc
+from services.access import audited, check_store_read, check_store_write, scope_prefix
 from services.adapter_store import messages
 from services.adapter_store.errors import map_errors, map_stream_errors, within_deadline
 from services.adapter_store.wire import encode_chunk
+from services.auth import Authenticator
 from store.adapter_store import AdapterStore
 from store.errors import InvalidRequest
 
 
 class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
-    def __init__(self, store: AdapterStore) -> None:
+    """Every call is authorized against the adapter ids it touches (services/access.py) before
+    the store does any work for it."""
+
+    def __init__(self, store: AdapterStore, auth: Authenticator | None = None) -> None:
         self._store = store
+        self._auth = auth or Authenticator(None)
 
     @map_errors
     async def UploadAdapter(self, request_iterator, context) -> pb.AdapterInfo:
+        caller = self._auth.caller(context)
         first = await anext(request_iterator, None)
         if first is None or first.WhichOneof("payload") != "header":
             raise InvalidRequest("the first UploadAdapterRequest must carry the header")
         header = messages.upload_header(first.header)
+        with audited("upload", caller, header.adapter_id) as entry:
+            check_store_write(caller, header.adapter_id)
+            record = await self._upload(header, request_iterator, context)
+            entry.version = record.version
+        return messages.adapter_info(record)
 
+    async def _upload(self, header, request_iterator, context):
         async def chunks():
             async for message in request_iterator:
                 if message.WhichOneof("payload") != "chunk":
@@ -33,17 +46,17 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
                 yield message.chunk
 
         try:
-            record = await self._store.upload(header, chunks())
+            return await self._store.upload(header, chunks())
         except asyncio.CancelledError:
             if not self._store.closing:
                 raise  # the client went away
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "the adapter store is shutting down; upload again"
             )
-        return messages.adapter_info(record)
 
     @map_stream_errors
     async def FetchAdapter(self, request, context):
+        check_store_read(self._auth.caller(context), request.adapter_id)
         record = await within_deadline(
             context, self._store.get(request.adapter_id, request.version)
         )
@@ -53,6 +66,7 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
 
     @map_errors
     async def GetAdapter(self, request, context) -> pb.AdapterInfo:
+        check_store_read(self._auth.caller(context), request.adapter_id)
         record = await within_deadline(
             context, self._store.get(request.adapter_id, request.version)
         )
@@ -60,8 +74,11 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
 
     @map_errors
     async def ListAdapters(self, request, context) -> pb.ListAdaptersResponse:
+        # A tenant's listing is confined to its namespace; the page token is issued for the
+        # scoped prefix, which the same request prefix scopes to again on the next page.
+        prefix = scope_prefix(self._auth.caller(context), request.prefix)
         page = await within_deadline(
-            context, self._store.list(request.prefix, request.page_size, request.page_token)
+            context, self._store.list(prefix, request.page_size, request.page_token)
         )
         return pb.ListAdaptersResponse(
             adapters=[messages.adapter_info(r) for r in page.records],
@@ -70,16 +87,22 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
 
     @map_errors
     async def DeleteAdapter(self, request, context) -> pb.DeleteAdapterResponse:
-        deleted = await within_deadline(
-            context,
-            self._store.delete(request.adapter_id, request.version, request.all_versions),
-        )
+        caller = self._auth.caller(context)
+        which = "all" if request.all_versions else request.version
+        with audited("delete", caller, request.adapter_id, which) as entry:
+            check_store_write(caller, request.adapter_id)
+            deleted = await within_deadline(
+                context,
+                self._store.delete(request.adapter_id, request.version, request.all_versions),
+            )
+            entry.version = ",".join(str(r.version) for r in deleted)
         return pb.DeleteAdapterResponse(deleted_versions=[r.version for r in deleted])
 
     @map_stream_errors
     async def WatchAdapters(self, request, context):
+        prefix = scope_prefix(self._auth.caller(context), request.prefix)
         # Headers first: a watcher learns that the store answered (and that its replay starts)
         # even when there is nothing to replay.
         await context.send_initial_metadata(())
-        async for event in self._store.watch(request.prefix, request.include_existing):
+        async for event in self._store.watch(prefix, request.include_existing):
             yield messages.adapter_event(event)

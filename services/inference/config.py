@@ -20,6 +20,11 @@ ENV_PREFIX = "LORAFLEET_INFERENCE_"
 DEVICES = ("cpu", "cuda", "auto")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 ENGINE_MODES = ("process", "thread")
+SCHEDULING = ("fair", "fcfs")
+_FILES = (
+    "auth_tokens", "tls_cert", "tls_key", "tls_client_ca",
+    "adapter_store_token_file", "adapter_store_ca", "adapter_store_cert", "adapter_store_key",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,20 @@ class ServiceConfig:
     max_stop_strings: int = RequestLimits.max_stop_strings
     max_stop_string_chars: int = RequestLimits.max_stop_string_chars
     max_stop_token_ids: int = RequestLimits.max_stop_token_ids
+    # Tenancy: tokens (services/auth.py), TLS (services/tls.py), the store client's credentials.
+    auth_tokens: Path | None = None  # None = no authentication
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # mutual TLS
+    adapter_store_token_file: Path | None = None  # this service's token at the store
+    adapter_store_ca: Path | None = None  # set: the store is reached over TLS
+    adapter_store_cert: Path | None = None  # client certificate for a store with mutual TLS
+    adapter_store_key: Path | None = None
+    # Per-tenant quotas (services/inference/tenancy.py); None = unlimited.
+    tenant_max_in_flight: int | None = None  # Generate calls in progress
+    tenant_max_queued: int | None = None  # calls not yet streaming their first token
+    tenant_tokens_per_second: float | None = None  # prompt + generated tokens
+    scheduling: str = "fair"  # fair: tenants share the batch (engine/fairness.py); fcfs
 
     def __post_init__(self) -> None:
         if not str(self.model):
@@ -92,6 +111,29 @@ class ServiceConfig:
                 raise ValueError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"--shutdown-grace-s must be >= 0, got {self.shutdown_grace_s}")
+        self._check_tenancy()
+
+    def _check_tenancy(self) -> None:
+        for name in _FILES:
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, Path(value))
+                if not Path(value).is_file():
+                    raise ValueError(f"--{_flag(name)} {value} is not a file")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together: give both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS)")
+        if (self.adapter_store_cert is None) != (self.adapter_store_key is None):
+            raise ValueError("--adapter-store-cert and --adapter-store-key go together")
+        if self.adapter_store_cert is not None and self.adapter_store_ca is None:
+            raise ValueError("--adapter-store-cert needs --adapter-store-ca (TLS to the store)")
+        for name in ("tenant_max_in_flight", "tenant_max_queued", "tenant_tokens_per_second"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"--{_flag(name)} must be positive, got {value}")
+        if self.scheduling not in SCHEDULING:
+            raise ValueError(f"--scheduling must be one of {SCHEDULING}, got {self.scheduling!r}")
 
     @property
     def address(self) -> str:
@@ -159,6 +201,10 @@ _TYPES = {
     "fetch_timeout_s": float,
     "shutdown_grace_s": float,
     **dict.fromkeys(_LIMITS, int),
+    **dict.fromkeys(_FILES, Path),
+    "tenant_max_in_flight": int,
+    "tenant_max_queued": int,
+    "tenant_tokens_per_second": float,
 }
 
 _HELP = {
@@ -195,6 +241,23 @@ _HELP = {
     "max_stop_strings": "most stop strings per request (default 16)",
     "max_stop_string_chars": "longest stop string in characters (default 1024)",
     "max_stop_token_ids": "most stop_token_ids per request (default 128)",
+    "auth_tokens": "JSON file of sha256 token digests with roles (README, Tenancy); without it "
+    "there is no authentication",
+    "tls_cert": "PEM certificate chain: serve TLS (with --tls-key)",
+    "tls_key": "PEM private key of --tls-cert",
+    "tls_client_ca": "PEM CA certificates: require client certificates (mutual TLS)",
+    "adapter_store_token_file": "file holding this service's token at the adapter store (role "
+    "service); sent with every store call",
+    "adapter_store_ca": "PEM CA certificates: reach the adapter store over TLS, trusting these",
+    "adapter_store_cert": "PEM client certificate for an adapter store with mutual TLS",
+    "adapter_store_key": "PEM private key of --adapter-store-cert",
+    "tenant_max_in_flight": "Generate calls one tenant may have in progress (default unlimited)",
+    "tenant_max_queued": "calls of one tenant that may wait for their first token (default "
+    "unlimited)",
+    "tenant_tokens_per_second": "prompt + generated tokens per second one tenant may use on "
+    "average, in bursts of one second's worth (default unlimited)",
+    "scheduling": "fair (default: tenants share the running batch, least served first) or fcfs "
+    "(first come, first served)",
 }
 
 
@@ -224,5 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["choices"] = DEVICES
         elif f.name == "engine":
             kwargs["choices"] = ENGINE_MODES
+        elif f.name == "scheduling":
+            kwargs["choices"] = SCHEDULING
         parser.add_argument("--" + _flag(f.name), dest=f.name, **kwargs)
     return parser

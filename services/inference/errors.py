@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import grpc
 
+from services.auth import PermissionDenied, Unauthenticated
 from services.inference.engine.errors import (
     AdapterLoadFailed,
     EngineOverloaded,
@@ -46,6 +47,10 @@ class ShuttingDown(ServiceError):
     """The server is stopping and takes no new work."""
 
 
+class TenantQuotaExceeded(ServiceError):
+    """A tenant reached one of its own limits (tenancy.py); the message names it."""
+
+
 class BadArgument(ServiceError, ValueError):
     """A field of the request is invalid; the message names it."""
 
@@ -57,6 +62,8 @@ class Status(NamedTuple):
 
 # Most specific first: BaseModelMismatch is an AdapterFormatError, InvalidRequest a ValueError.
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (BaseModelMismatch, grpc.StatusCode.FAILED_PRECONDITION),
     (AdapterFormatError, grpc.StatusCode.FAILED_PRECONDITION),
     (AdapterNotFound, grpc.StatusCode.NOT_FOUND),
@@ -69,6 +76,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (AdapterLoadFailed, grpc.StatusCode.UNAVAILABLE),
     (RequestFailed, grpc.StatusCode.INTERNAL),  # this request alone; the message says why
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (TenantQuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineOverloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (HostCacheFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # e.g. SamplingParams' range checks

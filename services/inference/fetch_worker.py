@@ -17,6 +17,7 @@ Protocol (pickled tuples over a multiprocessing Connection on a socketpair; fid 
 ``check`` is None or an AdapterCheck: then the worker also validates the adapter (store.peft,
 as the engine would: its Python would hold the service's GIL for milliseconds too) and the
 verdict is its AdapterSpec (engine/adapter_spec.py), or the AdapterFormatError that rejects it.
+The worker reaches the store as the service does (store_access.py: its token, its TLS).
 Every fetch ends with exactly one "done" or "error", also after "drop" or "cancel": only then
 may the service reuse the block, since the worker could still be writing into it.
 
@@ -42,6 +43,7 @@ import numpy as np
 from lorafleet.v1 import adapter_store_pb2 as pb
 from services.inference.engine.adapter_spec import AdapterSpec, validate_and_describe
 from services.inference.fetch_wire import FETCH_METHOD, RECONNECT_OPTIONS, decode_fetch_response
+from services.inference.store_access import StoreAccess
 from store.peft import AdapterFormatError, BaseModelShape
 
 log = logging.getLogger(__name__)
@@ -77,15 +79,15 @@ class _Fetch:
 
 
 class _Worker:
-    def __init__(self, target: str, arena: np.ndarray, conn: Connection) -> None:
+    def __init__(self, access: StoreAccess, arena: np.ndarray, conn: Connection) -> None:
         self.arena = arena
         self.conn = conn
         self._send_lock = threading.Lock()
         self._fetches: dict[int, _Fetch] = {}
         self._lock = threading.Lock()
-        channel = grpc.insecure_channel(
-            target,
-            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *RECONNECT_OPTIONS],
+        self._token = access.token()  # the service's token at the store, sent with each fetch
+        channel = access.channel(
+            [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *RECONNECT_OPTIONS]
         )
         self._rpc = channel.unary_stream(
             FETCH_METHOD,
@@ -140,7 +142,8 @@ class _Worker:
 
     def _stream(self, fid, fetch: _Fetch, adapter_id, version, timeout, check):
         request = pb.FetchAdapterRequest(adapter_id=adapter_id, version=version)
-        call = self._rpc(request, timeout=timeout)
+        metadata = () if self._token is None else self._token.metadata()
+        call = self._rpc(request, timeout=timeout, metadata=metadata)
         fetch.call = call
         if fetch.cancelled:
             call.cancel()
@@ -187,18 +190,20 @@ class _ProtocolError(Exception):
 
 
 def main(argv: list[str]) -> int:
-    """argv: connection fd, arena fd, arena size, target (child_process.spawn)."""
+    """argv: connection fd, arena fd, arena size, the store's StoreAccess as JSON
+    (child_process.spawn)."""
     # The service owns this process's lifetime (it stops it, and its exit closes the
     # connection, which ends serve()); a Ctrl-C meant for the service is not for this one.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s fetch-worker %(levelname)s: %(message)s"
     )
-    conn_fd, arena_fd, size, target = int(argv[0]), int(argv[1]), int(argv[2]), argv[3]
+    conn_fd, arena_fd, size = int(argv[0]), int(argv[1]), int(argv[2])
+    access = StoreAccess.decode(argv[3])
     mapping = mmap.mmap(arena_fd, size)
     os.close(arena_fd)
     arena = np.frombuffer(mapping, dtype=np.uint8)
-    _Worker(target, arena, Connection(conn_fd)).serve()
+    _Worker(access, arena, Connection(conn_fd)).serve()
     return 0
 
 

@@ -24,6 +24,7 @@ from services.inference.arena import ArenaBlock, HostArena
 from services.inference.child_process import spawn
 from services.inference.engine.adapter_spec import AdapterSpec
 from services.inference.fetch_worker import AdapterCheck
+from services.inference.store_access import StoreAccess
 from store.peft import AdapterFormatError
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,10 @@ class _Pending:
 
 
 class FetchWorker:
-    def __init__(self, target: str, arena: HostArena) -> None:
-        self.target = target
+    def __init__(self, target: str | StoreAccess, arena: HostArena) -> None:
+        """``target``: HOST:PORT, or a StoreAccess (the worker sends its token, uses its TLS)."""
+        self.access = target if isinstance(target, StoreAccess) else StoreAccess(target)
+        self.target = self.access.target
         self.arena = arena
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
@@ -110,7 +113,9 @@ class FetchWorker:
         """Starts the worker now if it is not running (fetch() does so too): on the event loop."""
         if self._proc is not None:
             return
-        self._proc, self._conn = spawn("services.inference.fetch_worker", self.arena, self.target)
+        self._proc, self._conn = spawn(
+            "services.inference.fetch_worker", self.arena, self.access.encode()
+        )
         self.starts += 1
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._conn.fileno(), self._readable)

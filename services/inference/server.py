@@ -18,6 +18,8 @@ import grpc
 
 from lorafleet.v1 import inference_pb2 as pb
 from lorafleet.v1 import inference_pb2_grpc as pb_grpc
+from services import tls
+from services.auth import Authenticator, AuthInterceptor
 from services.inference.adapter_registry import AdapterRegistry
 from services.inference.arena import HostArena
 from services.inference.config import ServiceConfig
@@ -25,11 +27,14 @@ from services.inference.engine import gc_pacing
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.engine import Engine
 from services.inference.engine_client import RemoteEngine
+from services.inference.errors import status_for
 from services.inference.host_cache import HostCache
 from services.inference.metrics import ServiceMetrics
 from services.inference.model_info import read_model_info
 from services.inference.servicer import InferenceServicer
+from services.inference.store_access import StoreAccess
 from services.inference.store_client import StoreClient
+from services.inference.tenancy import Quotas, Tenancy
 from services.inference.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -50,6 +55,7 @@ def engine_config(config: ServiceConfig) -> EngineConfig:
         max_waiting=config.max_queue,
         step_log=config.step_log,
         limits=config.limits,
+        scheduling=config.scheduling,
     )
 
 
@@ -89,8 +95,11 @@ class _Gate(pb_grpc.InferenceServicer):
 class InferenceServer:
     def __init__(self, config: ServiceConfig) -> None:
         self.config = config
+        # Read now: a token file that does not parse stops the start before anything runs.
+        self.auth = Authenticator.from_file(config.auth_tokens)
         self.server = grpc.aio.server(
-            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 16 << 20)]
+            interceptors=[AuthInterceptor(self.auth, lambda exc: status_for(exc).code)],
+            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 16 << 20)],
         )
         self._gate = _Gate()
         pb_grpc.add_InferenceServicer_to_server(self._gate, self.server)
@@ -108,11 +117,15 @@ class InferenceServer:
 
     async def start(self) -> None:
         cfg = self.config
-        self.port = self.server.add_insecure_port(cfg.address)
+        credentials = None
+        if cfg.tls_cert is not None:
+            credentials = tls.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+        self.port = tls.bind(self.server, cfg.address, credentials)
         if self.port == 0:
             raise OSError(f"cannot listen on {cfg.address}")
         await self.server.start()
         await self._set_serving(False)
+        tls.warn_if_exposed("the inference service", cfg.host, self.auth.enabled, bool(credentials))
         log.info("listening on %s:%d; loading %s", cfg.host, self.port, cfg.model)
         if cfg.engine == "process":
             arena = HostArena(cfg.host_cache_bytes, pin=False)  # the engine process pins it
@@ -128,9 +141,11 @@ class InferenceServer:
         device = self.engine.device
         cache = HostCache(arena)
         if cfg.adapter_store is not None:
-            self._store = StoreClient(
-                cfg.adapter_store, cache, cfg.store_timeout_s, cfg.fetch_timeout_s
-            )
+            access = StoreAccess(
+                cfg.adapter_store, cfg.adapter_store_token_file,
+                cfg.adapter_store_ca, cfg.adapter_store_cert, cfg.adapter_store_key,
+            )  # fmt: skip
+            self._store = StoreClient(access, cache, cfg.store_timeout_s, cfg.fetch_timeout_s)
         metrics = ServiceMetrics()
         self.engine.add_load_listener(lambda _key, seconds: metrics.observe_load("copy", seconds))
         registry = AdapterRegistry(
@@ -147,8 +162,12 @@ class InferenceServer:
         tokenizer = getattr(self.engine, "tokenizer", None) or await asyncio.to_thread(
             Tokenizer.from_model_dir, cfg.model
         )
+        quotas = Quotas(
+            cfg.tenant_max_in_flight, cfg.tenant_max_queued, cfg.tenant_tokens_per_second
+        )
         self.servicer = InferenceServicer(
-            self.engine, registry, metrics, cfg.model_id, str(device), tokenizer, cfg.limits, info
+            self.engine, registry, metrics, cfg.model_id, str(device), tokenizer, cfg.limits,
+            info, Tenancy(self.auth, quotas),
         )
         if cfg.metrics_port is not None:
             self.metrics_port = self.servicer.metrics.serve(cfg.metrics_port, cfg.host)

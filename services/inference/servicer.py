@@ -21,12 +21,14 @@ import grpc
 
 from lorafleet.v1 import inference_pb2 as pb
 from lorafleet.v1 import inference_pb2_grpc as pb_grpc
+from services.access import audited, check_inference, visible
 from services.inference import convert
 from services.inference.adapter_registry import AdapterRegistry, HeldAdapter
 from services.inference.engine.adapter_manager import AdapterStatus
 from services.inference.engine.api import AdapterKey, FinishReason, GenerationRequest
 from services.inference.engine.engine import Engine
 from services.inference.engine.limits import RequestLimits
+from services.inference.engine.sampling_params import SamplingParams
 from services.inference.errors import BadArgument, QueueFull, ShuttingDown, status_for
 from services.inference.metrics import ServiceMetrics
 from services.inference.model_info import ModelInfo
@@ -36,6 +38,7 @@ from services.inference.service_stats import (
     StatsSnapshot,
     summarize,
 )
+from services.inference.tenancy import Tenancy
 from services.inference.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -63,8 +66,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         tokenizer: Tokenizer,
         limits: RequestLimits,
         model_info: ModelInfo | None = None,
+        tenancy: Tenancy | None = None,
     ) -> None:
         self.engine = engine
+        # Who calls, what they may touch, their quotas (tenancy.py, services/access.py).
+        self.tenancy = tenancy or Tenancy()
         self.registry = registry
         self._tokenizer, self._limits = tokenizer, limits
         self._tokenize = ThreadPoolExecutor(
@@ -95,8 +101,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         rid = request.request_id or uuid.uuid4().hex
         code = grpc.StatusCode.OK
         admitted = False
+        ticket, used = None, 0  # the tenant's quota ticket; tokens the call used
         try:
+            caller = self.tenancy.caller(context)
             self._limits.check_request_id(rid)  # before it is kept, and echoed
+            check_inference(caller, request.adapter_id)
+            ticket = self.tenancy.admit(caller, _estimate(request))
             self._admit(rid)
             admitted = True
             if request.adapter_version and not request.adapter_id:
@@ -113,13 +123,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if self._aborting:
                     raise ShuttingDown(f"request {rid} was ended: the server is shutting down")
                 cold = key is not None and not self.engine.adapter_in_pool(key)
-                gen = GenerationRequest(rid, None, ids, key, sampling)
+                gen = GenerationRequest(rid, None, ids, key, sampling, tenant=caller.tenant)
                 last = None
                 async for out in self.engine.generate(gen):
                     if out.finish_reason is FinishReason.ABORT:
                         raise ShuttingDown(f"request {rid} was ended: the server is shutting down")
                     now = time.perf_counter()
+                    used = out.prompt_tokens + out.completion_tokens
                     if last is None:
+                        ticket.started()
                         self.metrics.ttft.observe(now - start)
                         if cold:
                             self.cold_ttft.add(now - start)
@@ -137,6 +149,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             code = status_for(exc).code
             await _abort(context, exc)
         finally:
+            if ticket is not None:
+                ticket.close(used)
             if admitted:
                 self._calls.discard(rid)
                 if not self._calls:
@@ -174,13 +188,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def LoadAdapter(self, request, context) -> pb.LoadAdapterResponse:
         start = time.perf_counter()
         try:
-            key = await self.registry.acquire(request.adapter_id, request.adapter_version)
-            try:
-                if request.pin:
-                    self.registry.pin(key, True)
-                await self.engine.load_adapter(key)
-            finally:
-                self.registry.release(key)
+            caller = self.tenancy.caller(context)
+            with audited("load", caller, request.adapter_id, request.adapter_version) as entry:
+                check_inference(caller, request.adapter_id)
+                key = await self.registry.acquire(request.adapter_id, request.adapter_version)
+                entry.version = key.version
+                try:
+                    if request.pin:
+                        self.registry.pin(key, True)
+                    await self.engine.load_adapter(key)
+                finally:
+                    self.registry.release(key)
             return pb.LoadAdapterResponse(
                 adapter=self._resident(key, self.registry.get(key)),
                 load_seconds=time.perf_counter() - start,
@@ -190,11 +208,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def UnloadAdapter(self, request, context) -> pb.UnloadAdapterResponse:
         try:
-            if not request.adapter_id:
-                raise BadArgument("adapter_id is required")
-            # Where each one is as it is unloaded: one no request uses leaves the engine at once.
-            before = {h.key: self.engine.adapter_status(h.key) for h in self.registry.held()}
-            unloaded = self.registry.unload(request.adapter_id, request.adapter_version)
+            caller = self.tenancy.caller(context)
+            with audited("unload", caller, request.adapter_id, request.adapter_version):
+                check_inference(caller, request.adapter_id)
+                if not request.adapter_id:
+                    raise BadArgument("adapter_id is required")
+                # Where each one is as it is unloaded: one no request uses leaves at once.
+                before = {h.key: self.engine.adapter_status(h.key) for h in self.registry.held()}
+                unloaded = self.registry.unload(request.adapter_id, request.adapter_version)
             return pb.UnloadAdapterResponse(
                 adapters=[self._resident(h.key, h, before.get(h.key)) for h in unloaded]
             )
@@ -202,8 +223,20 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await _abort(context, exc)
 
     async def ListAdapters(self, request, context) -> pb.ListResidentAdaptersResponse:
-        out = [self._resident(h.key, h) for h in self.registry.held()]
+        try:
+            caller = self.tenancy.caller(context)
+            check_inference(caller, "")
+        except Exception as exc:
+            await _abort(context, exc)
+        # A tenant sees only its own adapters.
+        out = [
+            self._resident(h.key, h)
+            for h in self.registry.held()
+            if visible(caller, h.key.adapter_id)
+        ]
         for key, waiting in self.registry.fetching().items():
+            if not visible(caller, key.adapter_id):
+                continue
             out.append(
                 pb.ResidentAdapter(
                     adapter_id=key.adapter_id, version=key.version,
@@ -231,6 +264,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def GetStats(self, request, context) -> pb.GetStatsResponse:
         try:
+            check_inference(self.tenancy.caller(context), "")  # totals only: any tenant
             await self.engine.sync_stats()
         except Exception as exc:
             await _abort(context, exc)
@@ -287,6 +321,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             except TimeoutError:
                 log.warning("%d calls did not end after their abort", len(self._calls))
         self._tokenize.shutdown(wait=False, cancel_futures=True)
+
+
+def _estimate(request: pb.GenerateRequest) -> int:
+    """Tokens a call is charged at admission (tenancy.py settles it at its end)."""
+    if request.sampling.HasField("max_new_tokens"):
+        new = request.sampling.max_new_tokens
+    else:
+        new = SamplingParams.max_new_tokens  # the default
+    return len(request.prompt_token_ids) + max(new, 0)
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:

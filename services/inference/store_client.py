@@ -33,6 +33,7 @@ from services.inference.fetch_worker import PROTOCOL_ERROR, AdapterCheck
 from services.inference.fetcher import FetchFailed, FetchWorker
 from services.inference.host_cache import HostCache, HostEntry
 from services.inference.service_stats import LatencyWindow
+from services.inference.store_access import StoreAccess
 
 log = logging.getLogger(__name__)
 
@@ -78,16 +79,24 @@ def _fetch_error(exc: FetchFailed, what: str) -> Exception:
 
 class StoreClient:
     def __init__(
-        self, target: str, cache: HostCache, lookup_timeout: float, fetch_timeout: float
+        self,
+        target: str | StoreAccess,
+        cache: HostCache,
+        lookup_timeout: float,
+        fetch_timeout: float,
     ) -> None:
-        self.target = target
+        """``target``: HOST:PORT, or a StoreAccess with the token and TLS to use."""
+        access = target if isinstance(target, StoreAccess) else StoreAccess(target)
+        self.target = access.target
         self._cache = cache
         self._lookup_timeout = lookup_timeout
         self._fetch_timeout = fetch_timeout
-        # Lookups and the watch; fetches have the worker's own channel.
-        self._channel = grpc.aio.insecure_channel(target, options=RECONNECT_OPTIONS)
+        # Lookups and the watch; fetches have the worker's own channel. Every call carries
+        # the service's token (store_access.py), read again when its file changes.
+        self._token = access.token()
+        self._channel = access.aio_channel(RECONNECT_OPTIONS)
         self._stub = pb_grpc.AdapterStoreStub(self._channel)
-        self._worker = FetchWorker(target, cache.arena)  # fetches run in their own process
+        self._worker = FetchWorker(access, cache.arena)  # fetches run in their own process
         # Set by the owner: fetched adapters are validated by the worker too (AdapterCheck).
         self.adapter_check: AdapterCheck | None = None
         self._inflight: dict[AdapterKey, asyncio.Task[HostEntry]] = {}
@@ -99,6 +108,9 @@ class StoreClient:
             task.cancel()
         self._worker.close()
         await self._channel.close()
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return () if self._token is None else self._token.metadata()
 
     @property
     def fetch_worker_starts(self) -> int:
@@ -112,6 +124,7 @@ class StoreClient:
             return await self._stub.GetAdapter(
                 pb.GetAdapterRequest(adapter_id=adapter_id, version=version),
                 timeout=self._lookup_timeout,
+                metadata=self._metadata(),
             )
         except grpc.aio.AioRpcError as exc:
             raise _store_error(exc, what) from None
@@ -170,7 +183,9 @@ class StoreClient:
         self._worker.start()  # the service follows the store from its start: fetch soon
         backoff = 0.1
         while True:
-            call = self._stub.WatchAdapters(pb.WatchAdaptersRequest(include_existing=True))
+            call = self._stub.WatchAdapters(
+                pb.WatchAdaptersRequest(include_existing=True), metadata=self._metadata()
+            )
             try:
                 await call.initial_metadata()
                 if not call.done():  # headers came (a call that failed ends without them)

@@ -33,6 +33,9 @@ class GenerationRequest:
     prompt_token_ids: Sequence[int] | None = None
     adapter: AdapterKey | None = None  # None = the base model
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Who asked: a tenant's name, or None (anonymous or admin). The scheduler shares the batch
+    # fairly between tenants (engine/fairness.py).
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -43,6 +46,8 @@ class GenerationRequest:
             object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
         if self.adapter is not None and not isinstance(self.adapter, AdapterKey):
             raise TypeError("adapter must be an AdapterKey or None")
+        if self.tenant is not None and not isinstance(self.tenant, str):
+            raise TypeError("tenant must be a string or None")
 
 
 @dataclass(frozen=True)

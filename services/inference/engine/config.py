@@ -40,6 +40,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # on CUDA, run decode-only steps as captured CUDA graphs
     step_log: str | Path | None = None  # append one JSON line per step here (step_log.py)
     limits: RequestLimits = field(default_factory=RequestLimits)  # per-request input sizes
+    scheduling: str = "fair"  # "fair": tenants share the batch (engine/fairness.py); "fcfs"
 
     def __post_init__(self) -> None:
         if not str(self.model_dir):
@@ -65,6 +66,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.scheduling not in ("fair", "fcfs"):
+            raise ValueError(f"scheduling must be 'fair' or 'fcfs', got {self.scheduling!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

@@ -104,8 +104,9 @@ class EngineCore:
         capacity = pages_needed(biggest.num_slots, config.page_size) * config.page_size
         self.adapters = AdapterManager(self.pool, config.max_loras, capacity)
         self.scheduler = Scheduler(
-            self.pool, self.adapters, max_seqs, config.max_num_batched_tokens, self.max_len
-        )
+            self.pool, self.adapters, max_seqs, config.max_num_batched_tokens, self.max_len,
+            config.scheduling,
+        )  # fmt: skip
         self.runner = ModelRunner(
             self.model, self.pool, self.adapters.index, config.max_lora_rank,
             max_seqs, config.max_num_batched_tokens, self.max_len, config.max_loras,
@@ -231,6 +232,7 @@ class EngineCore:
                 generator=make_generator(sp, self.device),
                 detokenizer=IncrementalDetokenizer(self.tokenizer, ids),
                 stops=StopStringMatcher(sp.stop),
+                tenant=request.tenant,
             )
             self._live[request.request_id] = seq
         return seq

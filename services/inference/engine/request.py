@@ -43,6 +43,7 @@ class Sequence:
     num_computed: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
+    tenant: str | None = None  # GenerationRequest.tenant: whose share of the batch it uses
 
     @property
     def num_known(self) -> int:

@@ -4,7 +4,10 @@ Continuous batching: sequences join and leave between steps; one step holds pref
 single decode tokens of sequences for different adapters and for the base model, within
 max_num_seqs sequences and max_num_batched_tokens tokens.
 
-Order of each step:
+Order of each step (0 and the order of 3 are the fairness policy's, engine/fairness.py; with
+--scheduling fcfs, 0 does nothing and 3 takes the queue's order):
+0. Of a full batch, a tenant below its share takes slots from the tenant furthest above its own
+   (whose newest running sequences are preempted).
 1. Running sequences, oldest first, each with its next tokens (one when decoding, a chunk when a
    long prompt is prefilled piecewise). When the pool has no page for one: evict an idle adapter
    (least recently used); failing that, preempt the newest running sequence not yet scheduled
@@ -12,9 +15,10 @@ Order of each step:
    recomputed (prompt + generated tokens re-prefilled). Nothing is ever dropped.
 2. Loads start for the adapters of queued sequences, in queue order, without waiting for the
    sequence to reach the head.
-3. Queued sequences join in arrival order once their adapter is in the pool; a sequence whose
-   adapter is still loading is passed over (the others keep running). One that lacks pages stops
-   admission (first come, first served), after idle adapters were evicted for it.
+3. Queued sequences join once their adapter is in the pool: tenants below their share first, the
+   least served tenant first, each tenant's in arrival order; a sequence whose adapter is still
+   loading is passed over (the others keep running). One that lacks pages stops admission, after
+   idle adapters were evicted for it.
 The step's sequences are sorted by LoRA index row, so each adapter's tokens form one segment.
 """
 
@@ -27,6 +31,7 @@ from typing import NamedTuple
 
 from services.inference.engine.adapter_manager import AdapterManager, AdapterState
 from services.inference.engine.errors import InvalidRequest
+from services.inference.engine.fairness import make_policy
 from services.inference.engine.page_pool import PagePool
 from services.inference.engine.request import Sequence, SequenceStatus
 
@@ -48,6 +53,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_len: int,
+        scheduling: str = "fair",
     ) -> None:
         self.pool, self.adapters = pool, adapters
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
@@ -55,6 +61,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.fair = make_policy(scheduling)  # tenants' shares and order (engine/fairness.py)
 
     @property
     def has_work(self) -> bool:
@@ -64,6 +71,7 @@ class Scheduler:
         if seq.status is not SequenceStatus.WAITING:
             raise InvalidRequest(f"request {seq.request_id} cannot be queued twice")
         self.waiting.append(seq)
+        self.fair.arrive(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out (finished or aborted) and free its pages now."""
@@ -73,6 +81,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.pool.free_kv(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
+        self.fair.leave(seq)
 
     def schedule(self) -> list[ScheduledSeq]:
         chosen = self._choose(prefetch=True)
@@ -93,6 +102,7 @@ class Scheduler:
             )
             for seq, n in chosen
         ]
+        self.fair.served(chosen)  # before step() moves num_computed: prefill or decode
         self.adapters.touch({s.seq.adapter for s in out if s.seq.adapter is not None})
         # Group by adapter: base-model rows (-1) first, then by row; stable within a row.
         out.sort(key=lambda s: -1 if s.lora_row is None else s.lora_row)
@@ -102,6 +112,11 @@ class Scheduler:
         self.adapters.poll_loads()
         chosen: list[tuple[Sequence, int]] = []
         budget = self.max_tokens
+
+        # 0. Fair share: a tenant below its share of a full batch takes slots (fairness.py).
+        victims = self.fair.preemptions(self.running, self.waiting, self.max_num_seqs, self._ready)
+        for victim in victims:
+            self._preempt(victim)
 
         # 1. Running sequences, oldest first; preempt from the newest end when pages run out.
         # A sequence whose tokens in flight already reach max_new_tokens or the context window
@@ -133,8 +148,10 @@ class Scheduler:
                     break
         self.adapters.poll_loads()
 
-        # 3. Admission, first come first served among sequences whose adapter is ready.
-        for seq in list(self.waiting):
+        # 3. Admission among sequences whose adapter is ready, in the fairness policy's order
+        # (first come first served within a tenant); this step's victims wait.
+        admission = self.fair.admission(self.waiting, self.running, self.max_num_seqs, victims)
+        for seq in admission:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             key = seq.adapter
@@ -149,8 +166,16 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chosen.append((seq, n))
+            admission.admitted(seq, n)
             budget -= n
         return chosen
+
+    def _ready(self, seq: Sequence) -> bool:
+        """Whether a queued sequence could join now: its adapter is in the pool, and no token
+        of its is in flight (a preempted one is recomputed once it is read)."""
+        if seq.inflight:
+            return False
+        return seq.adapter is None or self.adapters.state(seq.adapter) is AdapterState.IN_POOL
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Give the sequence pages for ``num_tokens`` tokens, evicting idle adapters if needed."""

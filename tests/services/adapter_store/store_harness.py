@@ -75,6 +75,7 @@ class StoreProcess:
         extra_args: tuple[str, ...] = (),
         root: Path | None = None,
         python_args: tuple[str, ...] = ("-m", "services.adapter_store"),
+        credentials: grpc.ChannelCredentials | None = None,  # the store serves TLS
     ) -> None:
         """``root``: the local backend's directory (default: under ``workdir``);
         ``python_args``: what the interpreter runs, before the store's flags."""
@@ -95,6 +96,7 @@ class StoreProcess:
             args += ["--backend", "s3", "--s3-endpoint", seaweed.endpoint, "--s3-bucket", bucket]
             self.env = seaweed.env
         self.args = [*args, *extra_args]
+        self.credentials = credentials
         self.process: subprocess.Popen | None = None
         self.channel: grpc.Channel | None = None
 
@@ -108,7 +110,11 @@ class StoreProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = (
+            grpc.insecure_channel(self.address)
+            if self.credentials is None
+            else grpc.secure_channel(self.address, self.credentials)
+        )
         self.stub = pb_grpc.AdapterStoreStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         deadline = time.monotonic() + timeout_s

@@ -40,6 +40,12 @@ class Proc:
     port: int
     env: dict[str, str] = field(default_factory=dict)
     popen: subprocess.Popen | None = None
+    credentials: grpc.ChannelCredentials | None = None  # set when the process serves TLS
+
+    def channel(self) -> grpc.Channel:
+        if self.credentials is None:
+            return grpc.insecure_channel(self.address)
+        return grpc.secure_channel(self.address, self.credentials)
 
     @property
     def address(self) -> str:
@@ -77,7 +83,7 @@ class Proc:
 
     def wait_serving(self, timeout: float = 60.0) -> Proc:
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address) as channel:
+        with self.channel() as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self.popen.poll() is not None:
