@@ -218,7 +218,7 @@ _HELP = {
     "device": "cpu, cuda or auto (cuda when a GPU is visible)",
     "metrics_port": "serve Prometheus metrics over HTTP on this port",
     "max_queue": "requests allowed to wait before new ones get RESOURCE_EXHAUSTED (default: "
-    "16 per running slot)",
+    "16 per running slot, at least 1024)",
     "max_num_seqs": "requests in the running batch at once (default: as many as the page pool "
     "holds at 400 tokens each, 16 to 512, on a GPU; 64 on the CPU)",
     "num_pages": "pages in the unified KV/adapter pool (default: from --pool-memory-mb)",

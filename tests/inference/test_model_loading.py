@@ -212,14 +212,14 @@ def test_prompt_tokens_beyond_the_models_vocabulary(tiny_models, tmp_path):
 
 def test_limits_follow_the_pool_and_device():
     """Unset limits are derived: on CUDA from the pool's tokens (400 per sequence, 16 to 512,
-    a multiple of 16), on the CPU 64 sequences; 16 waiting requests per running slot unless
-    max_waiting or max_queue says otherwise."""
+    a multiple of 16), on the CPU 64 sequences; 16 waiting requests per running slot, at least
+    1024, unless max_waiting or max_queue says otherwise."""
     from services.inference.engine.pool_sizing import EngineLimits, engine_limits
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     cfg = EngineConfig(model_dir="m")
     assert engine_limits(cfg, 100_000 // 16, cuda) == EngineLimits(240, 240 * 17)
-    assert engine_limits(cfg, 100, cuda).max_num_seqs == 16
+    assert engine_limits(cfg, 100, cuda) == EngineLimits(16, 16 + 1024)
     assert engine_limits(cfg, 10**7, cuda).max_num_seqs == 512
     assert engine_limits(cfg, 10**7, cpu) == EngineLimits(64, 64 * 17)
     assert engine_limits(EngineConfig(model_dir="m", max_waiting=10), 1, cpu).max_queue == 74

@@ -23,8 +23,10 @@ CPU_MAX_NUM_SEQS = 64
 # ran at 9700 output tokens/s, against 9773 with 416 and 9551 with 272 (bench/serving.py).
 _TOKENS_PER_SEQ = 400
 _MIN_SEQS, _MAX_SEQS = 16, 512
-# Requests that may wait per running slot, when neither max_queue nor max_waiting is set.
+# Requests that may wait per running slot, and at least, when neither max_queue nor max_waiting
+# is set (waiting requests cost host memory only).
 _WAITING_PER_SEQ = 16
+_MIN_WAITING = 1024
 
 
 class EngineLimits(NamedTuple):
@@ -35,7 +37,8 @@ class EngineLimits(NamedTuple):
 def engine_limits(config: EngineConfig, num_pages: int, device: torch.device) -> EngineLimits:
     """config's limits, with those it leaves open derived from the pool and the device: on
     CUDA as many sequences as the pool holds at _TOKENS_PER_SEQ tokens each (an H200 serving
-    a 7B model in bf16 gets 512), on the CPU 64; and 16 waiting requests per running one."""
+    a 7B model in bf16 gets 512), on the CPU 64; and 16 waiting requests per running one, at
+    least 1024."""
     seqs = config.max_num_seqs
     if seqs is None:
         if device.type == "cuda":
@@ -47,7 +50,9 @@ def engine_limits(config: EngineConfig, num_pages: int, device: torch.device) ->
     queue = config.max_queue
     if queue is None:
         waiting = config.max_waiting
-        queue = seqs + (_WAITING_PER_SEQ * seqs if waiting is None else waiting)
+        if waiting is None:
+            waiting = max(_MIN_WAITING, _WAITING_PER_SEQ * seqs)
+        queue = seqs + waiting
     return EngineLimits(seqs, queue)
 
 
