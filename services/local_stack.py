@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             f'--adapter demo/poet "Once upon a time"\n'
             f"  .venv/bin/lorafleet adapters --store {store_address} list\n"
             f"  .venv/bin/lorafleet stats --server {inference_address}\n"
-            f"  curl {gateway_url}/v1/completions -H \"Authorization: Bearer $LORAFLEET_TOKEN\" "
+            f'  curl {gateway_url}/v1/completions -H "Authorization: Bearer $LORAFLEET_TOKEN" '
             f"-H 'Content-Type: application/json' "
             f"""-d '{{"model": "demo/poet", "prompt": "Once upon a time", "max_tokens": 16}}'\n\n"""
             f"Ctrl-C stops the services.\n",

@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from services.flag_env import flag_values
+
 ENV_PREFIX = "LORAFLEET_GATEWAY_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 MAX_TOKENS_LIMIT = 2**31 - 1  # SamplingParams.max_new_tokens is an int32
@@ -66,17 +68,7 @@ class GatewayConfig:
         env = os.environ if environ is None else environ
         parser = build_parser()
         args = parser.parse_args(argv)
-        values = {}
-        for f in fields(cls):
-            flag_value = getattr(args, f.name)
-            if flag_value is not None:
-                values[f.name] = flag_value
-                continue
-            raw = env.get(ENV_PREFIX + f.name.upper())
-            if raw is None and f.name in _SHARED_ENV:
-                raw = env.get(_SHARED_ENV[f.name])
-            if raw is not None:
-                values[f.name] = _convert(f.name, raw, parser)
+        values = flag_values(cls, args, env, ENV_PREFIX, _SHARED_ENV, _TYPES, parser)
         if "inference" not in values:
             parser.error("--inference is required (or set LORAFLEET_INFERENCE)")
         try:
@@ -124,14 +116,6 @@ _HELP = {
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
-
-
-def _convert(name: str, raw: str, parser: argparse.ArgumentParser):
-    kind = _TYPES.get(name, str)
-    try:
-        return kind(raw)
-    except ValueError:
-        parser.error(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {kind.__name__}")
 
 
 def build_parser() -> argparse.ArgumentParser:

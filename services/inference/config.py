@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from services.flag_env import flag_values
 from services.inference.engine.limits import RequestLimits
 
 ENV_PREFIX = "LORAFLEET_INFERENCE_"
@@ -160,17 +161,7 @@ class ServiceConfig:
         env = os.environ if environ is None else environ
         parser = build_parser()
         args = parser.parse_args(argv)
-        values = {}
-        for f in fields(cls):
-            flag_value = getattr(args, f.name)
-            if flag_value is not None:
-                values[f.name] = flag_value
-                continue
-            raw = env.get(ENV_PREFIX + f.name.upper())
-            if raw is None and f.name in _SHARED_ENV:
-                raw = env.get(_SHARED_ENV[f.name])
-            if raw is not None:
-                values[f.name] = _convert(f.name, raw, parser)
+        values = flag_values(cls, args, env, ENV_PREFIX, _SHARED_ENV, _TYPES, parser)
         if "model" not in values:
             parser.error(f"--model is required (or set {ENV_PREFIX}MODEL)")
         try:
@@ -263,14 +254,6 @@ _HELP = {
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
-
-
-def _convert(name: str, raw: str, parser: argparse.ArgumentParser):
-    kind = _TYPES.get(name, str)
-    try:
-        return kind(raw)
-    except ValueError:
-        parser.error(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {kind.__name__}")
 
 
 def build_parser() -> argparse.ArgumentParser:

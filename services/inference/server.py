@@ -166,8 +166,15 @@ class InferenceServer:
             cfg.tenant_max_in_flight, cfg.tenant_max_queued, cfg.tenant_tokens_per_second
         )
         self.servicer = InferenceServicer(
-            self.engine, registry, metrics, cfg.model_id, str(device), tokenizer, cfg.limits,
-            info, Tenancy(self.auth, quotas),
+            self.engine,
+            registry,
+            metrics,
+            cfg.model_id,
+            str(device),
+            tokenizer,
+            cfg.limits,
+            info,
+            Tenancy(self.auth, quotas),
         )
         if cfg.metrics_port is not None:
             self.metrics_port = self.servicer.metrics.serve(cfg.metrics_port, cfg.host)
