@@ -1,4 +1,5 @@
-"""EngineCore: the synchronous engine. One call to step() runs one batch and returns its outputs.
+"""EngineCore: the synchronous engine. launch() queues one step's GPU work and finish() reads its
+tokens; the step loop launches step t + 1 before it finishes step t. step() is both, for one step.
 
 It owns the model, the page pool, the adapter manager, the scheduler and the sampler, and runs
 on one thread (engine.py puts it on a dedicated one). prepare(), add_adapter() and

@@ -1,20 +1,22 @@
 """ModelRunner: one forward pass per step over the scheduler's choice.
 
-On CUDA, decode-only steps (every sequence computes one token and samples it) replay a CUDA
-graph captured at start-up for a fixed batch size; the step's sequences are padded up to the
-smallest captured size. Eager PyTorch spends most of a decode step launching a few thousand
-small kernels from Python; a replay launches them all at once. Steps with prefill tokens run
-eagerly. A graph reads the step's metadata from StepBatch's fixed device tensors and the
-adapters from the LoRA index, both filled in place, so one capture serves every later step.
-
-Padding rows decode token 0 at position 0 of the engine's reserved pool page with no adapter:
-their K/V writes land in that page and their logits are dropped, so they touch no sequence's
-state.
+On CUDA every step replays a CUDA graph captured at start-up, when one fits: decode steps (every
+sequence computes one token and samples it) for a set of batch sizes, padded with rows that
+decode token 0 at position 0 of the engine's reserved pool page with no adapter (their K/V
+writes land in that page and their logits are dropped); mixed steps (prefill chunks beside
+decodes) for a set of token counts, padded with tokens of no sequence (no K/V slot, no adapter)
+and sequences of no tokens. Eager PyTorch spends most of a step launching a few thousand small
+kernels from Python (on the H200, 2-4x a mixed step's kernel time); a replay launches them all
+at once. A graph reads the step's metadata from StepBatch's fixed device tensors and the adapters
+from the LoRA index, both filled in place, so one capture serves every later step. Each size is
+captured without LoRA kernels (steps of the base model alone cost nothing for LoRA) and with
+them.
 
 The LoRA kernels' path (two launches or the fused kernel, kernels.lora_apply) is chosen per
 step from what only the host knows: how many of the step's tokens use an adapter, on how many
 distinct adapters, of which rank (kernels/lora_paths.py). A graph fixes the path it
-was captured with, so batch sizes where the fused path can win get a second graph.
+was captured with, so decode sizes where the fused path can win get a third graph; mixed steps
+let each call's shapes decide.
 """
 
 from __future__ import annotations
