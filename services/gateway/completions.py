@@ -61,7 +61,7 @@ async def completions(request: Request):
             else:
                 msg.prompt_token_ids.extend(prompt)
             calls.append(msg)
-    fmt = CompletionFormat(req.model, req.n, req.include_usage)
+    fmt = CompletionFormat(req.model, req.n, req.include_usage, req.wanted_logprobs is not None)
     return await _serve(request, req, calls, fmt, "completions")
 
 
@@ -85,7 +85,7 @@ async def chat_completions(request: Request):
         )
         for j in range(req.n)
     ]
-    fmt = ChatFormat(req.model, req.n, req.include_usage)
+    fmt = ChatFormat(req.model, req.n, req.include_usage, req.wanted_logprobs is not None)
     return await _serve(request, req, calls, fmt, "chat")
 
 
@@ -160,9 +160,10 @@ async def _stream(gens: Generations, fmt: Format, metrics) -> AsyncIterator[str]
                 opened.add(i)
                 if (opening := fmt.opening(i)) is not None:
                     yield fmt.chunk([opening])
-            if msg.text:
+            if msg.text or (fmt.logprobs and msg.logprobs):
                 results[i].parts.append(msg.text)
-                yield fmt.chunk([fmt.delta(i, msg.text, None)])
+                results[i].logprobs.extend(msg.logprobs)
+                yield fmt.chunk([fmt.delta(i, msg.text, None, list(msg.logprobs))])
             if msg.finish_reason:
                 results[i].finish(msg)
                 yield fmt.chunk([fmt.delta(i, "", results[i].finish_reason)])

@@ -31,6 +31,7 @@ class ChoiceResult:
     """One choice, gathered from its messages."""
 
     parts: list[str] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # pb.TokenLogprob, one per token (if asked)
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -42,6 +43,7 @@ class ChoiceResult:
     def add(self, msg: pb.GenerateResponse) -> None:
         if msg.text:
             self.parts.append(msg.text)
+        self.logprobs.extend(msg.logprobs)
         if msg.finish_reason:
             self.finish(msg)
 

@@ -33,12 +33,16 @@ class Format:
     chunk_object_name = ""
     id_prefix = ""
 
-    def __init__(self, model: str, n: int, include_usage: bool = False) -> None:
+    def __init__(
+        self, model: str, n: int, include_usage: bool = False, logprobs: bool = False
+    ) -> None:
         self.id = self.id_prefix + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
         self.n = n  # choices per prompt
         self.include_usage = include_usage
+        self.logprobs = logprobs  # the request asked for them: choices carry them
+        self._offsets: dict[int, int] = {}  # choice -> characters of its tokens so far
 
     # --- whole responses ----------------------------------------------------------------------
 
@@ -49,11 +53,23 @@ class Format:
             "object": self.object_name,
             "created": self.created,
             "model": self.model,
-            "choices": [self.choice(i, r.text, r.finish_reason) for i, r in enumerate(results)],
+            "choices": [
+                self.choice(i, r.text, r.finish_reason, r.logprobs) for i, r in enumerate(results)
+            ],
             "usage": usage(prompts, sum(r.completion_tokens for r in results)),
         }
 
-    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs=()) -> dict:
+        raise NotImplementedError
+
+    def logprobs_body(self, index: int, entries) -> dict | None:
+        """The choice's ``logprobs`` for these tokens (pb.TokenLogprob), or None when the
+        request did not ask."""
+        if not self.logprobs:
+            return None
+        return self._logprobs(index, list(entries))
+
+    def _logprobs(self, index: int, entries: list) -> dict:
         raise NotImplementedError
 
     # --- streams ------------------------------------------------------------------------------
@@ -62,7 +78,7 @@ class Format:
         """The chunk that starts choice ``index``, if the format has one."""
         return None
 
-    def delta(self, index: int, text: str, finish_reason: str | None) -> dict:
+    def delta(self, index: int, text: str, finish_reason: str | None, logprobs=()) -> dict:
         raise NotImplementedError
 
     def chunk(self, choices: list[dict]) -> str:
@@ -95,10 +111,30 @@ class CompletionFormat(Format):
     chunk_object_name = "text_completion"
     id_prefix = "cmpl-"
 
-    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs=()) -> dict:
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": self.logprobs_body(index, logprobs),
+            "finish_reason": finish_reason,
+        }
 
     delta = choice
+
+    def _logprobs(self, index: int, entries: list) -> dict:
+        """OpenAI's legacy shape: parallel lists, offsets of each token in the choice's text."""
+        offsets = []
+        at = self._offsets.get(index, 0)
+        for e in entries:
+            offsets.append(at)
+            at += len(e.token)
+        self._offsets[index] = at
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+            "text_offset": offsets,
+        }
 
 
 class ChatFormat(Format):
@@ -106,12 +142,26 @@ class ChatFormat(Format):
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs=()) -> dict:
         return {
             "index": index,
             "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "logprobs": self.logprobs_body(index, logprobs),
             "finish_reason": finish_reason,
+        }
+
+    def _logprobs(self, index: int, entries: list) -> dict:
+        def one(token: str, logprob: float) -> dict:
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        return {
+            "content": [
+                {
+                    **one(e.token, e.logprob),
+                    "top_logprobs": [one(t.token, t.logprob) for t in e.top],
+                }
+                for e in entries
+            ]
         }
 
     def opening(self, index: int) -> dict:
@@ -122,11 +172,11 @@ class ChatFormat(Format):
             "finish_reason": None,
         }
 
-    def delta(self, index: int, text: str, finish_reason: str | None) -> dict:
+    def delta(self, index: int, text: str, finish_reason: str | None, logprobs=()) -> dict:
         return {
             "index": index,
             "delta": {"content": text} if text else {},
-            "logprobs": None,
+            "logprobs": self.logprobs_body(index, logprobs) if logprobs else None,
             "finish_reason": finish_reason,
         }
 

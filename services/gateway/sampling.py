@@ -31,6 +31,8 @@ def sampling_params(req: GenerationFields, max_tokens: int, index: int) -> pb.Sa
     )
     if req.top_p is not None:
         params.top_p = req.top_p
+    if (alternatives := req.wanted_logprobs) is not None:
+        params.logprobs = alternatives
     seed = choice_seed(req.seed, index)
     if seed is not None:
         params.seed = seed

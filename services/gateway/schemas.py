@@ -43,9 +43,11 @@ class GenerationFields(BaseModel):
     top_k: int | None = Field(default=None, ge=0, le=2**31 - 1)
     ignore_eos: bool = False
     stop_token_ids: list[Int32] | None = None
-    # Refused when set to anything that would change the output (see _refuse_unsupported).
+    # completions: logprobs = alternatives per token (0-20); chat: logprobs true, top_logprobs
+    # alternatives (checked in each request's wanted_logprobs)
     logprobs: Any = None
     top_logprobs: Any = None
+    # Refused when set to anything that would change the output (see _refuse_unsupported).
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
@@ -69,12 +71,14 @@ class GenerationFields(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def wanted_logprobs(self) -> int | None:
+        """Alternatives per token the engine reports (SamplingParams.logprobs); None: no
+        logprobs."""
+        raise NotImplementedError
+
     def _refuse_unsupported(self) -> None:
-        if self.logprobs not in (None, False) or self.top_logprobs not in (None, 0):
-            raise BadRequest(
-                "logprobs are not supported yet: leave out logprobs and top_logprobs",
-                param="logprobs",
-            )
+        self.wanted_logprobs  # noqa: B018 (raises BadRequest for a bad value)
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise BadRequest(f"{name} is not supported: leave it out or 0", param=name)
@@ -96,6 +100,15 @@ class CompletionRequest(GenerationFields):
     prompt: str | list[str] | list[Int32] | list[list[Int32]]
     echo: Any = None
     suffix: Any = None
+
+    @property
+    def wanted_logprobs(self) -> int | None:
+        if self.top_logprobs is not None:
+            raise BadRequest(
+                "top_logprobs is for chat; completions take logprobs (the number of "
+                "alternatives per token)", param="top_logprobs",
+            )  # fmt: skip
+        return _alternatives(self.logprobs, "logprobs", none_if=(None,))
 
     def check(self) -> CompletionRequest:
         self._refuse_unsupported()
@@ -126,6 +139,16 @@ class ChatRequest(GenerationFields):
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
+
+    @property
+    def wanted_logprobs(self) -> int | None:
+        if self.logprobs not in (None, True, False):
+            raise BadRequest("logprobs must be true or false", param="logprobs")
+        if not self.logprobs:
+            if self.top_logprobs not in (None, 0):
+                raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+            return None
+        return _alternatives(self.top_logprobs, "top_logprobs", none_if=()) or 0
 
     def check(self) -> ChatRequest:
         self._refuse_unsupported()
@@ -164,6 +187,19 @@ class ChatRequest(GenerationFields):
                 raise BadRequest(f"messages[{i}].content must be a string or a list of parts")
             out.append({**message, "content": content})
         return out
+
+
+MAX_LOGPROBS = 20  # the engine's bound (SamplingParams.logprobs)
+
+
+def _alternatives(value: Any, name: str, none_if: tuple) -> int | None:
+    """A logprobs count: None when ``value`` is in ``none_if`` (or is None), else an integer
+    in [0, MAX_LOGPROBS]."""
+    if value is None or value in none_if:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+        raise BadRequest(f"{name} must be an integer from 0 to {MAX_LOGPROBS}", param=name)
+    return value
 
 
 def parse_json(model: type[BaseModel], raw: bytes) -> Any:

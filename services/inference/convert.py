@@ -46,6 +46,8 @@ def sampling_params(msg: pb.SamplingParams, limits: RequestLimits) -> SamplingPa
         kwargs["top_p"] = msg.top_p
     if msg.HasField("seed"):
         kwargs["seed"] = msg.seed
+    if msg.HasField("logprobs"):
+        kwargs["logprobs"] = msg.logprobs
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
@@ -59,6 +61,14 @@ def response(out: GenerationOutput, request_id: str, key: AdapterKey | None) -> 
         text=out.text,
         adapter_version=0 if key is None else key.version,
     )
+    for lp in out.logprobs:
+        msg.logprobs.append(
+            pb.TokenLogprob(
+                token_id=lp.token_id, token=lp.token, logprob=lp.logprob,
+                top=[pb.TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob)
+                     for t in lp.top],
+            )
+        )  # fmt: skip
     if out.finish_reason is not None:
         msg.finish_reason = _FINISH[out.finish_reason]
         msg.usage.prompt_tokens = out.prompt_tokens

@@ -199,7 +199,7 @@ class ProcessEngine(Engine):
     def _deliver(self, outputs: list[GenerationOutput]) -> None:
         self._outputs_out.extend(
             (o.request_id, o.token_ids, o.text, o.finish_reason, o.prompt_tokens,
-             o.completion_tokens)
+             o.completion_tokens, o.logprobs)
             for o in outputs
         )  # fmt: skip
 

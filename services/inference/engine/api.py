@@ -50,6 +50,22 @@ class GenerationRequest:
             raise TypeError("tenant must be a string or None")
 
 
+class TopLogprob(NamedTuple):
+    token_id: int
+    token: str  # the token's own text (a piece of a character may show as U+FFFD)
+    logprob: float
+
+
+class TokenLogprob(NamedTuple):
+    """A generated token's log-probability under the model (its raw logits, before temperature
+    or top-k/top-p), and the most likely tokens at that position with theirs, best first."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[TopLogprob, ...]
+
+
 @dataclass(frozen=True)
 class GenerationOutput:
     """One streamed update of one request: what is new since the previous update."""
@@ -60,6 +76,8 @@ class GenerationOutput:
     finish_reason: FinishReason | None  # None while the request is still streaming
     prompt_tokens: int
     completion_tokens: int  # generated so far, this update included
+    # One per token of token_ids when the request asked for logprobs (SamplingParams.logprobs)
+    logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def finished(self) -> bool:

@@ -29,6 +29,8 @@ from services.inference.engine.api import (
     FinishReason,
     GenerationOutput,
     GenerationRequest,
+    TokenLogprob,
+    TopLogprob,
 )
 from services.inference.engine.batch import BatchEntry
 from services.inference.engine.config import EngineConfig, decode_graph_sizes
@@ -73,6 +75,7 @@ class LaunchedStep(NamedTuple):
     sampled: list[Sequence]  # the sequences it samples for, in row order
     ticket: TokenTicket | None  # their tokens on the way to the host; None: nothing sampled
     record: StepRecord
+    logprob_rows: list[int]  # rows of ``sampled`` that asked for logprobs (ticket.extras)
 
 
 class EngineCore:
@@ -317,7 +320,7 @@ class EngineCore:
         for s in scheduled:
             s.seq.num_computed += s.num_tokens
             self.computed_tokens += s.num_tokens
-        ticket = None
+        ticket, logprob_rows = None, []
         if sampling:
             tokens = self.sampler(
                 logits, [q.sampling for q in sampling], [q.generator for q in sampling]
@@ -325,7 +328,9 @@ class EngineCore:
             # The host reads -1 for a row whose logits are not finite (finish fails its
             # request); the next step, launched before that, reads the sampler's token.
             marked = torch.where(torch.isfinite(logits).all(dim=-1), tokens, -1)
-            ticket = self._tokens.put(tokens, self.runner.batch.prev_tokens, marked)
+            logprob_rows = [i for i, q in enumerate(sampling) if q.sampling.logprobs is not None]
+            extras = _logprobs(logits, tokens, logprob_rows, sampling) if logprob_rows else ()
+            ticket = self._tokens.put(tokens, self.runner.batch.prev_tokens, marked, extras)
             if self.logits_hook is not None:
                 for i, seq in enumerate(sampling):
                     self.logits_hook(seq.request_id, logits[i])
@@ -341,7 +346,7 @@ class EngineCore:
             during()
         collect_if_due()
         self.steps += 1
-        return LaunchedStep(sampling, ticket, record)
+        return LaunchedStep(sampling, ticket, record, logprob_rows)
 
     def finish(self, launched: LaunchedStep) -> list[GenerationOutput]:
         """Wait for a launched step's tokens and apply them: append, detokenize, finish the
@@ -352,12 +357,34 @@ class EngineCore:
             return []
         tokens = self._tokens.take(launched.ticket)
         self.step_log.end(launched.record)
+        logprobs = self._token_logprobs(launched, tokens)
         live = []
-        for seq, tok in zip(launched.sampled, tokens, strict=True):
+        for i, (seq, tok) in enumerate(zip(launched.sampled, tokens, strict=True)):
             seq.inflight -= 1
             if seq.status is not SequenceStatus.FINISHED:
-                live.append((seq, tok))
+                live.append((seq, tok, logprobs.get(i)))
         return self._append_all(live)
+
+    def _token_logprobs(self, launched: LaunchedStep, tokens: list[int]) -> dict:
+        """Row -> TokenLogprob for the rows that asked, from the step's copies (ticket.extras:
+        the chosen tokens' log-probabilities, then the top ones' values and ids)."""
+        if not launched.logprob_rows:
+            return {}
+        extras = [t.tolist() for t in launched.ticket.extras]
+        chosen = extras[0]
+        values, ids = extras[1:] if len(extras) == 3 else ([()] * len(chosen),) * 2
+        out = {}
+        for j, row in enumerate(launched.logprob_rows):
+            k = launched.sampled[row].sampling.logprobs
+            top = zip(ids[j][:k], values[j][:k], strict=True)
+            out[row] = TokenLogprob(
+                tokens[row], self._token_text(tokens[row]), chosen[j],
+                tuple(TopLogprob(t, self._token_text(t), v) for t, v in top),
+            )  # fmt: skip
+        return out
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False) if token >= 0 else ""
 
     # --- failures that stay with their request ----------------------------------------------
 
@@ -396,12 +423,12 @@ class EngineCore:
         logits = torch.cat(rows) if rows else torch.empty(0, vocab, device=self.device)
         return logits, kept
 
-    def _append_all(self, sampled: list[tuple[Sequence, int]]) -> list:
+    def _append_all(self, sampled: list[tuple[Sequence, int, TokenLogprob | None]]) -> list:
         """Each sampled token's output; a request whose logits were not finite (token -1), or
         whose token cannot be taken (its detokenizer or stop strings fail), ends with
         RequestFailed (take_step_failures) and the others go on."""
         outputs = []
-        for seq, token in sampled:
+        for seq, token, logprob in sampled:
             if token < 0:
                 where = "its adapter" if seq.adapter is not None else "the base model"
                 self._fail(seq, RequestFailed(
@@ -412,7 +439,7 @@ class EngineCore:
                 ))  # fmt: skip
                 continue
             try:
-                outputs.append(self._append(seq, token))
+                outputs.append(self._append(seq, token, logprob))
             except Exception as exc:
                 log.exception("request %s failed in the step", seq.request_id)
                 self._fail(seq, RequestFailed(
@@ -431,15 +458,23 @@ class EngineCore:
         failures, self._step_failures = self._step_failures, []
         return failures
 
-    def _append(self, seq: Sequence, token: int) -> GenerationOutput:
+    def _append(
+        self, seq: Sequence, token: int, logprob: TokenLogprob | None = None
+    ) -> GenerationOutput:
         self.generated_tokens += 1
         text, reason = append_token(seq, token, self.max_len)
+        logprobs = () if logprob is None else (logprob,)
         if reason is None:
-            return self._output(seq, (token,), text, None)
-        return self._finish(seq, reason, (token,), text)
+            return self._output(seq, (token,), text, None, logprobs)
+        return self._finish(seq, reason, (token,), text, logprobs)
 
     def _finish(
-        self, seq: Sequence, reason: FinishReason, tokens: tuple[int, ...], text: str
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        tokens: tuple[int, ...],
+        text: str,
+        logprobs: tuple[TokenLogprob, ...] = (),
     ) -> GenerationOutput:
         self.scheduler.remove(seq)
         seq.finish_reason = reason
@@ -447,10 +482,10 @@ class EngineCore:
             self.adapters.release(seq.adapter)
         with self._lock:
             self._live.pop(seq.request_id, None)
-        return self._output(seq, tokens, text, reason)
+        return self._output(seq, tokens, text, reason, logprobs)
 
     @staticmethod
-    def _output(seq, tokens, text, reason) -> GenerationOutput:
+    def _output(seq, tokens, text, reason, logprobs=()) -> GenerationOutput:
         return GenerationOutput(
             request_id=seq.request_id,
             token_ids=tokens,
@@ -458,6 +493,7 @@ class EngineCore:
             finish_reason=reason,
             prompt_tokens=len(seq.prompt_ids),
             completion_tokens=len(seq.output_ids),
+            logprobs=logprobs,
         )
 
     # --- introspection ----------------------------------------------------------------------
@@ -485,6 +521,20 @@ class EngineCore:
             adapter_loads=self.adapters.loads,
             adapter_evictions=self.adapters.evictions,
         )
+
+
+def _logprobs(logits, tokens, rows: list[int], sampling: list[Sequence]) -> tuple:
+    """Device tensors for the rows that asked for logprobs: each chosen token's log-probability
+    under the raw logits [n], and, when any row asked for alternatives, the top ones' values
+    and ids [n, k] (k the largest asked for)."""
+    idx = torch.tensor(rows, device=logits.device)
+    lp = torch.log_softmax(logits[idx].float(), dim=-1)  # [n, vocab]
+    chosen = lp.gather(1, tokens[idx][:, None]).squeeze(1)  # [n]
+    k = max(sampling[i].sampling.logprobs for i in rows)
+    if k == 0:
+        return (chosen,)
+    top = lp.topk(k, dim=-1)
+    return (chosen, top.values, top.indices)
 
 
 def load_failed(key: AdapterKey, cause: BaseException) -> AdapterLoadFailed:

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes up to 64 bits
+MAX_LOGPROBS = 20  # alternatives reported per token, at most (as OpenAI's API allows)
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,8 @@ class SamplingParams:
     stop strings are matched on the detokenized text and are not emitted; sampling one of
     stop_token_ids ends the request as EOS does; ignore_eos keeps going past EOS (until
     max_new_tokens, a stop string or a stop token id).
+    logprobs (None: off) reports each generated token's log-probability under the model, and
+    the ``logprobs`` most likely alternatives with theirs (0 to MAX_LOGPROBS).
     Lists given for stop or stop_token_ids are stored as tuples, so params stay hashable.
     """
 
@@ -27,6 +30,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -51,6 +55,12 @@ class SamplingParams:
         stop_ids = tuple(self.stop_token_ids)
         if any(not _is_int(t) or t < 0 for t in stop_ids):
             raise ValueError(f"stop_token_ids must be integers >= 0, got {stop_ids!r}")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         # Frozen: normalize through object.__setattr__, once, before anyone can see the object.

@@ -20,6 +20,7 @@ _BUFFERS = 3
 class TokenTicket(NamedTuple):
     host: torch.Tensor  # [n] int64, the step's ids once ``ready`` completed
     ready: torch.cuda.Event | None  # None on the CPU: the copy already happened
+    extras: tuple[torch.Tensor, ...] = ()  # host copies of put()'s extras, ready with ``host``
 
 
 class TokenTransfer:
@@ -31,10 +32,15 @@ class TokenTransfer:
         self._next = 0
 
     def put(
-        self, tokens: torch.Tensor, prev_tokens: torch.Tensor, host: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        prev_tokens: torch.Tensor,
+        host: torch.Tensor | None = None,
+        extras: tuple[torch.Tensor, ...] = (),
     ) -> TokenTicket:
         """Queue ``tokens`` [n] (on the device) for the next step, and ``host`` (the same shape;
-        default ``tokens``) for the host."""
+        default ``tokens``) and ``extras`` (any device tensors: the rows' logprobs) for the
+        host, all ready when the ticket is."""
         n = tokens.numel()
         if n > prev_tokens.numel() or n > self._bufs[0].numel():
             raise ValueError(f"{n} sampled tokens exceed the capacity {prev_tokens.numel()}")
@@ -42,11 +48,17 @@ class TokenTransfer:
         out = self._bufs[self._next][:n]
         self._next = (self._next + 1) % _BUFFERS
         out.copy_(tokens if host is None else host, non_blocking=self._cuda)
+        copies = tuple(
+            torch.empty(x.shape, dtype=x.dtype, pin_memory=self._cuda).copy_(
+                x, non_blocking=self._cuda
+            )
+            for x in extras
+        )  # pinned buffers come from torch's caching host allocator
         ready = None
         if self._cuda:
             ready = torch.cuda.Event()
             ready.record()
-        return TokenTicket(out, ready)
+        return TokenTicket(out, ready, copies)
 
     @staticmethod
     def take(ticket: TokenTicket) -> list[int]:

@@ -158,6 +158,47 @@ def test_stop_strings_end_the_choice_before_them(stack, client):
     assert listed.choices[0].text == out.choices[0].text
 
 
+def grpc_logprobs(stack, adapter: str, ids: list[int], n: int, k: int) -> list:
+    request = pb.GenerateRequest(adapter_id=adapter, prompt_token_ids=ids,
+                                 sampling=sampling(max_new_tokens=n, logprobs=k))  # fmt: skip
+    stream = collect(stack.stub, request)
+    assert stream.details == "", stream.details
+    return [lp for m in stream.messages for lp in m.logprobs]
+
+
+def test_completion_logprobs_equal_the_grpc_api(stack, client):
+    """Each token's log-probability and its alternatives, as the engine gives them over gRPC,
+    in OpenAI's legacy shape; streamed, the chunks' logprobs add up to the same lists."""
+    ids = [5, 9, 13, 17, 21]
+    want = grpc_logprobs(stack, "a", ids, 6, 2)
+    whole = client.completions.create(model="a", prompt=ids, max_tokens=6, temperature=0,
+                                      logprobs=2)  # fmt: skip
+    lp = whole.choices[0].logprobs
+    assert lp.tokens == [e.token for e in want]
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in want])
+    assert [list(d) for d in lp.top_logprobs] == [[t.token for t in e.top] for e in want]
+    assert lp.text_offset == [sum(len(e.token) for e in want[:i]) for i in range(len(want))]
+    chunks = list(client.completions.create(model="a", prompt=ids, max_tokens=6, temperature=0,
+                                            logprobs=2, stream=True))  # fmt: skip
+    streamed = [t for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.tokens]
+    assert streamed == lp.tokens
+    plain = client.completions.create(model="a", prompt=ids, max_tokens=6, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_chat_logprobs_carry_tokens_bytes_and_alternatives(stack, client):
+    args = dict(model="tiny-llama", messages=CHAT, max_tokens=5, temperature=0, logprobs=True)
+    whole = client.chat.completions.create(**args, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 5
+    for entry in content:
+        assert entry.logprob <= 0 and entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the best one
+    only = client.chat.completions.create(**args)
+    assert [e.top_logprobs for e in only.choices[0].logprobs.content] == [[]] * 5
+
+
 def test_models_lists_the_base_model_first_then_the_adapters(client):
     models = client.models.list().data
     assert [m.id for m in models][:1] == ["tiny-llama"]
@@ -171,7 +212,7 @@ def test_models_lists_the_base_model_first_then_the_adapters(client):
     ("kwargs", "error", "fragment"),
     [
         (dict(model="no-such-adapter"), openai.NotFoundError, "no-such-adapter"),
-        (dict(logprobs=2), openai.BadRequestError, "logprobs are not supported yet"),
+        (dict(logprobs=21), openai.BadRequestError, "logprobs must be an integer from 0 to 20"),
         (dict(n=17), openai.BadRequestError, "--max-n"),
         (dict(max_tokens=5000), openai.BadRequestError, "context window"),
         (dict(temperature=-1), openai.BadRequestError, "temperature"),
@@ -196,8 +237,8 @@ def test_chat_errors(client, stack):
         )
     assert "roles must be system, user or assistant" in caught.value.message
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model="a", messages=CHAT, logprobs=True)
-    assert "logprobs are not supported yet" in caught.value.message
+        client.chat.completions.create(model="a", messages=CHAT, top_logprobs=2)
+    assert "top_logprobs needs logprobs: true" in caught.value.message
     bad = httpx.post(stack.url("/v1/chat/completions"), content=b"{not json", timeout=10)
     assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
     wrong = httpx.post(stack.url("/v1/completions"), json={"model": "a"}, timeout=10)

@@ -42,6 +42,25 @@ def test_concurrent_mixed_streams_match_the_engine_alone(stack, reference):
     assert long and all(len(s.messages) == len(s.token_ids) for s in long)
 
 
+def test_logprobs_stream_with_their_tokens(stack):
+    """Each message carries one logprob entry per token: the chosen token's (the best one for
+    greedy, so also the first of its alternatives), with the alternatives in order."""
+    request = pb.GenerateRequest(
+        prompt_token_ids=[5, 9, 13, 17], sampling=sampling(max_new_tokens=6, logprobs=3)
+    )
+    stream = collect(stack.stub, request)
+    assert stream.code == grpc.StatusCode.OK, stream.details
+    entries = [lp for m in stream.messages for lp in m.logprobs]
+    assert [lp.token_id for lp in entries] == stream.token_ids and len(entries) == 6
+    for lp in entries:
+        assert lp.logprob <= 0.0 and len(lp.top) == 3
+        assert lp.top[0].token_id == lp.token_id and lp.top[0].logprob == lp.logprob
+        assert [t.logprob for t in lp.top] == sorted((t.logprob for t in lp.top), reverse=True)
+    again = pb.GenerateRequest(prompt_token_ids=[5, 9, 13, 17], sampling=sampling(max_new_tokens=6))
+    plain = collect(stack.stub, again)
+    assert plain.token_ids == stream.token_ids and not any(m.logprobs for m in plain.messages)
+
+
 def test_request_id_is_generated_when_empty(stack):
     stream = collect(
         stack.stub, pb.GenerateRequest(prompt="hi", sampling=sampling(max_new_tokens=3))
@@ -86,6 +105,8 @@ def test_request_id_is_generated_when_empty(stack):
          "stop string of 1025 characters"),
         (dict(prompt="x", sampling=sampling(stop_token_ids=[1] * 129)),
          grpc.StatusCode.INVALID_ARGUMENT, "129 stop_token_ids; at most 128"),
+        (dict(prompt="x", sampling=sampling(logprobs=21)), grpc.StatusCode.INVALID_ARGUMENT,
+         "logprobs must be None or an integer in [0, 20]"),
     ],
 )  # fmt: skip
 def test_bad_requests_get_the_contract_status(stack, fields, code, fragment):
