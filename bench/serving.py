@@ -28,7 +28,6 @@ completions of the same token ids instead of Generate; the rows say how it compa
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import math
@@ -96,114 +95,6 @@ def with_adapters(trace: list[Request], n: int, alpha: float, seed: int) -> list
     rng = np.random.default_rng(seed + 1)
     picks = np.minimum((rng.power(alpha, len(trace)) * n).astype(int), n - 1)
     return [r._replace(adapter=int(a)) for r, a in zip(trace, picks, strict=True)]
-
-
-# ------------------------------------------------------------------ the clients (own processes)
-
-
-_HTTP_STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED",
-                503: "UNAVAILABLE"}  # fmt: skip
-
-
-async def http_completion(address: str, body: dict, timeout: float) -> tuple:
-    """POST /v1/completions with stream true over one HTTP/1.1 connection, reading the
-    server-sent events as they come: (first token time, last token time, tokens, status)."""
-    host, _, port = address.rpartition(":")
-    raw = json.dumps(body).encode()
-    reader, writer = await asyncio.open_connection(host, int(port))
-    first = last = None
-    tokens, status = 0, "OK"
-    try:
-        writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\nConnection: close\r\n\r\n%b" % (host.encode(), len(raw), raw)
-        )
-        code = int((await reader.readline()).split()[1])
-        chunked = False
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            chunked |= line.lower().startswith(b"transfer-encoding: chunked")
-        if code != 200:
-            return None, None, 0, _HTTP_STATUS.get(code, f"HTTP_{code}")
-        pending = b""
-        while True:
-            if chunked:
-                size = int((await asyncio.wait_for(reader.readline(), timeout)).strip(), 16)
-                if size == 0:
-                    break
-                data = await reader.readexactly(size + 2)
-                pending += data[:-2]
-            else:
-                data = await asyncio.wait_for(reader.read(65536), timeout)
-                if not data:
-                    break
-                pending += data
-            *events, pending = pending.split(b"\n\n")
-            for event in events:
-                payload = event.removeprefix(b"data: ")
-                if payload == b"[DONE]":
-                    return first, last, tokens, status
-                msg = json.loads(payload)
-                if "error" in msg:
-                    status = "STREAM_ERROR"
-                elif msg.get("choices") and msg["choices"][0].get("text"):
-                    last = time.perf_counter()
-                    first = first or last
-                if msg.get("usage"):
-                    tokens = msg["usage"]["completion_tokens"]
-        return first, last, tokens, status
-    finally:
-        writer.close()
-
-
-async def client(spec: dict) -> list[dict]:
-    """Replay this client's share of the trace; per request: send, first token and last token
-    times (perf_counter, comparable across processes), tokens, status. Over gRPC, or over the
-    HTTP gateway's streamed completions when spec["http"] names it."""
-    start, vocab, names = spec["start"], spec["vocab"], spec["adapters"]
-    channels = [grpc.aio.insecure_channel(spec["address"]) for _ in range(spec["channels"])]
-    stubs = [pb_grpc.InferenceStub(c) for c in channels]
-    rng = random.Random(spec["seed"])
-    results: list[dict] = []
-
-    async def one(i: int, r: dict) -> None:
-        prompt = [rng.randrange(3, vocab) for _ in range(r["prompt_len"])]
-        sampling = pb.SamplingParams(max_new_tokens=r["output_len"], ignore_eos=True)
-        req = pb.GenerateRequest(
-            request_id=f"{spec['tag']}-{r['index']}", prompt_token_ids=prompt, sampling=sampling,
-            adapter_id="" if r["adapter"] is None else names[r["adapter"]],
-        )  # fmt: skip
-        await asyncio.sleep(max(0.0, start + r["arrival_s"] - time.perf_counter()))
-        sent = time.perf_counter()
-        first = last = None
-        tokens = 0
-        status = "OK"
-        if spec.get("http"):
-            body = {
-                "model": spec["base_model"] if r["adapter"] is None else names[r["adapter"]],
-                "prompt": prompt, "max_tokens": r["output_len"], "temperature": 0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            }  # fmt: skip
-            first, last, tokens, status = await http_completion(
-                spec["http"], body, spec["timeout_s"]
-            )
-            results.append({"index": r["index"], "sent": sent, "first": first, "last": last,
-                            "tokens": tokens, "status": status})  # fmt: skip
-            return
-        try:
-            async for msg in stubs[i % len(stubs)].Generate(req, timeout=spec["timeout_s"]):
-                if msg.token_ids:
-                    last = time.perf_counter()
-                    first = first or last
-                    tokens += len(msg.token_ids)
-        except grpc.aio.AioRpcError as e:
-            status = e.code().name
-        results.append({"index": r["index"], "sent": sent, "first": first, "last": last,
-                        "tokens": tokens, "status": status})  # fmt: skip
-
-    await asyncio.gather(*(one(i, r) for i, r in enumerate(spec["requests"])))
-    for c in channels:
-        await c.close()
-    return results
 
 
 # ------------------------------------------------------------------ services and setup
@@ -312,8 +203,8 @@ def run_trace(args, address: str, trace: list[Request], names: list[str], tag: s
         path = work / f"{tag}-client{c}.json"
         path.write_text(json.dumps(spec))
         outs.append(path.with_suffix(".out.json"))
-        procs.append(subprocess.Popen([sys.executable, __file__, "--client", str(path),
-                                       str(outs[-1])]))  # fmt: skip
+        client = str(REPO / "bench" / "serving_client.py")
+        procs.append(subprocess.Popen([sys.executable, client, str(path), str(outs[-1])]))
     for p in procs:
         if p.wait() != 0:
             raise RuntimeError(f"a client exited with {p.returncode}")
@@ -324,107 +215,12 @@ def run_trace(args, address: str, trace: list[Request], names: list[str], tag: s
     return results
 
 
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q / 100 * len(values)))]
-
-
-def analyse(results: list[dict], steps: list[dict], roof) -> dict:
-    ok = [r for r in results if r["status"] == "OK" and r["tokens"] > 0]
-    rejected = sum(r["status"] == "RESOURCE_EXHAUSTED" for r in results)
-    failed = sum(r["status"] not in ("OK", "RESOURCE_EXHAUSTED") for r in results)
-    begin = min(r["sent"] for r in results)
-    end = max((r["last"] for r in ok), default=begin)
-    tokens = sum(r["tokens"] for r in ok)
-    ttft = [r["first"] - r["sent"] for r in ok]
-    tpot = [(r["last"] - r["first"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
-    window = [s for s in steps if begin <= s["launched_at"] <= end and s["gpu_ms"]]
-    for s in window:
-        args = (s["tokens"], s["kv_read"], s["kv_written"], s["attn_pairs"])
-        s["share"] = roof.step_bound_ms(*args) / s["gpu_ms"]
-        s["phase_share"] = roof.step_phase_bound_ms(*args) / s["gpu_ms"]
-    big = [s["share"] for s in window if s["seqs"] >= 64]
-    big_steps = [s for s in window if s["seqs"] >= 64]
-    return {
-        "requests": len(results),
-        "completed": len(ok),
-        "rejected": rejected,
-        "failed": failed,
-        "complete_tokens": sum(r["tokens"] == r["output_len"] for r in ok) == len(results),
-        "output_tokens": tokens,
-        "wall_s": end - begin,
-        "output_tokens_per_s": tokens / (end - begin) if end > begin else 0.0,
-        "requests_per_s": len(ok) / (end - begin) if end > begin else 0.0,
-        "ttft_p50_s": pct(ttft, 50),
-        "ttft_p99_s": pct(ttft, 99),
-        "tpot_p50_s": pct(tpot, 50),
-        "tpot_p99_s": pct(tpot, 99),
-        "last_end_after_last_arrival_s": end - max(r["arrival"] for r in results),
-        "steps": len(window),
-        "steps_batch_64_plus": len(big),
-        "roofline_share_batch_64_plus": {q: pct(big, q) for q in (10, 25, 50, 75, 90)},
-        "roofline_share_all": {q: pct([s["share"] for s in window], q) for q in (10, 50, 90)},
-        # the same steps against the phase roofline (bench/roofline.py, step_phase_bound_ms)
-        "phase_share_batch_64_plus": {
-            q: pct([s["phase_share"] for s in big_steps], q) for q in (10, 50, 90)
-        },
-        "decode_steps_batch_64_plus": {
-            "steps": len(dec := [s for s in big_steps if s["prefill_tokens"] == 0]),
-            "share_p50": pct([s["share"] for s in dec], 50),
-        },
-        "mixed_steps_batch_64_plus": {
-            "steps": len(mix := [s for s in big_steps if s["prefill_tokens"] > 0]),
-            "share_p50": pct([s["share"] for s in mix], 50),
-            "phase_share_p50": pct([s["phase_share"] for s in mix], 50),
-        },
-        "median_step_gpu_ms": pct([s["gpu_ms"] for s in window], 50),
-        "median_step_host_ms": pct([s["host_ms"] for s in window], 50),
-        "graph_steps": sum(s["graph"] for s in window),
-        "median_batch": pct([s["seqs"] for s in window], 50),
-    }
-
-
-def read_steps(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def parse_run(text: str) -> tuple[float, int | None, float | None]:
     """'inf:1000' = 1000 requests at once; '40:15' = 40 requests/s for 15 s."""
     rate, _, amount = text.partition(":")
     if rate == "inf":
         return math.inf, int(amount), None
     return float(rate), None, float(amount)
-
-
-def table(rows: list[dict]) -> str:
-    head = (
-        f"{'run':<10}{'via':>8}{'n':>6}{'done':>7}{'rej':>5}{'tok/s':>9}{'vs base':>8}{'req/s':>7}"
-        f"{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}{'tail s':>8}{'step/roof':>10}"
-    )
-
-    def ms(x):
-        return f"{1e3 * x:.1f}" if x is not None else "-"
-
-    lines = [head]
-    for r in rows:
-        share = r["roofline_share_batch_64_plus"][50]
-        lines.append(
-            f"{r['run']:<10}{r.get('via', 'grpc'):>8}{r['adapters']:>6}{r['completed']:>7}"
-            f"{r['rejected']:>5}"
-            f"{r['output_tokens_per_s']:>9.0f}{r.get('vs_base', 1.0):>8.2f}"
-            f"{r['requests_per_s']:>7.1f}{ms(r['ttft_p50_s']):>10}{ms(r['ttft_p99_s']):>8}"
-            f"{ms(r['tpot_p50_s']):>10}{ms(r['tpot_p99_s']):>8}"
-            f"{r['last_end_after_last_arrival_s']:>8.1f}"
-            f"{'-' if share is None else f'{share:.2f}':>10}"
-        )
-    return (
-        "\n".join(lines) + "\n(TTFT, TPOT in ms; tail: last end after the last arrival; "
-        "step/roof: median step's share of its roofline, steps of >= 64 sequences)"
-    )
 
 
 def write_result(args, ceilings, rows: list[dict]) -> None:
@@ -441,12 +237,9 @@ def write_result(args, ceilings, rows: list[dict]) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "--client":
-        spec = json.loads(Path(sys.argv[2]).read_text())
-        Path(sys.argv[3]).write_text(json.dumps(asyncio.run(client(spec))))
-        return
     from bench.bench_models import SHAPES, make_model
     from bench.roofline import Ceilings, Roofline
+    from bench.serving_report import analyse, read_steps, table
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-7b")

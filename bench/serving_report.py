@@ -1,0 +1,103 @@
+"""What bench/serving.py reports of a run: the clients' view (throughput, time to first token,
+time per output token, the tail after the last arrival) and each step's share of its roofline
+from the engine's step log, and the table it prints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q / 100 * len(values)))]
+
+
+def analyse(results: list[dict], steps: list[dict], roof) -> dict:
+    ok = [r for r in results if r["status"] == "OK" and r["tokens"] > 0]
+    rejected = sum(r["status"] == "RESOURCE_EXHAUSTED" for r in results)
+    failed = sum(r["status"] not in ("OK", "RESOURCE_EXHAUSTED") for r in results)
+    begin = min(r["sent"] for r in results)
+    end = max((r["last"] for r in ok), default=begin)
+    tokens = sum(r["tokens"] for r in ok)
+    ttft = [r["first"] - r["sent"] for r in ok]
+    tpot = [(r["last"] - r["first"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
+    window = [s for s in steps if begin <= s["launched_at"] <= end and s["gpu_ms"]]
+    for s in window:
+        args = (s["tokens"], s["kv_read"], s["kv_written"], s["attn_pairs"])
+        s["share"] = roof.step_bound_ms(*args) / s["gpu_ms"]
+        s["phase_share"] = roof.step_phase_bound_ms(*args) / s["gpu_ms"]
+    big = [s["share"] for s in window if s["seqs"] >= 64]
+    big_steps = [s for s in window if s["seqs"] >= 64]
+    return {
+        "requests": len(results),
+        "completed": len(ok),
+        "rejected": rejected,
+        "failed": failed,
+        "complete_tokens": sum(r["tokens"] == r["output_len"] for r in ok) == len(results),
+        "output_tokens": tokens,
+        "wall_s": end - begin,
+        "output_tokens_per_s": tokens / (end - begin) if end > begin else 0.0,
+        "requests_per_s": len(ok) / (end - begin) if end > begin else 0.0,
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p99_s": pct(ttft, 99),
+        "tpot_p50_s": pct(tpot, 50),
+        "tpot_p99_s": pct(tpot, 99),
+        "last_end_after_last_arrival_s": end - max(r["arrival"] for r in results),
+        "steps": len(window),
+        "steps_batch_64_plus": len(big),
+        "roofline_share_batch_64_plus": {q: pct(big, q) for q in (10, 25, 50, 75, 90)},
+        "roofline_share_all": {q: pct([s["share"] for s in window], q) for q in (10, 50, 90)},
+        # the same steps against the phase roofline (bench/roofline.py, step_phase_bound_ms)
+        "phase_share_batch_64_plus": {
+            q: pct([s["phase_share"] for s in big_steps], q) for q in (10, 50, 90)
+        },
+        "decode_steps_batch_64_plus": {
+            "steps": len(dec := [s for s in big_steps if s["prefill_tokens"] == 0]),
+            "share_p50": pct([s["share"] for s in dec], 50),
+        },
+        "mixed_steps_batch_64_plus": {
+            "steps": len(mix := [s for s in big_steps if s["prefill_tokens"] > 0]),
+            "share_p50": pct([s["share"] for s in mix], 50),
+            "phase_share_p50": pct([s["phase_share"] for s in mix], 50),
+        },
+        "median_step_gpu_ms": pct([s["gpu_ms"] for s in window], 50),
+        "median_step_host_ms": pct([s["host_ms"] for s in window], 50),
+        "graph_steps": sum(s["graph"] for s in window),
+        "median_batch": pct([s["seqs"] for s in window], 50),
+    }
+
+
+def read_steps(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def table(rows: list[dict]) -> str:
+    head = (
+        f"{'run':<10}{'via':>8}{'n':>6}{'done':>7}{'rej':>5}{'tok/s':>9}{'vs base':>8}{'req/s':>7}"
+        f"{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}{'tail s':>8}{'step/roof':>10}"
+    )
+
+    def ms(x):
+        return f"{1e3 * x:.1f}" if x is not None else "-"
+
+    lines = [head]
+    for r in rows:
+        share = r["roofline_share_batch_64_plus"][50]
+        lines.append(
+            f"{r['run']:<10}{r.get('via', 'grpc'):>8}{r['adapters']:>6}{r['completed']:>7}"
+            f"{r['rejected']:>5}"
+            f"{r['output_tokens_per_s']:>9.0f}{r.get('vs_base', 1.0):>8.2f}"
+            f"{r['requests_per_s']:>7.1f}{ms(r['ttft_p50_s']):>10}{ms(r['ttft_p99_s']):>8}"
+            f"{ms(r['tpot_p50_s']):>10}{ms(r['tpot_p99_s']):>8}"
+            f"{r['last_end_after_last_arrival_s']:>8.1f}"
+            f"{'-' if share is None else f'{share:.2f}':>10}"
+        )
+    return (
+        "\n".join(lines) + "\n(TTFT, TPOT in ms; tail: last end after the last arrival; "
+        "step/roof: median step's share of its roofline, steps of >= 64 sequences)"
+    )
