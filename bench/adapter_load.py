@@ -49,7 +49,7 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from bench.bench_models import SHAPES, make_model  # noqa: E402
-from lorafleet.v1 import adapter_store_pb2 as store_pb  # noqa: E402
+from bench.bench_services import UPLOAD_OPTIONS, upload_adapter  # noqa: E402
 from lorafleet.v1 import adapter_store_pb2_grpc as store_grpc  # noqa: E402
 from services.inference.adapter_registry import AdapterRegistry  # noqa: E402
 from services.inference.arena import HostArena  # noqa: E402
@@ -155,20 +155,10 @@ def upload_all(address: str, shape, names: list[str]) -> float:
     bytes: the loads' cost does not depend on the values); returns its size in MB."""
     size = 0
     files = synthetic_adapter(shape.base(), rank=RANK, alpha=32.0, seed=0)
-    with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
+    with grpc.insecure_channel(address, options=UPLOAD_OPTIONS) as ch:
         stub = store_grpc.AdapterStoreStub(ch)
         for name in names:
-
-            def requests(name=name):
-                header = store_pb.UploadAdapterHeader(
-                    adapter_id=name, adapter_config_json=files.config_json.decode()
-                )
-                yield store_pb.UploadAdapterRequest(header=header)
-                body = files.safetensors
-                for i in range(0, len(body), 4 << 20):
-                    yield store_pb.UploadAdapterRequest(chunk=body[i : i + (4 << 20)])
-
-            size = stub.UploadAdapter(requests(), timeout=300).size_bytes
+            size = upload_adapter(stub, name, files).size_bytes
     return size / 1e6
 
 

@@ -30,7 +30,6 @@ import logging
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -43,7 +42,12 @@ import grpc  # noqa: E402
 
 from bench.adapter_load import machine  # noqa: E402
 from bench.bench_models import SHAPES, make_model  # noqa: E402
-from lorafleet.v1 import adapter_store_pb2 as store_pb  # noqa: E402
+from bench.bench_services import (  # noqa: E402
+    UPLOAD_OPTIONS,
+    free_port,
+    upload_adapter,
+    wait_serving,
+)
 from lorafleet.v1 import adapter_store_pb2_grpc as store_grpc  # noqa: E402
 from lorafleet.v1 import inference_pb2 as pb  # noqa: E402
 from lorafleet.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
@@ -54,25 +58,7 @@ from store.synthetic import synthetic_adapter  # noqa: E402
 log = logging.getLogger("bench.fairness")
 TENANTS = ("light", "heavy")
 HEAVY_FACTOR = 10
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_serving(address: str, proc: subprocess.Popen, timeout: float = 900.0) -> None:
-    from services.healthcheck import check
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"a service exited with {proc.returncode} before serving")
-        if check(address, timeout=1.0):
-            return
-        time.sleep(0.5)
-    raise RuntimeError(f"{address} did not serve within {timeout:.0f} s")
+SERVE_TIMEOUT_S = 900.0  # a service's start, model loading and CUDA graphs included
 
 
 def write_tokens(work: Path) -> dict[str, str]:
@@ -93,24 +79,13 @@ def start_store(work: Path, tokens: dict[str, str], shape) -> tuple[subprocess.P
         cwd=REPO,
     )  # fmt: skip
     address = f"127.0.0.1:{port}"
-    wait_serving(address, proc)
+    wait_serving(address, proc, SERVE_TIMEOUT_S)
     files = synthetic_adapter(shape.base(), rank=8, modules=("q_proj", "k_proj", "v_proj",
                                                                 "o_proj"), seed=0)  # fmt: skip
-    options = [("grpc.max_send_message_length", 8 << 20)]
-    with grpc.insecure_channel(address, options=options) as channel:
+    with grpc.insecure_channel(address, options=UPLOAD_OPTIONS) as channel:
         stub = store_grpc.AdapterStoreStub(channel)
         for tenant in TENANTS:
-
-            def requests(adapter_id=f"{tenant}/a"):
-                header = store_pb.UploadAdapterHeader(
-                    adapter_id=adapter_id, adapter_config_json=files.config_json.decode()
-                )
-                yield store_pb.UploadAdapterRequest(header=header)
-                body = files.safetensors
-                for i in range(0, len(body), 4 << 20):
-                    yield store_pb.UploadAdapterRequest(chunk=body[i : i + (4 << 20)])
-
-            stub.UploadAdapter(requests(), timeout=300, metadata=bearer_metadata(tokens[tenant]))
+            upload_adapter(stub, f"{tenant}/a", files, bearer_metadata(tokens[tenant]))
     return proc, address
 
 
@@ -125,7 +100,7 @@ def start_inference(args, model: Path, work: Path, store: str, scheduling: str):
         cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
     )  # fmt: skip
     address = f"127.0.0.1:{port}"
-    wait_serving(address, proc)
+    wait_serving(address, proc, SERVE_TIMEOUT_S)
     return proc, address
 
 

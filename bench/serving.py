@@ -33,7 +33,6 @@ import logging
 import math
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,7 +45,12 @@ sys.path.insert(0, str(REPO))
 
 import grpc  # noqa: E402
 
-from lorafleet.v1 import adapter_store_pb2 as store_pb  # noqa: E402
+from bench.bench_services import (  # noqa: E402
+    UPLOAD_OPTIONS,
+    free_port,
+    upload_adapter,
+    wait_serving,
+)
 from lorafleet.v1 import adapter_store_pb2_grpc as store_grpc  # noqa: E402
 from lorafleet.v1 import inference_pb2 as pb  # noqa: E402
 from lorafleet.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
@@ -100,24 +104,6 @@ def with_adapters(trace: list[Request], n: int, alpha: float, seed: int) -> list
 # ------------------------------------------------------------------ services and setup
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_serving(address: str, proc: subprocess.Popen, timeout: float) -> None:
-    from services.healthcheck import check
-
-    deadline = time.monotonic() + timeout
-    while not check(address, timeout=2.0):
-        if proc.poll() is not None:
-            raise RuntimeError(f"the process serving {address} exited with {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{address} was not SERVING after {timeout:.0f} s")
-        time.sleep(0.5)
-
-
 def upload(address: str, shape, workload: str, n: int) -> list[str]:
     """n adapters (ranks cycled as the workload says, random weights, the same bytes for one
     rank: the serving cost does not depend on the values); returns their ids."""
@@ -127,22 +113,11 @@ def upload(address: str, shape, workload: str, n: int) -> list[str]:
     files = {r: synthetic_adapter(shape.base(), rank=r, alpha=2.0 * r, modules=modules, seed=r)
              for r in ranks[:n]}  # fmt: skip
     names = []
-    opts = [("grpc.max_send_message_length", 8 << 20)]
-    with grpc.insecure_channel(address, options=opts) as channel:
+    with grpc.insecure_channel(address, options=UPLOAD_OPTIONS) as channel:
         stub = store_grpc.AdapterStoreStub(channel)
         for i in range(n):
-            name, f = f"bench/{workload.lower()}-{i}", files[ranks[i % len(ranks)]]
-
-            def chunks(name=name, f=f):
-                header = store_pb.UploadAdapterHeader(
-                    adapter_id=name, adapter_config_json=f.config_json.decode()
-                )
-                yield store_pb.UploadAdapterRequest(header=header)
-                for j in range(0, len(f.safetensors), 4 << 20):
-                    yield store_pb.UploadAdapterRequest(chunk=f.safetensors[j : j + (4 << 20)])
-
-            stub.UploadAdapter(chunks(), timeout=300)
-            names.append(name)
+            names.append(f"bench/{workload.lower()}-{i}")
+            upload_adapter(stub, names[-1], files[ranks[i % len(ranks)]])
     return names
 
 
@@ -239,7 +214,7 @@ def write_result(args, ceilings, rows: list[dict]) -> None:
 def main() -> None:
     from bench.bench_models import SHAPES, make_model
     from bench.roofline import Ceilings, Roofline
-    from bench.serving_report import analyse, read_steps, table
+    from bench.serving_report import StepLogReader, analyse, table
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-7b")
@@ -282,6 +257,7 @@ def main() -> None:
     store_dir, step_log = work / "store", work / "steps.jsonl"
     subprocess.run(["rm", "-rf", str(store_dir)], check=True)
     step_log.unlink(missing_ok=True)
+    step_reader = StepLogReader(step_log)
     store_port, port = free_port(), free_port()
     path = os.environ.get("PYTHONPATH")
     env = {**os.environ, "PYTHONPATH": str(REPO) + (os.pathsep + path if path else "")}
@@ -326,7 +302,7 @@ def main() -> None:
                     results = run_trace(args, address, trace, names[:n], tag, shape.vocab, work,
                                         http if via == "gateway" else None)  # fmt: skip
                     wait_idle(address)
-                    steps = read_steps(step_log)
+                    steps = step_reader.read()
                     row = {"run": run, "adapters": n, "via": via, **analyse(results, steps, roof)}
                     if n == 0:
                         base_tps[run, via] = row["output_tokens_per_s"]

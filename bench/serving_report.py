@@ -70,10 +70,22 @@ def analyse(results: list[dict], steps: list[dict], roof) -> dict:
     }
 
 
-def read_steps(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+class StepLogReader:
+    """The engine's step log as it grows: each read() returns the records appended since the
+    last one (a run's steps, without reading the earlier runs' again)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self._offset = path, 0
+
+    def read(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # a line still being written waits for the next read
+        self._offset += end
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
 
 
 def table(rows: list[dict]) -> str:

@@ -1,8 +1,9 @@
 """Where a step's time goes: host phases, GPU time, and the kernels of eager steps.
 
-Drives EngineCore directly (no services) through the phases of its own step, each timed on the
-host (schedule, fill + launch, the sampler's wait for the GPU, appending tokens), with CUDA
-events around the forward for its GPU time, at several decode batch sizes and in mixed
+Drives EngineCore directly (no services) through the phases of one step run synchronously (as
+EngineCore.step does, not launched ahead as the engine's step loop runs them), each timed on the
+host (schedule, fill + launch, the wait for the GPU, appending tokens), with CUDA events around
+the forward for its GPU time, at several decode batch sizes and in mixed
 prefill + decode steps; then the torch profiler's kernel table for an eager decode step and an
 eager mixed step. Each step's bytes bound (weights once, KV read and written) at the copy
 bandwidth measured in the same run, and its FLOPs at the measured matmul rate, give its share of
@@ -38,7 +39,8 @@ from store.synthetic import synthetic_adapter  # noqa: E402
 
 
 def timed_step(core: EngineCore) -> dict | None:
-    """core.step()'s phases, each timed; None when nothing ran."""
+    """The phases of one synchronous step (launch and finish in one, as core.step(), with the
+    sampler's tokens read at once), each timed; None when nothing ran."""
     cuda = core.device.type == "cuda"
     t0 = time.perf_counter()
     scheduled = core.scheduler.schedule()

@@ -64,7 +64,7 @@ def find_tile(
 
     Run g covers tokens starts[g]:starts[g+1]. With HAS_ROWS, runs whose ``rows[g]`` is negative
     (base-only LoRA segments) get no tiles and ``row`` is rows[g]; otherwise row = run. Runs of
-    fewer than MIN_LEN tokens get no tiles (MIN_LEN = 1: only empty ones).
+    fewer than MIN_LEN tokens (MIN_LEN >= 1) get no tiles: MIN_LEN = 1 skips only empty ones.
     """
     run = tile * 0 - 1
     row = run
@@ -81,9 +81,7 @@ def find_tile(
             rows = tl.load(rows_ptr + offs, mask=live, other=-1)
         else:
             rows = tl.where(live, offs, -1)
-        n_tiles = tl.where(
-            (rows >= 0) & (s1 - s0 >= MIN_LEN) & (s1 > s0), (s1 - s0 + BLOCK - 1) // BLOCK, 0
-        )
+        n_tiles = tl.where((rows >= 0) & (s1 - s0 >= MIN_LEN), (s1 - s0 + BLOCK - 1) // BLOCK, 0)
         ends = before + tl.cumsum(n_tiles, 0)  # inclusive: tiles of runs up to each one
         total = before + tl.sum(n_tiles, 0)
         if tile < total:

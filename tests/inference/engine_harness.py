@@ -24,6 +24,7 @@ class Result:
     text: str = ""
     finish_reason: FinishReason | None = None
     logits: list[torch.Tensor] = field(default_factory=list)  # one row per sampled token
+    logprobs: list = field(default_factory=list)  # TokenLogprob per token, when asked
     updates: int = 0
 
 
@@ -41,6 +42,7 @@ class Recorder:
             r = self.results.setdefault(out.request_id, Result())
             assert r.finish_reason is None, f"{out.request_id} got an update after finishing"
             r.token_ids.extend(out.token_ids)
+            r.logprobs.extend(out.logprobs)
             r.text += out.text
             r.finish_reason = out.finish_reason
             r.updates += 1

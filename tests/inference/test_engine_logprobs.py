@@ -9,22 +9,7 @@ import torch
 
 from services.inference.engine.api import AdapterKey, GenerationRequest
 from services.inference.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from tests.inference.engine_harness import hf_greedy, make_core
-
-
-def _drive(core, overlap: bool) -> dict[str, list]:
-    outputs: dict[str, list] = {}
-    inflight = None
-    while core.has_work or inflight is not None:
-        if overlap:
-            launched = core.launch()
-            got = [] if inflight is None else core.finish(inflight)
-            inflight = launched
-        else:
-            got = core.step()
-        for out in got:
-            outputs.setdefault(out.request_id, []).append(out)
-    return outputs
+from tests.inference.engine_harness import hf_greedy, make_core, run
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
@@ -37,18 +22,19 @@ def test_logprobs_match_transformers(tiny_models, overlap):
     prompts = {"a": [5, 9, 13, 17, 21, 4], "b": [6, 10, 14], "c": [7, 11, 15, 19]}
     asks = {"a": 3, "b": None, "c": 0}
     adapters = {"a": key, "b": None, "c": None}
-    for rid, prompt in prompts.items():
-        sampling = SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=asks[rid])
-        core.add_request(GenerationRequest(rid, prompt_token_ids=prompt, adapter=adapters[rid],
-                                           sampling=sampling))  # fmt: skip
-    outputs = _drive(core, overlap)
-    assert all(not o.logprobs for o in outputs["b"])  # asked for none
+    requests = [
+        GenerationRequest(rid, prompt_token_ids=prompt, adapter=adapters[rid],
+                          sampling=SamplingParams(max_new_tokens=5, ignore_eos=True,
+                                                  logprobs=asks[rid]))
+        for rid, prompt in prompts.items()
+    ]  # fmt: skip
+    results = run(core, {0: requests}, overlap=overlap)
+    assert results["b"].logprobs == []  # asked for none
     for rid in ("a", "c"):
         adapter = adapter_dir if adapters[rid] is not None else None
         tokens, logits = hf_greedy(model_dir, adapter, prompts[rid], 5)
-        entries = [lp for o in outputs[rid] for lp in o.logprobs]
-        assert [lp.token_id for lp in entries] == tokens == [t for o in outputs[rid]
-                                                             for t in o.token_ids]  # fmt: skip
+        entries = results[rid].logprobs
+        assert [lp.token_id for lp in entries] == tokens == results[rid].token_ids
         for lp, row in zip(entries, logits, strict=True):
             want = torch.log_softmax(row.double(), dim=-1)
             assert lp.logprob == pytest.approx(float(want[lp.token_id]), abs=1e-4)

@@ -37,7 +37,7 @@ class EngineConfig:
     max_queue: int | None = None  # requests waiting or running before generate() is refused
     max_waiting: int | None = None  # or: requests waiting besides max_num_seqs running
     # (max_queue wins when both are set; None for both: 16 x max_num_seqs waiting)
-    cuda_graphs: bool = True  # on CUDA, run decode-only steps as captured CUDA graphs
+    cuda_graphs: bool = True  # on CUDA, run decode and mixed steps as captured CUDA graphs
     step_log: str | Path | None = None  # append one JSON line per step here (step_log.py)
     limits: RequestLimits = field(default_factory=RequestLimits)  # per-request input sizes
     scheduling: str = "fair"  # "fair": tenants share the batch (engine/fairness.py); "fcfs"

@@ -51,7 +51,7 @@ from services.inference.engine.page_allocator import OwnerKind
 from services.inference.engine.page_pool import PagePool, pages_needed
 from services.inference.engine.pool_sizing import context_window, engine_limits, pool_pages
 from services.inference.engine.request import Sequence, SequenceStatus
-from services.inference.engine.sampler import Sampler, make_generator
+from services.inference.engine.sampler import Sampler, make_generator, to_device
 from services.inference.engine.scheduler import Scheduler
 from services.inference.engine.step_log import StepLog, StepRecord
 from services.inference.engine.token_output import append_token
@@ -119,7 +119,7 @@ class EngineCore:
         if config.cuda_graphs and self.device.type == "cuda":
             self.runner.capture_graphs(decode_graph_sizes(max_seqs), config.mixed_graph_tokens)
         self.sampler = Sampler()
-        self._tokens = TokenTransfer(max_seqs, self.device)
+        self._tokens = TokenTransfer(self.runner.batch.prev_tokens)
         self.step_log = StepLog(self.device, config.step_log)
         self.logits_hook = logits_hook
         self._seq_ids = itertools.count()
@@ -299,6 +299,7 @@ class EngineCore:
         later launch may come first (the step loop launches step t + 1 before it finishes step
         t, so the host's work overlaps the GPU's); their ids reach that step on the device.
         ``during`` runs once the step's work is queued (Engine applies commands there)."""
+        start = time.perf_counter()
         self.adapters.reap()
         scheduled = self.scheduler.schedule()
         self.last_step_ran = bool(scheduled)
@@ -306,7 +307,6 @@ class EngineCore:
             self.adapters.issue_loads()  # no step to overlap with
             collect_if_due()  # nothing runs while queued requests wait: collect meanwhile
             return None
-        start = time.perf_counter()
         mark = self.step_log.mark()
         entries = []
         for s in scheduled:
@@ -330,7 +330,7 @@ class EngineCore:
             marked = torch.where(torch.isfinite(logits).all(dim=-1), tokens, -1)
             logprob_rows = [i for i, q in enumerate(sampling) if q.sampling.logprobs is not None]
             extras = _logprobs(logits, tokens, logprob_rows, sampling) if logprob_rows else ()
-            ticket = self._tokens.put(tokens, self.runner.batch.prev_tokens, marked, extras)
+            ticket = self._tokens.put(tokens, marked, extras)
             if self.logits_hook is not None:
                 for i, seq in enumerate(sampling):
                     self.logits_hook(seq.request_id, logits[i])
@@ -370,9 +370,7 @@ class EngineCore:
         the chosen tokens' log-probabilities, then the top ones' values and ids)."""
         if not launched.logprob_rows:
             return {}
-        extras = [t.tolist() for t in launched.ticket.extras]
-        chosen = extras[0]
-        values, ids = extras[1:] if len(extras) == 3 else ([()] * len(chosen),) * 2
+        chosen, values, ids = (t.tolist() for t in launched.ticket.extras)
         out = {}
         for j, row in enumerate(launched.logprob_rows):
             k = launched.sampled[row].sampling.logprobs
@@ -525,15 +523,12 @@ class EngineCore:
 
 def _logprobs(logits, tokens, rows: list[int], sampling: list[Sequence]) -> tuple:
     """Device tensors for the rows that asked for logprobs: each chosen token's log-probability
-    under the raw logits [n], and, when any row asked for alternatives, the top ones' values
-    and ids [n, k] (k the largest asked for)."""
-    idx = torch.tensor(rows, device=logits.device)
+    under the raw logits [n], and the top ones' values and ids [n, k] (k the largest number of
+    alternatives asked for)."""
+    idx = to_device(rows, torch.int64, logits.device)
     lp = torch.log_softmax(logits[idx].float(), dim=-1)  # [n, vocab]
     chosen = lp.gather(1, tokens[idx][:, None]).squeeze(1)  # [n]
-    k = max(sampling[i].sampling.logprobs for i in rows)
-    if k == 0:
-        return (chosen,)
-    top = lp.topk(k, dim=-1)
+    top = lp.topk(max(sampling[i].sampling.logprobs for i in rows), dim=-1)  # [n, k], k may be 0
     return (chosen, top.values, top.indices)
 
 

@@ -56,8 +56,8 @@ _STALLED_WAIT_S = 0.001  # pause when requests wait but nothing could run (an ad
 class Phase(enum.Enum):
     """Where the step loop applies commands while steps run (Engine._drain)."""
 
-    BETWEEN = "between steps"  # the GPU waits for the next step
-    DURING = "during a step"  # the step's GPU work is queued, its batch not yet done
+    BETWEEN = "between steps"  # before the next launch (the step launched last may still run)
+    DURING = "during a step"  # right after a launch: that step's GPU work is queued
 
 
 class CommandKind(enum.Enum):
@@ -308,11 +308,15 @@ class Engine:
     def _drain(self, timeout: float | None, phase: Phase | None = None) -> None:
         """Apply the held commands, then the inbox's, in order; with a timeout and nothing held,
         wait that long for the first one. ``phase``: while steps run, a command is applied only
-        where it costs the GPU no time or must be: DURING (the step's GPU work is queued and its
-        batch not yet done) takes every command but an abort, which frees pages the step still
-        uses and finishes a sequence it samples for; BETWEEN (the GPU waits for the next step)
-        takes only new requests, aborts and stats queries, which cost it nothing or change the
-        coming batch. A command a phase does not take is held for the next drain, and so is
+        where it costs the coming launch no time or must be: DURING (right after a launch, while
+        the GPU computes) takes every command but an abort, which waits for the drain before the
+        next launch, whose schedule is what uses the pages it frees; BETWEEN (before the next
+        launch, the step launched last possibly still on the GPU) takes only new requests,
+        aborts and stats queries, which cost it nothing or change the coming batch. Freeing a
+        launched step's pages is safe in either phase: anything that reuses them is queued on
+        the GPU after that step (an adapter copy's side stream waits for it), and the step's
+        token for a sequence that ended is dropped when it is read (EngineCore.finish). A
+        command a phase does not take is held for the next drain, and so is
         every later one that names what it names (a request for the adapter an add brings, the
         abort of a held request), and during a step every new request behind a held abort
         (in the engine process, where a request's checks run when it is applied, the abort may

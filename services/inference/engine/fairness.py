@@ -50,7 +50,12 @@ class _Seq(Protocol):  # the parts of engine/request.Sequence this module reads
 def step_cost(seq: _Seq, num_tokens: int) -> float:
     """The weighted tokens of computing ``num_tokens`` of ``seq`` next (before num_computed
     moves): one decode token, or a prefill chunk (a recompute's included)."""
-    decoding = num_tokens == 1 and seq.output_ids and seq.num_computed == seq.num_tokens - 1
+    # num_tokens counts tokens in flight: a first decode comes before its token is read
+    decoding = (
+        num_tokens == 1
+        and seq.num_tokens > len(seq.prompt_ids)
+        and seq.num_computed == seq.num_tokens - 1
+    )
     return DECODE_WEIGHT if decoding else PREFILL_WEIGHT * num_tokens
 
 

@@ -49,9 +49,6 @@ class LoraMode(enum.Enum):
     def fused(self) -> bool | None:
         return {LoraMode.TWO: False, LoraMode.FUSED: True}.get(self)
 
-    def __lt__(self, other: LoraMode) -> bool:  # graphs are captured in a stable order
-        return self.value < other.value
-
 
 class GraphKey(NamedTuple):
     tokens: int  # the step's tokens, padding included
@@ -155,7 +152,7 @@ class ModelRunner:
             seqs = self.mixed_seqs(tokens)
             keys += [GraphKey(tokens, seqs, LoraMode.NONE), GraphKey(tokens, seqs, LoraMode.SHAPES)]
         warmed: set[tuple[int, LoraMode]] = set()
-        for key in sorted(keys, reverse=True):
+        for key in sorted(keys, key=lambda k: (k.tokens, k.seqs), reverse=True):
             self._fill_for(key, [self._pad])
             self.lora.fused = key.lora.fused
             lora = None if key.lora is LoraMode.NONE else self.lora
@@ -183,7 +180,7 @@ class ModelRunner:
     def _fill_for(self, key: GraphKey, entries: Sequence[BatchEntry]) -> None:
         """Fill the batch for a replay of the graph ``key``: decode graphs pad with rows that
         decode into the reserved page, mixed graphs with tokens and sequences of nothing."""
-        if key.tokens == key.seqs and all(len(e.token_ids) == 1 for e in entries):
+        if key.tokens == key.seqs:  # a decode graph (a mixed one has fewer sequences than tokens)
             self.batch.fill([*entries, *[self._pad] * (key.seqs - len(entries))])
         else:
             self.batch.fill(entries, pad_tokens=key.tokens, pad_seqs=key.seqs)
@@ -232,7 +229,7 @@ class ModelRunner:
             self.graph_steps += 1
             self.fused_steps += key.lora is LoraMode.FUSED
             self.last_graph = True
-            return logits[: sum(e.sample for e in entries)]
+            return logits[: self.batch.num_sampled]
         self.last_graph = False
         self.fused_steps += bool(fused)
         self.batch.fill(entries)

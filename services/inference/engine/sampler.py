@@ -59,12 +59,21 @@ class Sampler:
                 for i in rows
             ]
         )  # [S]
-        idx = torch.tensor(rows, device=logits.device)
-        temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)
-        top_k = torch.tensor([params[i].top_k for i in rows], device=logits.device)
-        top_p = torch.tensor([params[i].top_p for i in rows], device=logits.device)
+        dev = logits.device
+        idx = to_device(rows, torch.int64, dev)
+        temps = to_device([params[i].temperature for i in rows], torch.float32, dev)
+        top_k = to_device([params[i].top_k for i in rows], torch.int64, dev)
+        top_p = to_device([params[i].top_p for i in rows], torch.float32, dev)
         out[idx] = _sample_rows(logits[idx].float(), temps, top_k, top_p, u)
         return out
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small host list on the device without waiting for the GPU: through pinned memory with a
+    non-blocking copy on CUDA (torch.tensor(values, device=cuda) copies from pageable memory and
+    synchronizes the stream, which would wait for the step launched ahead)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 def _sample_rows(logits: Tensor, temps: Tensor, top_k: Tensor, top_p: Tensor, u: Tensor) -> Tensor:

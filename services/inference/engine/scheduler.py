@@ -90,6 +90,8 @@ class Scheduler:
             # head gets no pages. Make room for the head, without prefetching the others again.
             if self.adapters.loads_in_flight():
                 break
+            if self.waiting[0].inflight:  # it joins once finish() reads its token, not by room
+                break
             if not self.adapters.evict_for_stall(keep=self.waiting[0].adapter):
                 break
             chosen = self._choose(prefetch=False)
@@ -154,10 +156,7 @@ class Scheduler:
         for seq in admission:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            key = seq.adapter
-            if key is not None and self.adapters.state(key) is not AdapterState.IN_POOL:
-                continue
-            if seq.inflight:  # preempted with a token in flight: recomputed once it is read
+            if not self._ready(seq):
                 continue
             n = min(seq.num_uncomputed, budget)
             if not self._grow(seq, seq.num_computed + n):
