@@ -28,11 +28,12 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 import grpc
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 METADATA_KEY = "authorization"
 # Open without a token: load balancers and grpcurl need them before they have credentials.
@@ -154,19 +155,23 @@ class _Signature(NamedTuple):
     mtime_ns: int
 
 
-class TokenTable:
-    """The token file, read at construction (TokenFileError if it is unusable) and again
-    whenever it changes."""
+class WatchedFile(Generic[T]):
+    """A file parsed at construction (TokenFileError if it is unusable) and again whenever it
+    changes (its inode, size or modification time). While it is gone, or a changed version
+    cannot be read or parsed, the last good value stays; that is logged once (per absence,
+    per bad version), never on every look."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, flag: str, parse: Callable[[str], T], keeps: str) -> None:
+        """``flag``: the option that names the file; ``parse``: its text to the value, raising
+        TokenFileError; ``keeps``: what the log says stays in force meanwhile."""
         self.path = Path(path)
+        self._flag, self._parse, self._keeps = flag, parse, keeps
         self._signature = self._stat()
         if self._signature is None:
-            raise TokenFileError(f"--auth-tokens {self.path} cannot be read")
-        self._entries = self._read()
+            raise TokenFileError(f"{flag} {self.path} cannot be read")
+        self.value: T = self._read()
         self._failed: _Signature | None = None  # a changed file that did not parse
         self._missing = False  # the file was gone at the last look (logged once)
-        log.info("authentication on: %d tokens from %s", len(self._entries), self.path)
 
     def _stat(self) -> _Signature | None:
         try:
@@ -175,39 +180,61 @@ class TokenTable:
             return None
         return _Signature(st.st_ino, st.st_size, st.st_mtime_ns)
 
-    def _read(self) -> list[tuple[bytes, Caller]]:
+    def _read(self) -> T:
         try:
             text = self.path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise TokenFileError(f"cannot read {self.path}: {exc}") from None
-        return parse_tokens(text, str(self.path))
+        return self._parse(text)
 
-    def _refresh(self) -> None:
+    def current(self) -> T:
+        """The value of the file's latest usable version (read again if it changed)."""
         signature = self._stat()
         if signature is None:
             if not self._missing:
                 self._missing = True
-                log.error("token file %s is gone; the previous tokens stay", self.path)
-            return
+                log.error("%s %s is gone; %s", self._flag, self.path, self._keeps)
+            return self.value
         self._missing = False
         if signature == self._signature or signature == self._failed:
-            return
+            return self.value
         try:
-            entries = self._read()
+            value = self._read()
         except TokenFileError as exc:
             self._failed = signature  # logged once per bad version of the file
-            log.error("token file changed but is not usable; the previous tokens stay: %s", exc)
-            return
-        self._entries, self._signature, self._failed = entries, signature, None
-        log.info("token file %s reloaded: %d tokens", self.path, len(entries))
+            log.error(
+                "%s %s changed but is not usable; %s: %s", self._flag, self.path, self._keeps, exc
+            )
+            return self.value
+        self.value, self._signature, self._failed = value, signature, None
+        return value
+
+
+class TokenTable:
+    """The token file, read at construction (TokenFileError if it is unusable) and again
+    whenever it changes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._file = WatchedFile(
+            self.path,
+            "--auth-tokens",
+            lambda text: parse_tokens(text, str(self.path)),
+            "the previous tokens stay",
+        )
+        self._entries = self._file.value
+        log.info("authentication on: %d tokens from %s", len(self._entries), self.path)
 
     def lookup(self, token: str) -> Caller | None:
         """The caller ``token`` belongs to, or None. Every entry is compared, each in constant
         time, so the time taken says nothing about which digest (or how much of it) matched."""
-        self._refresh()
+        entries = self._file.current()
+        if entries is not self._entries:
+            self._entries = entries
+            log.info("token file %s reloaded: %d tokens", self.path, len(entries))
         digest = hashlib.sha256(token.encode()).digest()
         found = None
-        for stored, caller in self._entries:
+        for stored, caller in entries:
             if hmac.compare_digest(stored, digest):
                 found = caller
         return found

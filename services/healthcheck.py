@@ -12,6 +12,8 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services import tls
+
 
 def check(
     address: str,
@@ -21,11 +23,7 @@ def check(
 ) -> bool:
     """True when the server at ``address`` answers SERVING for ``service`` within ``timeout``;
     ``credentials``: TLS (services/tls.py), None for plain TCP."""
-    if credentials is None:
-        channel = grpc.insecure_channel(address)
-    else:
-        channel = grpc.secure_channel(address, credentials)
-    with channel:
+    with tls.channel(address, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
@@ -45,9 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     credentials = None
     if args.ca is not None:
-        from services.tls import channel_credentials
-
-        credentials = channel_credentials(args.ca, args.cert, args.key)
+        credentials = tls.channel_credentials(args.ca, args.cert, args.key)
     return 0 if check(args.address, args.service, args.timeout, credentials) else 1
 
 

@@ -40,6 +40,14 @@ def channel_credentials(
     )
 
 
+def channel(target: str, credentials: grpc.ChannelCredentials | None, options=None, api=grpc):
+    """A channel to ``target``: TLS with ``credentials``, plain TCP without; ``api``: grpc, or
+    grpc.aio for an asyncio channel."""
+    if credentials is None:
+        return api.insecure_channel(target, options=options)
+    return api.secure_channel(target, credentials, options=options)
+
+
 def bind(server, address: str, credentials: grpc.ServerCredentials | None) -> int:
     """Add the listening port (secure when ``credentials``); the port bound, 0 on failure."""
     if credentials is None:
@@ -56,19 +64,23 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def warn_if_exposed(name: str, host: str, authenticated: bool, tls: bool) -> None:
-    """A server reachable beyond this machine should not run without tokens or TLS."""
+def warn_if_exposed(
+    name: str, host: str, authenticated: bool, tls: bool, anyone_may: str, in_clear: str
+) -> None:
+    """A server reachable beyond this machine should not run without tokens or TLS; the
+    warnings say what ``anyone_may`` do without tokens, and what crosses ``in_clear`` without
+    TLS besides the tokens."""
     if is_loopback(host):
         return
     if not authenticated:
         log.warning(
-            "%s listens on %s without authentication: anyone who reaches it may read, change "
-            "and delete every adapter; pass --auth-tokens FILE",
-            name, host,
+            "%s listens on %s without authentication: anyone who reaches it may %s; pass "
+            "--auth-tokens FILE",
+            name, host, anyone_may,
         )  # fmt: skip
     if not tls:
         log.warning(
-            "%s listens on %s without TLS: tokens and adapter weights cross the network in "
-            "clear; pass --tls-cert and --tls-key",
-            name, host,
+            "%s listens on %s without TLS: tokens and %s cross the network in clear; pass "
+            "--tls-cert and --tls-key",
+            name, host, in_clear,
         )  # fmt: skip

@@ -46,10 +46,9 @@ def _entry(role: Role, token: str, tenant: str | None = None) -> dict:
 
 
 def write_private(path: Path, text: str) -> None:
-    """``text`` into ``path`` with mode 0600, atomically."""
+    """``text`` into ``path`` with mode 0600 (as mkstemp creates its files), atomically."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
-        os.fchmod(fd, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)

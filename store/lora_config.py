@@ -118,14 +118,25 @@ class LoraAdapterConfig:
     target_regex: str | None = None
     exclude_names: frozenset[str] = frozenset()
     exclude_regex: str | None = None
+    # rank_pattern's and alpha_pattern's keys and values, in order: built once, read per module.
+    _ranks: tuple[tuple[str, ...], tuple[int, ...]] = field(init=False, repr=False, compare=False)
+    _alphas: tuple[tuple[str, ...], tuple[float, ...]] = field(
+        init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        for name, pattern in (("_ranks", self.rank_pattern), ("_alphas", self.alpha_pattern)):
+            object.__setattr__(self, name, (tuple(pattern), tuple(pattern.values())))
 
     def rank(self, layer: int, module: str) -> int:
-        first = _first_tail_match(tuple(self.rank_pattern), module_key(layer, module))
-        return self.r if first is None else list(self.rank_pattern.values())[first]
+        keys, values = self._ranks
+        first = _first_tail_match(keys, module_key(layer, module))
+        return self.r if first is None else values[first]
 
     def alpha(self, layer: int, module: str) -> float:
-        first = _first_tail_match(tuple(self.alpha_pattern), module_key(layer, module))
-        return self.lora_alpha if first is None else list(self.alpha_pattern.values())[first]
+        keys, values = self._alphas
+        first = _first_tail_match(keys, module_key(layer, module))
+        return self.lora_alpha if first is None else values[first]
 
     def scale(self, layer: int, module: str) -> float:
         """The factor PEFT multiplies B·A·x by: alpha/r, or alpha/sqrt(r) with rsLoRA."""

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 import grpc
+
+from services import tls
+from services.auth import bearer_metadata
 
 TOKEN_ENV = "LORAFLEET_TOKEN"
 
@@ -44,18 +46,15 @@ def channel(address: str, args: argparse.Namespace) -> grpc.Channel:
     if args.ca is None:
         if args.cert is not None:
             raise ConnectFlagError("--cert needs --ca (client certificates are a TLS feature)")
-        return grpc.insecure_channel(address)
+        return tls.channel(address, None)
     try:
-        files = [
-            None if p is None else Path(p).read_bytes() for p in (args.ca, args.key, args.cert)
-        ]
+        credentials = tls.channel_credentials(args.ca, args.cert, args.key)
     except OSError as exc:
         raise ConnectFlagError(f"cannot read {exc.filename}: {exc.strerror}") from None
-    credentials = grpc.ssl_channel_credentials(*files)
-    return grpc.secure_channel(address, credentials)
+    return tls.channel(address, credentials)
 
 
 def metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     """The call metadata that carries the token, if there is one."""
     token = (args.token or "").strip()
-    return (("authorization", f"Bearer {token}"),) if token else ()
+    return bearer_metadata(token) if token else ()

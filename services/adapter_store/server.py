@@ -28,18 +28,22 @@ MAX_MESSAGE_BYTES = MAX_UPLOAD_CHUNK_BYTES + 2 * MIB
 STOP_GRACE_S = 3.0
 
 
-async def _probe_storage(store: AdapterStore, status: health.aio.HealthServicer, every: float):
+async def _probe_storage(
+    store: AdapterStore, status: health.aio.HealthServicer, every: float, swept: bool
+):
     """Keep the AdapterStore service's health in step with the storage, retry clean-up that
     failed while the storage was down, and sweep uploads that a store process that died left
-    unfinished (one listing of unfinished uploads per probe). The server itself ("") stays
-    SERVING."""
+    unfinished (one listing of unfinished uploads per probe; ``swept``: serve() has just done
+    the first). The server itself ("") stays SERVING."""
     while True:
         try:
             await store.probe()
             await status.set(SERVICE, SERVING)
             if store.leftovers:
                 await store.retry_cleanup()
-            await _sweep(store)
+            if not swept:
+                await _sweep(store)
+            swept = False
         except (StorageUnavailable, StorageError) as exc:
             log.warning("storage check failed: %s", exc)
             await status.set(SERVICE, NOT_SERVING)
@@ -53,11 +57,11 @@ async def _sweep(store: AdapterStore) -> None:
         log.warning("could not sweep unfinished uploads: %s", exc)
 
 
-async def serve(config: StoreConfig, auth: Authenticator | None = None) -> None:
+async def serve(config: StoreConfig, auth: Authenticator) -> None:
     """``auth``: the token table read from --auth-tokens (the entry point reads it, so that a
-    bad file stops the start with a clear message); None = no authentication."""
-    auth = auth or Authenticator(None)
+    bad file stops the start with a clear message)."""
     store = AdapterStore(open_backend(config), config)
+    swept = False
     try:
         await store.probe()
     except StorageUnavailable as exc:
@@ -68,6 +72,7 @@ async def serve(config: StoreConfig, auth: Authenticator | None = None) -> None:
         raise
     else:
         await _sweep(store)  # uploads that a killed store left unfinished are gone once it serves
+        swept = True
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(auth, status_for)],
         options=[
@@ -90,7 +95,10 @@ async def serve(config: StoreConfig, auth: Authenticator | None = None) -> None:
     port = tls.bind(server, address, credentials)
     await server.start()
     await status.set("", SERVING)
-    tls.warn_if_exposed("the adapter store", config.host, auth.enabled, credentials is not None)
+    tls.warn_if_exposed(
+        "the adapter store", config.host, auth.enabled, credentials is not None,
+        anyone_may="read, change and delete every adapter", in_clear="adapter weights",
+    )  # fmt: skip
     log.info(
         "adapter store on %s:%d, backend %s, %s, %s",
         config.host, port, config.backend.value,
@@ -103,7 +111,7 @@ async def serve(config: StoreConfig, auth: Authenticator | None = None) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    prober = asyncio.create_task(_probe_storage(store, status, config.probe_interval_s))
+    prober = asyncio.create_task(_probe_storage(store, status, config.probe_interval_s, swept))
     await stop.wait()
 
     log.info("stopping: aborting %d upload(s) in flight", store.abort_uploads())

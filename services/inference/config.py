@@ -198,6 +198,8 @@ _TYPES = {
     "tenant_tokens_per_second": float,
 }
 
+_L = RequestLimits()  # the defaults the help texts name
+
 _HELP = {
     "model": "Hugging Face-format model directory (config.json, safetensors, tokenizer.json)",
     "served_model_name": "the base model's id for clients (GetModelInfo; the HTTP gateway's "
@@ -225,13 +227,15 @@ _HELP = {
     "gRPC Python shares its GIL) or 'thread' (a thread of the service process)",
     "step_log": "append one JSON line per engine step to this file (tokens, KV read, host and "
     "GPU time: what bench/serving.py reads)",
-    "max_request_id_chars": "longest request_id accepted (default 256)",
+    "max_request_id_chars": f"longest request_id accepted (default {_L.max_request_id_chars})",
     "max_prompt_bytes": "largest text prompt in UTF-8 bytes, checked before tokenizing "
-    "(default 1048576)",
-    "max_prompt_tokens": "most prompt tokens (default 131072; the context window bounds them too)",
-    "max_stop_strings": "most stop strings per request (default 16)",
-    "max_stop_string_chars": "longest stop string in characters (default 1024)",
-    "max_stop_token_ids": "most stop_token_ids per request (default 128)",
+    f"(default {_L.max_prompt_bytes})",
+    "max_prompt_tokens": f"most prompt tokens (default {_L.max_prompt_tokens}; the context "
+    "window bounds them too)",
+    "max_stop_strings": f"most stop strings per request (default {_L.max_stop_strings})",
+    "max_stop_string_chars": "longest stop string in characters (default "
+    f"{_L.max_stop_string_chars})",
+    "max_stop_token_ids": f"most stop_token_ids per request (default {_L.max_stop_token_ids})",
     "auth_tokens": "JSON file of sha256 token digests with roles (README, Tenancy); without it "
     "there is no authentication",
     "tls_cert": "PEM certificate chain: serve TLS (with --tls-key)",

@@ -60,10 +60,10 @@ class _Pending:
 
 
 class FetchWorker:
-    def __init__(self, target: str | StoreAccess, arena: HostArena) -> None:
-        """``target``: HOST:PORT, or a StoreAccess (the worker sends its token, uses its TLS)."""
-        self.access = target if isinstance(target, StoreAccess) else StoreAccess(target)
-        self.target = self.access.target
+    def __init__(self, access: StoreAccess, arena: HostArena) -> None:
+        """``access``: how the worker reaches the store (its address, token and TLS)."""
+        self.access = access
+        self.target = access.target
         self.arena = arena
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None

@@ -28,8 +28,11 @@ class ModelInfo(NamedTuple):
     adds_bos_token: bool
 
 
-def read_model_info(model_dir: Path, model_id: str, max_model_len: int | None) -> ModelInfo:
-    """The served model's info; ``max_model_len`` as the engine's config has it. Raises
+def read_model_info(
+    model_dir: Path, model_id: str, tokenizer: Tokenizer, max_model_len: int | None
+) -> ModelInfo:
+    """The served model's info; ``tokenizer`` the one the service encodes prompts with (read
+    from ``model_dir``), ``max_model_len`` as the engine's config has it. Raises
     TokenizerError or ModelLoadError on broken files (the engine would refuse them too)."""
     tok_cfg = _tokenizer_config(model_dir)
     special = {}
@@ -39,7 +42,6 @@ def read_model_info(model_dir: Path, model_id: str, max_model_len: int | None) -
             value = value.get("content")
         if isinstance(value, str):
             special[name] = value
-    tokenizer = Tokenizer.from_model_dir(model_dir)
     bos = tokenizer.bos_token_id
     adds_bos = bos is not None and tokenizer.encode("a")[:1] == [bos]
     return ModelInfo(

@@ -125,7 +125,11 @@ class InferenceServer:
             raise OSError(f"cannot listen on {cfg.address}")
         await self.server.start()
         await self._set_serving(False)
-        tls.warn_if_exposed("the inference service", cfg.host, self.auth.enabled, bool(credentials))
+        tls.warn_if_exposed(
+            "the inference service", cfg.host, self.auth.enabled, bool(credentials),
+            anyone_may="generate with the model and every adapter, and load and unload adapters",
+            in_clear="prompts and completions",
+        )  # fmt: skip
         log.info("listening on %s:%d; loading %s", cfg.host, self.port, cfg.model)
         if cfg.engine == "process":
             arena = HostArena(cfg.host_cache_bytes, pin=False)  # the engine process pins it
@@ -155,26 +159,18 @@ class InferenceServer:
             self._follower = asyncio.create_task(
                 self._store.follow(registry.on_event, registry.forget_latest)
             )
-        info = await asyncio.to_thread(
-            read_model_info, cfg.model, cfg.model_id, engine_config(cfg).max_model_len
-        )
         # The service tokenizes prompts itself (servicer.py), never the engine's step thread.
         tokenizer = getattr(self.engine, "tokenizer", None) or await asyncio.to_thread(
             Tokenizer.from_model_dir, cfg.model
+        )
+        info = await asyncio.to_thread(
+            read_model_info, cfg.model, cfg.model_id, tokenizer, self.engine.config.max_model_len
         )
         quotas = Quotas(
             cfg.tenant_max_in_flight, cfg.tenant_max_queued, cfg.tenant_tokens_per_second
         )
         self.servicer = InferenceServicer(
-            self.engine,
-            registry,
-            metrics,
-            cfg.model_id,
-            str(device),
-            tokenizer,
-            cfg.limits,
-            info,
-            Tenancy(self.auth, quotas),
+            self.engine, registry, metrics, str(device), tokenizer, info, Tenancy(self.auth, quotas)
         )
         if cfg.metrics_port is not None:
             self.metrics_port = self.servicer.metrics.serve(cfg.metrics_port, cfg.host)

@@ -27,7 +27,6 @@ from services.inference.adapter_registry import AdapterRegistry, HeldAdapter
 from services.inference.engine.adapter_manager import AdapterStatus
 from services.inference.engine.api import AdapterKey, FinishReason, GenerationRequest
 from services.inference.engine.engine import Engine
-from services.inference.engine.limits import RequestLimits
 from services.inference.engine.sampling_params import SamplingParams
 from services.inference.errors import BadArgument, QueueFull, ShuttingDown, status_for
 from services.inference.metrics import ServiceMetrics
@@ -61,18 +60,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         engine: Engine,
         registry: AdapterRegistry,
         metrics: ServiceMetrics,
-        model_name: str,
         device: str,
         tokenizer: Tokenizer,
-        limits: RequestLimits,
-        model_info: ModelInfo | None = None,
-        tenancy: Tenancy | None = None,
+        model_info: ModelInfo,
+        tenancy: Tenancy,
     ) -> None:
         self.engine = engine
         # Who calls, what they may touch, their quotas (tenancy.py, services/access.py).
-        self.tenancy = tenancy or Tenancy()
+        self.tenancy = tenancy
         self.registry = registry
-        self._tokenizer, self._limits = tokenizer, limits
+        # The per-request limits are the engine's own (EngineCore.prepare checks them again).
+        self._tokenizer, self._limits = tokenizer, engine.config.limits
         self._tokenize = ThreadPoolExecutor(
             _TOKENIZER_THREADS, thread_name_prefix="tokenize", initializer=_lower_priority
         )
@@ -82,7 +80,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         # waiting plus the running batch, each derived from the device when unset); calls
         # beyond it are refused here, early.
         self._max_calls = engine.limits.max_queue
-        self._model_name, self._device = model_name, device
+        self._device = device
         self._model_info = model_info
         self._calls: set[str] = set()  # request ids of Generate calls in progress
         self._idle = asyncio.Event()
@@ -214,7 +212,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if not request.adapter_id:
                     raise BadArgument("adapter_id is required")
                 # Where each one is as it is unloaded: one no request uses leaves at once.
-                before = {h.key: self.engine.adapter_status(h.key) for h in self.registry.held()}
+                before = {
+                    h.key: self.engine.adapter_status(h.key)
+                    for h in self.registry.held()
+                    if h.key.adapter_id == request.adapter_id
+                }
                 unloaded = self.registry.unload(request.adapter_id, request.adapter_version)
             return pb.UnloadAdapterResponse(
                 adapters=[self._resident(h.key, h, before.get(h.key)) for h in unloaded]
@@ -268,11 +270,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await self.engine.sync_stats()
         except Exception as exc:
             await _abort(context, exc)
-        return convert.stats_response(self.snapshot(), self._model_name, self._device)
+        return convert.stats_response(self.snapshot(), self._model_info.model_id, self._device)
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
-        if self._model_info is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model's info is not known yet")
+        try:
+            check_inference(self.tenancy.caller(context), "")  # the base model: any tenant
+        except Exception as exc:
+            await _abort(context, exc)
         return pb.ModelInfo(**self._model_info._asdict())
 
     def snapshot(self) -> StatsSnapshot:

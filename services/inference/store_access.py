@@ -11,47 +11,31 @@ changes, so the token can be rotated without a restart.
 from __future__ import annotations
 
 import json
-import logging
-import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import grpc
 
 from services import tls
-from services.auth import bearer_metadata
-
-log = logging.getLogger(__name__)
+from services.auth import TokenFileError, WatchedFile, bearer_metadata
 
 
 class TokenFile:
-    """A token kept alone in a file; ``metadata()`` carries the file's current token."""
+    """A token kept alone in a file; ``metadata()`` carries the file's current token. Raises
+    TokenFileError (a ValueError) if the file holds none at construction."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self._stamp: tuple[int, int, int] | None = None
-        self._metadata: tuple[tuple[str, str], ...] = ()
-        self.metadata()
-        if not self._metadata:
-            raise ValueError(f"--adapter-store-token-file {self.path} holds no token")
+        self._file = WatchedFile(self.path, _FLAG, self._parse, "the previous token is still sent")
+
+    def _parse(self, text: str) -> tuple[tuple[str, str], ...]:
+        token = text.strip()
+        if not token:
+            raise TokenFileError(f"{_FLAG} {self.path} holds no token")
+        return bearer_metadata(token)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        try:
-            st = os.stat(self.path)
-            stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
-            if stamp != self._stamp:
-                token = self.path.read_text(encoding="utf-8").strip()
-                self._stamp = stamp
-                if token:
-                    self._metadata = bearer_metadata(token)
-                else:
-                    log.error("%s holds no token; the previous one is still sent", self.path)
-        except (OSError, UnicodeDecodeError) as exc:
-            if self._stamp is not None:  # read before: keep sending that token
-                log.error("cannot read %s (%s); the previous token is still sent", self.path, exc)
-            else:
-                raise ValueError(f"cannot read --adapter-store-token-file: {exc}") from None
-        return self._metadata
+        return self._file.current()
 
 
 @dataclass(frozen=True)
@@ -67,8 +51,10 @@ class StoreAccess:
 
     @classmethod
     def decode(cls, text: str) -> StoreAccess:
+        """encode()'s inverse: every field but the target is a path or None."""
         raw = json.loads(text)
-        return cls(raw["target"], *(None if raw[k] is None else Path(raw[k]) for k in _PATHS))
+        paths = {f.name: raw[f.name] for f in fields(cls) if f.name != "target"}
+        return cls(raw["target"], **{k: None if v is None else Path(v) for k, v in paths.items()})
 
     def token(self) -> TokenFile | None:
         return None if self.token_file is None else TokenFile(self.token_file)
@@ -79,16 +65,10 @@ class StoreAccess:
         return tls.channel_credentials(self.ca, self.cert, self.key)
 
     def channel(self, options) -> grpc.Channel:
-        credentials = self._credentials()
-        if credentials is None:
-            return grpc.insecure_channel(self.target, options=options)
-        return grpc.secure_channel(self.target, credentials, options=options)
+        return tls.channel(self.target, self._credentials(), options)
 
     def aio_channel(self, options) -> grpc.aio.Channel:
-        credentials = self._credentials()
-        if credentials is None:
-            return grpc.aio.insecure_channel(self.target, options=options)
-        return grpc.aio.secure_channel(self.target, credentials, options=options)
+        return tls.channel(self.target, self._credentials(), options, grpc.aio)
 
 
-_PATHS = ("token_file", "ca", "cert", "key")
+_FLAG = "--adapter-store-token-file"

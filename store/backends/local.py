@@ -262,8 +262,10 @@ def _remove_unlocked(path: Path) -> bool:
         os.close(fd)
         return False  # a live writer holds it
     try:
-        path.unlink(missing_ok=True)
+        path.unlink()
         return True
+    except FileNotFoundError:
+        return False  # gone meanwhile: a live upload completed (renamed it) or aborted
     finally:
         os.close(fd)
 

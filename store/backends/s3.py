@@ -160,33 +160,33 @@ class S3ObjectStore(ObjectStore):
         )
         return _S3Multipart(self, key, response["UploadId"])
 
-    async def pending_uploads(self, prefix: str = "") -> list[str]:
-        keys: list[str] = []
+    async def _upload_pages(self, prefix: str) -> AsyncIterator[dict]:
+        """The pages of ListMultipartUploads under ``prefix``, followed to the last."""
         kwargs = {"Bucket": self.bucket, "Prefix": prefix}
         while True:
             page = await self._call(self.client.list_multipart_uploads, **kwargs)
-            keys += [upload["Key"] for upload in page.get("Uploads", []) or []]
+            yield page
             if not page.get("IsTruncated"):
-                return sorted(keys)
+                return
             kwargs["KeyMarker"] = page["NextKeyMarker"]
             kwargs["UploadIdMarker"] = page["NextUploadIdMarker"]
+
+    async def pending_uploads(self, prefix: str = "") -> list[str]:
+        keys: list[str] = []
+        async for page in self._upload_pages(prefix):
+            keys += [upload["Key"] for upload in page.get("Uploads", []) or []]
+        return sorted(keys)
 
     async def abort_stale_uploads(self, prefix: str, older_than_s: float) -> list[str]:
         """S3 cannot tell a live multipart upload from one whose writer died: uploads begun
         more than ``older_than_s`` ago (by the server's clock, as S3 reports it) are aborted."""
         stale: list[tuple[str, str]] = []
-        kwargs = {"Bucket": self.bucket, "Prefix": prefix}
-        while True:
-            page = await self._call(self.client.list_multipart_uploads, **kwargs)
+        async for page in self._upload_pages(prefix):
             now = _server_time(page)
             for upload in page.get("Uploads", []) or []:
                 begun = upload.get("Initiated")
                 if begun is not None and (now - begun).total_seconds() > older_than_s:
                     stale.append((upload["Key"], upload["UploadId"]))
-            if not page.get("IsTruncated"):
-                break
-            kwargs["KeyMarker"] = page["NextKeyMarker"]
-            kwargs["UploadIdMarker"] = page["NextUploadIdMarker"]
         for key, upload_id in stale:
             await _S3Multipart(self, key, upload_id).abort()
         return sorted(key for key, _ in stale)

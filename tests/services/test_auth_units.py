@@ -119,6 +119,40 @@ def test_the_table_follows_the_file_and_keeps_the_last_good_version(tmp_path, ca
         TokenTable(tmp_path / "missing.json")
 
 
+def test_the_store_token_file_keeps_its_last_token_and_logs_a_problem_once(tmp_path, caplog):
+    from services.inference.store_access import TokenFile
+
+    path = tmp_path / "service.token"
+    path.write_text(" one\n")
+    token = TokenFile(path)
+    assert token.metadata() == bearer_metadata("one")
+    path.write_text("two")
+    assert token.metadata() == bearer_metadata("two")
+    # Each problem is logged once however often the token is asked for: a path that cannot
+    # be read (a directory now), a version without a token, the file gone.
+    path.unlink()
+    path.mkdir()
+    for state in ("unreadable", "empty", "gone"):
+        if state == "empty":
+            path.rmdir()
+            path.write_text("  \n")
+        elif state == "gone":
+            path.unlink()
+        for _ in range(3):
+            assert token.metadata() == bearer_metadata("two")
+    problems = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(problems) == 3, problems
+    assert all("the previous token is still sent" in p for p in problems)
+    assert "cannot read" in problems[0] and "holds no token" in problems[1]
+    assert "is gone" in problems[2]
+    for text in ("", "\n"):
+        (tmp_path / "empty").write_text(text)
+        with pytest.raises(TokenFileError, match="holds no token"):
+            TokenFile(tmp_path / "empty")
+    with pytest.raises(TokenFileError, match="cannot be read"):
+        TokenFile(tmp_path / "missing")
+
+
 def test_namespace_rules():
     check_store_read(ACME, "acme/x")
     check_store_write(ACME, "acme/team/x")
@@ -260,10 +294,12 @@ def test_tenancy_flags_are_checked_naming_the_flag(tmp_path, capsys):
 def test_a_server_beyond_loopback_without_tokens_or_tls_warns(caplog):
     from services.tls import warn_if_exposed
 
-    warn_if_exposed("the store", "127.0.0.1", authenticated=False, tls=False)
+    texts = {"anyone_may": "do X", "in_clear": "Y"}
+    warn_if_exposed("the store", "127.0.0.1", authenticated=False, tls=False, **texts)
     assert caplog.text == ""
-    warn_if_exposed("the store", "0.0.0.0", authenticated=True, tls=True)
+    warn_if_exposed("the store", "0.0.0.0", authenticated=True, tls=True, **texts)
     assert caplog.text == ""
-    warn_if_exposed("the store", "0.0.0.0", authenticated=False, tls=False)
-    assert "without authentication" in caplog.text and "--auth-tokens" in caplog.text
-    assert "without TLS" in caplog.text
+    warn_if_exposed("the store", "0.0.0.0", authenticated=False, tls=False, **texts)
+    assert "without authentication: anyone who reaches it may do X" in caplog.text
+    assert "--auth-tokens" in caplog.text
+    assert "without TLS: tokens and Y cross the network in clear" in caplog.text

@@ -1,14 +1,17 @@
 """Token files for the tenancy tests: tenants acme, beta and gamma, an admin and the service
-credential, written as the services read them (sha256 digests only)."""
+credential, written as the services read them (sha256 digests only); and code_of, the status a
+call ends with."""
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from services.auth import bearer_metadata, token_digest
+from services.tokens import write_private
 
 
 @dataclass(frozen=True)
@@ -38,9 +41,18 @@ def entries(tokens: Tokens) -> list[dict]:
 
 def write_token_file(path: Path, items: list[dict]) -> None:
     """Replaced atomically, as services/tokens.py does: a reader never sees half a file."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"tokens": items}))
-    os.replace(tmp, path)
+    write_private(path, json.dumps({"tokens": items}))
+
+
+def code_of(call) -> grpc.StatusCode:
+    """The status ``call()`` ends with; a stream it returns is read to its end."""
+    try:
+        result = call()
+        if hasattr(result, "__iter__") and not isinstance(result, bytes | str):
+            list(result)
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
 
 
 def make_tokens(directory: Path) -> Tokens:

@@ -136,6 +136,24 @@ async def test_local_keys_cannot_escape_the_root(tmp_path):
             await store.put(key, b"")
 
 
+def test_a_sweep_does_not_count_a_file_that_a_live_upload_renamed_meanwhile(tmp_path, monkeypatch):
+    """A live upload may complete (rename its .part into place) between the sweep's open of the
+    file and its unlink: that file was not the sweep's to remove, nor to report swept."""
+    from store.backends import local
+
+    part, done = tmp_path / "x.part", tmp_path / "object"
+    part.write_bytes(b"x")
+    flock = local.fcntl.flock
+
+    def completed_first(fd, operation):
+        os.replace(part, done)  # the writer's complete(), which then drops its lock
+        flock(fd, operation)
+
+    monkeypatch.setattr(local.fcntl, "flock", completed_first)
+    assert local._remove_unlocked(part) is False
+    assert done.read_bytes() == b"x"
+
+
 async def test_s3_missing_bucket_and_bad_credentials(seaweed):
     missing = open_backend(s3_config(seaweed, bucket="no-such-bucket"))
     with pytest.raises(StorageError, match="does not exist"):

@@ -22,7 +22,7 @@ from services import tls
 from services.auth import token_digest
 from store.synthetic import synthetic_adapter
 from tests.services.adapter_store.store_harness import BASE, REPO, StoreProcess, upload_requests
-from tests.services.tokens import entries, make_tokens, write_token_file
+from tests.services.tokens import code_of, entries, make_tokens, write_token_file
 from tests.tls_certs import make_certs
 
 SMALL = synthetic_adapter(BASE, rank=4, modules=("q_proj", "v_proj"), seed=7)
@@ -55,16 +55,6 @@ def ids():
     """Fresh adapter ids under each tenant's namespace."""
     tag = uuid.uuid4().hex[:8]
     return {"acme": f"acme/{tag}", "beta": f"beta/{tag}"}
-
-
-def code_of(call) -> grpc.StatusCode:
-    try:
-        result = call()
-        if hasattr(result, "__iter__") and not isinstance(result, bytes | str):
-            list(result)
-    except grpc.RpcError as exc:
-        return exc.code()
-    return grpc.StatusCode.OK
 
 
 def fetch_body(stub, adapter_id, md) -> bytes:

@@ -21,13 +21,7 @@ from tests.services.adapter_store.test_store_service_failures import (
     big,
     wait_for,
 )
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
+from tests.services.inference.stack import rss_bytes
 
 
 def local_leftovers(root: Path) -> list[str]:

@@ -24,6 +24,18 @@ REPO = Path(__file__).resolve().parents[3]
 CHUNK = 64 * 1024
 
 
+def rss_bytes(pid: int) -> int:
+    """The resident memory of process ``pid`` (Linux), 0 once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return 0
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

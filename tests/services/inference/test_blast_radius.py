@@ -22,24 +22,13 @@ from store.safetensors_header import parse_safetensors_header
 from tests.inference.test_engine_failures import overflowing_adapter
 from tests.services.inference.conftest import start_stack, stop_stack
 from tests.services.inference.reference import PROMPTS, assert_matches
-from tests.services.inference.stack import Stream, collect, sampling, upload
+from tests.services.inference.stack import Stream, collect, rss_bytes, sampling, upload
 
 # A step of the tiny model takes ~10-50 ms on a busy 2-core machine. Before the fixes one bad
 # input stalled every stream for 1.8 s (stop strings) to 21 s (a 15 MB prompt), or ended them.
 MAX_GAP_S = 2.0
 PROMPT_BYTES = 256 * 1024
 MAX_GROWTH_BYTES = 400 * 2**20  # service + engine process; the issue saw 1.9 GB and 24 GB
-
-
-def rss_bytes(pid: int) -> int:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return 0
-    for line in status.splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def service_pids(pid: int) -> list[int]:

@@ -12,9 +12,9 @@ import pytest
 from lorafleet.v1 import inference_pb2 as pb
 from lorafleet.v1 import inference_pb2_grpc as pb_grpc
 from services.inference.config import ServiceConfig
-from services.inference.model_info import read_model_info
+from services.inference.model_info import ModelInfo, read_model_info
 from services.inference.tiny_model import CHAT_TEMPLATE, make_model
-from services.inference.tokenizer import TokenizerError
+from services.inference.tokenizer import Tokenizer, TokenizerError
 from tests.services.inference.stack import inference_proc
 
 
@@ -36,36 +36,41 @@ def variant(model, tmp_path, **changes):
     return out
 
 
+def info_of(model_dir, model_id: str, max_model_len: int | None = None) -> ModelInfo:
+    """read_model_info with the directory's own tokenizer, as the service reads it."""
+    return read_model_info(model_dir, model_id, Tokenizer.from_model_dir(model_dir), max_model_len)
+
+
 def test_the_tiny_models_info(model):
-    info = read_model_info(model, "served", None)
+    info = info_of(model, "served")
     assert info.model_id == "served" and info.context_window == 2048
     assert info.chat_template == CHAT_TEMPLATE
     assert info.special_tokens == {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
     assert info.adds_bos_token
-    assert read_model_info(model, "x", 512).context_window == 512
+    assert info_of(model, "x", 512).context_window == 512
 
 
 def test_chat_template_layouts(model, tmp_path):
     named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
-    assert read_model_info(variant(model, tmp_path, chat_template=named), "m", None) == (
-        read_model_info(model, "m", None)._replace(chat_template="D")
+    assert info_of(variant(model, tmp_path, chat_template=named), "m") == (
+        info_of(model, "m")._replace(chat_template="D")
     )
     shutil.rmtree(tmp_path / "variant")
     none = variant(model, tmp_path, chat_template=None)
-    assert read_model_info(none, "m", None).chat_template == ""
+    assert info_of(none, "m").chat_template == ""
     (none / "chat_template.jinja").write_text("J{{ messages }}")
-    assert read_model_info(none, "m", None).chat_template == "J{{ messages }}"
+    assert info_of(none, "m").chat_template == "J{{ messages }}"
     shutil.rmtree(none)
     bad = variant(model, tmp_path, chat_template=[{"name": "tool_use", "template": "T"}])
     with pytest.raises(TokenizerError, match="named 'default'"):
-        read_model_info(bad, "m", None)
+        info_of(bad, "m")
 
 
 def test_added_token_dicts_and_no_bos(model, tmp_path):
     out = variant(
         model, tmp_path, add_bos_token=False, unk_token={"content": "<pad>", "special": True}
     )
-    info = read_model_info(out, "m", None)
+    info = info_of(out, "m")
     assert not info.adds_bos_token and info.special_tokens["unk_token"] == "<pad>"
 
 

@@ -20,7 +20,7 @@ from lorafleet.v1 import inference_pb2_grpc as pb_grpc
 from services import tls
 from services.healthcheck import check
 from tests.services.inference.stack import REPO, collect, inference_proc, store_proc, wait_for
-from tests.services.tokens import Tokens, entries, make_tokens, write_token_file
+from tests.services.tokens import Tokens, code_of, entries, make_tokens, write_token_file
 from tests.tls_certs import Certs, make_certs
 
 DENIED = grpc.StatusCode.PERMISSION_DENIED
@@ -97,14 +97,6 @@ def gen(adapter_id="", max_new_tokens=4, **kwargs) -> pb.GenerateRequest:
     )
 
 
-def code_of(call) -> grpc.StatusCode:
-    try:
-        call()
-    except grpc.RpcError as exc:
-        return exc.code()
-    return grpc.StatusCode.OK
-
-
 def streamed(stub, request, md, timeout=60.0):
     """collect() with call metadata."""
     out = collect(_WithMetadata(stub, md), request, timeout)
@@ -126,6 +118,7 @@ def test_generate_needs_a_token_and_a_tenant_uses_only_its_own_adapters(deployme
         assert streamed(stub, gen(), md).code == UNAUTHENTICATED
         for method, request in (
             (stub.GetStats, pb.GetStatsRequest()),
+            (stub.GetModelInfo, pb.GetModelInfoRequest()),
             (stub.ListAdapters, pb.ListResidentAdaptersRequest()),
             (stub.LoadAdapter, pb.LoadAdapterRequest(adapter_id="acme/a")),
             (stub.UnloadAdapter, pb.UnloadAdapterRequest(adapter_id="acme/a")),
@@ -150,6 +143,10 @@ def test_generate_needs_a_token_and_a_tenant_uses_only_its_own_adapters(deployme
     assert streamed(stub, gen(""), t.md("service")).code == DENIED
     assert code_of(lambda: stub.GetStats(pb.GetStatsRequest(), metadata=t.md("service"))) == DENIED
     assert stub.GetStats(pb.GetStatsRequest(), metadata=t.md("beta")).generated_tokens > 0
+    info = pb.GetModelInfoRequest()
+    assert code_of(lambda: stub.GetModelInfo(info, metadata=t.md("service"))) == DENIED
+    for who in ("acme", "admin"):
+        assert stub.GetModelInfo(info, metadata=t.md(who)).context_window > 0
 
     # Health needs no token (but mutual TLS: the server speaks nothing else).
     assert check(proc.address, timeout=5, credentials=deployment.inference_credentials)
