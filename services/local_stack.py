@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -81,32 +82,24 @@ def prepare_demo(data: Path) -> tuple[Path, list[tuple[DemoAdapter, Path]]]:
     return model_dir, adapters
 
 
-def wait_serving(name: str, address: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    """Block until ``address`` reports SERVING; fail if the process dies or time runs out."""
+def _wait(name: str, proc: subprocess.Popen, probe: Callable[[], bool], timeout_s: float) -> None:
+    """Block until ``probe()`` is true; fail if the process dies or time runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited with status {proc.returncode} before serving")
-        if check(address, timeout=1.0):
+        if probe():
             return
         time.sleep(0.3)
-    raise RuntimeError(f"{name} did not report SERVING at {address} within {timeout_s:.0f} s")
+    raise RuntimeError(f"{name} was not ready within {timeout_s:.0f} s")
 
 
-def wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    """Block until ``url`` answers 200; fail if the process dies or time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the gateway exited with status {proc.returncode} before serving")
-        try:
-            with urllib.request.urlopen(url, timeout=2.0) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"the gateway did not answer {url} within {timeout_s:.0f} s")
+def _answers_200(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
 
 
 def prepare_tokens(directory: Path) -> None:
@@ -188,23 +181,28 @@ def main(argv: list[str] | None = None) -> int:
         store = subprocess.Popen(
             [sys.executable, "-m", "services.adapter_store", "--host", args.host,
              "--port", str(args.store_port), "--backend", "local",
-             "--root", str(args.data / "store"), "--auth-tokens", str(auth / "tokens.json")],
+             "--root", str(args.data / "store"), "--auth-tokens", str(auth / tokens.TOKENS_FILE)],
             **spawn,
         )  # fmt: skip
         procs.append(("adapter store", store))
-        wait_serving("adapter store", store_address, store, args.ready_timeout)
+        _wait("adapter store", store, lambda: check(store_address, timeout=1.0), args.ready_timeout)
         upload_missing(store_address, adapters, (auth / "admin.token").read_text().strip())
         inference = subprocess.Popen(
             [sys.executable, "-m", "services.inference", "--host", args.host,
              "--port", str(args.inference_port), "--model", str(model_dir),
              "--adapter-store", store_address, "--device", args.device,
              "--metrics-port", str(args.metrics_port),
-             "--auth-tokens", str(auth / "tokens.json"),
+             "--auth-tokens", str(auth / tokens.TOKENS_FILE),
              "--adapter-store-token-file", str(auth / "service.token")],
             **spawn,
         )  # fmt: skip
         procs.append(("inference service", inference))
-        wait_serving("inference service", inference_address, inference, args.ready_timeout)
+        _wait(
+            "inference service",
+            inference,
+            lambda: check(inference_address, timeout=1.0),
+            args.ready_timeout,
+        )
         gateway = subprocess.Popen(
             [sys.executable, "-m", "services.gateway", "--host", args.host,
              "--port", str(args.gateway_port), "--inference", inference_address,
@@ -213,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         procs.append(("gateway", gateway))
         gateway_url = f"http://{args.host}:{args.gateway_port}"
-        wait_http(gateway_url + "/health", gateway, args.ready_timeout)
+        _wait("gateway", gateway, lambda: _answers_200(gateway_url + "/health"), args.ready_timeout)
         ids = ", ".join(spec.adapter_id for spec, _ in adapters)
         print(
             f"\nlorafleet is up.\n"

@@ -15,12 +15,13 @@ import json
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
+from lorafleet.cli.adapters import CONFIG_FILE, WEIGHTS_FILE
 from lorafleet.v1 import adapter_store_pb2 as store_pb
 from services.gateway.backends import call_metadata
 from services.gateway.errors import BadRequest
 from services.gateway.models import all_adapters
 from services.gateway.multipart_stream import PartData, PartEnd, PartStart, multipart_events
-from services.gateway.store_upload import CONFIG_FILE, WEIGHTS_FILE, StoreUpload
+from services.gateway.store_upload import StoreUpload
 
 router = APIRouter()
 
@@ -132,7 +133,7 @@ async def list_adapters(
     page = await gw.backends.store.ListAdapters(
         store_pb.ListAdaptersRequest(page_size=page_size, page_token=page_token, prefix=prefix),
         metadata=metadata,
-        timeout=gw.timeout,
+        timeout=gw.config.rpc_timeout_s,
     )
     return {
         "object": "list",
@@ -147,7 +148,7 @@ async def get_adapter(adapter_id: str, request: Request, version: int | None = _
     info = await gw.backends.store.GetAdapter(
         store_pb.GetAdapterRequest(adapter_id=adapter_id, version=version or 0),
         metadata=call_metadata(request),
-        timeout=gw.timeout,
+        timeout=gw.config.rpc_timeout_s,
     )
     return adapter_json(info)
 
@@ -160,7 +161,7 @@ async def delete_adapter(adapter_id: str, request: Request, version: int | None 
             adapter_id=adapter_id, version=version or 0, all_versions=version is None
         ),
         metadata=call_metadata(request),
-        timeout=gw.timeout,
+        timeout=gw.config.rpc_timeout_s,
     )
     return {
         "id": adapter_id,

@@ -17,11 +17,9 @@ from lorafleet.v1 import inference_pb2 as pb
 from services.gateway import adapters, completions, errors, lora_compat, models
 from services.gateway.backends import Backends, call_metadata
 from services.gateway.config import GatewayConfig
-from services.gateway.http_io import ClientGone
+from services.gateway.errors import CLIENT_CLOSED
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model_info import ModelInfoCache
-
-CLIENT_CLOSED = 499  # the status logged for a client that left before its answer (nginx's)
 
 
 class Gateway:
@@ -30,7 +28,6 @@ class Gateway:
     def __init__(self, config: GatewayConfig, metrics: GatewayMetrics) -> None:
         self.config = config
         self.metrics = metrics
-        self.timeout = config.rpc_timeout_s
         self.backends = Backends(config)
         self.model_info = ModelInfoCache(self.backends.inference, config.rpc_timeout_s)
         self.started = int(time.time())
@@ -61,11 +58,6 @@ def create_app(config: GatewayConfig) -> FastAPI:
         lifespan=lifespan,
     )
     errors.install(app)
-
-    async def client_gone(request: Request, exc: ClientGone) -> Response:
-        return Response(status_code=CLIENT_CLOSED)
-
-    app.add_exception_handler(ClientGone, client_gone)
     for module in (completions, models, adapters, lora_compat):
         app.include_router(module.router)
 
@@ -113,6 +105,11 @@ class _RequestMetrics:
 
         try:
             await self.app(scope, receive, send_and_note)
+        except Exception:
+            # Unhandled: ServerErrorMiddleware, outside this one, answers it with a 500.
+            if status[0] == CLIENT_CLOSED:
+                status[0] = 500
+            raise
         finally:
             route = scope.get("route")
             name = getattr(route, "path", "unmatched")

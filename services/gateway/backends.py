@@ -31,7 +31,6 @@ class Backends:
     """One channel per service, made on the serving event loop (grpc.aio binds to it)."""
 
     def __init__(self, config: GatewayConfig) -> None:
-        self.timeout = config.rpc_timeout_s
         self._inference_channel = grpc.aio.insecure_channel(config.inference, options=_OPTIONS)
         self.inference = pb_grpc.InferenceStub(self._inference_channel)
         self._inference_health = health_pb2_grpc.HealthStub(self._inference_channel)

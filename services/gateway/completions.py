@@ -152,7 +152,7 @@ class _GenerationStream(StreamingResponse):
 
 async def _stream(gens: Generations, fmt: Format, metrics) -> AsyncIterator[str]:
     """The SSE body; cancelled when the client disconnects."""
-    results = [ChoiceResult() for _ in range(len(gens))]
+    results = [ChoiceResult() for _ in range(len(gens))]  # finish reasons and token counts
     try:
         opened = set()
         async for i, msg in gens.messages():
@@ -161,8 +161,6 @@ async def _stream(gens: Generations, fmt: Format, metrics) -> AsyncIterator[str]
                 if (opening := fmt.opening(i)) is not None:
                     yield fmt.chunk([opening])
             if msg.text or (fmt.logprobs and msg.logprobs):
-                results[i].parts.append(msg.text)
-                results[i].logprobs.extend(msg.logprobs)
                 yield fmt.chunk([fmt.delta(i, msg.text, None, list(msg.logprobs))])
             if msg.finish_reason:
                 results[i].finish(msg)

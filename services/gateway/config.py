@@ -18,7 +18,7 @@ from services.flag_env import flag_values
 
 ENV_PREFIX = "LORAFLEET_GATEWAY_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-MAX_TOKENS_LIMIT = 2**31 - 1  # SamplingParams.max_new_tokens is an int32
+INT32_MAX = 2**31 - 1  # SamplingParams' int32 fields: max_new_tokens, top_k, stop_token_ids
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ class GatewayConfig:
         for name in ("max_request_bytes", "max_n", "chat_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
-        if self.chat_max_tokens > MAX_TOKENS_LIMIT:
-            raise ValueError(f"--chat-max-tokens must be at most {MAX_TOKENS_LIMIT}")
+        if self.chat_max_tokens > INT32_MAX:
+            raise ValueError(f"--chat-max-tokens must be at most {INT32_MAX}")
         if self.rpc_timeout_s <= 0:
             raise ValueError(f"--rpc-timeout-s must be positive, got {self.rpc_timeout_s}")
         if self.shutdown_grace_s < 0:

@@ -1,10 +1,11 @@
 """The gateway's errors and the one mapping to HTTP: OpenAI's error body and status codes.
 
 Every failure a client sees is ``{"error": {"message", "type", "param", "code"}}`` with ``code``
-the HTTP status. gRPC statuses map as the contract says (INVALID_ARGUMENT and
-FAILED_PRECONDITION 400, UNAUTHENTICATED 401, PERMISSION_DENIED 403, NOT_FOUND 404,
+the HTTP status. gRPC statuses map as the contract says (INVALID_ARGUMENT, FAILED_PRECONDITION
+and OUT_OF_RANGE 400, UNAUTHENTICATED 401, PERMISSION_DENIED 403, NOT_FOUND 404,
 RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, anything else 500), with the service's message, which
-says what to fix. Handlers are installed on the app here and nowhere else.
+says what to fix. A client that left before its answer gets none (the metrics count it as 499).
+Handlers are installed on the app here and nowhere else.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import logging
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 log = logging.getLogger(__name__)
+
+CLIENT_CLOSED = 499  # the status counted for a client that left before its answer (nginx's)
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -71,6 +74,10 @@ class Unavailable(GatewayError):
     status = 503
 
 
+class ClientGone(Exception):
+    """The client closed its connection before the answer was ready."""
+
+
 def rpc_status(exc: grpc.RpcError) -> tuple[int, str]:
     """The HTTP status and message of a failed gRPC call."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
@@ -122,10 +129,14 @@ def install(app: FastAPI) -> None:
     async def handle_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(400, validation_message(exc.errors()))
 
+    async def handle_client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=CLIENT_CLOSED)  # unread: the client is gone
+
     app.add_exception_handler(GatewayError, handle)
     app.add_exception_handler(grpc.RpcError, handle)
     app.add_exception_handler(HTTPException, handle_http)
     app.add_exception_handler(RequestValidationError, handle_validation)
+    app.add_exception_handler(ClientGone, handle_client_gone)
     app.add_exception_handler(Exception, handle)
 
 

@@ -8,13 +8,9 @@ from typing import TypeVar
 
 from starlette.requests import ClientDisconnect, Request
 
-from services.gateway.errors import BadRequest, PayloadTooLarge
+from services.gateway.errors import BadRequest, ClientGone, PayloadTooLarge
 
 T = TypeVar("T")
-
-
-class ClientGone(Exception):
-    """The client closed its connection before the answer was ready."""
 
 
 async def read_body(request: Request, limit: int) -> bytes:

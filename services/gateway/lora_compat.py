@@ -4,7 +4,8 @@ POST /v1/load_lora_adapter ``{"lora_name": ID, "lora_path": DIR}``: with a path,
 directory on the gateway's host is uploaded to the store under ``lora_name`` (a new version);
 then that adapter (its latest version) is loaded onto the inference service's accelerator.
 POST /v1/unload_lora_adapter ``{"lora_name": ID}`` drops every version of it from the inference
-service (the store keeps it). With --lora-path-root, lora_path must lie under that directory.
+service (the store keeps it). With --lora-path-root, lora_path and the two files read in it
+must lie under that directory, symlinks resolved.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from lorafleet.cli.adapters import CONFIG_FILE, WEIGHTS_FILE
 from lorafleet.v1 import inference_pb2 as pb
 from services.gateway.backends import call_metadata
 from services.gateway.errors import BadRequest, NotFound
@@ -55,7 +57,7 @@ async def load_lora_adapter(request: Request) -> dict:
     reply = await gw.backends.inference.LoadAdapter(
         pb.LoadAdapterRequest(adapter_id=req.lora_name, adapter_version=version),
         metadata=metadata,
-        timeout=gw.timeout,
+        timeout=gw.config.rpc_timeout_s,
     )
     a = reply.adapter
     return {
@@ -75,7 +77,7 @@ async def unload_lora_adapter(request: Request) -> dict:
     reply = await gw.backends.inference.UnloadAdapter(
         pb.UnloadAdapterRequest(adapter_id=req.lora_name),
         metadata=call_metadata(request),
-        timeout=gw.timeout,
+        timeout=gw.config.rpc_timeout_s,
     )
     if not reply.adapters:
         raise NotFound(f"LoRA adapter {req.lora_name!r} is not loaded", param="lora_name")
@@ -88,15 +90,19 @@ async def unload_lora_adapter(request: Request) -> dict:
 
 
 def _allowed(path: Path, root: Path | None) -> Path:
-    """``path`` as an absolute directory, under ``root`` when one is set."""
+    """``path`` as an absolute directory; with ``root``, it and the adapter files in it must
+    lie under ``root``, symlinks resolved."""
     resolved = Path(os.path.realpath(path))
     if root is not None:
         top = Path(os.path.realpath(root))
-        if resolved != top and top not in resolved.parents:
-            raise BadRequest(
-                f"lora_path {str(path)!r} is outside this gateway's --lora-path-root",
-                param="lora_path",
-            )
+        for name in ("", CONFIG_FILE, WEIGHTS_FILE):
+            target = Path(os.path.realpath(resolved / name))  # resolved itself for ""
+            if target != top and top not in target.parents:
+                where = f"{name} in it" if name else "it"
+                raise BadRequest(
+                    f"lora_path {str(path)!r}: {where} is outside this gateway's --lora-path-root",
+                    param="lora_path",
+                )
     if not resolved.is_dir():
         raise BadRequest(f"lora_path {str(path)!r} is not a directory here", param="lora_path")
     return resolved

@@ -1,7 +1,8 @@
-"""The gateway's Prometheus metrics, served at GET /metrics on its own port.
+"""The gateway's Prometheus metrics, served at GET /metrics.
 
 Requests by route and status, their latency (to the last byte, streams included), time to the
-first token of generations as the gateway sees it, generated tokens, and generations and
+first token of generations as the gateway sees it (from its start of the Generate calls, after
+the body is read and checked and a chat prompt rendered), generated tokens, and generations and
 uploads in flight. Each app has its own registry, so that several apps in one process (tests)
 do not collide.
 """
@@ -36,7 +37,8 @@ class GatewayMetrics:
         )  # fmt: skip
         self.ttft = Histogram(
             "lorafleet_gateway_time_to_first_token_seconds",
-            "request arrival to the first generated token of every choice",
+            "start of the Generate calls (after the body is read and checked) to the first "
+            "generated token of every choice",
             ["endpoint"], buckets=_TTFT_BUCKETS, registry=r,
         )  # fmt: skip
         self.tokens = Counter(

@@ -48,7 +48,7 @@ class ModelInfoCache:
                         pb.GetModelInfoRequest(), metadata=metadata, timeout=self._timeout
                     )
                 except grpc.RpcError as exc:
-                    if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED):
+                    if exc.code() == grpc.StatusCode.UNAVAILABLE:
                         raise Unavailable(
                             f"the inference service is not ready: {exc.details()}"
                         ) from None
@@ -71,8 +71,9 @@ class ModelInfoCache:
         return self._template
 
     async def prefetch(self) -> None:
-        """Asks until the service answers; stops on a refusal that only a caller's credentials
-        can lift (the first request then asks with its own)."""
+        """Asks until the service answers; stops on any other refusal than UNAVAILABLE (one
+        that only a caller's credentials can lift, or a service without GetModelInfo): each
+        request then asks with its own credentials, and gets that refusal's status."""
         while self._info is None:
             try:
                 await self.get(())

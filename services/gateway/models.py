@@ -36,7 +36,9 @@ async def get_model(model_id: str, request: Request) -> dict:
     if model_id == info.model_id:
         return base_card(info, gw.started)
     adapter = await gw.backends.store.GetAdapter(
-        store_pb.GetAdapterRequest(adapter_id=model_id), metadata=metadata, timeout=gw.timeout
+        store_pb.GetAdapterRequest(adapter_id=model_id),
+        metadata=metadata,
+        timeout=gw.config.rpc_timeout_s,
     )
     return adapter_card(adapter, info.model_id)
 
@@ -69,7 +71,7 @@ async def all_adapters(gw, metadata: Metadata, prefix: str = "") -> AsyncIterato
         page = await gw.backends.store.ListAdapters(
             store_pb.ListAdaptersRequest(page_size=_PAGE, page_token=token, prefix=prefix),
             metadata=metadata,
-            timeout=gw.timeout,
+            timeout=gw.config.rpc_timeout_s,
         )
         for adapter in page.adapters:
             yield adapter

@@ -13,13 +13,11 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
-from services.gateway.errors import BadRequest
-from services.gateway.http_io import ClientGone
+from services.gateway.errors import BadRequest, ClientGone
 
 
 class PartStart(NamedTuple):
     name: str
-    filename: str | None
 
 
 class PartData(NamedTuple):
@@ -64,10 +62,7 @@ async def multipart_events(request: Request) -> AsyncIterator[Event]:
         name = options.get(b"name")
         if name is None:
             raise BadRequest("a form part has no Content-Disposition name")
-        filename = options.get(b"filename")
-        pending.append(
-            PartStart(name.decode("utf-8", "replace"), filename and filename.decode("utf-8"))
-        )
+        pending.append(PartStart(name.decode("utf-8", "replace")))
 
     def on_part_data(data: bytes, start: int, end: int) -> None:
         pending.append(PartData(bytes(data[start:end])))

@@ -9,24 +9,15 @@ choices carries the usage. Prompt tokens count each prompt once, however many ch
 
 from __future__ import annotations
 
+import abc
 import json
 import time
 import uuid
-from collections.abc import Sequence
 
 from services.gateway.generation import ChoiceResult
 
 
-def usage(prompt_tokens: Sequence[int], completion_tokens: int) -> dict:
-    prompt = sum(prompt_tokens)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt + completion_tokens,
-    }
-
-
-class Format:
+class Format(abc.ABC):
     """What completions and chat share: an id, the envelope, usage, SSE encoding."""
 
     object_name = ""
@@ -47,20 +38,14 @@ class Format:
     # --- whole responses ----------------------------------------------------------------------
 
     def response(self, results: list[ChoiceResult]) -> dict:
-        prompts = [r.prompt_tokens for i, r in enumerate(results) if i % self.n == 0]
-        return {
-            "id": self.id,
-            "object": self.object_name,
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                self.choice(i, r.text, r.finish_reason, r.logprobs) for i, r in enumerate(results)
-            ],
-            "usage": usage(prompts, sum(r.completion_tokens for r in results)),
-        }
+        choices = [
+            self.choice(i, r.text, r.finish_reason, r.logprobs) for i, r in enumerate(results)
+        ]
+        return {**self._envelope(self.object_name, choices), "usage": self._usage(results)}
 
+    @abc.abstractmethod
     def choice(self, index: int, text: str, finish_reason: str | None, logprobs=()) -> dict:
-        raise NotImplementedError
+        """One choice of a whole response."""
 
     def logprobs_body(self, index: int, entries) -> dict | None:
         """The choice's ``logprobs`` for these tokens (pb.TokenLogprob), or None when the
@@ -69,8 +54,9 @@ class Format:
             return None
         return self._logprobs(index, list(entries))
 
+    @abc.abstractmethod
     def _logprobs(self, index: int, entries: list) -> dict:
-        raise NotImplementedError
+        """The format's ``logprobs`` body for these tokens."""
 
     # --- streams ------------------------------------------------------------------------------
 
@@ -78,32 +64,40 @@ class Format:
         """The chunk that starts choice ``index``, if the format has one."""
         return None
 
+    @abc.abstractmethod
     def delta(self, index: int, text: str, finish_reason: str | None, logprobs=()) -> dict:
-        raise NotImplementedError
+        """One choice of a stream chunk."""
 
     def chunk(self, choices: list[dict]) -> str:
-        body = {
-            "id": self.id,
-            "object": self.chunk_object_name,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
+        body = self._envelope(self.chunk_object_name, choices)
         if self.include_usage:
             body["usage"] = None
         return event(body)
 
     def usage_chunk(self, results: list[ChoiceResult]) -> str:
-        prompts = [r.prompt_tokens for i, r in enumerate(results) if i % self.n == 0]
-        body = {
+        return event({**self._envelope(self.chunk_object_name, []), "usage": self._usage(results)})
+
+    # --- shared -------------------------------------------------------------------------------
+
+    def _envelope(self, object_name: str, choices: list[dict]) -> dict:
+        return {
             "id": self.id,
-            "object": self.chunk_object_name,
+            "object": object_name,
             "created": self.created,
             "model": self.model,
-            "choices": [],
-            "usage": usage(prompts, sum(r.completion_tokens for r in results)),
+            "choices": choices,
         }
-        return event(body)
+
+    def _usage(self, results: list[ChoiceResult]) -> dict:
+        """Each prompt's tokens once (choices i * n ... i * n + n - 1 share one prompt), every
+        choice's completion tokens."""
+        prompt = sum(r.prompt_tokens for i, r in enumerate(results) if i % self.n == 0)
+        completion = sum(r.completion_tokens for r in results)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
 
 
 class CompletionFormat(Format):

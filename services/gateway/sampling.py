@@ -1,9 +1,9 @@
 """OpenAI's sampling fields as the inference service's SamplingParams, one per choice.
 
 OpenAI's defaults hold where the engine's differ: temperature 1 (the engine's is greedy),
-max_tokens 16 for completions. Choice i of a request with a seed gets seed + i (mod 2**63), so
-that n choices differ from each other and the same request gives the same choices again; choice
-0 gets the seed itself, as a gRPC request with that seed would.
+max_tokens 16 for completions. With a seed, choice i of a prompt (the i-th of its n) gets
+seed + i (mod 2**63), so that n choices differ from each other and the same request gives the
+same choices again; choice 0 gets the seed itself, as a gRPC request with that seed would.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def choice_seed(seed: int | None, index: int) -> int | None:
 
 
 def sampling_params(req: GenerationFields, max_tokens: int, index: int) -> pb.SamplingParams:
-    """The SamplingParams of choice ``index`` of ``req``."""
+    """The SamplingParams of choice ``index`` (within its prompt's n) of ``req``."""
     params = pb.SamplingParams(
         max_new_tokens=max_tokens,
         temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,

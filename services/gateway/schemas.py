@@ -1,24 +1,27 @@
 """OpenAI's request bodies for /v1/completions and /v1/chat/completions, validated on the way in.
 
 Fields OpenAI defines that change what is generated and that the engine cannot honour
-(logprobs, penalties, logit_bias, tools, echo, suffix, best_of beyond n, a response format
-other than text) are refused with a 400 that names them, never silently ignored; fields that do
-not change the output (user, metadata, store, ...) and unknown fields are ignored, as OpenAI's
-servers and vLLM do. Extensions that vLLM also takes: top_k, ignore_eos, stop_token_ids, and
+(penalties, logit_bias, tools, echo, suffix, best_of beyond n, a response format other than
+text) are refused with a 400 that names them, never silently ignored; fields that do not change
+the output (user, metadata, store, ...) and unknown fields are ignored, as OpenAI's servers and
+vLLM do. Extensions that vLLM also takes: top_k, ignore_eos, stop_token_ids, and
 add_generation_prompt for chat.
 """
 
 from __future__ import annotations
 
 import json
+from abc import abstractmethod
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
+from services.gateway.config import INT32_MAX
 from services.gateway.errors import BadRequest, validation_message
+from services.inference.engine.sampling_params import MAX_LOGPROBS
 
 MAX_SEED = 2**63 - 1  # SamplingParams.seed is an int64
-Int32 = Annotated[int, Field(ge=0, le=2**31 - 1)]
+Int32 = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class StreamOptions(BaseModel):
@@ -39,14 +42,15 @@ class GenerationFields(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    max_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
-    top_k: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    top_k: int | None = Field(default=None, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
     stop_token_ids: list[Int32] | None = None
     # completions: logprobs = alternatives per token (0-20); chat: logprobs true, top_logprobs
-    # alternatives (checked in each request's wanted_logprobs)
+    # alternatives (checked once, by each request's _read_logprobs)
     logprobs: Any = None
     top_logprobs: Any = None
+    _wanted_logprobs: int | None = PrivateAttr(default=None)
     # Refused when set to anything that would change the output (see _refuse_unsupported).
     presence_penalty: Any = None
     frequency_penalty: Any = None
@@ -74,11 +78,15 @@ class GenerationFields(BaseModel):
     @property
     def wanted_logprobs(self) -> int | None:
         """Alternatives per token the engine reports (SamplingParams.logprobs); None: no
-        logprobs."""
-        raise NotImplementedError
+        logprobs. Set by check()."""
+        return self._wanted_logprobs
+
+    @abstractmethod
+    def _read_logprobs(self) -> int | None:
+        """wanted_logprobs from this request's fields; BadRequest for a bad value."""
 
     def _refuse_unsupported(self) -> None:
-        self.wanted_logprobs  # noqa: B018 (raises BadRequest for a bad value)
+        self._wanted_logprobs = self._read_logprobs()
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise BadRequest(f"{name} is not supported: leave it out or 0", param=name)
@@ -101,8 +109,7 @@ class CompletionRequest(GenerationFields):
     echo: Any = None
     suffix: Any = None
 
-    @property
-    def wanted_logprobs(self) -> int | None:
+    def _read_logprobs(self) -> int | None:
         if self.top_logprobs is not None:
             raise BadRequest(
                 "top_logprobs is for chat; completions take logprobs (the number of "
@@ -134,14 +141,13 @@ class CompletionRequest(GenerationFields):
 
 class ChatRequest(GenerationFields):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     add_generation_prompt: bool = True
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
 
-    @property
-    def wanted_logprobs(self) -> int | None:
+    def _read_logprobs(self) -> int | None:
         if self.logprobs not in (None, True, False):
             raise BadRequest("logprobs must be true or false", param="logprobs")
         if not self.logprobs:
@@ -187,9 +193,6 @@ class ChatRequest(GenerationFields):
                 raise BadRequest(f"messages[{i}].content must be a string or a list of parts")
             out.append({**message, "content": content})
         return out
-
-
-MAX_LOGPROBS = 20  # the engine's bound (SamplingParams.logprobs)
 
 
 def _alternatives(value: Any, name: str, none_if: tuple) -> int | None:

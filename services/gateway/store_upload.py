@@ -10,14 +10,11 @@ from pathlib import Path
 
 import grpc
 
+from lorafleet.cli.adapters import DEFAULT_CHUNK_BYTES, CliError, adapter_files
 from lorafleet.v1 import adapter_store_pb2 as store_pb
 from lorafleet.v1 import adapter_store_pb2_grpc as store_grpc
 from services.gateway.backends import Metadata
 from services.gateway.errors import BadRequest, Unavailable
-
-CHUNK_BYTES = 1 << 20  # under the store's 4 MiB message limit
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 class StoreUpload:
@@ -37,9 +34,9 @@ class StoreUpload:
             self._started = True
             await self._send(store_pb.UploadAdapterRequest(header=self._header))
         self._buffer += data
-        while len(self._buffer) >= CHUNK_BYTES:
-            chunk = bytes(self._buffer[:CHUNK_BYTES])
-            del self._buffer[:CHUNK_BYTES]
+        while len(self._buffer) >= DEFAULT_CHUNK_BYTES:
+            chunk = bytes(self._buffer[:DEFAULT_CHUNK_BYTES])
+            del self._buffer[:DEFAULT_CHUNK_BYTES]
             await self._send(store_pb.UploadAdapterRequest(chunk=chunk))
 
     async def finish(self) -> store_pb.AdapterInfo:
@@ -69,19 +66,17 @@ async def upload_directory(
     store: store_grpc.AdapterStoreStub, metadata: Metadata, adapter_id: str, directory: Path
 ) -> store_pb.AdapterInfo:
     """Uploads a PEFT adapter directory on this host, reading the weights chunk by chunk."""
-    config, weights = directory / CONFIG_FILE, directory / WEIGHTS_FILE
-    for path in (config, weights):
-        if not path.is_file():
-            raise BadRequest(f"{directory} has no {path.name}", param="lora_path")
+    try:
+        config_json, weights = adapter_files(directory)
+    except CliError as exc:
+        raise BadRequest(str(exc), param="lora_path") from None
     header = store_pb.UploadAdapterHeader(
-        adapter_id=adapter_id,
-        adapter_config_json=config.read_text(encoding="utf-8"),
-        size_bytes=weights.stat().st_size,
+        adapter_id=adapter_id, adapter_config_json=config_json, size_bytes=weights.stat().st_size
     )
     upload = StoreUpload(store, metadata, header)
     try:
         with open(weights, "rb") as f:
-            while chunk := await asyncio.to_thread(f.read, CHUNK_BYTES):
+            while chunk := await asyncio.to_thread(f.read, DEFAULT_CHUNK_BYTES):
                 await upload.write(chunk)
         return await upload.finish()
     except BaseException:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx2 as httpx
 
-from tests.services.inference.stack import Proc, free_port
+from tests.services.inference.stack import Proc, free_port, wait_for
 
 
 def gateway_proc(inference: str, store: str | None, log_dir: Path, *flags: str) -> Proc:
@@ -25,19 +24,20 @@ def url(proc: Proc, path: str = "") -> str:
 
 def wait_http(proc: Proc, path: str = "/health", timeout: float = 60.0) -> Proc:
     """Until ``path`` answers 200 (the gateway is up and its inference service SERVING)."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
+    last = ["no answer"]
+
+    def answers() -> bool:
         if proc.popen.poll() is not None:
             raise RuntimeError(f"{proc.name} exited:\n{proc.log()[-3000:]}")
         try:
-            last = httpx.get(url(proc, path), timeout=2.0)
-            if last.status_code == 200:
-                return proc
+            reply = httpx.get(url(proc, path), timeout=2.0)
         except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    body = last.text if last is not None else "no answer"
-    raise TimeoutError(
-        f"{proc.name} {path} not 200 after {timeout} s: {body}\n{proc.log()[-3000:]}"
-    )
+            return False
+        last[0] = reply.text
+        return reply.status_code == 200
+
+    try:
+        wait_for(answers, timeout, every=0.1, what=f"{proc.name} {path} answering 200")
+    except TimeoutError as exc:
+        raise TimeoutError(f"{exc}: {last[0]}\n{proc.log()[-3000:]}") from None
+    return proc

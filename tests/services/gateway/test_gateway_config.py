@@ -62,6 +62,7 @@ def test_bad_environment_value_names_the_variable(capsys):
     [
         (grpc.StatusCode.INVALID_ARGUMENT, 400),
         (grpc.StatusCode.FAILED_PRECONDITION, 400),
+        (grpc.StatusCode.OUT_OF_RANGE, 400),
         (grpc.StatusCode.UNAUTHENTICATED, 401),
         (grpc.StatusCode.PERMISSION_DENIED, 403),
         (grpc.StatusCode.NOT_FOUND, 404),

@@ -122,6 +122,32 @@ def test_upload_errors_name_what_to_fix(stack, gw_models, build, status, fragmen
     assert httpx.get(stack.url("/v1/adapters/t/x"), timeout=10).status_code == 404
 
 
+def test_a_filename_that_is_not_utf8_does_not_matter(stack, gw_models):
+    """The form's filenames are not read: bytes that are not UTF-8 in one change nothing."""
+    adapter = gw_models.adapters["a"]
+    boundary = "lorafleetboundary"
+
+    def part(name: str, body: bytes, filename: bytes = b"") -> bytes:
+        disposition = f'Content-Disposition: form-data; name="{name}"'.encode()
+        if filename:
+            disposition += b'; filename="' + filename + b'"'
+        return f"--{boundary}\r\n".encode() + disposition + b"\r\n\r\n" + body + b"\r\n"
+
+    body = (
+        part("adapter_id", b"latin/name")
+        + part("adapter_config.json", (adapter / "adapter_config.json").read_bytes(), b"\xe9t\xe9")
+        + part("adapter_model.safetensors", (adapter / "adapter_model.safetensors").read_bytes(),
+               b"\xff\xfe.safetensors")
+        + f"--{boundary}--\r\n".encode()
+    )  # fmt: skip
+    reply = httpx.post(
+        stack.url("/v1/adapters"), content=body, timeout=30,
+        headers={"Content-Type": f"multipart/form-data; boundary={boundary}"},
+    )  # fmt: skip
+    assert reply.status_code == 201, reply.text
+    assert reply.json()["id"] == "latin/name" and reply.json()["version"] == 1
+
+
 def test_a_client_that_leaves_mid_upload_leaves_no_version(stack, gw_models):
     adapter = gw_models.adapters["b"]
     boundary = "lorafleetboundary"
@@ -199,3 +225,12 @@ def test_lora_path_must_lie_under_the_root_when_one_is_set(tmp_path):
     for outside in (tmp_path / "other", tmp_path / "adapters" / "link", inside / ".." / ".."):
         with pytest.raises(BadRequest, match="outside"):
             _allowed(outside, tmp_path / "adapters")
+    # The files read in it are resolved too: a symlink out of the root is refused.
+    (inside / "adapter_config.json").write_text("{}")
+    (tmp_path / "other" / "adapter_model.safetensors").write_bytes(b"secret")
+    (inside / "adapter_model.safetensors").symlink_to(
+        tmp_path / "other" / "adapter_model.safetensors"
+    )
+    with pytest.raises(BadRequest, match="adapter_model.safetensors in it is outside"):
+        _allowed(inside, tmp_path / "adapters")
+    assert _allowed(inside, None) == inside.resolve()  # no root: anywhere on this host
