@@ -229,7 +229,8 @@ class ModelRunner:
             self.graph_steps += 1
             self.fused_steps += key.lora is LoraMode.FUSED
             self.last_graph = True
-            return logits[: self.batch.num_sampled]
+            # Decode graphs pad with sampling rows of the reserved page: only the real ones count.
+            return logits[: sum(e.sample for e in entries)]
         self.last_graph = False
         self.fused_steps += bool(fused)
         self.batch.fill(entries)
