@@ -39,7 +39,7 @@ from kernels import lora
 from kernels.lora_fused import lora_fused_kernel
 from kernels.lora_layout import chunks
 from kernels.lora_paths import FUSED_MAX_TOKENS
-from kernels.tiles import dot_f32, scan_chunk
+from kernels.tiles import dot_f32
 
 TARGET = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM = 65536
@@ -56,11 +56,10 @@ INTS = dict(
     stride_table=48,
     stride_idx=7,
     stride_scale=7,
-    num_segs=258,
     PARTS=1,
 )
 POINTERS = dict.fromkeys(
-    ("table_ptr", "ranks_ptr", "a_off_ptr", "b_off_ptr", "seg_starts_ptr", "seg_lora_ptr"), "*i32"
+    ("table_ptr", "ranks_ptr", "a_off_ptr", "b_off_ptr", "tiles_ptr"), "*i32"
 ) | {"scales_ptr": "*fp32"}  # the others (x, y, the pool) are bf16
 
 
@@ -83,8 +82,7 @@ def fused_resources(launch: lora.LoraLaunch, call) -> Resources:
     constexprs = dict(
         D_IN=d_in, W=W, IN_CHUNKS=chunks(d_in, W), **lora._slice_args(mods, widths),
         BLOCK_M=launch.block_m, BLOCK_K=launch.shrink_k, BLOCK_N=launch.expand_n,
-        BLOCK_R=launch.shrink_r, CHUNK=scan_chunk(INTS["num_segs"]),
-        DOT_F32=dot_f32(torch.bfloat16),
+        BLOCK_R=launch.shrink_r, DOT_F32=dot_f32(torch.bfloat16),
     )  # fmt: skip
     ints = dict(INTS, stride_xt=d_in, stride_yt=sum(widths), MAX_RANK=launch.shrink_r)
     signature, attrs = {}, {}

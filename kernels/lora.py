@@ -3,10 +3,11 @@
 Geometry: kernels/lora_layout.py; semantics: kernels/lora_ref.py, the float64 reference the
 kernels are tested against. Two launches per call (or the fused one of kernels/lora_fused.py
 where launch_config or the caller picks it), over tiles of at most BLOCK_M tokens inside one
-segment of ``LoraTokens`` (one adapter per tile; kernels/tiles.py finds them on the device, so
-no host sync). Prefill runs give full tiles that share each weight load; decode tokens of distinct
-adapters give one-token tiles, which is per-token addressing. Base-only and padding segments
-get no tiles.
+segment of ``LoraTokens`` (one adapter per tile; the host lists them in LoraTokens.tiles,
+kernels/tile_table.py, so a program finds its tile in one load and no host sync is needed).
+Prefill runs give full tiles that share each weight load; decode tokens of distinct adapters
+give one-token tiles, which is per-token addressing. Base-only and padding segments get no
+tiles.
 
 - shrink, grid (tiles, slices x rank blocks x k-splits): h[k, t, s, rows] = x[t, k-part] ·
   A_s[rows]ᵀ in fp32. Rank blocks past an adapter's rank return at once; small batches split
@@ -38,7 +39,8 @@ from kernels.lora_paths import (
     fused_rank_rows,
     shapes_prefer_fused,
 )
-from kernels.tiles import INTERPRET, dot_f32, find_tile, max_tiles, num_sms, scan_chunk
+from kernels.tile_table import TILE_BLOCKS
+from kernels.tiles import INTERPRET, dot_f32, max_tiles, num_sms, table_tile
 
 # Shrink programs wanted per multiprocessor: with fewer, the weights stream through too few
 # SMs (small decode batches) and split_k makes up the difference.
@@ -66,13 +68,14 @@ class _Narrow(NamedTuple):
 # By rank rows; sm_90 only (Hopper: 228 KB of shared memory and 64K registers a
 # multiprocessor; Triton 3.6). Programs an SM holds follow from the compiled kernel's registers
 # and shared memory, which differ between calls (`python -m bench.kernel_resources` prints them
-# for the Llama-2-7B layer's four; a test checks this table against it). At 16 rows the default
-# 256 x 256 launch holds 4 programs an SM (104-128 registers a thread), 256 x 128 blocks 6 for
-# q/k/v and gate/up (64-72 registers; 32 KB of shared memory each is the limit), the calls whose
-# decode programs can pass 528. At 64 rows the default 256 x 256 launch with 8 warps holds 2
-# (80 KB of shared memory), 128 x 128 with 4 warps 4 (5 for q/k/v and o, 4 for gate/up and
-# down: 108-128 registers). Other rank rows were not measured and keep the default launch.
-_NARROW = {16: _Narrow(4, 6, 256, 128, 4), 64: _Narrow(2, 4, 128, 128, 4)}
+# for the Llama-2-7B layer's four; a test checks this table against it: each count is the least
+# among the calls whose decode programs can reach the window). At 16 rows the default 256 x 256
+# launch holds 3 to 5 programs an SM (96-135 registers a thread: q/k/v 5, gate/up 3), 256 x 128
+# blocks 6 (63-80 registers; 32 KB of shared memory each is the limit). At 64 rows the default
+# 256 x 256 launch with 8 warps holds 2 (80 KB of shared memory), 128 x 128 with 4 warps 4 (5
+# for q/k/v and o, 4 for gate/up and down: 78-128 registers). Other rank rows were not
+# measured and keep the default launch.
+_NARROW = {16: _Narrow(3, 6, 256, 128, 4), 64: _Narrow(2, 4, 128, 128, 4)}
 
 
 class LoraLaunch(NamedTuple):
@@ -109,7 +112,12 @@ def launch_config(
         return fused_config(num_tokens, width, max_rank, num_slices, out_width, d_in=d_in)
     big = num_tokens > 1024
     shrink_k = _fit_block(256, width)
-    rank_block = 16 if max_rank <= 16 else 32
+    # 16 rank rows a program whatever max_rank: an engine is sized for its largest adapter
+    # (max_lora_rank 128 by default) but serves mostly small ones; wider blocks would compute
+    # masked rows for them (H200, 292 decode tokens on 96 rank-8 adapters, one layer's q/k/v and
+    # o calls: 69 µs at max_rank 16 with 16-row blocks, against 80 at 32 and 89 at 128 with
+    # 32-row blocks).
+    rank_block = 16
     programs = max(1, min(num_tokens, 1024)) * num_slices  # decode worst case: a tile a token
     want = _SHRINK_PROGRAMS_PER_SM * num_sms() // programs
     split = 1
@@ -206,12 +214,12 @@ def _lora_shrink_kernel(
     # LoRA index: slot table [N, C]; per-module ranks and A offsets [N, 7]
     table_ptr, stride_table, ranks_ptr, a_off_ptr, stride_idx,
     # segments
-    seg_starts_ptr, seg_lora_ptr, num_segs,
+    tiles_ptr,  # the call's tile table [K, 3] (kernels/tile_table.py)
     MAX_RANK,
     D_IN: tl.constexpr, W: tl.constexpr, IN_CHUNKS: tl.constexpr,
     M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr,
     RANK_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, K_PER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     ALIGNED: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:
@@ -220,9 +228,7 @@ def _lora_shrink_kernel(
     s = q // (RANK_BLOCKS * SPLIT_K)
     rb = q // SPLIT_K % RANK_BLOCKS
     ks = q % SPLIT_K
-    _, a, m_start, m_end = find_tile(
-        seg_starts_ptr, seg_lora_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK, True, 1
-    )
+    a, m_start, m_end = table_tile(tiles_ptr, tl.program_id(0))
     if a < 0:
         return
     a64 = a.to(tl.int64)
@@ -318,21 +324,19 @@ def _lora_expand_kernel(
     pool_ptr, stride_half, stride_slot,
     # LoRA index: slot table; per-module ranks, Bᵀ offsets, scales [N, 7]
     table_ptr, stride_table, ranks_ptr, b_off_ptr, scales_ptr, stride_idx, stride_scale,
-    seg_starts_ptr, seg_lora_ptr, num_segs,
+    tiles_ptr,  # the call's tile table [K, 3] (kernels/tile_table.py)
     MAX_RANK,
     W: tl.constexpr,
     M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr,
     N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,  # slice widths
     NB0: tl.constexpr, NB1: tl.constexpr,  # column blocks of slices 0 and 1
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, ALIGNED: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_R: tl.constexpr, ALIGNED: tl.constexpr, DOT_F32: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     # Everything up to gdc_wait reads only what existed before shrink started.
     nb = tl.program_id(1)
-    _, a, m_start, m_end = find_tile(
-        seg_starts_ptr, seg_lora_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK, True, 1
-    )
+    a, m_start, m_end = table_tile(tiles_ptr, tl.program_id(0))
     if a < 0:
         return
     s = tl.where(nb < NB0, 0, tl.where(nb < NB0 + NB1, 1, 2))  # this block's slice
@@ -416,6 +420,13 @@ def _slice_args(modules: tuple[int, ...], widths: tuple[int, ...] = ()) -> dict:
     return out
 
 
+def _tiles(tokens, block_m: int) -> torch.Tensor:
+    """The tile table of ``block_m``-token tiles (kernels/tile_table.py): [K, 3]."""
+    if block_m not in TILE_BLOCKS:
+        raise ValueError(f"block_m must be one of {TILE_BLOCKS}, got {block_m}")
+    return tokens.tiles[TILE_BLOCKS.index(block_m)]
+
+
 def _pdl(cfg: LoraLaunch, device: torch.device) -> bool:
     return cfg.pdl and not INTERPRET and torch.cuda.get_device_capability(device)[0] >= 9
 
@@ -432,13 +443,12 @@ def _shrink(x, h, pool_layer, index, tokens, modules, max_rank, cfg, call, pdl):
         pool_layer, pool_layer.stride(1),
         index.slot_table, index.slot_table.stride(0), index.ranks, index.a_offsets,
         index.ranks.stride(0),
-        tokens.seg_starts, tokens.seg_lora, call.num_segs,
+        _tiles(tokens, cfg.block_m),
         max_rank,
         D_IN=call.d_in, W=call.width, IN_CHUNKS=call.in_chunks,
         RANK_BLOCKS=rank_blocks, SPLIT_K=split,
         K_PER=triton.cdiv(triton.cdiv(call.d_in, split), cfg.shrink_k) * cfg.shrink_k,
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.shrink_k, BLOCK_R=cfg.shrink_r,
-        CHUNK=scan_chunk(call.num_segs),
         ALIGNED=call.width % cfg.shrink_k == 0, DOT_F32=dot_f32(x.dtype), PDL=pdl,
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules),
@@ -453,11 +463,10 @@ def _expand(y, h, pool_layer, index, tokens, modules, out_widths, max_rank, cfg,
         pool_layer, pool_layer.stride(0), pool_layer.stride(1),
         index.slot_table, index.slot_table.stride(0), index.ranks, index.b_offsets,
         index.scales, index.ranks.stride(0), index.scales.stride(0),
-        tokens.seg_starts, tokens.seg_lora, call.num_segs,
+        _tiles(tokens, cfg.block_m),
         max_rank,
         W=call.width, NB0=blocks[0], NB1=blocks[1], SPLIT_K=h.shape[0],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.expand_n, BLOCK_R=cfg.expand_r,
-        CHUNK=scan_chunk(call.num_segs),
         ALIGNED=call.width % cfg.expand_n == 0, DOT_F32=dot_f32(y.dtype), PDL=pdl,
         num_warps=cfg.expand_warps, num_stages=1, launch_pdl=pdl,
         **_slice_args(modules, out_widths),
@@ -476,11 +485,11 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
         pool_layer, pool_layer.stride(0), pool_layer.stride(1),
         index.slot_table, index.slot_table.stride(0), index.ranks, index.a_offsets,
         index.b_offsets, index.scales, index.ranks.stride(0), index.scales.stride(0),
-        tokens.seg_starts, tokens.seg_lora, call.num_segs,
+        _tiles(tokens, cfg.block_m),
         max_rank, cfg.parts,
         D_IN=call.d_in, W=call.width, IN_CHUNKS=call.in_chunks,
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.shrink_k, BLOCK_N=cfg.expand_n, BLOCK_R=cfg.shrink_r,
-        CHUNK=scan_chunk(call.num_segs), DOT_F32=dot_f32(y.dtype),
+        DOT_F32=dot_f32(y.dtype),
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules, out_widths),
     )  # fmt: skip

@@ -11,6 +11,7 @@ import torch
 
 from kernels.lora_layout import NUM_MODULES, chunks
 from kernels.lora_ref import LoraIndex, LoraTokens
+from kernels.tile_table import TILE_BLOCKS, table_rows
 
 MAX_SLICES = 3  # q, k, v share one input; so do gate and up
 
@@ -75,6 +76,7 @@ def check_call(
         "b_offsets": index.b_offsets,
         "seg_starts": tokens.seg_starts,
         "seg_lora": tokens.seg_lora,
+        "tiles": tokens.tiles,
     }
     for name, t in ints.items():
         if t.dtype != torch.int32 or t.device != dev or t.stride(-1) != 1:
@@ -95,6 +97,18 @@ def check_call(
         raise ValueError(
             f"seg_starts needs {num_segs + 1} entries for {num_segs} segments, "
             f"got {tokens.seg_starts.numel()}"
+        )
+    rows = table_rows(acts.shape[0], num_segs)
+    blocks = len(TILE_BLOCKS)
+    if tokens.tiles.dim() != 3 or tokens.tiles.shape[0] != blocks or tokens.tiles.shape[2] != 3:
+        raise ValueError(
+            f"tiles must be [{blocks}, K, 3] (kernels/tile_table.py), "
+            f"got {tuple(tokens.tiles.shape)}"
+        )
+    if tokens.tiles.shape[1] < rows or not tokens.tiles.is_contiguous():
+        raise ValueError(
+            f"tiles must be contiguous with at least {rows} rows for {acts.shape[0]} tokens in "
+            f"{num_segs} segments, got {tuple(tokens.tiles.shape)}"
         )
     if acts.device != dev:
         raise ValueError(f"activations on {acts.device}, pool on {dev}")

@@ -1,10 +1,11 @@
 """One-launch multi-LoRA: shrink and expand fused in one kernel.
 
 Semantics are kernels/lora_ref.py's lora_apply; geometry kernels/lora_layout.py. Grid (tiles,
-slices x parts): a program owns one tile (at most BLOCK_M tokens of one adapter, found on the
-device by kernels/tiles.py), one slice and one contiguous share (``part``) of that slice's
-output columns. It computes the tile's whole h = x · Aᵀ for its slice in registers (all rank
-rows at once, streaming d_in), then streams its share of Bᵀ and adds scale · h · Bᵀ into y.
+slices x parts): a program owns one tile (at most BLOCK_M tokens of one adapter, from the tile
+table the host wrote: kernels/tile_table.py), one slice and one contiguous share (``part``) of
+that slice's output columns. It computes the tile's whole h = x · Aᵀ for its slice in
+registers (all rank rows at once, streaming d_in), then streams its share of Bᵀ and adds
+scale · h · Bᵀ into y.
 
 Why: one launch instead of two (kernels/lora.py), h never goes to memory and no workspace is
 needed. The price is that a program streams a whole A row block alone, and the ``parts``
@@ -23,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tiles import find_tile
+from kernels.tiles import table_tile
 
 
 @triton.jit
@@ -40,20 +41,18 @@ def lora_fused_kernel(
     # LoRA index: slot table [N, C]; ranks, A and Bᵀ offsets, scales [N, 7]
     table_ptr, stride_table, ranks_ptr, a_off_ptr, b_off_ptr, scales_ptr, stride_idx,
     stride_scale,
-    seg_starts_ptr, seg_lora_ptr, num_segs,
+    tiles_ptr,  # the call's tile table [K, 3] (kernels/tile_table.py)
     MAX_RANK, PARTS,
     D_IN: tl.constexpr, W: tl.constexpr, IN_CHUNKS: tl.constexpr,
     M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr,
     N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,  # slice widths
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr,
 ):  # fmt: skip
     q = tl.program_id(1)
     s = q // PARTS
     p = q % PARTS
-    _, a, m_start, m_end = find_tile(
-        seg_starts_ptr, seg_lora_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK, True, 1
-    )
+    a, m_start, m_end = table_tile(tiles_ptr, tl.program_id(0))
     if a < 0:
         return
     width = _pick3(s, N0, N1, N2)

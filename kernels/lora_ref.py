@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from kernels import tile_table
 from kernels.lora_layout import chunks
 
 
@@ -39,6 +40,10 @@ class LoraTokens(NamedTuple):
     token_lora: torch.Tensor  # [T] int32: LoraIndex row of each token, -1 = base model only
     seg_starts: torch.Tensor  # [G + 1] int32: segment g covers tokens seg_starts[g]:seg_starts[g+1]
     seg_lora: torch.Tensor  # [G] int32: LoraIndex row of segment g, -1 = base model only
+    # [len(TILE_BLOCKS), K, 3] int32: per block size, the segments' tiles (row, first token,
+    # end token), then rows of -1; K >= tile_table.table_rows(T, G) (kernels/tile_table.py).
+    # The Triton kernels read it; this reference does not.
+    tiles: torch.Tensor
 
 
 def make_lora_tokens(token_lora: torch.Tensor, capacity: int | None = None) -> LoraTokens:
@@ -60,10 +65,19 @@ def make_lora_tokens(token_lora: torch.Tensor, capacity: int | None = None) -> L
         starts += [t] * (capacity - g)
         rows += [-1] * (capacity - g)
     dev = token_lora.device
+    k = tile_table.table_rows(t, len(rows))
+    tiles = torch.tensor(tile_table.EMPTY, dtype=torch.int32).repeat(
+        len(tile_table.TILE_BLOCKS), k, 1
+    )
+    for b, block in enumerate(tile_table.TILE_BLOCKS):
+        flat = tile_table.block_tiles(starts, rows, block)
+        if flat:
+            tiles[b, : len(flat) // 3] = torch.tensor(flat, dtype=torch.int32).view(-1, 3)
     return LoraTokens(
         tl,
         torch.tensor(starts, dtype=torch.int32, device=dev),
         torch.tensor(rows, dtype=torch.int32, device=dev),
+        tiles.to(dev),
     )
 
 

@@ -1,10 +1,12 @@
-"""Device-side tile lists over packed runs of tokens, found without a host sync.
+"""Tiles over packed runs of tokens, found without a host sync.
 
 A batch of tokens is packed in runs (LoRA segments, or each sequence's queries); kernels cut
 each run into tiles of at most BLOCK rows and launch ``max_tiles(T, BLOCK, runs)`` programs, an
-upper bound. Each program finds its own tile by scanning the run starts CHUNK runs at a time
-and stopping at the chunk that holds its tile, so a tile of run g costs about g / CHUNK steps
-whatever the run capacity; programs past the last tile get run -1 and return.
+upper bound. The LoRA kernels read their tile from a table the host wrote with the step's
+metadata (table_tile; kernels/tile_table.py). Attention finds its own (find_tile) by scanning
+the run starts CHUNK runs at a time and stopping at the chunk that holds its tile, so a tile of
+run g costs about g / CHUNK steps whatever the run capacity (its runs are the step's
+sequences). Programs past the last tile get run -1 and return.
 
 Also the host-side facts every launcher shares: the interpreter switch and the GPU's size.
 """
@@ -17,6 +19,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from kernels.tile_table import max_tiles  # noqa: F401 (the launchers' grid bound, here too)
 
 CHUNK = 512  # runs scanned per step (masked lanes past the capacity load nothing)
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -37,16 +41,12 @@ def dot_f32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (INTERPRET and dtype == torch.bfloat16)
 
 
-def scan_chunk(num_runs: int) -> int:
-    """Runs find_tile scans per step: the capacity rounded up to a power of two (the host
-    knows it), at most CHUNK; small capacities scan in one short step."""
-    return max(16, min(CHUNK, triton.next_power_of_2(max(num_runs, 1))))
-
-
-def max_tiles(num_tokens: int, block: int, num_runs: int) -> int:
-    """Upper bound of the tile count: every non-empty run adds at most one partial tile, and
-    at most ``num_tokens`` runs are non-empty."""
-    return triton.cdiv(num_tokens, block) + min(num_runs, num_tokens)
+@triton.jit
+def table_tile(tiles_ptr, tile):
+    """(row, first token, end token) of tile number ``tile`` from a host-built tile table
+    (kernels/tile_table.py); row = -1 past the step's last tile."""
+    p = tiles_ptr + tile * 3
+    return tl.load(p), tl.load(p + 1), tl.load(p + 2)
 
 
 @triton.jit

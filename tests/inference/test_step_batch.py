@@ -38,6 +38,33 @@ def test_fill_packs_prefill_and_decode():
     assert lt.seg_lora.tolist() == [-1, 1, -1]
 
 
+def test_tiles_match_the_reference_and_forget_the_previous_step():
+    """The LoRA kernels' tile tables (kernels/tile_table.py) equal make_lora_tokens' for the
+    same rows, and rows a longer earlier step wrote are empty again (row -1)."""
+    from kernels import make_lora_tokens
+    from kernels.tile_table import TILE_BLOCKS
+
+    b = StepBatch(
+        max_tokens=80, max_seqs=4, max_pages_per_seq=6, max_segments=6, page_size=16,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    b.fill(
+        [BatchEntry([1] * 40, 0, [0, 1, 2], 0, True), BatchEntry([2] * 35, 0, [3, 4, 5], 2, True)]
+    )
+    first = b.lora_tokens.tiles.clone()
+    assert first[0, :6].tolist() == [
+        [0, 0, 16], [0, 16, 32], [0, 32, 40], [2, 40, 56], [2, 56, 72], [2, 72, 75]
+    ]  # fmt: skip
+    assert first[0, 6:, 0].eq(-1).all() and first[2, :2].tolist() == [[0, 0, 40], [2, 40, 75]]
+    b.fill([BatchEntry([3], 5, [0], None, True), BatchEntry([4, 5], 3, [1], 1, True)])
+    tiles = b.lora_tokens.tiles
+    ref = make_lora_tokens(torch.tensor([-1, 1, 1]), capacity=6).tiles
+    for k in range(len(TILE_BLOCKS)):
+        used = int(ref[k, :, 0].ge(0).sum())
+        assert used == 1 and tiles[k, :used].tolist() == ref[k, :used].tolist() == [[1, 1, 3]]
+        assert tiles[k, used:, 0].eq(-1).all()  # the first step's tiles are gone
+
+
 def test_slots_of_a_chunk_that_starts_inside_a_page():
     b = _batch()
     b.fill([BatchEntry(list(range(6)), 3, [9, 2, 7], None, True)])  # positions 3..8

@@ -51,8 +51,8 @@ def test_grid_and_config():
         points = fs.grid(full, rank, 256)
         assert points[0] == fs.SweepPoint(block, None, 3, warps)
         assert len(points) == 1 + 4 * 5 * 3 * 3
-    # batches 256 and 512 scan segments in the same chunk: they share compiled kernels
-    assert len(fs.compile_tasks(full)) == 2 * 2 * 4 * 3 * 3
+    # every batch shares the compiled kernels of a rank and launch
+    assert len(fs.compile_tasks(full)) == 2 * 4 * 3 * 3
     with pytest.raises(ValueError, match="blocks must be powers of two"):
         fs.SweepConfig(blocks=(48,))
     with pytest.raises(ValueError, match="ranks must be in"):

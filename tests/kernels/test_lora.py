@@ -183,7 +183,9 @@ def test_apply_reuses_workspace():
 def test_launch_config_chooses_paths():
     """lora_apply's default path from shapes alone (H 4096, I 11008): two launches for every
     decode-sized call (whatever the adapters' popularity), fused for prefill calls of several
-    slices; the fused config holds every rank row."""
+    slices while a fused program holds at most 16 rank rows (it computes them all for every
+    adapter); the fused config holds every rank row; two-launch programs hold 16 rank rows
+    whatever max_rank."""
     qkv, o, gate_up, down = (4096, 3, 4096), (4096, 1, 4096), (4096, 2, 11008), (11008, 1, 4096)
 
     def fused(t, call, rank=16):
@@ -195,6 +197,10 @@ def test_launch_config_chooses_paths():
     assert fused(4096, qkv) and fused(4096, gate_up) and not fused(4096, o)
     assert not fused(4096, down) and fused(513, qkv)
     assert not fused(4096, qkv, rank=256)  # too many rank rows to hold
+    assert not any(fused(4096, qkv, rank) for rank in (32, 64, 128))  # rows wasted on small ones
+    assert {
+        lora.launch_config(t, 4096, 4096, r, 3).shrink_r for t in (1, 4096) for r in (8, 128)
+    } == {16}
     assert not lora.launch_config(512, 4096, 4096, 16, 3).fused  # shrink / expand alone
     cfg = lora.fused_config(1, 4096, 64, 3, 4096, d_in=4096)
     assert cfg.fused and cfg.shrink_r >= 64 and cfg.parts > 1 and cfg.block_m == 16
@@ -213,8 +219,8 @@ def test_fused_config_fills_one_wave(monkeypatch):
         return c.shrink_k, c.expand_n, c.shrink_warps, c.parts
 
     assert cfg(128, 16, 3, 4096) == (256, 256, 4, 1)  # q, k, v: 384 programs, one wave
-    assert cfg(256, 16, 3, 4096) == (256, 128, 4, 1)  # 768: 528 a wave, 792 with 256 x 128
-    assert cfg(256, 16, 2, 11008) == (256, 256, 4, 1)  # gate_up: 512 fit one wave
+    assert cfg(256, 16, 3, 4096) == (256, 128, 4, 1)  # 768: 396 a wave, 792 with 256 x 128
+    assert cfg(256, 16, 2, 11008) == (256, 128, 4, 1)  # gate_up: 512 (3 an SM: 396 a wave)
     assert cfg(512, 16, 3, 4096)[:3] == (256, 256, 4)  # 1536: several waves either way
     assert cfg(64, 64, 3, 4096) == (256, 256, 8, 1)  # 192 of 264
     assert cfg(128, 64, 3, 4096) == (128, 128, 4, 1)  # 384: 264 a wave, 528 with 128 x 128

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from kernels import LoraTokens
+from kernels.tile_table import EMPTY, FIELDS, TILE_BLOCKS, block_tiles, table_rows
 
 
 class BatchEntry(NamedTuple):
@@ -56,6 +57,11 @@ class StepBatch:
             "logits_indices": ((max_seqs,), torch.int64),
             "seg_starts": ((max_segments + 1,), torch.int32),
             "seg_lora": ((max_segments,), torch.int32),
+            # The LoRA kernels' tiles, one table per block size (kernels/tile_table.py).
+            "lora_tiles": (
+                (len(TILE_BLOCKS), table_rows(max_tokens, max_segments), FIELDS),
+                torch.int32,
+            ),
         }
         pin = device.type == "cuda"
         self._host = {k: torch.zeros(s, dtype=d, pin_memory=pin) for k, (s, d) in shapes.items()}
@@ -69,6 +75,9 @@ class StepBatch:
         self.prev_tokens = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self._copied: torch.cuda.Event | None = None  # behind the latest staging -> device copy
         self._zeros = (0,) * max_pages_per_seq  # pads block-table rows to the step's widest
+        self._host["lora_tiles"][:, :, 0] = -1  # no tiles yet
+        self._dev["lora_tiles"].copy_(self._host["lora_tiles"])
+        self._tiles_used = [0] * len(TILE_BLOCKS)  # rows of each table the last step wrote
         self.num_tokens = self.num_seqs = self.num_logits = self.num_sampled = 0
         self.has_lora = False
 
@@ -150,6 +159,7 @@ class StepBatch:
         seg_starts, seg_rows = _segments(rows)
         if len(seg_rows) > self.max_segments:
             raise ValueError(f"{len(seg_rows)} LoRA segments exceed {self.max_segments}")
+        self._write_tiles(seg_starts, seg_rows)
         # Unused segments are empty (start = end = t) and base-only, like make_lora_tokens pads.
         seg_starts += [t] * (self.max_segments + 1 - len(seg_starts))
         seg_rows += [-1] * (self.max_segments - len(seg_rows))
@@ -221,7 +231,23 @@ class StepBatch:
     def lora_tokens(self) -> LoraTokens:
         """The step's adapter addressing (rows -1 where a token uses the base model only)."""
         d = self._dev
-        return LoraTokens(d["token_lora"][: self.num_tokens], d["seg_starts"], d["seg_lora"])
+        return LoraTokens(
+            d["token_lora"][: self.num_tokens], d["seg_starts"], d["seg_lora"], d["lora_tiles"]
+        )
+
+    def _write_tiles(self, seg_starts: list[int], seg_rows: list[int]) -> None:
+        """Each block size's tiles of the step's adapter segments into the host table; the rows
+        the previous step wrote past them go back to empty (row -1)."""
+        table = self._host["lora_tiles"]
+        for b, block in enumerate(TILE_BLOCKS):
+            flat = block_tiles(seg_starts, seg_rows, block)
+            n = len(flat) // FIELDS
+            stale = self._tiles_used[b] - n
+            if stale > 0:
+                flat += EMPTY * stale
+            if flat:
+                _write(table[b].view(-1), flat)
+            self._tiles_used[b] = n
 
 
 _TYPECODES = {torch.int32: "i", torch.int64: "q"}

@@ -81,8 +81,9 @@ class ModelRunner:
             max_tokens=max_num_batched_tokens,
             max_seqs=max_num_seqs,
             max_pages_per_seq=-(-max_model_len // pool.page_size),
-            # One per resident adapter, plus base-model runs before them and padding after.
-            max_segments=max_loras + 2,
+            # One per adapter in the step (at most one per sequence, at most the resident
+            # ones), plus base-model runs before them and padding after.
+            max_segments=min(max_loras, max_num_seqs) + 2,
             page_size=pool.page_size,
             device=pool.tensor.device,
         )
