@@ -6,9 +6,10 @@ tiles too: program i reads row i of the table, (LoRA index row, first token, end
 load; rows past the step's last tile hold row -1 and their programs return at once. The grid is
 the tile count's upper bound for the call's capacity (max_tiles), so a CUDA graph captured once
 serves every step. Before, each program found its tile by scanning the segment list on the
-device: with the engine's segment capacity (resident adapters + 2, hundreds) that scan, in
-every program of a grid sized for the worst case, cost more than the LoRA work of a decode step
-with a hundred adapters (H200: 135 µs against 89 per layer's q/k/v and o calls at 292 tokens).
+device: with the engine's segment capacity (resident adapters + 2, hundreds), that scan in
+every program of a grid sized for the worst case added half to the LoRA time of a decode step
+with a hundred adapters (H200, one layer's q/k/v and o calls, 292 tokens on 96 rank-8
+adapters: 135 µs with a capacity of 514 segments, 89 with the capacity cut to 98).
 
 Plain Python, no Triton: the engine builds tables on the CPU path too.
 """
