@@ -4,7 +4,7 @@ the machine that runs it.
 Bytes: every weight once (the seven projections of every layer and the lm_head), the KV cache
 read (every context token of every sequence in the step) and written (every computed token), and
 each distinct adapter's A and B once when the caller counts them (``adapter_bytes``; the serving
-benchmark's base-model rows have none, and its adapter rows do not count them yet). FLOPs: 2
+benchmark takes them from the engine's step log). FLOPs: 2
 per weight per token, and the attention's 4 per head dimension per (query, key) pair. The bound
 is the larger of bytes / copy bandwidth and FLOPs / matmul rate; a step's share of its roofline
 is bound / measured time.

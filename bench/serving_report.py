@@ -27,8 +27,9 @@ def analyse(results: list[dict], steps: list[dict], roof) -> dict:
     window = [s for s in steps if begin <= s["launched_at"] <= end and s["gpu_ms"]]
     for s in window:
         args = (s["tokens"], s["kv_read"], s["kv_written"], s["attn_pairs"])
-        s["share"] = roof.step_bound_ms(*args) / s["gpu_ms"]
-        s["phase_share"] = roof.step_phase_bound_ms(*args) / s["gpu_ms"]
+        lora = s.get("adapter_bytes", 0)  # the step's adapters' weights, read once
+        s["share"] = roof.step_bound_ms(*args, adapter_bytes=lora) / s["gpu_ms"]
+        s["phase_share"] = roof.step_phase_bound_ms(*args, adapter_bytes=lora) / s["gpu_ms"]
     big = [s["share"] for s in window if s["seqs"] >= 64]
     big_steps = [s for s in window if s["seqs"] >= 64]
     return {

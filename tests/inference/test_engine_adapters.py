@@ -167,3 +167,20 @@ def test_index_row_limit_cycles_adapters(tiny_models):
             tiny_models.model("tiny-llama"), tiny_models.adapter("tiny-llama", name), PROMPT, 4
         )
         assert results[name].token_ids == want
+
+
+def test_step_log_counts_each_steps_adapters_and_their_bytes(tiny_models):
+    """Every step record names its distinct adapters and their weight bytes (the serving
+    benchmark's roofline counts them), once however many of the step's sequences share one."""
+    model_dir = tiny_models.model("tiny-llama")
+    recorder = Recorder()
+    core = make_core(model_dir, recorder)
+    a, b = AdapterKey("a", 1), AdapterKey("b", 1)
+    ha = core.add_adapter_dir(a, tiny_models.adapter("tiny-llama", PER_LAYER))
+    hb = core.add_adapter_dir(b, tiny_models.adapter("tiny-llama", SOME_LAYERS))
+    reqs = [_req("a1", a), _req("a2", a), _req("b1", b), _req("base", None)]
+    run(core, {0: reqs}, recorder)
+    records = list(core.step_log.recent)
+    assert records and all(r.seqs == 4 for r in records)  # the four run together throughout
+    assert {(r.adapters, r.adapter_bytes) for r in records} == {(2, ha.nbytes + hb.nbytes)}
+    assert ha.nbytes > 0 and hb.nbytes > 0

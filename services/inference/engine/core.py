@@ -337,7 +337,9 @@ class EngineCore:
             for i, seq in enumerate(sampling):
                 seq.inflight += 1
                 seq.last_row = i
-        record = self.step_log.begin(scheduled, self.runner.last_graph, start, mark)
+        record = self.step_log.begin(
+            scheduled, self.runner.last_graph, start, mark, self._adapter_bytes
+        )
         # The GPU computes meanwhile (the step's work is queued), so the adapter copies
         # prepared for this step are issued now, and a collection due now costs nothing; on
         # CPU both simply run after the forward.
@@ -385,6 +387,11 @@ class EngineCore:
         return self.tokenizer.decode([token], skip_special_tokens=False) if token >= 0 else ""
 
     # --- failures that stay with their request ----------------------------------------------
+
+    def _adapter_bytes(self, key: AdapterKey) -> int:
+        """A scheduled adapter's weight bytes (the step log's count); 0 once it was removed."""
+        host = self.adapters.get(key)
+        return 0 if host is None else host.nbytes
 
     def _execute(self, scheduled, entries):
         """The step's logits, and the scheduled sequences they are for. A forward pass that

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO
@@ -36,6 +36,7 @@ class StepRecord:
     kv_written: int  # K/V rows written (= tokens)
     attn_pairs: int  # (query, key) pairs of the causal attention
     adapters: int  # distinct adapters among the step's sequences
+    adapter_bytes: int  # their weights' bytes (each read at least once by the step)
     graph: bool  # replayed a CUDA graph
     host_ms: float = 0.0
     gpu_ms: float | None = None
@@ -66,11 +67,19 @@ class StepLog:
             return event
         return time.perf_counter()
 
-    def begin(self, scheduled: Sequence, graph: bool, launched_at: float, start: object):
+    def begin(
+        self,
+        scheduled: Sequence,
+        graph: bool,
+        launched_at: float,
+        start: object,
+        adapter_bytes: Callable[[Hashable], int],
+    ):
         """After the step's work (sampling included) is queued. ``scheduled``: the scheduler's
-        ScheduledSeq list, with each sequence's num_computed already counting this step."""
+        ScheduledSeq list, with each sequence's num_computed already counting this step;
+        ``adapter_bytes``: an adapter's weight bytes by its key."""
         tokens = prefill = kv_read = pairs = 0
-        rows = set()
+        rows = {}
         for s in scheduled:
             n = s.num_tokens
             end = s.seq.num_computed
@@ -80,10 +89,11 @@ class StepLog:
             kv_read += end
             pairs += n * (end - n) + n * (n + 1) // 2
             if s.lora_row is not None:
-                rows.add(s.lora_row)
+                rows[s.lora_row] = s.seq.adapter
         record = StepRecord(
             self._count, launched_at, len(scheduled), tokens, prefill, kv_read, tokens, pairs,
-            len(rows), graph, 1e3 * (time.perf_counter() - launched_at),
+            len(rows), sum(adapter_bytes(k) for k in rows.values()), graph,
+            1e3 * (time.perf_counter() - launched_at),
         )  # fmt: skip
         self._count += 1
         record._start = start
