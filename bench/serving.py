@@ -28,6 +28,7 @@ completions of the same token ids instead of Generate; the rows say how it compa
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
@@ -228,6 +229,11 @@ def main() -> None:
         "--via", nargs="+", choices=["grpc", "gateway"], default=["grpc"],
         help="the front the clients call: gRPC, the HTTP gateway, or both (side by side)",
     )  # fmt: skip
+    parser.add_argument(
+        "--passes", type=int, default=1,
+        help="run each trace this many times in a row: the first finds the adapters in the store "
+        "only (cold), later ones in the service's host cache (warm)",
+    )  # fmt: skip
     parser.add_argument("--alpha", type=float, default=1.0, help="popularity power law")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--clients", type=int, default=4, help="client processes")
@@ -292,26 +298,29 @@ def main() -> None:
         base_tps: dict[tuple, float] = {}
         grpc_rows: dict[tuple, dict] = {}
         for n in args.adapters:  # the base model first: every later row is compared with it
-            for run in args.runs:
+            for run, pas in itertools.product(args.runs, range(1, args.passes + 1)):
                 rate, count, duration = parse_run(run)
                 trace = with_adapters(make_trace(rate, count, duration, args.seed), n,
                                       args.alpha, args.seed)  # fmt: skip
                 for via in args.via:  # the same trace through each front, one after the other
-                    log.info("run %s, %d adapters, via %s: %d requests", run, n, via, len(trace))
-                    tag = f"r{run}-n{n}-{via}".replace(":", "_")
+                    log.info("run %s pass %d, %d adapters, via %s: %d requests", run, pas, n, via,
+                             len(trace))  # fmt: skip
+                    tag = f"r{run}-p{pas}-n{n}-{via}".replace(":", "_")
                     results = run_trace(args, address, trace, names[:n], tag, shape.vocab, work,
                                         http if via == "gateway" else None)  # fmt: skip
                     wait_idle(address)
                     steps = step_reader.read()
-                    row = {"run": run, "adapters": n, "via": via, **analyse(results, steps, roof)}
+                    row = {"run": run, "pass": pas, "adapters": n, "via": via,
+                           **analyse(results, steps, roof)}  # fmt: skip
+                    key = run, pas, via
                     if n == 0:
-                        base_tps[run, via] = row["output_tokens_per_s"]
-                    elif base_tps.get((run, via)):
-                        row["vs_base"] = row["output_tokens_per_s"] / base_tps[run, via]
+                        base_tps[key] = row["output_tokens_per_s"]
+                    elif base_tps.get(key):
+                        row["vs_base"] = row["output_tokens_per_s"] / base_tps[key]
                     if via == "grpc":
-                        grpc_rows[run, n] = row
-                    elif (run, n) in grpc_rows:
-                        g = grpc_rows[run, n]
+                        grpc_rows[run, pas, n] = row
+                    elif (run, pas, n) in grpc_rows:
+                        g = grpc_rows[run, pas, n]
                         row["vs_grpc"] = row["output_tokens_per_s"] / g["output_tokens_per_s"]
                         row["ttft_p50_added_s"] = row["ttft_p50_s"] - g["ttft_p50_s"]
                     rows.append(row)

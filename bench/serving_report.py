@@ -91,7 +91,8 @@ class StepLogReader:
 
 def table(rows: list[dict]) -> str:
     head = (
-        f"{'run':<10}{'via':>8}{'n':>6}{'done':>7}{'rej':>5}{'tok/s':>9}{'vs base':>8}{'req/s':>7}"
+        f"{'run':<10}{'pass':>5}{'via':>8}{'n':>6}{'done':>7}{'rej':>5}{'tok/s':>9}{'vs base':>8}"
+        f"{'req/s':>7}"
         f"{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}{'tail s':>8}{'step/roof':>10}"
     )
 
@@ -102,7 +103,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         share = r["roofline_share_batch_64_plus"][50]
         lines.append(
-            f"{r['run']:<10}{r.get('via', 'grpc'):>8}{r['adapters']:>6}{r['completed']:>7}"
+            f"{r['run']:<10}{r.get('pass', 1):>5}{r.get('via', 'grpc'):>8}{r['adapters']:>6}"
+            f"{r['completed']:>7}"
             f"{r['rejected']:>5}"
             f"{r['output_tokens_per_s']:>9.0f}{r.get('vs_base', 1.0):>8.2f}"
             f"{r['requests_per_s']:>7.1f}{ms(r['ttft_p50_s']):>10}{ms(r['ttft_p99_s']):>8}"
@@ -111,6 +113,7 @@ def table(rows: list[dict]) -> str:
             f"{'-' if share is None else f'{share:.2f}':>10}"
         )
     return (
-        "\n".join(lines) + "\n(TTFT, TPOT in ms; tail: last end after the last arrival; "
+        "\n".join(lines) + "\n(TTFT, TPOT in ms; pass 1 finds adapters in the store, later passes "
+        "in the host cache; tail: last end after the last arrival; "
         "step/roof: median step's share of its roofline, steps of >= 64 sequences)"
     )
