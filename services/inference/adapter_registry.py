@@ -6,8 +6,11 @@ request needs it). Invariants, all on the service's event loop:
 
 - an adapter version is in the engine exactly when its bytes are in the host cache: a host
   eviction removes it from the engine (pages freed once its last request ends);
-- a version in use (a Generate call or a LoadAdapter holds a lease) or pinned is held in the
-  host cache, so it is never evicted there;
+- a version in use (a Generate call or a LoadAdapter holds a lease) is held in the host cache,
+  and a pinned one pinned there, so neither is evicted there;
+- a request never fails because the host cache is full of adapters in use: its fetch waits for
+  room (host_cache.py), which the requests holding it release as they finish in the engine
+  without waiting for anything here; only pinned adapters that leave no room fail it;
 - the latest version of each adapter is known from the store's watch; a request for version 0
   takes the latest known one without asking the store, so held adapters keep serving while the
   store is down. A version superseded or deleted is retired: requests already on it finish on
@@ -35,7 +38,6 @@ from store.peft import AdapterFormatError
 
 log = logging.getLogger(__name__)
 
-_FETCH_ATTEMPTS = 3  # a fresh entry may be evicted by a concurrent fetch before it is held
 _NO_FETCHES = LatencyWindow()  # without a store
 
 
@@ -74,7 +76,8 @@ class AdapterRegistry:
 
     @property
     def fetch_waiters(self) -> int:
-        """Requests waiting for an adapter's bytes to arrive from the store."""
+        """Requests waiting for an adapter's bytes to arrive from the store, those whose fetch
+        waits for room in the host cache included (GetStats' waiting_for_adapter)."""
         return sum(self._fetch_waiters.values())
 
     @property
@@ -139,10 +142,8 @@ class AdapterRegistry:
         if held.pinned != pinned:
             held.pinned = pinned
             self.engine.pin_adapter(key, pinned)
-            if pinned:
-                self.cache.hold(key)
-            else:
-                self.cache.release(key)
+            self.cache.pin(key, pinned)
+            if not pinned:
                 self._maybe_drop(held)
 
     def unload(self, adapter_id: str, version: int) -> list[HeldAdapter]:
@@ -230,19 +231,15 @@ class AdapterRegistry:
         store = self._store()
         self._fetch_waiters[key] = self._fetch_waiters.get(key, 0) + 1
         try:
-            for _ in range(_FETCH_ATTEMPTS):
-                entry = await store.fetch(key)
-                if self.cache.peek(key) is entry:
-                    break
-            else:
-                raise StoreUnavailable(f"adapter {key}: the host cache is too busy to keep it")
+            # Held for this call as it lands in the cache (or at once on a hit): another fetch
+            # waiting for room cannot evict it before it is added. It may wait for room.
+            entry = await store.fetch(key, hold=True)
         finally:
             self._fetch_waiters[key] -= 1
             if not self._fetch_waiters[key]:
                 del self._fetch_waiters[key]
-        # No await from here on: nothing can evict the entry before it is held.
-        entry = self.cache.hold(key)
-        if key in self._held:
+        # No await from here on.
+        if key in self._held:  # another call added it meanwhile: this hold is the lease's
             return
         start = time.perf_counter()
         try:

@@ -42,9 +42,11 @@ class ServiceConfig:
     max_num_seqs: int | None = None  # requests in the running batch at once; None: from memory
     num_pages: int | None = None  # page pool size; None = derived from pool_memory_mb
     pool_memory_mb: int | None = None  # page pool budget; None = the engine's default
-    max_loras: int = 32  # adapters resident in the page pool at once
+    max_loras: int | None = None  # adapters resident in the page pool at once; None: from memory
     max_lora_rank: int = 128
-    host_cache_mb: int = 4096  # host cache (pinned on CUDA) of adapters, a superset of the pool
+    # Host cache (pinned on CUDA) of adapters, a superset of the pool; None: from the host's
+    # memory (default_host_cache_bytes).
+    host_cache_mb: int | None = None
     store_timeout_s: float = 10.0  # deadline of a store lookup (GetAdapter)
     fetch_timeout_s: float = 120.0  # deadline of one adapter fetch
     shutdown_grace_s: float = 5.0  # in-flight streams may finish within this after SIGTERM
@@ -100,10 +102,13 @@ class ServiceConfig:
             host, sep, port = self.adapter_store.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"--adapter-store must be HOST:PORT, got {self.adapter_store!r}")
-        for name in ("max_loras", "max_lora_rank", "host_cache_mb", *_LIMITS):
+        for name in ("max_lora_rank", *_LIMITS):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
-        for name in ("num_pages", "pool_memory_mb", "max_queue", "max_num_seqs"):
+        optional = (
+            "num_pages", "pool_memory_mb", "max_queue", "max_num_seqs", "max_loras", "host_cache_mb"
+        )  # fmt: skip
+        for name in optional:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{_flag(name)} must be at least 1, got {value}")
@@ -147,7 +152,10 @@ class ServiceConfig:
 
     @property
     def host_cache_bytes(self) -> int:
-        return self.host_cache_mb * 2**20
+        """--host-cache-mb, or a share of the host's memory when it is not given."""
+        if self.host_cache_mb is not None:
+            return self.host_cache_mb * 2**20
+        return default_host_cache_bytes(host_memory_bytes())
 
     @property
     def limits(self) -> RequestLimits:
@@ -172,6 +180,34 @@ class ServiceConfig:
 
 
 _LIMITS = tuple(f.name for f in fields(RequestLimits))
+
+# Without --host-cache-mb the host cache takes this share of the host's memory, within bounds:
+# a quarter leaves the rest to the processes, the page cache and (on CUDA) the driver, whose
+# pinned memory cannot be swapped; 32 GiB on a 128 GiB machine.
+HOST_CACHE_SHARE = 0.25
+HOST_CACHE_MIN, HOST_CACHE_MAX = 1 << 30, 64 << 30
+# Memory limits of the process's control group (v2, then v1): a container's share of the host.
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def host_memory_bytes() -> int:
+    """The machine's physical memory, or its control group's limit when that is lower."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in _CGROUP_LIMITS:
+        try:
+            limit = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit():  # "max": no limit
+            memory = min(memory, int(limit))
+    return memory
+
+
+def default_host_cache_bytes(memory: int) -> int:
+    """HOST_CACHE_SHARE of ``memory`` in whole MiB, between HOST_CACHE_MIN and HOST_CACHE_MAX."""
+    share = int(memory * HOST_CACHE_SHARE) // 2**20 * 2**20
+    return max(HOST_CACHE_MIN, min(HOST_CACHE_MAX, share))
+
 
 # Variables the whole stack shares (the CLI finds the store through LORAFLEET_ADAPTER_STORE too).
 _SHARED_ENV = {"log_level": "LORAFLEET_LOG_LEVEL", "adapter_store": "LORAFLEET_ADAPTER_STORE"}
@@ -216,9 +252,11 @@ _HELP = {
     "holds at 400 tokens each, 16 to 512, on a GPU; 64 on the CPU)",
     "num_pages": "pages in the unified KV/adapter pool (default: from --pool-memory-mb)",
     "pool_memory_mb": "memory for the unified page pool in MiB (default: the engine's choice)",
-    "max_loras": "adapters resident in the page pool at once (default 32)",
+    "max_loras": "adapters resident in the page pool at once (default: from memory, a LoRA "
+    "index row per pool page within 1%% of the pool's bytes, at least 16)",
     "max_lora_rank": "largest adapter rank accepted (default 128)",
-    "host_cache_mb": "host cache for adapters in MiB, pinned on CUDA (default 4096)",
+    "host_cache_mb": "host cache for adapters in MiB, pinned on CUDA (default: from memory, "
+    "25%% of the host's memory or of its cgroup's limit if lower, 1 to 64 GiB)",
     "store_timeout_s": "deadline in seconds of an adapter lookup in the store (default 10)",
     "fetch_timeout_s": "deadline in seconds of one adapter download (default 120)",
     "shutdown_grace_s": "seconds in-flight streams may finish after SIGTERM (default 5)",

@@ -22,7 +22,13 @@ from services import tls
 from services.auth import Authenticator, AuthInterceptor
 from services.inference.adapter_registry import AdapterRegistry
 from services.inference.arena import HostArena
-from services.inference.config import ServiceConfig
+from services.inference.config import (
+    HOST_CACHE_MAX,
+    HOST_CACHE_MIN,
+    HOST_CACHE_SHARE,
+    ServiceConfig,
+    host_memory_bytes,
+)
 from services.inference.engine import gc_pacing
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.engine import Engine
@@ -131,6 +137,13 @@ class InferenceServer:
             in_clear="prompts and completions",
         )  # fmt: skip
         log.info("listening on %s:%d; loading %s", cfg.host, self.port, cfg.model)
+        if cfg.host_cache_mb is None:
+            log.info(
+                "host cache: %d MiB, %d%% of this host's %.1f GiB of memory (%d to %d GiB; "
+                "--host-cache-mb sets it)",
+                cfg.host_cache_bytes >> 20, HOST_CACHE_SHARE * 100, host_memory_bytes() / 2**30,
+                HOST_CACHE_MIN >> 30, HOST_CACHE_MAX >> 30,
+            )  # fmt: skip
         if cfg.engine == "process":
             arena = HostArena(cfg.host_cache_bytes, pin=False)  # the engine process pins it
             self.engine = RemoteEngine(

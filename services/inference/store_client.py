@@ -6,7 +6,12 @@ worker process (fetch_worker.py: in this process it would take the GIL from the 
 thread), which decodes chunks without copies (fetch_wire.py) and copies each once, into the
 arena that it shares with this process. Fetches are
 single-flight: concurrent callers for one adapter version share one stream, and the fetch runs
-to completion even if every caller went away (the bytes stay cached).
+to completion even if every caller went away (the bytes stay cached). A caller may have the
+entry held for it (``hold``): the hold is taken as the entry is cached, before any other fetch
+could evict it.
+When the host cache has no room for the size the AdapterInfo announces, the stream is dropped,
+the fetch waits in the cache's queue until room is released (host_cache.py), and it asks again
+with the block reserved; it leaves the queue once every caller went away.
 The follower keeps a WatchAdapters stream open, reconnecting with backoff. When a
 (re)connected stream answers, it first tells its owner to forget what it knew of the latest
 versions, then passes on the store's replay of the latest version of every adapter, so a version
@@ -20,18 +25,20 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import grpc
 
 from lorafleet.v1 import adapter_store_pb2 as pb
 from lorafleet.v1 import adapter_store_pb2_grpc as pb_grpc
+from services.inference.arena import ArenaBlock
 from services.inference.engine.api import AdapterKey
 from services.inference.errors import AdapterNotFound, StoreUnavailable
 from services.inference.fetch_wire import RECONNECT_OPTIONS
 from services.inference.fetch_worker import PROTOCOL_ERROR, AdapterCheck
 from services.inference.fetcher import FetchFailed, FetchWorker
-from services.inference.host_cache import HostCache, HostEntry
+from services.inference.host_cache import HostCache, HostCacheBusy, HostEntry
 from services.inference.service_stats import LatencyWindow
 from services.inference.store_access import StoreAccess
 
@@ -45,6 +52,17 @@ _UNAVAILABLE = (
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.CANCELLED,
 )
+
+
+@dataclass
+class _Flight:
+    """One fetch in flight and the callers that wait for it."""
+
+    task: asyncio.Task | None = None
+    callers: int = 0
+    holders: int = 0  # callers the entry is held for once cached
+    held: bool = False  # the entry is cached, held once per holder
+    waiting_for_room: bool = False  # queued in the host cache, not streaming
 
 
 class AdapterEvent(NamedTuple):
@@ -99,13 +117,13 @@ class StoreClient:
         self._worker = FetchWorker(access, cache.arena)  # fetches run in their own process
         # Set by the owner: fetched adapters are validated by the worker too (AdapterCheck).
         self.adapter_check: AdapterCheck | None = None
-        self._inflight: dict[AdapterKey, asyncio.Task[HostEntry]] = {}
+        self._inflight: dict[AdapterKey, _Flight] = {}
         self.fetch_latency = LatencyWindow()  # one sample per fetch, however many waited
         self.on_fetched: Callable[[float], None] | None = None
 
     async def close(self) -> None:
-        for task in list(self._inflight.values()):
-            task.cancel()
+        for flight in list(self._inflight.values()):
+            flight.task.cancel()
         self._worker.close()
         await self._channel.close()
 
@@ -129,34 +147,85 @@ class StoreClient:
         except grpc.aio.AioRpcError as exc:
             raise _store_error(exc, what) from None
 
-    async def fetch(self, key: AdapterKey) -> HostEntry:
-        """The adapter's bytes in the host cache: a hit, a fetch in flight, or a new fetch."""
+    async def fetch(self, key: AdapterKey, hold: bool = False) -> HostEntry:
+        """The adapter's bytes in the host cache: a hit, a fetch in flight, or a new fetch.
+        With ``hold`` the entry comes held once for the caller (who releases it)."""
         entry = self._cache.get(key)
         if entry is not None:
+            if hold:
+                self._cache.hold(key)
             return entry
-        task = self._inflight.get(key)
-        if task is None:
-            task = asyncio.get_running_loop().create_task(self._fetch(key))
-            self._inflight[key] = task
-            task.add_done_callback(lambda _t, k=key: self._inflight.pop(k, None))
-        # shield: one caller's cancellation must not cancel the fetch the others wait on.
-        return await asyncio.shield(task)
+        flight = self._inflight.get(key)
+        if flight is None:
+            flight = _Flight()
+            flight.task = asyncio.get_running_loop().create_task(self._fetch(key, flight))
+            self._inflight[key] = flight
+            flight.task.add_done_callback(lambda _t, k=key, f=flight: self._landed(k, f))
+        flight.callers += 1
+        flight.holders += hold
+        try:
+            # shield: one caller's cancellation must not cancel the fetch the others wait on.
+            return await asyncio.shield(flight.task)
+        except asyncio.CancelledError:
+            if flight.held:
+                if hold:  # taken for this caller as the entry was cached
+                    self._cache.release(key)
+            elif not flight.task.done():
+                flight.callers -= 1
+                flight.holders -= hold
+                if not flight.callers and flight.waiting_for_room:
+                    # Nobody waits for it any more: it leaves the cache's queue (and is
+                    # forgotten now, so that a new caller starts a fetch of its own).
+                    self._landed(key, flight)
+                    flight.task.cancel()
+            raise
 
-    async def _fetch(self, key: AdapterKey) -> HostEntry:
+    def _landed(self, key: AdapterKey, flight: _Flight) -> None:
+        if self._inflight.get(key) is flight:
+            del self._inflight[key]
+
+    async def _fetch(self, key: AdapterKey, flight: _Flight | None = None) -> HostEntry:
         what = f"adapter {key.adapter_id!r} version {key.version}"
-        start = time.perf_counter()
+        flight = flight or _Flight()
+        ready: ArenaBlock | None = None  # reserved after waiting for room, for the next attempt
 
-        def reserve(info: pb.AdapterInfo):
-            return self._cache.reserve(info.size_bytes)  # may raise HostCacheFull
+        def reserve(info: pb.AdapterInfo) -> ArenaBlock:
+            nonlocal ready
+            block, ready = ready, None
+            if block is not None and block.size == info.size_bytes:
+                return block
+            if block is not None:  # not the size announced before: reserve anew
+                self._cache.discard(block)
+            return self._cache.reserve(info.size_bytes)  # HostCacheBusy: wait, HostCacheFull
 
         try:
-            info, block, verdict = await self._worker.fetch(
-                key.adapter_id, key.version, self._fetch_timeout, reserve, self._cache.discard,
-                self.adapter_check,
-            )  # fmt: skip
-        except FetchFailed as exc:
-            raise _fetch_error(exc, what) from None
+            while True:
+                start = time.perf_counter()
+                try:
+                    info, block, verdict = await self._worker.fetch(
+                        key.adapter_id, key.version, self._fetch_timeout, reserve,
+                        self._cache.discard, self.adapter_check,
+                    )  # fmt: skip
+                    break
+                except FetchFailed as exc:
+                    raise _fetch_error(exc, what) from None
+                except HostCacheBusy as busy:
+                    log.info("%s waits for room in the host cache: %s", what, busy)
+                    flight.waiting_for_room = True
+                    try:
+                        ready = await self._cache.reserve_when_free(busy.nbytes)
+                    finally:
+                        flight.waiting_for_room = False
+                    log.info("%s: room in the host cache after %.3f s", what,
+                             time.perf_counter() - start)  # fmt: skip
+        finally:
+            if ready is not None:  # the stream failed before it announced the adapter
+                self._cache.discard(ready)
+        # No await from here on: the holds are taken before anything else could evict it.
         entry = self._cache.put(key, block, info.adapter_config_json, verdict)
+        for _ in range(flight.holders):
+            self._cache.hold(key)
+        flight.held = True
         seconds = time.perf_counter() - start
         self.fetch_latency.add(seconds)
         if self.on_fetched is not None:

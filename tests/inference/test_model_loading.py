@@ -214,16 +214,19 @@ def test_limits_follow_the_pool_and_device():
     """Unset limits are derived: on CUDA from the pool's tokens (400 per sequence, 16 to 512,
     a multiple of 16), on the CPU 64 sequences; 16 waiting requests per running slot, at least
     1024, unless max_waiting or max_queue says otherwise."""
-    from services.inference.engine.pool_sizing import EngineLimits, engine_limits
+    from services.inference.engine.pool_sizing import engine_limits
+
+    def limits(cfg, num_pages, device):  # sequences and queue; the LoRA rows have their tests
+        return engine_limits(cfg, num_pages, device, page_nbytes=2**20, slot_capacity=64)[:2]
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     cfg = EngineConfig(model_dir="m")
-    assert engine_limits(cfg, 100_000 // 16, cuda) == EngineLimits(240, 240 * 17)
-    assert engine_limits(cfg, 100, cuda) == EngineLimits(16, 16 + 1024)
-    assert engine_limits(cfg, 10**7, cuda).max_num_seqs == 512
-    assert engine_limits(cfg, 10**7, cpu) == EngineLimits(64, 64 * 17)
-    assert engine_limits(EngineConfig(model_dir="m", max_waiting=10), 1, cpu).max_queue == 74
+    assert limits(cfg, 100_000 // 16, cuda) == (240, 240 * 17)
+    assert limits(cfg, 100, cuda) == (16, 16 + 1024)
+    assert limits(cfg, 10**7, cuda)[0] == 512
+    assert limits(cfg, 10**7, cpu) == (64, 64 * 17)
+    assert limits(EngineConfig(model_dir="m", max_waiting=10), 1, cpu)[1] == 74
     given = EngineConfig(model_dir="m", max_num_seqs=8, max_queue=9, max_waiting=100)
-    assert engine_limits(given, 10**7, cuda) == EngineLimits(8, 9)
+    assert limits(given, 10**7, cuda) == (8, 9)
     small = EngineConfig(model_dir="m", max_num_batched_tokens=32)
-    assert engine_limits(small, 10**7, cuda).max_num_seqs == 32
+    assert limits(small, 10**7, cuda)[0] == 32

@@ -260,13 +260,16 @@ class AdapterManager:
             if entry.state is not AdapterState.HOST or key in self._failed:
                 return True  # loading or loaded; or failed, waiting for take_failed_loads()
             need = self.pages_of(entry.host)
-            idle = self._idle()
-            rows = len(self._free_rows) + len(idle)
-            room = self.pool.num_free + sum(self._pool_pages(k) for k in idle)
-            if rows == 0 or room < need + reserve:
-                return False
-            while not self._free_rows or self.pool.num_free < need:
-                self._evict(idle.pop(0))
+            if not self._free_rows or self.pool.num_free < need + reserve:
+                # Idle adapters must make room: a pass over every entry, so only when needed
+                # (with thousands of index rows most loads find a free row and pages).
+                idle = self._idle()
+                rows = len(self._free_rows) + len(idle)
+                room = self.pool.num_free + sum(self._pool_pages(k) for k in idle)
+                if rows == 0 or room < need + reserve:
+                    return False
+                while not self._free_rows or self.pool.num_free < need:
+                    self._evict(idle.pop(0))
             entry.row = self._free_rows.pop()
             slots = self.pool.allocate_adapter(key, entry.host.plan.num_slots)
             entry.state = AdapterState.LOADING

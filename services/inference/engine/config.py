@@ -33,7 +33,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens in one step (prefill chunks + decodes)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_lora_rank: int = 128
-    max_loras: int = 32  # rows of the LoRA index = adapters resident in the pool at once
+    # Rows of the LoRA index = adapters resident in the pool at once; None: from the pool
+    # (pool_sizing.engine_limits: a row per pool page, within 1% of the pool's bytes).
+    max_loras: int | None = None
     max_queue: int | None = None  # requests waiting or running before generate() is refused
     max_waiting: int | None = None  # or: requests waiting besides max_num_seqs running
     # (max_queue wins when both are set; None for both: 16 x max_num_seqs waiting)
@@ -53,14 +55,13 @@ class EngineConfig:
             "page_size": self.page_size,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_lora_rank": self.max_lora_rank,
-            "max_loras": self.max_loras,
         }
         for name, value in positive.items():
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         optional = (
             "num_pages", "pool_memory_bytes", "max_model_len", "max_num_seqs", "max_queue",
-            "max_waiting",
+            "max_waiting", "max_loras",
         )  # fmt: skip
         for name in optional:
             value = getattr(self, name)

@@ -20,7 +20,6 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.lora_layout import MODULES, plan_adapter
 from services.inference.engine.adapter_manager import AdapterManager, AdapterState
 from services.inference.engine.adapter_spec import AdapterSpec
 from services.inference.engine.api import (
@@ -48,8 +47,14 @@ from services.inference.engine.gc_pacing import collect_if_due
 from services.inference.engine.host_adapter import HostAdapter, build_host_adapter
 from services.inference.engine.model_runner import ModelRunner
 from services.inference.engine.page_allocator import OwnerKind
-from services.inference.engine.page_pool import PagePool, pages_needed
-from services.inference.engine.pool_sizing import context_window, engine_limits, pool_pages
+from services.inference.engine.page_pool import PagePool, page_bytes, pages_needed
+from services.inference.engine.pool_sizing import (
+    context_window,
+    engine_limits,
+    lora_row_bytes,
+    pool_pages,
+    slot_capacity,
+)
 from services.inference.engine.request import Sequence, SequenceStatus
 from services.inference.engine.sampler import Sampler, make_generator, to_device
 from services.inference.engine.scheduler import Scheduler
@@ -96,24 +101,21 @@ class EngineCore:
         mc = self.model_config
         width = mc.kv_dim
         num_pages = pool_pages(config, mc, self.device, self.dtype)
-        self.limits = engine_limits(config, num_pages, self.device)
-        max_seqs = self.limits.max_num_seqs
+        capacity = slot_capacity(self.base_shape, config.max_lora_rank, width, config.page_size)
+        per_page = page_bytes(mc.num_layers, width, config.page_size, self.dtype)
+        self.limits = engine_limits(config, num_pages, self.device, per_page, capacity)
+        max_seqs, max_loras = self.limits.max_num_seqs, self.limits.max_loras
         self.pool = PagePool(
             mc.num_layers, width, num_pages, config.page_size, self.dtype, self.device
         )
-        # The LoRA index's slot-table width fits the largest adapter allowed: every module at
-        # max_lora_rank.
-        dims = {m: tuple(self.base_shape.module_dims(name)) for m, name in enumerate(MODULES)}
-        biggest = plan_adapter(dict.fromkeys(dims, config.max_lora_rank), dims, width)
-        capacity = pages_needed(biggest.num_slots, config.page_size) * config.page_size
-        self.adapters = AdapterManager(self.pool, config.max_loras, capacity)
+        self.adapters = AdapterManager(self.pool, max_loras, capacity)
         self.scheduler = Scheduler(
             self.pool, self.adapters, max_seqs, config.max_num_batched_tokens, self.max_len,
             config.scheduling,
         )  # fmt: skip
         self.runner = ModelRunner(
             self.model, self.pool, self.adapters.index, config.max_lora_rank,
-            max_seqs, config.max_num_batched_tokens, self.max_len, config.max_loras,
+            max_seqs, config.max_num_batched_tokens, self.max_len, max_loras,
             self.adapters.row_ranks,
         )  # fmt: skip
         if config.cuda_graphs and self.device.type == "cuda":
@@ -131,9 +133,11 @@ class EngineCore:
         self.last_step_ran = False
         log.info(
             "engine ready: %d pages of %d tokens (%.1f MiB), context %d, up to %d sequences "
-            "per step and %d requests in flight, device %s, %s",
+            "per step and %d requests in flight, %d resident adapters (LoRA index %.1f MiB), "
+            "device %s, %s",
             num_pages, config.page_size, self.pool.tensor.nbytes / 2**20, self.max_len,
-            max_seqs, self.limits.max_queue, self.device, self.dtype,
+            max_seqs, self.limits.max_queue, max_loras,
+            max_loras * lora_row_bytes(capacity) / 2**20, self.device, self.dtype,
         )  # fmt: skip
 
     # --- adapters (any thread) --------------------------------------------------------------

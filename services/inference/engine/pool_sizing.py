@@ -1,5 +1,6 @@
 """How long a context the engine serves, how many pages its pool gets, and the limits that
-follow from them when the configuration leaves them open (engine_limits)."""
+follow from them when the configuration leaves them open (engine_limits): sequences per step,
+requests in flight, and the rows of the LoRA index (adapters resident in the pool at once)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.lora_layout import MODULES, NUM_MODULES, plan_adapter
 from services.inference.engine.config import EngineConfig
-from services.inference.engine.page_pool import page_bytes
+from services.inference.engine.page_pool import page_bytes, pages_needed
 from services.inference.models.config import ModelConfig
+from store.peft import BaseModelShape
 
 log = logging.getLogger(__name__)
 
@@ -27,18 +30,49 @@ _MIN_SEQS, _MAX_SEQS = 16, 512
 # is set (waiting requests cost host memory only).
 _WAITING_PER_SEQ = 16
 _MIN_WAITING = 1024
+# The LoRA index has one row per adapter resident in the pool. Every adapter takes at least one
+# pool page, so the pool's page count bounds the rows it can ever use; the index's bytes stay
+# within this share of the pool's, and it has at least _MIN_LORA_ROWS rows. For the serving
+# benchmark on the H200 (Llama-7B shape in bf16: 32 layers, W = 4096, pages of 16 tokens are
+# 8 MiB, 13136 pages; max_lora_rank 128 on all seven modules is 1408 slots a row) that is a
+# row per page: 13136 rows, a 70.6 MiB slot table (72.0 MiB with ranks, offsets and scales),
+# 0.07% of the pool (tests/inference/test_lora_rows.py).
+_LORA_INDEX_SHARE = 0.01
+_MIN_LORA_ROWS = 16
 
 
 class EngineLimits(NamedTuple):
     max_num_seqs: int  # sequences in one step
     max_queue: int  # requests waiting or running before new ones are refused
+    max_loras: int  # rows of the LoRA index: adapters resident in the pool at once
 
 
-def engine_limits(config: EngineConfig, num_pages: int, device: torch.device) -> EngineLimits:
+def slot_capacity(shape: BaseModelShape, max_lora_rank: int, width: int, page_size: int) -> int:
+    """Slots in a row of the LoRA index's slot table: what the largest adapter allowed takes
+    (every module at max_lora_rank), in whole pages."""
+    dims = {m: tuple(shape.module_dims(name)) for m, name in enumerate(MODULES)}
+    biggest = plan_adapter(dict.fromkeys(dims, max_lora_rank), dims, width)
+    return pages_needed(biggest.num_slots, page_size) * page_size
+
+
+def lora_row_bytes(slot_capacity: int) -> int:
+    """Device bytes of one LoRA index row: ``slot_capacity`` int32 slots, and each module's rank,
+    A and B offsets (int32) and scale (float32)."""
+    return 4 * (slot_capacity + 4 * NUM_MODULES)
+
+
+def engine_limits(
+    config: EngineConfig,
+    num_pages: int,
+    device: torch.device,
+    page_nbytes: int,
+    slot_capacity: int,
+) -> EngineLimits:
     """config's limits, with those it leaves open derived from the pool and the device: on
     CUDA as many sequences as the pool holds at _TOKENS_PER_SEQ tokens each (an H200 serving
-    a 7B model in bf16 gets 512), on the CPU 64; and 16 waiting requests per running one, at
-    least 1024."""
+    a 7B model in bf16 gets 512), on the CPU 64; 16 waiting requests per running one, at
+    least 1024; and a LoRA index row per pool page (``page_nbytes`` each), as many as fit in 1%
+    of the pool's bytes at ``slot_capacity`` slots a row, at least 16."""
     seqs = config.max_num_seqs
     if seqs is None:
         if device.type == "cuda":
@@ -53,7 +87,11 @@ def engine_limits(config: EngineConfig, num_pages: int, device: torch.device) ->
         if waiting is None:
             waiting = max(_MIN_WAITING, _WAITING_PER_SEQ * seqs)
         queue = seqs + waiting
-    return EngineLimits(seqs, queue)
+    loras = config.max_loras
+    if loras is None:
+        budget = int(num_pages * page_nbytes * _LORA_INDEX_SHARE) // lora_row_bytes(slot_capacity)
+        loras = max(_MIN_LORA_ROWS, min(num_pages, budget))
+    return EngineLimits(seqs, queue, loras)
 
 
 # Activations of one step are a few times the widest layer output per token; this many
