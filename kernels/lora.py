@@ -116,7 +116,7 @@ def launch_config(
     # (max_lora_rank 128 by default) but serves mostly small ones; wider blocks would compute
     # masked rows for them (H200, 292 decode tokens on 96 rank-8 adapters, one layer's q/k/v and
     # o calls: 69 µs at max_rank 16 with 16-row blocks, against 80 at 32 and 89 at 128 with
-    # 32-row blocks).
+    # 32-row blocks; bench/results/lora_engine_calls_before_tiles.json).
     rank_block = 16
     programs = max(1, min(num_tokens, 1024)) * num_slices  # decode worst case: a tile a token
     want = _SHRINK_PROGRAMS_PER_SM * num_sms() // programs

@@ -34,7 +34,8 @@ FUSED_MAX_RANK = 128
 # Prefill-sized calls fuse only while a fused program holds this many rank rows or fewer: it
 # computes every row up to max_rank for every adapter. H200, 1024 tokens on 100 rank-8
 # adapters, one layer's q/k/v and o calls, two launches against q/k/v fused: 83 µs against 80
-# at max_rank 16, 97 against 118 at 32, 99 against 147 at 64, 101 against 186 at 128.
+# at max_rank 16, 97 against 118 at 32, 99 against 147 at 64, 101 against 186 at 128
+# (bench/results/lora_engine_calls_before_tiles.json, the capacity cut to the adapters used).
 FUSED_PREFILL_MAX_ROWS = 16
 # Decode steps fuse from this many adapter tokens x max_rank (decode_prefers_fused)...
 FUSED_DECODE_MIN_ROWS = 1024

@@ -9,7 +9,8 @@ serves every step. Before, each program found its tile by scanning the segment l
 device: with the engine's segment capacity (resident adapters + 2, hundreds), that scan in
 every program of a grid sized for the worst case added half to the LoRA time of a decode step
 with a hundred adapters (H200, one layer's q/k/v and o calls, 292 tokens on 96 rank-8
-adapters: 135 µs with a capacity of 514 segments, 89 with the capacity cut to 98).
+adapters: 135 µs with a capacity of 514 segments, 89 with the capacity cut to 98;
+bench/results/lora_engine_calls_before_tiles.json).
 
 Plain Python, no Triton: the engine builds tables on the CPU path too.
 """

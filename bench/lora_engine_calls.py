@@ -1,0 +1,105 @@
+"""The LoRA calls of one decoder layer as the serving engine makes them (CUDA).
+
+bench/kernels.py sizes each call for its own adapters (max_rank = the adapters' rank, a segment
+capacity of the adapters in use); the engine does not: its calls carry max_lora_rank (128 by
+default) and a segment capacity fixed for its CUDA graphs (min(resident adapters,
+max_num_seqs) + 2). This times S1's calls (q/k/v and o of rank-8 adapters, Llama-2-7B shapes,
+bf16) in a CUDA graph, per layer, over token counts and adapter counts, by max_rank, segment
+capacity and path (two launches, fused, or the shapes' choice), and with ``--splits`` the
+two-launch path by shrink split and expand block. Bandwidth counts each used adapter's A and B
+once plus the activations (bench/kernels.py's lora_bytes) against 4.2 TB/s of copy bandwidth.
+
+    python bench/lora_engine_calls.py [--splits] [--out bench/results/lora_engine_calls.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from bench import kernels as kb  # noqa: E402
+from kernels import lora  # noqa: E402
+from kernels.lora_ref import make_lora_tokens  # noqa: E402
+
+CALLS = (kb.CALLS[0], kb.CALLS[1])  # q/k/v and o: S1's modules
+CASES = ((292, 100), (292, 290), (64, 60), (512, 30), (1024, 100))  # tokens, adapters
+LAYERS = 4  # each with its own weights, so one layer's adapters do not stay in L2
+
+
+def time_case(t: int, n: int, gen: torch.Generator, variants: list[dict]) -> list[dict]:
+    rows = torch.randint(0, n, (t,), generator=gen).sort().values.int()
+    case = kb.build_lora(n, 8, LAYERS, rows)
+    used = int(torch.unique(rows).numel())
+    nbytes = kb.lora_bytes(case.rows.cpu(), 8, t, CALLS)
+    xs = [[torch.randn(t, d, dtype=kb.DT, device=kb.DEV) for _, d, _ in CALLS]
+          for _ in range(LAYERS)]  # fmt: skip
+    ys = [[torch.zeros(t, sum(w), dtype=kb.DT, device=kb.DEV) for _, _, w in CALLS]
+          for _ in range(LAYERS)]  # fmt: skip
+    out = []
+    for v in variants:
+        max_rank, cap = v["max_rank"], v["segments"] or used + 2
+        tokens = make_lora_tokens(case.rows, capacity=cap)
+        cfgs = [None] * len(CALLS)
+        if v.get("split_k"):
+            cfgs = [
+                lora.launch_config(t, d, kb.POOL_W, max_rank, len(m))._replace(
+                    split_k=v["split_k"], expand_n=v["expand_n"]
+                )
+                for m, d, _ in CALLS
+            ]
+        split = max(c.split_k for c in cfgs) if cfgs[0] else 16
+        ws = torch.empty(lora.workspace_size(t, 3, max_rank) * split, device=kb.DEV)
+
+        def fn(tokens=tokens, cfgs=cfgs, ws=ws, v=v, max_rank=max_rank):
+            for layer in range(LAYERS):
+                for c, (m, _, w) in enumerate(CALLS):
+                    lora.lora_apply(
+                        ys[layer][c], xs[layer][c], case.pool[layer], case.index, tokens, m, w,
+                        max_rank, workspace=ws, config=cfgs[c], fused=v.get("fused"),
+                    )  # fmt: skip
+
+        us = kb.timed(fn, LAYERS, eager=False).graph_us
+        row = dict(tokens=t, adapters=n, used=used, **v, segments_used=cap, us=us,
+                   tb_per_s=round(nbytes / (us * 1e-6) / 1e12, 3))  # fmt: skip
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--splits", action="store_true", help="two launches by split_k, expand_n")
+    ap.add_argument("--out", type=Path, default=REPO / "bench/results/lora_engine_calls.json")
+    args = ap.parse_args()
+    variants = []
+    if args.splits:
+        for split in (1, 2, 4, 8, 16):
+            for en in (256, 128):
+                variants.append(dict(max_rank=128, segments=514, split_k=split, expand_n=en))
+    else:
+        for max_rank in (128, 64, 32, 16):
+            for cap in (514, None):  # the engine's capacity at 512 sequences; the adapters used
+                for fused in (False, True, None):
+                    variants.append(dict(max_rank=max_rank, segments=cap, fused=fused))
+    gen = torch.Generator().manual_seed(0)
+    rows = [r for t, n in CASES for r in time_case(t, n, gen, variants)]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                            capture_output=True, text=True).stdout.strip()  # fmt: skip
+    args.out.write_text(json.dumps({
+        "benchmark": "one layer's S1 LoRA calls (q/k/v, o; rank 8) as the engine makes them",
+        "command": "python bench/lora_engine_calls.py " + " ".join(sys.argv[1:]),
+        "commit": commit, "gpu": torch.cuda.get_device_name(), "rows": rows,
+    }, indent=1) + "\n")  # fmt: skip
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
