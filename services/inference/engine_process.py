@@ -68,7 +68,7 @@ class EngineInfo(NamedTuple):
     num_pages: int  # usable pages: an adapter needing more never fits
     arena_pinned: bool
     stats: EngineStats
-    limits: EngineLimits  # max_num_seqs and max_queue, derived by the engine where unset
+    limits: EngineLimits  # max_num_seqs, max_queue, max_loras: derived by the engine if unset
 
 
 class Report(NamedTuple):

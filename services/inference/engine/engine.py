@@ -237,7 +237,7 @@ class Engine:
 
     @property
     def limits(self) -> EngineLimits:
-        """max_num_seqs and max_queue as the engine derived them (pool_sizing.engine_limits)."""
+        """max_num_seqs, max_queue and max_loras as the engine derived them (engine_limits)."""
         return self.core.limits
 
     # --- requests ---------------------------------------------------------------------------
