@@ -34,6 +34,9 @@ import torch
 
 from kernels import LoraIndex
 from services.inference.engine.host_adapter import HostAdapter, LoraPair, TensorRef, typed_view
+from services.inference.models.shard import lora_slices
+
+ALL = slice(None)
 
 
 def _stacked(src: torch.Tensor, refs: list[TensorRef]) -> torch.Tensor:
@@ -57,12 +60,19 @@ def _stacked(src: torch.Tensor, refs: list[TensorRef]) -> torch.Tensor:
 def write_adapter(pool: torch.Tensor, host: HostAdapter, slots: torch.Tensor, src: torch.Tensor):
     """Write every layer's A and Bᵀ of ``host`` into its ``slots`` of ``pool`` [layers, 2, slots,
     W]. ``src`` holds the adapter file's bytes (uint8) on the pool's device. Layers a module does
-    not transform, rows past a layer's rank and columns past a dimension are written as zeros."""
+    not transform, rows past a layer's rank and columns past a dimension are written as zeros.
+    With ``host.shard``, only the rank's columns of A (row-split modules) or rows of B
+    (column-split ones) are written (models/shard.py)."""
     num_layers, width = pool.shape[0], pool.shape[-1]
     for m, place in enumerate(host.plan.placements):
         if place is None:
             continue
+        a_cols, b_rows = ALL, ALL  # A [r, d_in] and B [d_out, r] of the whole file
         d_in, d_out = host.dims[m]
+        if host.shard is not None:
+            a_cols, b_rows = lora_slices(m, d_in, d_out, host.shard)
+            d_in = len(range(d_in)[a_cols])
+            d_out = len(range(d_out)[b_rows])
         a_pad = torch.zeros(num_layers, place.rank, place.in_chunks * width, dtype=pool.dtype,
                             device=pool.device)  # fmt: skip
         b_pad = torch.zeros(num_layers, place.rank, place.out_chunks * width, dtype=pool.dtype,
@@ -72,15 +82,15 @@ def write_adapter(pool: torch.Tensor, host: HostAdapter, slots: torch.Tensor, sr
             p is not None and p.fold is None and p.a.shape[0] == place.rank for p in pairs
         )
         if uniform:  # every layer, one rank, one scale: all layers at once
-            a_pad[:, :, :d_in] = _stacked(src, [p.a for p in pairs])  # [L, r, d_in]
-            b_pad[:, :, :d_out] = _stacked(src, [p.b for p in pairs]).transpose(1, 2)
+            a_pad[:, :, :d_in] = _stacked(src, [p.a for p in pairs])[:, :, a_cols]  # [L, r, d_in]
+            b_pad[:, :, :d_out] = _stacked(src, [p.b for p in pairs])[:, b_rows].transpose(1, 2)
         else:  # layers_to_transform, rank_pattern or per-layer scales: layer by layer
             for layer, p in enumerate(pairs):
                 if p is None:
                     continue
                 r_l = p.a.shape[0]
-                a_pad[layer, :r_l, :d_in] = typed_view(src, p.a)
-                b = typed_view(src, p.b)  # [d_out, r_l]
+                a_pad[layer, :r_l, :d_in] = typed_view(src, p.a)[:, a_cols]
+                b = typed_view(src, p.b)[b_rows]  # [d_out, r_l]
                 if p.fold is not None:
                     b = b.float() * p.fold
                 b_pad[layer, :r_l, :d_out] = b.t()
@@ -135,6 +145,9 @@ class AdapterCopier:
     def __init__(self, pool: torch.Tensor, index: LoraIndex) -> None:
         self.pool, self.index = pool, index
         self.cuda = pool.device.type == "cuda"
+        # Under tensor parallelism, rank 0's TensorParallel: each copy prepared here is also
+        # sent to the workers, which write their shards at once (the step thread's call).
+        self.mirror = None
         self._stream = torch.cuda.Stream(pool.device) if self.cuda else None
         # The index rows as prepare() writes them, in pinned memory, for non-blocking copies. A
         # row is written again only after it was freed, which needs its copy to have completed.
@@ -149,6 +162,8 @@ class AdapterCopier:
         the work queued so far on the current stream; on CUDA issue(ticket) queues it, on the
         CPU it is done already."""
         ticket = CopyTicket(self.cuda)
+        if self.mirror is not None:  # a failure here is the group's: it stops the engine
+            self.mirror.load(host, row, slots)
         try:
             write_row(self._staged, row, host, slots)
             if self.cuda:

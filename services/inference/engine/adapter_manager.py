@@ -89,17 +89,22 @@ class AdapterEntry:
     pinned: bool = False  # never evicted from the pool (LoadAdapter with pin)
 
 
+def new_lora_index(max_loras: int, slot_capacity: int, device: torch.device) -> LoraIndex:
+    """An empty LoRA index: ``max_loras`` rows of ``slot_capacity`` slots."""
+    return LoraIndex(
+        slot_table=torch.zeros(max_loras, slot_capacity, dtype=torch.int32, device=device),
+        ranks=torch.zeros(max_loras, NUM_MODULES, dtype=torch.int32, device=device),
+        a_offsets=torch.zeros(max_loras, NUM_MODULES, dtype=torch.int32, device=device),
+        b_offsets=torch.zeros(max_loras, NUM_MODULES, dtype=torch.int32, device=device),
+        scales=torch.zeros(max_loras, NUM_MODULES, dtype=torch.float32, device=device),
+    )
+
+
 class AdapterManager:
     def __init__(self, pool: PagePool, max_loras: int, slot_capacity: int) -> None:
         self.pool = pool
         dev = pool.tensor.device
-        self.index = LoraIndex(
-            slot_table=torch.zeros(max_loras, slot_capacity, dtype=torch.int32, device=dev),
-            ranks=torch.zeros(max_loras, NUM_MODULES, dtype=torch.int32, device=dev),
-            a_offsets=torch.zeros(max_loras, NUM_MODULES, dtype=torch.int32, device=dev),
-            b_offsets=torch.zeros(max_loras, NUM_MODULES, dtype=torch.int32, device=dev),
-            scales=torch.zeros(max_loras, NUM_MODULES, dtype=torch.float32, device=dev),
-        )
+        self.index = new_lora_index(max_loras, slot_capacity, dev)
         self._free_rows = list(range(max_loras - 1, -1, -1))
         # Host copy of each index row's largest rank (0 = free): the model runner picks the
         # step's kernel path from it without reading the device.
@@ -398,6 +403,8 @@ class AdapterManager:
         entry = self._entries[key]
         self.pool.free_adapter(key)
         self.index.ranks[entry.row].zero_()  # a stale row must add nothing if it were read
+        if self.copier.mirror is not None:  # and likewise on the tensor-parallel workers
+            self.copier.mirror.clear_row(entry.row)
         self.row_ranks[entry.row] = 0
         self._free_rows.append(entry.row)
         entry.state, entry.row = AdapterState.HOST, None

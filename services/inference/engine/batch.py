@@ -4,12 +4,15 @@ The tensors are allocated once with the engine's limits (tokens, sequences, page
 LoRA segments) so that a later CUDA-graph capture sees stable addresses; each step writes the
 live prefix and the model reads views of it. On CUDA the host side is a pinned staging copy and
 the device side is filled with one non-blocking copy per tensor; the staging buffers are written
-again only after an event recorded behind those copies has completed.
+again only after an event recorded behind those copies has completed. The host tensors are views
+of one flat byte buffer (``packed``), which a tensor-parallel step sends to the other ranks in
+one broadcast (engine/tensor_parallel.py); a rank that receives it calls adopt().
 """
 
 from __future__ import annotations
 
 import array
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -64,7 +67,15 @@ class StepBatch:
             ),
         }
         pin = device.type == "cuda"
-        self._host = {k: torch.zeros(s, dtype=d, pin_memory=pin) for k, (s, d) in shapes.items()}
+        offsets, total = {}, 0
+        for k, (s, d) in shapes.items():
+            offsets[k] = total
+            total += -(-math.prod(s) * d.itemsize // 8) * 8  # each view 8-byte aligned
+        self.packed = torch.zeros(total, dtype=torch.uint8, pin_memory=pin)  # every host tensor
+        self._host = {
+            k: self.packed[offsets[k] : offsets[k] + math.prod(s) * d.itemsize].view(d).view(s)
+            for k, (s, d) in shapes.items()
+        }
         self._dev = (
             {k: torch.zeros(s, dtype=d, device=device) for k, (s, d) in shapes.items()}
             if pin
@@ -99,8 +110,7 @@ class StepBatch:
         if len(entries) > seqs or seqs > self.max_seqs:
             padded = "" if pad_seqs is None else f" (padded to {seqs})"
             raise ValueError(f"{len(entries)} sequences{padded} exceed max_seqs {self.max_seqs}")
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copies still read the staging
+        self.wait_staging()  # the previous step's copies may still read the staging
         ps = self.page_size
         ids: list[int] = []
         sources: list[int] = []
@@ -183,8 +193,28 @@ class StepBatch:
         self.num_tokens, self.num_seqs, self.num_logits = t, seqs, len(logits)
         self.num_sampled = n_logits
         self.has_lora = any(r >= 0 for r in seg_rows)
+        self._to_device()
+
+    @property
+    def counts(self) -> tuple[int, int, int, int, bool]:
+        """What fill() decided besides the host tensors: tokens, sequences, logits rows,
+        sampled rows, whether any token uses an adapter (adopt() takes them)."""
+        return self.num_tokens, self.num_seqs, self.num_logits, self.num_sampled, self.has_lora
+
+    def wait_staging(self) -> None:
+        """Block until the host tensors may be written (the previous copy has read them)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def adopt(self, counts: tuple[int, int, int, int, bool]) -> None:
+        """Take a step another rank filled: ``packed`` holds its host tensors (received after
+        wait_staging()), ``counts`` its counts."""
+        self.num_tokens, self.num_seqs, self.num_logits, self.num_sampled, self.has_lora = counts
+        self._to_device()
+
+    def _to_device(self) -> None:
         if self._dev is not self._host:
-            for name, src in h.items():
+            for name, src in self._host.items():
                 self._dev[name].copy_(src, non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()

@@ -43,6 +43,9 @@ class EngineConfig:
     step_log: str | Path | None = None  # append one JSON line per step here (step_log.py)
     limits: RequestLimits = field(default_factory=RequestLimits)  # per-request input sizes
     scheduling: str = "fair"  # "fair": tenants share the batch (engine/fairness.py); "fcfs"
+    # Ranks the model is sharded over (engine/tensor_parallel.py); its heads, kv heads and MLP
+    # width must divide by it. On CUDA rank r uses GPU r; CUDA graphs are off when above 1.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not str(self.model_dir):
@@ -55,6 +58,7 @@ class EngineConfig:
             "page_size": self.page_size,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_lora_rank": self.max_lora_rank,
+            "tensor_parallel_size": self.tensor_parallel_size,
         }
         for name, value in positive.items():
             if not isinstance(value, int) or value <= 0:

@@ -59,10 +59,12 @@ from services.inference.engine.request import Sequence, SequenceStatus
 from services.inference.engine.sampler import Sampler, make_generator, to_device
 from services.inference.engine.scheduler import Scheduler
 from services.inference.engine.step_log import StepLog, StepRecord
+from services.inference.engine.tensor_parallel import TensorParallel, WorkerLayout
 from services.inference.engine.token_output import append_token
 from services.inference.engine.token_transfer import TokenTicket, TokenTransfer
 from services.inference.models.config import CONFIG, ModelConfig, read_config_json
 from services.inference.models.loader import load_model
+from services.inference.models.shard import Shard, shard_base_shape, shard_model_config
 from services.inference.tokenizer import Tokenizer, TokenizerError
 from store.peft import BaseModelShape
 
@@ -96,12 +98,52 @@ class EngineCore:
             self.tokenizer = Tokenizer.from_model_dir(model_dir)
         except TokenizerError as e:
             raise ModelLoadError(str(e)) from e
-        self.model = load_model(model_dir, self.device, self.dtype, self.max_len, self.model_config)
+        n = config.tensor_parallel_size
+        if n > 1 and self.device.type == "cuda" and torch.cuda.device_count() < n:
+            raise ModelLoadError(
+                f"tensor_parallel_size {n} needs {n} GPUs; torch sees {torch.cuda.device_count()}"
+            )
+        try:  # raises ValueError before any worker starts if the model does not split by n
+            self.plan_shape = shard_base_shape(self.base_shape, n)  # one rank's adapter dims
+            mc = shard_model_config(self.model_config, n)  # one rank's share of the model
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from e
+        # Ranks 1..n-1 load their shards while this one loads its own.
+        self.tp = TensorParallel(config) if n > 1 else None
+        try:
+            self._build(config, mc, Shard(0, n))
+        except BaseException:
+            self.close()
+            raise
+        self.logits_hook = logits_hook
+        self._seq_ids = itertools.count()
+        self._lock = threading.Lock()
+        self._live: dict[str, Sequence] = {}  # request_id -> sequence, prepared until finished
+        self._step_failures: list[tuple[str, RequestFailed]] = []  # take_step_failures
+        self._failed_steps = 0  # steps in a row in which every sequence failed (_execute)
+        self.steps = self.computed_tokens = self.generated_tokens = 0
+        self.last_step_ran = False
+        log.info(
+            "engine ready: %d pages of %d tokens (%.1f MiB), context %d, up to %d sequences "
+            "per step and %d requests in flight, %d resident adapters (LoRA index %.1f MiB), "
+            "device %s, %s",
+            self.pool.num_pages, config.page_size, self.pool.tensor.nbytes / 2**20, self.max_len,
+            self.limits.max_num_seqs, self.limits.max_queue, self.limits.max_loras,
+            self.limits.max_loras * lora_row_bytes(self.slot_capacity) / 2**20, self.device,
+            self.dtype,
+        )  # fmt: skip
 
-        mc = self.model_config
-        width = mc.kv_dim
+    def _build(self, config: EngineConfig, mc: ModelConfig, shard: Shard) -> None:
+        """The model (this rank's shard), the pool and everything around it; with workers,
+        the same layout on theirs. ``mc``: this rank's share of the model."""
+        model_dir = Path(config.model_dir)
+        self.model = load_model(
+            model_dir, self.device, self.dtype, self.max_len, self.model_config, shard
+        )
+        width = mc.kv_dim  # the pool holds this rank's kv heads
         num_pages = pool_pages(config, mc, self.device, self.dtype)
-        capacity = slot_capacity(self.base_shape, config.max_lora_rank, width, config.page_size)
+        capacity = slot_capacity(self.plan_shape, config.max_lora_rank, width, config.page_size)
+        self.slot_capacity = capacity
         per_page = page_bytes(mc.num_layers, width, config.page_size, self.dtype)
         self.limits = engine_limits(config, num_pages, self.device, per_page, capacity)
         max_seqs, max_loras = self.limits.max_num_seqs, self.limits.max_loras
@@ -118,27 +160,22 @@ class EngineCore:
             max_seqs, config.max_num_batched_tokens, self.max_len, max_loras,
             self.adapters.row_ranks,
         )  # fmt: skip
-        if config.cuda_graphs and self.device.type == "cuda":
+        if self.tp is not None:
+            self.model.join_group(self.tp.group.all_reduce)
+            self.tp.ready(WorkerLayout(num_pages, max_seqs, max_loras, capacity, self.max_len))
+            self.adapters.copier.mirror = self.runner.tp = self.tp
+            if config.cuda_graphs and self.device.type == "cuda":
+                log.info("CUDA graphs are off under tensor parallelism: steps run eagerly")
+        elif config.cuda_graphs and self.device.type == "cuda":
             self.runner.capture_graphs(decode_graph_sizes(max_seqs), config.mixed_graph_tokens)
         self.sampler = Sampler()
         self._tokens = TokenTransfer(self.runner.batch.prev_tokens)
         self.step_log = StepLog(self.device, config.step_log)
-        self.logits_hook = logits_hook
-        self._seq_ids = itertools.count()
-        self._lock = threading.Lock()
-        self._live: dict[str, Sequence] = {}  # request_id -> sequence, prepared until finished
-        self._step_failures: list[tuple[str, RequestFailed]] = []  # take_step_failures
-        self._failed_steps = 0  # steps in a row in which every sequence failed (_execute)
-        self.steps = self.computed_tokens = self.generated_tokens = 0
-        self.last_step_ran = False
-        log.info(
-            "engine ready: %d pages of %d tokens (%.1f MiB), context %d, up to %d sequences "
-            "per step and %d requests in flight, %d resident adapters (LoRA index %.1f MiB), "
-            "device %s, %s",
-            num_pages, config.page_size, self.pool.tensor.nbytes / 2**20, self.max_len,
-            max_seqs, self.limits.max_queue, max_loras,
-            max_loras * lora_row_bytes(capacity) / 2**20, self.device, self.dtype,
-        )  # fmt: skip
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine calls this when it stops)."""
+        if self.tp is not None:
+            self.tp.close()
 
     # --- adapters (any thread) --------------------------------------------------------------
 
@@ -159,6 +196,7 @@ class EngineCore:
         host = build_host_adapter(
             key, config_json, weights, self.base_shape, self.pool.width,
             self.config.max_lora_rank, pin=self.device.type == "cuda", spec=spec,
+            shard=None if self.tp is None else Shard(0, self.tp.size),
         )  # fmt: skip
         need = self.adapters.pages_of(host)
         if need > self.pool.num_usable:
@@ -408,6 +446,8 @@ class EngineCore:
             self._failed_steps = 0
             return logits, scheduled
         except Exception as exc:
+            if self.tp is not None:  # the workers are mid-step: the group cannot go on
+                raise
             log.warning("a step of %d sequences failed (%r); running them one by one",
                         len(entries), exc)  # fmt: skip
             error = exc
@@ -508,7 +548,11 @@ class EngineCore:
     # --- introspection ----------------------------------------------------------------------
 
     def check_integrity(self) -> None:
+        """The allocator's invariants; with tensor parallelism, also that every worker's LoRA
+        index and pool geometry equal this rank's (step thread: it sends a command)."""
         self.pool.check_integrity()
+        if self.tp is not None:
+            self.tp.check(self.adapters.index, self.pool.num_pages, self.pool.page_size)
 
     def stats(self) -> EngineStats:
         alloc = self.pool.allocator

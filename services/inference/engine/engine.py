@@ -442,3 +442,7 @@ class Engine:
                 err.__cause__ = self._failure
             errors.append((rid, err))
         self._outputs.post(errors)
+        try:
+            self.core.close()  # the tensor-parallel workers, if any
+        except Exception:  # the streams have ended; a worker that will not stop is killed
+            log.exception("could not stop the tensor-parallel workers")

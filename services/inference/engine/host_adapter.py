@@ -11,6 +11,10 @@ Scales: the LoRA index holds one scale per (adapter, module). When rank_pattern 
 give a module different scales in different layers, the index scale is 1 and each layer's scale
 is folded into its B when it is written; otherwise B is written as is and the index carries the
 scale, so the common case computes exactly what PEFT computes.
+
+Under tensor parallelism each rank's HostAdapter names its ``shard``: its plan is laid out for the
+rank's module dimensions (models/shard.py), and adapter_copy.py writes only the rank's slice of
+each A or B; ``dims`` and ``pairs`` still describe the whole file.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 
 from kernels.lora_layout import MODULE_ID, MODULES, AdapterPlan, plan_adapter
 from services.inference.engine.adapter_spec import AdapterSpec, validate_and_describe
+from services.inference.models.shard import Shard, shard_base_shape
 from store.peft import BaseModelShape
 
 TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
@@ -51,6 +56,7 @@ class HostAdapter:
     pairs: dict[tuple[int, int], LoraPair]  # (layer, module id) -> where its weights are
     plan: AdapterPlan  # where the weights go in the adapter's slot table
     raw: torch.Tensor  # uint8 [file size]: the adapter file's bytes (pinned on CUDA)
+    shard: Shard | None = None  # a tensor-parallel rank's share: the plan is the shard's
 
     @property
     def max_rank(self) -> int:
@@ -94,12 +100,14 @@ def build_host_adapter(
     max_rank: int,
     pin: bool,
     spec: AdapterSpec | None = None,
+    shard: Shard | None = None,
 ) -> HostAdapter:
     """Validate ``adapter_config.json`` + ``adapter_model.safetensors`` against the base model and
     describe its tensors in place. Raises AdapterFormatError / BaseModelMismatch. With ``pin``,
     bytes that are not page-locked already are copied once into pinned memory. ``spec``: what
     describe_adapter made of these bytes after validating them against this base model and
-    max_rank (in another process: the fetch worker); then nothing is parsed or checked again."""
+    max_rank (in another process: the fetch worker); then nothing is parsed or checked again.
+    ``shard``: the tensor-parallel rank whose share this engine places (None: the whole)."""
     raw = _as_bytes(weights)
     if spec is None or spec.total_size != raw.numel():
         spec = validate_and_describe(config_json, memoryview(raw.numpy()), base, max_rank)
@@ -116,7 +124,9 @@ def build_host_adapter(
     ranks = tuple(spec.ranks.get(name, 0) for name in MODULES)
     scales = tuple(spec.scales.get(name, 0.0) for name in MODULES)
     dims = tuple(tuple(base.module_dims(name)) for name in MODULES)
-    return HostAdapter(key, ranks, dims, scales, pairs, plan_for(spec, base, width), raw)
+    plan_base = base if shard is None else shard_base_shape(base, shard.size)
+    plan = plan_for(spec, plan_base, width)
+    return HostAdapter(key, ranks, dims, scales, pairs, plan, raw, shard)
 
 
 def plan_for(spec: AdapterSpec, base: BaseModelShape, width: int) -> AdapterPlan:

@@ -95,6 +95,10 @@ class ModelRunner:
         self.graph_steps = 0  # steps served by a graph replay
         self.last_graph = False  # whether the latest step replayed one
         self.fused_steps = 0  # steps whose LoRA path was the fused one (CUDA only runs it)
+        # Under tensor parallelism, this rank's end of the group (engine/tensor_parallel.py):
+        # rank 0 sends each filled step to the workers, every rank receives the step's
+        # sampled inputs from rank 0. Steps run eagerly then (no CUDA graphs).
+        self.tp = None
 
     @property
     def graph_sizes(self) -> tuple[int, ...]:
@@ -213,8 +217,17 @@ class ModelRunner:
 
     def _forward(self, lora: LoraContext | None) -> torch.Tensor:
         """The step on the filled batch: the inputs the previous step sampled, then the model."""
+        if self.tp is not None:  # the tokens rank 0 sampled: the same inputs on every rank
+            self.tp.broadcast(self.batch.prev_tokens)
         self.batch.resolve_inputs()
         return self.model(self.batch, self.pool.tensor, lora)
+
+    @torch.inference_mode()
+    def forward_adopted(self, fused: bool | None) -> None:
+        """A tensor-parallel worker's step: rank 0 filled the batch, which this rank adopted
+        (StepBatch.adopt); its logits are rank 0's to sample, so they are dropped here."""
+        self.lora.fused = fused
+        self._forward(self.lora if self.batch.has_lora else None)
 
     @torch.inference_mode()
     def execute(self, entries: Sequence[BatchEntry]) -> torch.Tensor:
@@ -236,4 +249,6 @@ class ModelRunner:
         self.fused_steps += bool(fused)
         self.batch.fill(entries)
         self.lora.fused = fused
+        if self.tp is not None:
+            self.tp.send_step(self.batch, fused)
         return self._forward(self.lora if self.batch.has_lora else None)

@@ -6,12 +6,15 @@ Every projection is one base GEMM for all tokens followed by the LoRA hook, kern
 which adds scale * x·Aᵀ·Bᵀ for the tokens whose request uses an adapter (linear_lora). q/k/v and
 gate/up are fused into one GEMM each, so their hooks cover several output slices in one call.
 
-Weights are buffers created on the meta device and filled by models/loader.py.
+Weights are buffers created on the meta device and filled by models/loader.py. Under tensor
+parallelism (models/shard.py) the model holds one rank's heads and MLP share, and the outputs of
+o and down are partial sums that all_reduce makes whole (Transformer.tp: the rank's group).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -90,9 +93,21 @@ def linear_lora(
     return y
 
 
+# Sums a tensor over the tensor-parallel ranks, in place (engine/tensor_parallel.py).
+AllReduce = Callable[[torch.Tensor], None]
+
+
+def all_reduce(x: torch.Tensor, tp: AllReduce | None) -> torch.Tensor:
+    """x, summed over the ranks when the model is sharded: the partial outputs of o and down."""
+    if tp is not None:
+        tp(x)
+    return x
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.tp: AllReduce | None = None
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_dim, self.kv_dim, self.hidden = cfg.q_dim, cfg.kv_dim, cfg.hidden_size
         self.scale = cfg.head_dim**-0.5
@@ -126,13 +141,15 @@ class Attention(nn.Module):
             batch.page_size, self.scale,
         )  # fmt: skip
         o = o.reshape(t, self.q_dim)  # [T, n_heads * head_dim]
-
-        return linear_lora(o, self.wo, self.bo, batch, pool_layer, lora, (O,), (self.hidden,))
+        # Row-split under tensor parallelism: this rank's partial sum (its LoRA share included).
+        out = linear_lora(o, self.wo, self.bo, batch, pool_layer, lora, (O,), (self.hidden,))
+        return all_reduce(out, self.tp)  # [T, hidden]
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.tp: AllReduce | None = None
         self.inter, self.hidden = cfg.intermediate_size, cfg.hidden_size
         self.register_buffer("w_gate_up", torch.empty(2 * self.inter, cfg.hidden_size))
         self.register_buffer("b_gate_up", torch.empty(2 * self.inter) if cfg.mlp_bias else None)
@@ -152,9 +169,10 @@ class MLP(nn.Module):
         )  # fmt: skip
         # gate_up: [T, 2 * inter] = [gate | up]
         h = kernels.silu_mul(gate_up)  # [T, inter]: SiLU(gate) * up
-        return linear_lora(
+        out = linear_lora(
             h, self.w_down, self.b_down, batch, pool_layer, lora, (DOWN,), (self.hidden,)
-        )  # [T, hidden]
+        )  # [T, hidden]: row-split under tensor parallelism, a partial sum
+        return all_reduce(out, self.tp)
 
 
 class DecoderLayer(nn.Module):
@@ -184,6 +202,11 @@ class Transformer(nn.Module):
         self.register_buffer("lm_head", torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.register_buffer("rope_cos", torch.empty(max_len, cfg.head_dim // 2))
         self.register_buffer("rope_sin", torch.empty(max_len, cfg.head_dim // 2))
+
+    def join_group(self, tp: AllReduce) -> None:
+        """Make this rank's shard sum its partial outputs over the tensor-parallel group."""
+        for layer in self.layers:
+            layer.attn.tp = layer.mlp.tp = tp
 
     def init_rope(self, device: torch.device) -> None:
         """Tables of cos/sin for positions [0, max_len), float32 like transformers computes them."""

@@ -3,7 +3,8 @@
 Weights are read memory-mapped from model.safetensors or from the shards named by
 model.safetensors.index.json, and moved to the device one layer at a time: the host never holds
 a second full copy of the model (each tensor is a view of the mapped file until it is copied to
-the device, converted, or fused with its siblings).
+the device, converted, or fused with its siblings). With a tensor-parallel ``shard`` only the
+rank's slice of each split weight is copied (models/shard.py).
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from safetensors import safe_open
 from services.inference.engine.errors import ModelLoadError
 from services.inference.models.config import ModelConfig
 from services.inference.models.llama import Transformer
+from services.inference.models.shard import Shard, shard_model_config
 
 log = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+ALL = slice(None)
 
 
 class WeightFiles:
@@ -69,45 +72,67 @@ def load_model(
     dtype: torch.dtype,
     max_len: int,
     cfg: ModelConfig | None = None,
+    shard: Shard | None = None,
 ) -> Transformer:
     """Build the model for ``model_dir`` on ``device`` in ``dtype``; rope tables up to max_len.
-    ``cfg``: the directory's config, when the caller has read it already."""
+    ``cfg``: the directory's config, when the caller has read it already. ``shard``: build only
+    that tensor-parallel rank's share (the caller joins the model to its group)."""
     model_dir = Path(model_dir)
     cfg = cfg or ModelConfig.from_model_dir(model_dir)
+    shard = shard or Shard(0, 1)
     with torch.device("meta"):
-        model = Transformer(cfg, max_len)
+        model = Transformer(shard_model_config(cfg, shard.size), max_len)
     h, v, i = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
+    q_part, kv_part, i_part = shard.part(cfg.q_dim), shard.part(cfg.kv_dim), shard.part(i)
 
     with ExitStack() as stack:
         files = WeightFiles(model_dir, stack)
 
-        def put(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-            return files.get(name, shape).to(device=device, dtype=dtype)
+        def put(
+            name: str, shape: tuple[int, ...], rows: slice = ALL, cols: slice = ALL
+        ) -> torch.Tensor:
+            t = files.get(name, shape)
+            if shard.size > 1:  # the rank's slice: still a view of the mapped file until copied
+                t = (t[rows] if len(shape) == 1 else t[rows, cols]).contiguous()
+            return t.to(device=device, dtype=dtype)
 
-        def fuse(names: list[str], shapes: list[tuple[int, ...]]) -> torch.Tensor:
+        def fuse(names: list[str], shapes: list[tuple[int, ...]], parts: list[slice]):
             # Copy each part to the device first, so the host only ever holds mapped views.
-            return torch.cat([put(n, s) for n, s in zip(names, shapes, strict=True)], dim=0)
+            return torch.cat(
+                [put(n, s, p) for n, s, p in zip(names, shapes, parts, strict=True)], dim=0
+            )
+
+        def rank0_bias(name: str) -> torch.Tensor:
+            # A row-split projection's bias is added once: on rank 0, before the sum.
+            b = put(name, (h,))
+            return b if shard.rank == 0 else torch.zeros_like(b)
 
         model.embed_tokens = put("model.embed_tokens.weight", (v, h))
         for layer in model.layers:
             p = f"model.layers.{layer.layer_id}."
             qkv = ["q_proj", "k_proj", "v_proj"]
             qkv_dims = [cfg.q_dim, cfg.kv_dim, cfg.kv_dim]
+            qkv_parts = [q_part, kv_part, kv_part]  # whole heads: by output rows of W
             attn = layer.attn
-            attn.wqkv = fuse([f"{p}self_attn.{m}.weight" for m in qkv], [(d, h) for d in qkv_dims])
-            if cfg.qkv_bias:
-                attn.bqkv = fuse([f"{p}self_attn.{m}.bias" for m in qkv], [(d,) for d in qkv_dims])
-            attn.wo = put(f"{p}self_attn.o_proj.weight", (h, cfg.q_dim))
-            if cfg.o_bias:
-                attn.bo = put(f"{p}self_attn.o_proj.bias", (h,))
-            mlp = layer.mlp
-            mlp.w_gate_up = fuse(
-                [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"], [(i, h)] * 2
+            attn.wqkv = fuse(
+                [f"{p}self_attn.{m}.weight" for m in qkv], [(d, h) for d in qkv_dims], qkv_parts
             )
-            mlp.w_down = put(f"{p}mlp.down_proj.weight", (h, i))
+            if cfg.qkv_bias:
+                attn.bqkv = fuse(
+                    [f"{p}self_attn.{m}.bias" for m in qkv], [(d,) for d in qkv_dims], qkv_parts
+                )
+            attn.wo = put(f"{p}self_attn.o_proj.weight", (h, cfg.q_dim), ALL, q_part)
+            if cfg.o_bias:
+                attn.bo = rank0_bias(f"{p}self_attn.o_proj.bias")
+            mlp = layer.mlp
+            gate_up = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
+            mlp.w_gate_up = fuse(gate_up, [(i, h)] * 2, [i_part] * 2)
+            mlp.w_down = put(f"{p}mlp.down_proj.weight", (h, i), ALL, i_part)
             if cfg.mlp_bias:
-                mlp.b_gate_up = fuse([f"{p}mlp.gate_proj.bias", f"{p}mlp.up_proj.bias"], [(i,)] * 2)
-                mlp.b_down = put(f"{p}mlp.down_proj.bias", (h,))
+                mlp.b_gate_up = fuse(
+                    [f"{p}mlp.gate_proj.bias", f"{p}mlp.up_proj.bias"], [(i,)] * 2, [i_part] * 2
+                )
+                mlp.b_down = rank0_bias(f"{p}mlp.down_proj.bias")
             layer.input_layernorm.weight = put(f"{p}input_layernorm.weight", (h,))
             layer.post_attention_layernorm.weight = put(f"{p}post_attention_layernorm.weight", (h,))
         model.norm.weight = put("model.norm.weight", (h,))
@@ -120,7 +145,8 @@ def load_model(
     model.init_rope(device)
     model.eval()
     log.info(
-        "loaded %s (%d layers, hidden %d, %d/%d heads) on %s as %s",
+        "loaded %s (%d layers, hidden %d, %d/%d heads) on %s as %s%s",
         cfg.architecture, cfg.num_layers, h, cfg.num_heads, cfg.num_kv_heads, device, dtype,
+        f", tensor-parallel rank {shard.rank} of {shard.size}" if shard.size > 1 else "",
     )  # fmt: skip
     return model

@@ -1,0 +1,263 @@
+"""Tensor parallelism: rank 0's end of the group (engine/tp_worker.py is the other ranks' loop).
+
+Rank 0 is the engine as with one process: scheduler, sampler, adapter manager and step loop. It
+starts ranks 1..N-1 as worker processes (``python -m services.inference.engine.tp_worker``) that
+meet it through a TCP store on a free loopback port and load their own shard of the weights
+(models/shard.py). Two process groups join them: the control group (gloo, host tensors) carries
+rank 0's commands, and the compute group (NCCL on CUDA, the same gloo group on the CPU) the
+all-reduces of the forward pass and the step's sampled inputs.
+
+Every command starts with one broadcast of a fixed header ([HEADER] int64: the command and its
+arguments), then its payload:
+
+- STEP: the StepBatch's host tensors, packed in one buffer (one broadcast); then in the forward,
+  on the compute group, the tokens the previous step sampled (StepBatch.prev_tokens) and the
+  two all-reduces of each layer.
+- LOAD: the adapter's description (pickled HostAdapter, less its bytes), its slot table, then
+  the adapter file's bytes; each worker writes its shard into the same slots and index row as
+  rank 0 (the plan of the sharded shapes is the same on every rank, so rank 0 allocates for all).
+- CLEAR: an index row given back (eviction, removal): its ranks zeroed as on rank 0.
+- CHECK: rank 0's LoRA index and pool geometry; each worker compares its own (integrity).
+- STOP: the workers exit.
+
+Rank 0's allocator decides every page, slot and row; workers only follow, so the pools stay in
+step. Commands go out on the engine's step thread only: a row cleared from another thread is
+queued and sent before the next command. A worker that dies makes rank 0's next collective
+fail (or is found dead before it): the step fails, and the engine stops as when its own
+process dies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from kernels import LoraIndex
+from services.inference.engine.config import EngineConfig
+from services.inference.engine.errors import ModelLoadError
+from services.inference.engine.host_adapter import HostAdapter
+
+log = logging.getLogger(__name__)
+
+HEADER = 8  # int64 fields of a command header
+STEP, LOAD, CLEAR, CHECK, STOP = range(1, 6)
+# A collective that has not completed by then fails (a hung peer). Workers wait for commands
+# without a limit: the engine may be idle for hours.
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+IDLE_TIMEOUT = timedelta(days=365)
+_REPO = Path(__file__).resolve().parents[3]
+_FUSED = {None: -1, False: 0, True: 1}
+
+
+class WorkerDied(RuntimeError):
+    """A tensor-parallel worker process ended: the engine cannot step any more."""
+
+
+class WorkerLayout(NamedTuple):
+    """What rank 0 decided and every worker needs to build the same pool, index and batch."""
+
+    num_pages: int
+    max_num_seqs: int
+    max_loras: int
+    slot_capacity: int
+    max_len: int
+
+
+def fused_code(fused: bool | None) -> int:
+    return _FUSED[fused]
+
+
+def fused_value(code: int) -> bool | None:
+    return {v: k for k, v in _FUSED.items()}[code]
+
+
+class Group:
+    """One rank's end of the control and compute groups."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device) -> None:
+        self.rank, self.size, self.device = rank, size, device
+        self.ctl = dist.ProcessGroupGloo(
+            dist.PrefixStore("ctl", store), rank, size, COLLECTIVE_TIMEOUT
+        )
+        if device.type == "cuda":
+            self.compute = dist.ProcessGroupNCCL(dist.PrefixStore("compute", store), rank, size)
+        else:
+            self.compute = self.ctl
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        """Sum ``x`` (on this rank's device) over the ranks, in place: the model's hook."""
+        self.compute.allreduce([x]).wait()
+
+    def broadcast(self, x: torch.Tensor) -> None:
+        """Rank 0's ``x`` (on this rank's device) into every rank's."""
+        self.compute.broadcast(x, 0).wait()
+
+    def header(self, fields: list[int] | None = None, idle: bool = False) -> list[int]:
+        """Send (rank 0, ``fields``) or receive a command header; ``idle``: wait without limit."""
+        h = torch.zeros(HEADER, dtype=torch.int64)
+        if fields is not None:
+            h[: len(fields)] = torch.tensor(fields, dtype=torch.int64)
+        if idle:
+            self.ctl.broadcast(h, 0, IDLE_TIMEOUT).wait()
+        else:
+            self.ctl.broadcast(h, 0).wait()
+        return h.tolist()
+
+    def host(self, x: torch.Tensor) -> None:
+        """Broadcast a host tensor from rank 0 on the control group."""
+        self.ctl.broadcast(x, 0).wait()
+
+    def flags(self, mine: int) -> list[int]:
+        """Every rank's ``mine`` (0 = fine), one all-reduce."""
+        f = torch.zeros(self.size, dtype=torch.int64)
+        f[self.rank] = mine
+        self.ctl.allreduce([f]).wait()
+        return f.tolist()
+
+
+def send_bytes(group: Group, data: bytes | None) -> bytes:
+    """Rank 0's ``data`` to every rank: its length in a header, then the bytes (the others
+    wait without limit: rank 0 may take long to get there, loading its own shard)."""
+    n = group.header([len(data)] if data is not None else None, idle=data is None)[0]
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None else None
+    if buf is None:
+        buf = torch.empty(n, dtype=torch.uint8)
+    if n:
+        group.host(buf)
+    return buf.numpy().tobytes()
+
+
+def index_tensors(index: LoraIndex) -> list[torch.Tensor]:
+    """The index's tensors on the host, for comparing ranks' copies."""
+    return [t.cpu() for t in index]
+
+
+class TensorParallel:
+    """Rank 0's end: starts the workers, sends them the engine's commands."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        n = config.tensor_parallel_size
+        self.size = n
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, n, True, timedelta(hours=1), wait_for_workers=False
+        )  # port 0: a free one
+        port = self._store.port
+        self._store.set("config", pickle.dumps(config))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env.get("PYTHONPATH")]))
+        self.workers = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "services.inference.engine.tp_worker",
+                    str(rank),
+                    str(n),
+                    str(port),
+                ],
+                env=env,
+            )  # fmt: skip
+            for rank in range(1, n)
+        ]
+        self._lock = threading.Lock()
+        self._cleared: list[int] = []  # rows cleared off the step thread, sent before the next
+        self._closed = False
+        try:
+            self.group = Group(self._store, 0, n, config.torch_device)
+        except BaseException:
+            self._kill()
+            raise
+        log.info("tensor parallel: %d ranks (workers %s)", n, [p.pid for p in self.workers])
+
+    def ready(self, layout: WorkerLayout) -> None:
+        """Send the layout; once every worker has built its pool, return (ModelLoadError with
+        the workers' reasons if one could not)."""
+        self._check_alive()
+        send_bytes(self.group, pickle.dumps(layout))
+        failed = [r for r, f in enumerate(self.group.flags(0)) if f]
+        if failed:
+            reasons = [self._store.get(f"error{r}").decode() for r in failed]
+            self.close()
+            raise ModelLoadError(f"tensor-parallel workers {failed} could not start: {reasons}")
+
+    # --- commands (the step thread) ----------------------------------------------------------
+
+    def _command(self, fields: list[int]) -> None:
+        self._check_alive()
+        with self._lock:
+            cleared, self._cleared = self._cleared, []
+        for row in cleared:
+            self.group.header([CLEAR, row])
+        self.group.header(fields)
+
+    def send_step(self, batch, fused: bool | None) -> None:
+        """The filled StepBatch to every worker; the forward pass follows on every rank."""
+        self._command([STEP, *map(int, batch.counts), fused_code(fused)])
+        self.group.host(batch.packed)
+
+    def broadcast(self, x: torch.Tensor) -> None:
+        """The step's sampled inputs from this rank to the workers (ModelRunner._forward)."""
+        self.group.broadcast(x)
+
+    def load(self, host: HostAdapter, row: int, slots: torch.Tensor) -> None:
+        """Every worker writes its shard of ``host`` into ``slots`` and index ``row``."""
+        meta = pickle.dumps(dataclasses.replace(host, raw=torch.empty(0, dtype=torch.uint8)))
+        self._command([LOAD, row, slots.numel(), len(meta), host.raw.numel()])
+        self.group.host(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
+        self.group.host(slots.to(torch.int64).contiguous())
+        raw = host.raw if host.raw.is_contiguous() else host.raw.contiguous()
+        self.group.host(raw)
+
+    def clear_row(self, row: int) -> None:
+        """An index row was given back (any thread): sent before the next command."""
+        with self._lock:
+            self._cleared.append(row)
+
+    def check(self, index: LoraIndex, num_pages: int, page_size: int) -> None:
+        """AssertionError unless every worker's LoRA index equals rank 0's and its pool has
+        the same pages and slots (the KV pages and slots are the step's, sent to all)."""
+        self._command([CHECK, num_pages, page_size])
+        for t in index_tensors(index):
+            self.group.host(t)
+        bad = [r for r, f in enumerate(self.group.flags(0)) if f]
+        if bad:
+            raise AssertionError(f"tensor-parallel ranks {bad} are out of step with rank 0")
+
+    def close(self) -> None:
+        """Stop the workers (STOP if they can still hear it) and wait for them."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if all(p.poll() is None for p in self.workers):
+                self.group.header([STOP])
+        except Exception:  # noqa: BLE001 (a worker is gone: the others are killed below)
+            log.warning("tensor-parallel workers did not take STOP; killing them")
+        for p in self.workers:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def _kill(self) -> None:
+        self._closed = True
+        for p in self.workers:
+            p.kill()
+            p.wait()
+
+    def _check_alive(self) -> None:
+        dead = [(r + 1, p.returncode) for r, p in enumerate(self.workers) if p.poll() is not None]
+        if dead:
+            raise WorkerDied(f"tensor-parallel workers exited (rank, code): {dead}")
