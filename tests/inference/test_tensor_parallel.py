@@ -1,0 +1,145 @@
+"""Tensor parallelism on the CPU: two ranks over gloo (rank 0 in this process, one worker).
+
+Token for token against transformers + peft, as test_engine_parity.py is for one rank: the base
+model and four adapters mixed in steps, prefill chunks beside decodes; then preemption in a
+small pool, aborts and adapter evictions with every rank's pool checked; then a worker killed
+mid-run, which fails the step and stops the engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.inference.engine.api import AdapterKey, GenerationRequest
+from services.inference.engine.config import EngineConfig
+from services.inference.engine.engine import Engine
+from services.inference.engine.errors import EngineStopped, ModelLoadError
+from services.inference.engine.sampling_params import SamplingParams
+from tests.inference.engine_harness import Recorder, hf_greedy, make_core, relative_error, run
+from tests.inference.models import PARITY_ADAPTERS
+from tests.inference.test_engine_parity import PLAN, _requests
+
+LOGITS_RTOL = 1e-4
+
+
+@pytest.fixture
+def tp_core(tiny_models):
+    cores = []
+
+    def make(preset="tiny-llama", recorder=None, **overrides):
+        core = make_core(tiny_models.model(preset), recorder, tensor_parallel_size=2, **overrides)
+        cores.append(core)
+        return core
+
+    yield make
+    for core in cores:
+        core.close()
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
+def test_two_ranks_match_hf_peft(tiny_models, tp_core, preset):
+    model_dir = tiny_models.model(preset)
+    recorder = Recorder()
+    core = tp_core(preset, recorder, max_num_batched_tokens=48)
+    assert core.pool.width == core.model_config.kv_dim // 2  # each rank holds its kv heads
+    for name in PARITY_ADAPTERS:
+        core.add_adapter_dir(AdapterKey(name, 1), tiny_models.adapter(preset, name))
+    requests = _requests(core.model_config.vocab_size)
+    arrivals: dict[int, list[GenerationRequest]] = {}
+    for (req, _), (*_, at) in zip(requests, PLAN, strict=True):
+        arrivals.setdefault(at, []).append(req)
+    results = run(core, arrivals, recorder, overlap=True)
+    for req, name in requests:
+        adapter_dir = None if name is None else tiny_models.adapter(preset, name)
+        n = req.sampling.max_new_tokens
+        want_tokens, want_logits = hf_greedy(model_dir, adapter_dir, req.prompt_token_ids, n)
+        got = results[req.request_id]
+        assert got.token_ids == want_tokens, req.request_id
+        for step, (g, w) in enumerate(zip(got.logits, want_logits, strict=True)):
+            err = relative_error(g, w)
+            assert err <= LOGITS_RTOL, f"{req.request_id} step {step}: relative error {err:.2e}"
+    core.check_integrity()
+    assert core.stats().kv_pages == 0
+
+
+R4, R8, R16 = AdapterKey("r4", 1), AdapterKey("r8", 1), AdapterKey("r16", 1)
+
+
+def _pressure_run(core, tiny_models, check: bool) -> dict:
+    """Ten requests over three adapters and the base model in a pool too small for them, two
+    index rows for three adapters (evictions), two aborts; every rank's pool checked per step."""
+    for key in (R4, R8, R16):
+        core.add_adapter_dir(key, tiny_models.adapter("tiny-llama", key.adapter_id))
+    gen = torch.Generator().manual_seed(5)
+    arrivals: dict[int, list[GenerationRequest]] = {}
+    for i in range(10):
+        prompt = torch.randint(3, 512, (int(torch.randint(8, 20, (1,), generator=gen)),),
+                               generator=gen).tolist()  # fmt: skip
+        req = GenerationRequest(
+            f"p{i}", prompt_token_ids=prompt, adapter=(None, R4, R8, R16)[i % 4],
+            sampling=SamplingParams(max_new_tokens=24, ignore_eos=True),
+        )  # fmt: skip
+        arrivals.setdefault(0 if i < 6 else 3, []).append(req)
+    recorder = Recorder()
+
+    def after(core, step):
+        if step in (4, 7):  # one running, one waiting or running
+            out = core.abort(f"p{step - 3}")
+            if out is not None:
+                recorder.take([out])
+        if check:
+            core.check_integrity()
+
+    results = run(core, arrivals, recorder, after_step=after, overlap=True)
+    stats = core.stats()
+    assert stats.kv_pages == 0 and stats.num_running == stats.num_waiting == 0
+    return {rid: (r.token_ids, r.finish_reason) for rid, r in results.items()}, stats
+
+
+def test_preemption_aborts_and_evictions_stay_in_step(tiny_models, tp_core):
+    small = dict(num_pages=64, max_num_seqs=4, max_loras=2)
+    want, _ = _pressure_run(make_core(tiny_models.model("tiny-llama"), **small), tiny_models, False)
+    got, stats = _pressure_run(tp_core(**small), tiny_models, True)
+    assert stats.preemptions > 0 and stats.adapter_evictions > 0
+    assert got == want  # the same tokens and finish reasons as one rank (itself HF's)
+
+
+def test_a_worker_out_of_step_is_found(tiny_models, tp_core):
+    core = tp_core()
+    core.add_adapter_dir(R4, tiny_models.adapter("tiny-llama", "r4"))
+    req = GenerationRequest("r", prompt_token_ids=[5, 6, 7], adapter=R4,
+                            sampling=SamplingParams(max_new_tokens=2, ignore_eos=True))  # fmt: skip
+    run(core, {0: [req]})
+    core.check_integrity()
+    core.adapters.index.scales[core.adapters.row(R4), 0] += 1.0  # rank 0's row, not the worker's
+    with pytest.raises(AssertionError, match=r"ranks \[1\] are out of step"):
+        core.check_integrity()
+
+
+def test_a_model_that_does_not_split_is_refused(tiny_models):
+    with pytest.raises(ModelLoadError, match="must divide the model's num_kv_heads"):
+        make_core(tiny_models.model("tiny-llama"), tensor_parallel_size=4)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        EngineConfig(model_dir="m", tensor_parallel_size=0)
+
+
+async def test_a_killed_worker_ends_the_streams_and_stops_the_engine(tiny_models):
+    engine = Engine(EngineConfig(
+        model_dir=tiny_models.model("tiny-llama"), device="cpu", page_size=4, num_pages=256,
+        max_num_seqs=4, tensor_parallel_size=2,
+    ))  # fmt: skip
+    await engine.start()
+    try:
+        long = SamplingParams(max_new_tokens=10_000 // 100, ignore_eos=True)
+        stream = engine.generate(GenerationRequest("r", prompt_token_ids=[5, 6, 7], sampling=long))
+        assert (await anext(stream)).token_ids
+        worker = engine.core.tp.workers[0]
+        worker.kill()
+        with pytest.raises(EngineStopped, match="the engine step failed"):
+            async for _ in stream:
+                pass
+        assert not engine.running and isinstance(engine.failure, Exception)
+        assert worker.wait(timeout=10) is not None
+    finally:
+        await engine.stop()
