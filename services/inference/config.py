@@ -44,6 +44,7 @@ class ServiceConfig:
     pool_memory_mb: int | None = None  # page pool budget; None = the engine's default
     max_loras: int | None = None  # adapters resident in the page pool at once; None: from memory
     max_lora_rank: int = 128
+    tensor_parallel_size: int = 1  # ranks the model is sharded over (engine/tensor_parallel.py)
     # Host cache (pinned on CUDA) of adapters, a superset of the pool; None: from the host's
     # memory (default_host_cache_bytes).
     host_cache_mb: int | None = None
@@ -102,7 +103,7 @@ class ServiceConfig:
             host, sep, port = self.adapter_store.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"--adapter-store must be HOST:PORT, got {self.adapter_store!r}")
-        for name in ("max_lora_rank", *_LIMITS):
+        for name in ("max_lora_rank", "tensor_parallel_size", *_LIMITS):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
         optional = (
@@ -223,6 +224,7 @@ _TYPES = {
     "pool_memory_mb": int,
     "max_loras": int,
     "max_lora_rank": int,
+    "tensor_parallel_size": int,
     "host_cache_mb": int,
     "store_timeout_s": float,
     "fetch_timeout_s": float,
@@ -255,6 +257,8 @@ _HELP = {
     "max_loras": "adapters resident in the page pool at once (default: from memory, a LoRA "
     "index row per pool page within 1%% of the pool's bytes, at least 16)",
     "max_lora_rank": "largest adapter rank accepted (default 128)",
+    "tensor_parallel_size": "processes the model is sharded over (default 1): one per GPU, "
+    "NCCL between them; gloo on the CPU. Heads, kv heads and the MLP width must divide by it",
     "host_cache_mb": "host cache for adapters in MiB, pinned on CUDA (default: from memory, "
     "25%% of the host's memory or of its cgroup's limit if lower, 1 to 64 GiB)",
     "store_timeout_s": "deadline in seconds of an adapter lookup in the store (default 10)",

@@ -178,7 +178,7 @@ class RemoteEngine:
                 config_json, memoryview(weights.numpy()), info.base_shape,
                 self.config.max_lora_rank,
             )  # fmt: skip
-        plan = plan_for(spec, info.base_shape, info.pool_width)
+        plan = plan_for(spec, info.plan_shape, info.pool_width)
         need = pages_needed(plan.num_slots, info.page_size)
         if need > info.num_pages:
             raise InvalidRequest(

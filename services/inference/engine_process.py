@@ -64,6 +64,7 @@ class EngineInfo(NamedTuple):
     device: str
     base_shape: BaseModelShape
     pool_width: int  # elements per pool slot (kernels/lora_layout.py)
+    plan_shape: BaseModelShape  # what an adapter's plan is laid out for: one rank's share
     page_size: int
     num_pages: int  # usable pages: an adapter needing more never fits
     arena_pinned: bool
@@ -265,7 +266,7 @@ def serve(conn: Connection, arena_fd: int, arena_bytes: int) -> int:
         return 1
     core = engine.core
     info = EngineInfo(
-        str(engine.device), core.base_shape, core.pool.width, config.page_size,
+        str(engine.device), core.base_shape, core.pool.width, core.plan_shape, config.page_size,
         core.pool.num_usable, pinned, core.stats(), core.limits,
     )  # fmt: skip
     gc_pacing.pace_collections()  # the step thread collects from now on

@@ -16,6 +16,7 @@ from services.inference.engine.config import EngineConfig
 from services.inference.engine.engine import Engine
 from services.inference.engine.errors import EngineStopped, ModelLoadError
 from services.inference.engine.sampling_params import SamplingParams
+from services.inference.engine.tensor_parallel import WorkerDied
 from tests.inference.engine_harness import Recorder, hf_greedy, make_core, relative_error, run
 from tests.inference.models import PARITY_ADAPTERS
 from tests.inference.test_engine_parity import PLAN, _requests
@@ -139,7 +140,7 @@ async def test_a_killed_worker_ends_the_streams_and_stops_the_engine(tiny_models
         with pytest.raises(EngineStopped, match="the engine step failed"):
             async for _ in stream:
                 pass
-        assert not engine.running and isinstance(engine.failure, Exception)
+        assert not engine.running and isinstance(engine.failure, WorkerDied)
         assert worker.wait(timeout=10) is not None
     finally:
         await engine.stop()

@@ -447,7 +447,7 @@ class EngineCore:
             return logits, scheduled
         except Exception as exc:
             if self.tp is not None:  # the workers are mid-step: the group cannot go on
-                raise
+                raise self.tp.failure(exc) from exc
             log.warning("a step of %d sequences failed (%r); running them one by one",
                         len(entries), exc)  # fmt: skip
             error = exc

@@ -251,6 +251,20 @@ class TensorParallel:
                 p.kill()
                 p.wait()
 
+    def failure(self, cause: BaseException) -> WorkerDied:
+        """What a failed collective means: a worker that exited (waited for briefly, since its
+        exit is what broke the connection), or the group itself."""
+        for p in self.workers:
+            try:
+                p.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                continue
+        try:
+            self._check_alive()
+        except WorkerDied as died:
+            return died
+        return WorkerDied(f"the tensor-parallel group failed: {cause}")
+
     def _kill(self) -> None:
         self._closed = True
         for p in self.workers:
@@ -260,4 +274,4 @@ class TensorParallel:
     def _check_alive(self) -> None:
         dead = [(r + 1, p.returncode) for r, p in enumerate(self.workers) if p.poll() is not None]
         if dead:
-            raise WorkerDied(f"tensor-parallel workers exited (rank, code): {dead}")
+            raise WorkerDied(f"tensor-parallel workers exited (rank, exit code): {dead}")
