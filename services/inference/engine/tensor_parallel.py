@@ -91,7 +91,9 @@ class Group:
             dist.PrefixStore("ctl", store), rank, size, COLLECTIVE_TIMEOUT
         )
         if device.type == "cuda":
-            self.compute = dist.ProcessGroupNCCL(dist.PrefixStore("compute", store), rank, size)
+            self.compute = dist.ProcessGroupNCCL(
+                dist.PrefixStore("compute", store), rank, size, dist.ProcessGroupNCCL.Options()
+            )
         else:
             self.compute = self.ctl
 
@@ -188,7 +190,7 @@ class TensorParallel:
         failed = [r for r, f in enumerate(self.group.flags(0)) if f]
         if failed:
             reasons = [self._store.get(f"error{r}").decode() for r in failed]
-            self.close()
+            self._reap()  # the workers exit on their own after a failed start
             raise ModelLoadError(f"tensor-parallel workers {failed} could not start: {reasons}")
 
     # --- commands (the step thread) ----------------------------------------------------------
@@ -238,18 +240,15 @@ class TensorParallel:
         """Stop the workers (STOP if they can still hear it) and wait for them."""
         if self._closed:
             return
+        if any(p.poll() is not None for p in self.workers):
+            self._kill()  # the others are stuck in a collective with the one that is gone
+            return
         self._closed = True
         try:
-            if all(p.poll() is None for p in self.workers):
-                self.group.header([STOP])
-        except Exception:  # noqa: BLE001 (a worker is gone: the others are killed below)
+            self.group.header([STOP])
+        except Exception:  # noqa: BLE001 (they are killed below if they do not exit)
             log.warning("tensor-parallel workers did not take STOP; killing them")
-        for p in self.workers:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        self._reap()
 
     def failure(self, cause: BaseException) -> WorkerDied:
         """What a failed collective means: a worker that exited (waited for briefly, since its
@@ -268,8 +267,18 @@ class TensorParallel:
     def _kill(self) -> None:
         self._closed = True
         for p in self.workers:
-            p.kill()
+            if p.poll() is None:
+                p.kill()
             p.wait()
+
+    def _reap(self) -> None:
+        self._closed = True
+        for p in self.workers:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
     def _check_alive(self) -> None:
         dead = [(r + 1, p.returncode) for r, p in enumerate(self.workers) if p.poll() is not None]
