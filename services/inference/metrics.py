@@ -63,6 +63,11 @@ class _SnapshotCollector(Collector):
         host.add_metric(["used"], s.host_used_bytes)
         host.add_metric(["capacity"], s.host_capacity_bytes)
         yield host
+        yield GaugeMetricFamily(
+            "lorafleet_host_cache_waiting_fetches",
+            "Adapter fetches waiting for room in the host cache (its bytes held by requests)",
+            value=s.host_waiting,
+        )
         evictions = CounterMetricFamily(
             "lorafleet_adapter_evictions", "Adapter evictions by tier", labels=["tier"]
         )

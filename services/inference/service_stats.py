@@ -91,6 +91,7 @@ class StatsSnapshot(NamedTuple):
     host_used_bytes: int
     host_entries: int
     host_pinned: bool
+    host_waiting: int  # fetches waiting for room in the host cache (bytes held by requests)
     adapter_fetch: LatencySummary
     adapter_copy: LatencySummary
     adapter_load: LatencySummary

@@ -299,6 +299,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             host_used_bytes=c.used_bytes,
             host_entries=c.entries,
             host_pinned=c.pinned_memory,
+            host_waiting=c.waiting,
             adapter_fetch=self.registry.fetch_latency.summary(),
             adapter_copy=summarize(self.engine.adapter_copy_seconds(), e.adapter_loads),
             adapter_load=self.cold_ttft.summary(),
