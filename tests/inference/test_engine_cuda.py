@@ -14,9 +14,9 @@ import torch
 
 from kernels import lora_paths
 from services.inference.engine.api import AdapterKey
-from tests.inference.engine_harness import Recorder, hf_greedy, make_core, relative_error, run
+from tests.inference.engine_harness import Recorder, make_core, relative_error, run
 from tests.inference.models import PARITY_ADAPTERS
-from tests.inference.test_engine_parity import PLAN, _requests
+from tests.inference.test_engine_parity import _requests, assert_matches_hf, plan_arrivals
 
 BF16_RTOL = 4e-2
 
@@ -29,10 +29,7 @@ def _mixed_run(tiny_models, preset: str, dtype: str, overlap: bool = False, **ov
     for name in PARITY_ADAPTERS:
         core.add_adapter_dir(AdapterKey(name, 1), tiny_models.adapter(preset, name))
     requests = _requests(core.model_config.vocab_size)
-    arrivals: dict[int, list] = {}
-    for (req, _), (*_, at) in zip(requests, PLAN, strict=True):
-        arrivals.setdefault(at, []).append(req)
-    results = run(core, arrivals, recorder, overlap=overlap)
+    results = run(core, plan_arrivals(requests), recorder, overlap=overlap)
     # Decode-only and mixed steps replayed captured graphs (padded).
     assert core.runner.graph_sizes and core.runner.mixed_graph_sizes
     records = list(core.step_log.recent)
@@ -50,7 +47,7 @@ def _mixed_run(tiny_models, preset: str, dtype: str, overlap: bool = False, **ov
 )
 def test_cuda_float32_mixed_batch_matches_hf_peft(tiny_models, preset, overlap):
     run = _mixed_run(tiny_models, preset, "float32", overlap=overlap)
-    _check_float32(tiny_models, preset, *run[:3])
+    assert_matches_hf(tiny_models, preset, *run[:3])
 
 
 def test_cuda_graphs_match_eager_steps(tiny_models):
@@ -64,10 +61,7 @@ def test_cuda_graphs_match_eager_steps(tiny_models):
     for name in PARITY_ADAPTERS:
         core.add_adapter_dir(AdapterKey(name, 1), tiny_models.adapter("tiny-llama", name))
     requests = _requests(core.model_config.vocab_size)
-    arrivals: dict[int, list] = {}
-    for (req, _), (*_, at) in zip(requests, PLAN, strict=True):
-        arrivals.setdefault(at, []).append(req)
-    eager = run(core, arrivals, recorder, overlap=True)
+    eager = run(core, plan_arrivals(requests), recorder, overlap=True)
     assert core.runner.graph_steps == 0
     for req, _ in requests:
         g, e = graphs[req.request_id], eager[req.request_id]
@@ -87,19 +81,7 @@ def test_cuda_fused_decode_path_matches_hf_peft(tiny_models, monkeypatch, single
     core = run[3]
     assert core.runner.fused_graph_sizes and core.runner.fused_steps > 0
     assert core.runner.fused_steps < core.steps  # the others took the two launches
-    _check_float32(tiny_models, "tiny-llama", *run[:3])
-
-
-def _check_float32(tiny_models, preset, model_dir, requests, results):
-    for req, name in requests:
-        adapter_dir = None if name is None else tiny_models.adapter(preset, name)
-        n = req.sampling.max_new_tokens
-        want_tokens, want_logits = hf_greedy(model_dir, adapter_dir, req.prompt_token_ids, n)
-        got = results[req.request_id]
-        assert got.token_ids == want_tokens, req.request_id
-        for step, (g, w) in enumerate(zip(got.logits, want_logits, strict=True)):
-            err = relative_error(g.cpu(), w)
-            assert err <= 1e-4, f"{req.request_id} step {step}: relative error {err:.2e}"
+    assert_matches_hf(tiny_models, "tiny-llama", *run[:3])
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,28 @@ def _requests(vocab: int) -> list[tuple[GenerationRequest, str | None]]:
     return out
 
 
+def plan_arrivals(requests) -> dict[int, list[GenerationRequest]]:
+    """PLAN's arrival step of each of _requests(): the harness's arrivals."""
+    arrivals: dict[int, list[GenerationRequest]] = {}
+    for (req, _), (*_, at) in zip(requests, PLAN, strict=True):
+        arrivals.setdefault(at, []).append(req)
+    return arrivals
+
+
+def assert_matches_hf(tiny_models, preset, model_dir, requests, results) -> None:
+    """Every request's tokens equal transformers + peft's alone, its logits within LOGITS_RTOL
+    at every step (a logit row per generated token)."""
+    for req, name in requests:
+        adapter_dir = None if name is None else tiny_models.adapter(preset, name)
+        n = req.sampling.max_new_tokens
+        want_tokens, want_logits = hf_greedy(model_dir, adapter_dir, req.prompt_token_ids, n)
+        got = results[req.request_id]
+        assert got.token_ids == want_tokens, req.request_id
+        for step, (g, w) in enumerate(zip(got.logits, want_logits, strict=True)):
+            err = relative_error(g.cpu(), w)
+            assert err <= LOGITS_RTOL, f"{req.request_id} step {step}: relative error {err:.2e}"
+
+
 @pytest.mark.parametrize(
     "preset, overlap",
     [("tiny-llama", False), ("tiny-qwen2", False), ("tiny-llama", True)],
@@ -64,9 +86,7 @@ def test_mixed_batch_matches_hf_peft(tiny_models, preset, overlap):
 
     core.runner.execute = spy
     requests = _requests(core.model_config.vocab_size)
-    arrivals: dict[int, list[GenerationRequest]] = {}
-    for (req, _), (*_, at) in zip(requests, PLAN, strict=True):
-        arrivals.setdefault(at, []).append(req)
+    arrivals = plan_arrivals(requests)
     results = run(core, arrivals, recorder, overlap=overlap)
 
     # The run really mixed things: one step holds prefill and decode tokens of the base model
@@ -84,16 +104,7 @@ def test_mixed_batch_matches_hf_peft(tiny_models, preset, overlap):
         rows = [-1 if row is None else row for _, row, _ in s]
         assert rows == sorted(rows)
 
-    for req, name in requests:
-        adapter_dir = None if name is None else tiny_models.adapter(preset, name)
-        n = req.sampling.max_new_tokens
-        want_tokens, want_logits = hf_greedy(model_dir, adapter_dir, req.prompt_token_ids, n)
-        got = results[req.request_id]
-        assert got.token_ids == want_tokens, req.request_id
-        assert len(got.logits) == n
-        for step, (g, w) in enumerate(zip(got.logits, want_logits, strict=True)):
-            err = relative_error(g, w)
-            assert err <= LOGITS_RTOL, f"{req.request_id} step {step}: relative error {err:.2e}"
+    assert_matches_hf(tiny_models, preset, model_dir, requests, results)
     core.check_integrity()
     assert core.stats().kv_pages == 0
 

@@ -17,11 +17,9 @@ from services.inference.engine.engine import Engine
 from services.inference.engine.errors import EngineStopped, ModelLoadError
 from services.inference.engine.sampling_params import SamplingParams
 from services.inference.engine.tensor_parallel import WorkerDied
-from tests.inference.engine_harness import Recorder, hf_greedy, make_core, relative_error, run
+from tests.inference.engine_harness import Recorder, make_core, run
 from tests.inference.models import PARITY_ADAPTERS
-from tests.inference.test_engine_parity import PLAN, _requests
-
-LOGITS_RTOL = 1e-4
+from tests.inference.test_engine_parity import _requests, assert_matches_hf, plan_arrivals
 
 
 @pytest.fixture
@@ -47,19 +45,8 @@ def test_two_ranks_match_hf_peft(tiny_models, tp_core, preset):
     for name in PARITY_ADAPTERS:
         core.add_adapter_dir(AdapterKey(name, 1), tiny_models.adapter(preset, name))
     requests = _requests(core.model_config.vocab_size)
-    arrivals: dict[int, list[GenerationRequest]] = {}
-    for (req, _), (*_, at) in zip(requests, PLAN, strict=True):
-        arrivals.setdefault(at, []).append(req)
-    results = run(core, arrivals, recorder, overlap=True)
-    for req, name in requests:
-        adapter_dir = None if name is None else tiny_models.adapter(preset, name)
-        n = req.sampling.max_new_tokens
-        want_tokens, want_logits = hf_greedy(model_dir, adapter_dir, req.prompt_token_ids, n)
-        got = results[req.request_id]
-        assert got.token_ids == want_tokens, req.request_id
-        for step, (g, w) in enumerate(zip(got.logits, want_logits, strict=True)):
-            err = relative_error(g, w)
-            assert err <= LOGITS_RTOL, f"{req.request_id} step {step}: relative error {err:.2e}"
+    results = run(core, plan_arrivals(requests), recorder, overlap=True)
+    assert_matches_hf(tiny_models, preset, model_dir, requests, results)
     core.check_integrity()
     assert core.stats().kv_pages == 0
 

@@ -51,26 +51,26 @@ def check_shardable(num_heads: int, num_kv_heads: int, intermediate: int, n: int
             )
 
 
+def _divided(config, n: int):
+    """A copy of ``config`` (a ModelConfig or a BaseModelShape: both name the fields alike) with
+    the heads, kv heads and MLP width one rank of ``n`` holds."""
+    check_shardable(config.num_heads, config.num_kv_heads, config.intermediate_size, n)
+    return dataclasses.replace(
+        config,
+        num_heads=config.num_heads // n,
+        num_kv_heads=config.num_kv_heads // n,
+        intermediate_size=config.intermediate_size // n,
+    )
+
+
 def shard_model_config(cfg: ModelConfig, n: int) -> ModelConfig:
     """The model one rank of ``n`` computes: its heads, its kv heads, its share of the MLP."""
-    check_shardable(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, n)
-    return dataclasses.replace(
-        cfg,
-        num_heads=cfg.num_heads // n,
-        num_kv_heads=cfg.num_kv_heads // n,
-        intermediate_size=cfg.intermediate_size // n,
-    )
+    return _divided(cfg, n)
 
 
 def shard_base_shape(base: BaseModelShape, n: int) -> BaseModelShape:
     """The module dimensions of one rank's share of an adapter (module_dims of the shard)."""
-    check_shardable(base.num_heads, base.num_kv_heads, base.intermediate_size, n)
-    return dataclasses.replace(
-        base,
-        num_heads=base.num_heads // n,
-        num_kv_heads=base.num_kv_heads // n,
-        intermediate_size=base.intermediate_size // n,
-    )
+    return _divided(base, n)
 
 
 def lora_slices(module: int, d_in: int, d_out: int, shard: Shard) -> tuple[slice, slice]:
