@@ -265,8 +265,9 @@ class EngineCore:
                 raise EngineOverloaded(
                     f"{len(self._live)} requests in flight (max_queue {self.limits.max_queue})"
                 )
-            if request.adapter is not None:
-                self.adapters.acquire(request.adapter)  # may still raise UnknownAdapter
+            adapter_bytes = 0
+            if request.adapter is not None:  # may still raise UnknownAdapter
+                adapter_bytes = self.adapters.acquire(request.adapter).nbytes
             seq = Sequence(
                 request_id=request.request_id,
                 seq_id=next(self._seq_ids),
@@ -279,6 +280,7 @@ class EngineCore:
                 detokenizer=IncrementalDetokenizer(self.tokenizer, ids),
                 stops=StopStringMatcher(sp.stop),
                 tenant=request.tenant,
+                adapter_bytes=adapter_bytes,
             )
             self._live[request.request_id] = seq
         return seq
@@ -379,9 +381,7 @@ class EngineCore:
             for i, seq in enumerate(sampling):
                 seq.inflight += 1
                 seq.last_row = i
-        record = self.step_log.begin(
-            scheduled, self.runner.last_graph, start, mark, self._adapter_bytes
-        )
+        record = self.step_log.begin(scheduled, self.runner.last_graph, start, mark)
         # The GPU computes meanwhile (the step's work is queued), so the adapter copies
         # prepared for this step are issued now, and a collection due now costs nothing; on
         # CPU both simply run after the forward.
@@ -429,11 +429,6 @@ class EngineCore:
         return self.tokenizer.decode([token], skip_special_tokens=False) if token >= 0 else ""
 
     # --- failures that stay with their request ----------------------------------------------
-
-    def _adapter_bytes(self, key: AdapterKey) -> int:
-        """A scheduled adapter's weight bytes (the step log's count); 0 once it was removed."""
-        host = self.adapters.get(key)
-        return 0 if host is None else host.nbytes
 
     def _execute(self, scheduled, entries):
         """The step's logits, and the scheduled sequences they are for. A forward pass that

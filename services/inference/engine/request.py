@@ -30,6 +30,7 @@ class Sequence:
     generator: torch.Generator | None
     detokenizer: IncrementalDetokenizer
     stops: StopStringMatcher
+    adapter_bytes: int = 0  # the adapter's weight bytes, read by every step it joins (step log)
     output_ids: list[int] = field(default_factory=list)
     # Tokens sampled by launched steps whose ids the host has not read yet (EngineCore.launch
     # and finish): 0, 1, or 2 while step t + 1 is launched before step t's tokens are read.

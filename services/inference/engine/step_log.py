@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO
@@ -67,17 +67,9 @@ class StepLog:
             return event
         return time.perf_counter()
 
-    def begin(
-        self,
-        scheduled: Sequence,
-        graph: bool,
-        launched_at: float,
-        start: object,
-        adapter_bytes: Callable[[Hashable], int],
-    ):
+    def begin(self, scheduled: Sequence, graph: bool, launched_at: float, start: object):
         """After the step's work (sampling included) is queued. ``scheduled``: the scheduler's
-        ScheduledSeq list, with each sequence's num_computed already counting this step;
-        ``adapter_bytes``: an adapter's weight bytes by its key."""
+        ScheduledSeq list, with each sequence's num_computed already counting this step."""
         tokens = prefill = kv_read = pairs = 0
         rows = {}
         for s in scheduled:
@@ -89,10 +81,10 @@ class StepLog:
             kv_read += end
             pairs += n * (end - n) + n * (n + 1) // 2
             if s.lora_row is not None:
-                rows[s.lora_row] = s.seq.adapter
+                rows[s.lora_row] = s.seq.adapter_bytes
         record = StepRecord(
             self._count, launched_at, len(scheduled), tokens, prefill, kv_read, tokens, pairs,
-            len(rows), sum(adapter_bytes(k) for k in rows.values()), graph,
+            len(rows), sum(rows.values()), graph,
             1e3 * (time.perf_counter() - launched_at),
         )  # fmt: skip
         self._count += 1
