@@ -8,8 +8,11 @@ bf16) in a CUDA graph, per layer, over token counts and adapter counts, by max_r
 capacity and path (two launches, fused, or the shapes' choice), and with ``--splits`` the
 two-launch path by shrink split and expand block. Bandwidth counts each used adapter's A and B
 once plus the activations (bench/kernels.py's lora_bytes) against 4.2 TB/s of copy bandwidth.
+With ``--profile`` each case's engine default (max_rank 128, capacity 514) also runs eagerly
+under the torch profiler, and its rows say how much of the time each kernel takes.
 
-    python bench/lora_engine_calls.py [--splits] [--out bench/results/lora_engine_calls.json]
+    python bench/lora_engine_calls.py [--splits] [--profile] \
+        [--out bench/results/lora_engine_calls.json]
 """
 
 from __future__ import annotations
@@ -30,7 +33,18 @@ from kernels import lora  # noqa: E402
 from kernels.lora_ref import make_lora_tokens  # noqa: E402
 
 CALLS = (kb.CALLS[0], kb.CALLS[1])  # q/k/v and o: S1's modules
-CASES = ((292, 100), (292, 290), (64, 60), (512, 30), (1024, 100))  # tokens, adapters
+# tokens, adapters (drawn uniformly, as S1's power law with alpha 1): the last three are the
+# serving benchmark's full decode steps with n = 5, 100 and 1000
+CASES = (
+    (292, 100),
+    (292, 290),
+    (64, 60),
+    (512, 30),
+    (1024, 100),
+    (512, 5),
+    (512, 100),
+    (512, 1000),
+)
 LAYERS = 4  # each with its own weights, so one layer's adapters do not stay in L2
 
 
@@ -69,14 +83,34 @@ def time_case(t: int, n: int, gen: torch.Generator, variants: list[dict]) -> lis
         us = kb.timed(fn, LAYERS, eager=False).graph_us
         row = dict(tokens=t, adapters=n, used=used, **v, segments_used=cap, us=us,
                    tb_per_s=round(nbytes / (us * 1e-6) / 1e12, 3))  # fmt: skip
+        if v.get("profile"):
+            row["kernels_us"] = kernel_times(fn)
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
 
 
+def kernel_times(fn, reps: int = 5) -> dict[str, float]:
+    """Device µs per layer of each kernel fn launches (eager, under the torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" and e.device_time_total > 0:
+            out[e.key[:60]] = round(e.device_time_total / (reps * LAYERS), 2)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--splits", action="store_true", help="two launches by split_k, expand_n")
+    ap.add_argument("--profile", action="store_true", help="kernel times of the engine default")
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/lora_engine_calls.json")
     args = ap.parse_args()
     variants = []
@@ -84,11 +118,15 @@ def main() -> None:
         for split in (1, 2, 4, 8, 16):
             for en in (256, 128):
                 variants.append(dict(max_rank=128, segments=514, split_k=split, expand_n=en))
+        for fused in (False, True):  # an engine sized for rank-16 adapters
+            variants.append(dict(max_rank=16, segments=514, fused=fused))
     else:
         for max_rank in (128, 64, 32, 16):
             for cap in (514, None):  # the engine's capacity at 512 sequences; the adapters used
                 for fused in (False, True, None):
                     variants.append(dict(max_rank=max_rank, segments=cap, fused=fused))
+    if args.profile:
+        variants.insert(0, dict(max_rank=128, segments=514, fused=None, profile=True))
     gen = torch.Generator().manual_seed(0)
     rows = [r for t, n in CASES for r in time_case(t, n, gen, variants)]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
