@@ -274,6 +274,7 @@ def main() -> int:
         "load_average_start": os.getloadavg(),
         "policies": {},
     }
+    out = REPO / args.out
     try:
         for policy in args.policies.split(","):
             proc, address = start_inference(args, model, work, store_address, policy)
@@ -282,13 +283,12 @@ def main() -> int:
             finally:
                 proc.terminate()
                 proc.wait()
+            results["load_average_end"] = os.getloadavg()
+            out.write_text(json.dumps(results, indent=2) + "\n")  # after each policy
     finally:
         store.terminate()
         store.wait()
-    results["load_average_end"] = os.getloadavg()
     print(table(results))
-    out = REPO / args.out
-    out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
 
