@@ -10,6 +10,10 @@ services.inference`` with --auth-tokens and the store token), each tenant on its
 2. heavy alone: tenant ``heavy`` sends at 10 r;
 3. both at once.
 
+Each tenant's client runs in a process of its own with its own connection, as separate tenants'
+clients do: sharing one event loop and one HTTP/2 connection with the flood would delay the
+light tenant's first tokens in the client, not in the service.
+
 r is set from the service's measured capacity (requests per second with a full batch, timed
 first with all requests sent at once): 10 r is --overload times it, so the heavy tenant alone
 builds a backlog. The goal (issue 17): in phase 3 the light tenant's TTFT p99 at most 2x its p99
@@ -132,45 +136,82 @@ class Client:
         await asyncio.gather(*(self.one("heavy", out) for _ in range(n)))
         return n / (time.perf_counter() - start)
 
-    async def phase(self, rates: dict[str, float], seconds: float, seed: int) -> dict:
-        """Poisson arrivals per tenant for ``seconds``; every light request is awaited, heavy
-        ones still unfinished when the light ones are done (or at 3x the phase) are cancelled."""
-        rng = random.Random(seed)
-        done: list = []
-        tasks: dict[str, list[asyncio.Task]] = {t: [] for t in rates}
-        start = time.perf_counter()
 
-        async def arrivals(tenant: str, rate: float) -> None:
-            t = 0.0
-            while True:
-                t += rng.expovariate(rate)
-                if t >= seconds:
-                    return
-                await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
-                tasks[tenant].append(asyncio.create_task(self.one(tenant, done)))
+def tenant_process(spec: dict, stop, results) -> None:
+    """One tenant's client for one phase, in a process of its own with its own connection, as
+    separate tenants are: a flooding tenant's streams then share neither an HTTP/2 connection
+    nor an event loop with the tenant measured. Poisson arrivals at spec["rate"] for
+    spec["seconds"] from spec["start"] (perf_counter, which is system-wide on Linux); a light
+    tenant awaits every request (up to 3x the phase), a heavy one cancels what is unfinished
+    once ``stop`` is set or at 3x the phase. Puts (tenant, rows, cancelled, end time)."""
+    results.put(asyncio.run(_tenant_phase(spec, stop)))
 
-        await asyncio.gather(*(arrivals(t, r) for t, r in rates.items()))
+
+async def _tenant_phase(spec: dict, stop) -> tuple:
+    tenant, rate, seconds, start = spec["tenant"], spec["rate"], spec["seconds"], spec["start"]
+    args = argparse.Namespace(prompt_len=spec["prompt_len"], output_len=spec["output_len"])
+    rng = random.Random(f"{spec['seed']}-{tenant}")
+    done: list = []
+    tasks: list[asyncio.Task] = []
+    async with grpc.aio.insecure_channel(spec["address"]) as channel:
+        client = Client(pb_grpc.InferenceStub(channel), {tenant: spec["token"]}, args)
+        t = 0.0
+        while True:
+            t += rng.expovariate(rate)
+            if t >= seconds:
+                break
+            await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
+            tasks.append(asyncio.create_task(client.one(tenant, done)))
         deadline = start + 3 * seconds
-        for tenant in ("light", "heavy"):
-            pending = [t for t in tasks.get(tenant, ()) if not t.done()]
-            if pending:
-                await asyncio.wait(pending, timeout=max(0.0, deadline - time.perf_counter()))
-        window = time.perf_counter() - start
-        cancelled = 0
-        for task in (t for ts in tasks.values() for t in ts):
-            if not task.done():
-                task.cancel()
-                cancelled += 1
-        await asyncio.gather(*(t for ts in tasks.values() for t in ts), return_exceptions=True)
-        result = {"seconds": seconds, "rates": rates, "cancelled_heavy": cancelled}
-        for tenant in rates:
-            rows = [r for r in done if r[0] == tenant]
-            result[tenant] = {
-                "requests": len(rows),
-                "ttft": _summary([r[1] for r in rows]),
-                "tokens_per_second": sum(r[2] for r in rows) / window,
-            }
-        return result
+        pending = [x for x in tasks if not x.done()]
+        while pending and time.perf_counter() < deadline:
+            if tenant == "heavy" and stop.is_set():
+                break
+            await asyncio.wait(pending, timeout=0.2)
+            pending = [x for x in pending if not x.done()]
+        end = time.perf_counter()
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return tenant, done, len(pending), end
+
+
+def phase(args, address: str, tokens: dict[str, str], rates: dict[str, float], seed: int) -> dict:
+    """Both tenants' clients for one phase, each in its own process (tenant_process); the heavy
+    tenant stops once every light request has ended."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    stop, results = ctx.Event(), ctx.Queue()
+    start = time.perf_counter() + 3.0  # every client process is up by then
+    procs = {}
+    for tenant, rate in rates.items():
+        spec = {"tenant": tenant, "rate": rate, "seconds": args.seconds, "start": start,
+                "seed": seed, "address": address, "token": tokens[tenant],
+                "prompt_len": args.prompt_len, "output_len": args.output_len}  # fmt: skip
+        procs[tenant] = ctx.Process(target=tenant_process, args=(spec, stop, results))
+        procs[tenant].start()
+    out = {}
+    for _ in procs:
+        tenant, rows, cancelled, end = results.get(timeout=4 * args.seconds + 60)
+        out[tenant] = (rows, cancelled, end)
+        if tenant == "light":
+            stop.set()
+    for proc in procs.values():
+        proc.join()
+    window = max(end for _, _, end in out.values()) - start
+    result = {
+        "seconds": args.seconds,
+        "rates": rates,
+        "cancelled_heavy": out.get("heavy", ([], 0, 0))[1],
+    }
+    for tenant, (rows, _, _) in out.items():
+        result[tenant] = {
+            "requests": len(rows),
+            "ttft": _summary([r[1] for r in rows]),
+            "tokens_per_second": sum(r[2] for r in rows) / window,
+        }
+    return result
 
 
 def _summary(values: list[float]) -> dict:
@@ -192,7 +233,7 @@ async def measure(args, address: str, tokens: dict[str, str]) -> dict:
         }
         out = {"capacity_rps": capacity}
         for i, (name, rates) in enumerate(phases.items()):
-            out[name] = await client.phase(rates, args.seconds, seed=i)
+            out[name] = await asyncio.to_thread(phase, args, address, client.tokens, rates, i)
             log.info("%s: %s", name, json.dumps(out[name]))
         alone, both = out["light alone"]["light"]["ttft"], out["both"]["light"]["ttft"]
         out["light_p99_ratio"] = both["p99_s"] / alone["p99_s"] if alone["p99_s"] else None

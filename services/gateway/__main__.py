@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
             host=config.host,
             port=config.port,
             lifespan="on",
+            http="httptools",  # the C parser (requirements.txt pins it); h11 is pure Python
             log_config=None,  # the logging configured above
             access_log=False,  # requests are counted in the metrics instead
             timeout_graceful_shutdown=config.shutdown_grace_s,
