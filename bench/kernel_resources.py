@@ -1,4 +1,4 @@
-"""Registers, shared memory and programs per SM of the fused LoRA kernel's decode launches.
+"""Registers, shared memory and programs per SM of the LoRA kernels' decode launches.
 
     python -m bench.kernel_resources [--json bench/results/kernel_resources.json]
 
@@ -10,7 +10,11 @@ one wave of the default launch, for each of the Llama-2-7B layer's four calls (q
 gate/up, down: the geometry changes the compiled code). A test
 (tests/kernels/test_kernel_resources.py) checks the table against what this Triton version
 compiles: the default launch's count for every call, and for the smaller blocks the least
-count among the calls whose decode programs can reach the window on 132 SMs.
+count among the calls whose decode programs can reach the window on 132 SMs. Then the
+two-launch shrink and expand of each call at the engine's decode step (512 tokens, max_rank
+128), with the stack a thread spills to: the test checks that the expand's register cap
+(kernels/lora.py _EXPAND_MAX_REGISTERS) keeps the programs an SM without spilling the q/k/v
+call.
 
 A program count per SM is the least of what registers (64K a multiprocessor, allocated per warp
 in steps of 256), shared memory (228 KB, 1 KB of it reserved per program), warps (64) and
@@ -60,13 +64,14 @@ INTS = dict(
 )
 POINTERS = dict.fromkeys(
     ("table_ptr", "ranks_ptr", "a_off_ptr", "b_off_ptr", "tiles_ptr"), "*i32"
-) | {"scales_ptr": "*fp32"}  # the others (x, y, the pool) are bf16
+) | {"scales_ptr": "*fp32", "h_ptr": "*fp32"}  # the others (x, y, the pool) are bf16
 
 
 class Resources(NamedTuple):
     registers: int  # per thread
     shared: int  # bytes per program
     warps: int
+    stack: int = 0  # bytes of stack a thread (spilled registers)
 
     @property
     def programs_per_sm(self) -> int:
@@ -76,17 +81,12 @@ class Resources(NamedTuple):
         return min(by_regs, by_shared, MAX_WARPS // self.warps, MAX_PROGRAMS)
 
 
-def fused_resources(launch: lora.LoraLaunch, call) -> Resources:
-    """Compile the fused kernel for one launch of one call (sm_90); read its resource usage."""
-    mods, d_in, widths = call
-    constexprs = dict(
-        D_IN=d_in, W=W, IN_CHUNKS=chunks(d_in, W), **lora._slice_args(mods, widths),
-        BLOCK_M=launch.block_m, BLOCK_K=launch.shrink_k, BLOCK_N=launch.expand_n,
-        BLOCK_R=launch.shrink_r, DOT_F32=dot_f32(torch.bfloat16),
-    )  # fmt: skip
-    ints = dict(INTS, stride_xt=d_in, stride_yt=sum(widths), MAX_RANK=launch.shrink_r)
+def compile_resources(kernel, constexprs: dict, ints: dict, options: dict) -> Resources:
+    """Compile ``kernel`` for sm_90 with these constexprs and integer arguments (the others are
+    pointers: bf16 unless POINTERS or ``fp32`` says otherwise); read its resource usage."""
+    constexprs = dict(constexprs)
     signature, attrs = {}, {}
-    for i, name in enumerate(lora_fused_kernel.arg_names):
+    for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
         elif ints.get(name) == 1:  # launches specialize an argument equal to 1 as a constant
@@ -100,15 +100,57 @@ def fused_resources(launch: lora.LoraLaunch, call) -> Resources:
             if ints[name] % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(
-        ASTSource(lora_fused_kernel, signature, constexprs, attrs),
-        target=TARGET,
-        options=dict(num_warps=launch.shrink_warps, num_stages=launch.stages),
+        ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options
     )
-    registers = _registers(compiled.asm["cubin"])
-    return Resources(registers, compiled.metadata.shared, launch.shrink_warps)
+    registers, stack = _usage(compiled.asm["cubin"])
+    return Resources(registers, compiled.metadata.shared, options["num_warps"], stack)
 
 
-def _registers(cubin: bytes) -> int:
+def fused_resources(launch: lora.LoraLaunch, call) -> Resources:
+    """Compile the fused kernel for one launch of one call (sm_90); read its resource usage."""
+    mods, d_in, widths = call
+    constexprs = dict(
+        D_IN=d_in, W=W, IN_CHUNKS=chunks(d_in, W), **lora._slice_args(mods, widths),
+        BLOCK_M=launch.block_m, BLOCK_K=launch.shrink_k, BLOCK_N=launch.expand_n,
+        BLOCK_R=launch.shrink_r, DOT_F32=dot_f32(torch.bfloat16),
+    )  # fmt: skip
+    ints = dict(INTS, stride_xt=d_in, stride_yt=sum(widths), MAX_RANK=launch.shrink_r)
+    options = dict(num_warps=launch.shrink_warps, num_stages=launch.stages)
+    return compile_resources(lora_fused_kernel, constexprs, ints, options)
+
+
+def two_launch_resources(call, tokens: int = FUSED_MAX_TOKENS, max_rank: int = 128) -> dict:
+    """The shrink's and the expand's resources for one call as launch_config sets it (a decode
+    step of ``tokens`` in an engine of ``max_rank``), compiled with the launchers' options."""
+    mods, d_in, widths = call
+    cfg = lora.launch_config(tokens, d_in, W, max_rank, len(mods))
+    stride_ht = len(mods) * max_rank
+    ints = dict(INTS, stride_xt=d_in, stride_yt=sum(widths), stride_hk=tokens * stride_ht,
+                stride_ht=stride_ht, stride_hs=max_rank, NUM_TILES=tokens + 2,
+                MAX_RANK=max_rank)  # fmt: skip
+    common = dict(BLOCK_M=cfg.block_m, DOT_F32=dot_f32(torch.bfloat16), PDL=True,
+                  SPLIT_K=cfg.split_k)  # fmt: skip
+    shrink = compile_resources(
+        lora._lora_shrink_kernel,
+        dict(common, D_IN=d_in, W=W, IN_CHUNKS=chunks(d_in, W), **lora._slice_args(mods),
+             K_PER=-(-d_in // cfg.split_k), BLOCK_K=cfg.shrink_k, BLOCK_R=cfg.shrink_r,
+             ALIGNED=W % cfg.shrink_k == 0),
+        ints,
+        dict(num_warps=cfg.shrink_warps, num_stages=cfg.stages),
+    )  # fmt: skip
+    blocks = [-(-w // cfg.expand_n) for w in widths] + [0, 0]
+    expand = compile_resources(
+        lora._lora_expand_kernel,
+        dict(common, W=W, **lora._slice_args(mods, widths), NB0=blocks[0], NB1=blocks[1],
+             BLOCK_N=cfg.expand_n, BLOCK_R=cfg.expand_r, ALIGNED=W % cfg.expand_n == 0),
+        ints,
+        dict(num_warps=cfg.expand_warps, num_stages=1, maxnreg=lora._EXPAND_MAX_REGISTERS),
+    )  # fmt: skip
+    return {"shrink": shrink, "expand": expand}
+
+
+def _usage(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) a thread, from the cubin."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -116,10 +158,10 @@ def _registers(cubin: bytes) -> int:
         out = subprocess.run(
             [tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
         ).stdout
-    found = re.findall(r"REG:(\d+)", out)
+    found = re.findall(r"REG:(\d+) STACK:(\d+)", out)
     if not found:
         raise RuntimeError(f"no register count in cuobjdump's output:\n{out}")
-    return int(found[-1])
+    return int(found[-1][0]), int(found[-1][1])
 
 
 def launches(rows: int) -> dict[str, lora.LoraLaunch]:
@@ -158,17 +200,29 @@ def measure() -> list[dict]:
     return rows
 
 
+def measure_two_launch() -> list[dict]:
+    rows = []
+    for call_name, call in zip(CALL_NAMES, CALLS, strict=True):
+        for kernel, res in two_launch_resources(call).items():
+            rows.append(dict(call=call_name, kernel=kernel, registers=res.registers,
+                             stack_bytes=res.stack, shared_bytes=res.shared,
+                             programs_per_sm=res.programs_per_sm))  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args()
     rows = measure()
     print(table(rows, list(rows[0])))
+    two = measure_two_launch()
+    print(table(two, list(two[0])))
     if args.json:
         with open(args.json, "w") as f:
             command = "python -m bench.kernel_resources " + " ".join(sys.argv[1:])
             doc = {"command": command, "triton": triton.__version__, "target": "sm_90"}
-            json.dump(doc | {"rows": rows}, f, indent=1)
+            json.dump(doc | {"rows": rows, "two_launch": two}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,16 @@ Prefill runs give full tiles that share each weight load; decode tokens of disti
 give one-token tiles, which is per-token addressing. Base-only and padding segments get no
 tiles.
 
-- shrink, grid (tiles, slices x rank blocks x k-splits): h[k, t, s, rows] = x[t, k-part] ·
-  A_s[rows]ᵀ in fp32. Rank blocks past an adapter's rank return at once; small batches split
-  d_in over several programs (partial sums, added by expand) to stream through more SMs.
-- expand, grid (tiles, column blocks of all slices): y[t, cols] += scale · Σ_k h[k, t, s] · Bᵀ.
-  On Hopper it is launched as a programmatic dependent of shrink: it finds its tile, looks up
-  and loads its Bᵀ block and y block while shrink still runs, then waits for h.
+- shrink, grid (tile programs, slices x k-splits): h[k, t, s, rows] = x[t, k-part] · A_s[rows]ᵀ
+  in fp32, a program looping over the adapter's rank blocks; small batches split d_in over
+  several programs (partial sums, added by expand) to stream through more SMs.
+- expand, grid (tile programs, column blocks of all slices): y[t, cols] += scale · Σ_k h[k, t,
+  s] · Bᵀ. On Hopper it is launched as a programmatic dependent of shrink: it finds its first
+  tile, looks up and loads its Bᵀ block and y block while shrink still runs, then waits for h.
+
+In both, the programs along the tiles stride over them (up to _TILE_PROGRAMS_PER_SM an SM) and
+stop at the step's last tile, rather than one program per tile of the bound a CUDA graph is
+captured for, most of which would find no tile.
 
 Graph safety: no host reads of device data; given ``workspace``, no allocation either. Ranks
 above ``max_rank`` cannot be checked without a host sync: the kernels clamp them (memory stays
@@ -40,13 +44,26 @@ from kernels.lora_paths import (
     shapes_prefer_fused,
 )
 from kernels.tile_table import TILE_BLOCKS
-from kernels.tiles import INTERPRET, dot_f32, max_tiles, num_sms, table_tile
+from kernels.tiles import INTERPRET, dot_f32, max_tiles, next_tile, num_sms
 
 # Shrink programs wanted per multiprocessor: with fewer, the weights stream through too few
 # SMs (small decode batches) and split_k makes up the difference.
 _SHRINK_PROGRAMS_PER_SM = 4
 # Fused programs wanted per multiprocessor; parts split a (tile, slice) until there are as many.
 _FUSED_PROGRAMS_PER_SM = 2
+# Two-launch programs along the tiles, per multiprocessor: the most 4-warp programs an SM holds
+# (64 warps). A grid of the tile bound (a CUDA graph's worst case: every token its own adapter)
+# would launch mostly programs that find no tile: H200, 512 decode tokens on 5 rank-8 adapters,
+# one layer's q/k/v and o calls took 58.7 µs with ~50,000 such programs (17,000 for the
+# shrink's rank blocks and splits, 33,000 for the expand's), and each doubling of the shrink's
+# programs by split_k added 18-92 µs (bench/results/lora_engine_calls.json). So programs
+# stride over the tiles instead, and the shrink loops over rank blocks.
+_TILE_PROGRAMS_PER_SM = 16
+# The expand's registers a thread. Its tile loop kept 124-128 live (4 programs an SM at 4 warps,
+# 256-column blocks; sm_90, Triton 3.6) where the one-tile-a-program kernel took 96 (5 an SM);
+# capped at 96 the q/k/v call compiles without spilling, o, gate/up and down with 24 bytes of
+# stack a thread (`python -m bench.kernel_resources`; a test checks it).
+_EXPAND_MAX_REGISTERS = 96
 
 
 class _Narrow(NamedTuple):
@@ -93,6 +110,7 @@ class LoraLaunch(NamedTuple):
     pdl: bool = True  # overlap expand's prologue with shrink (Hopper and later)
     fused: bool = False  # one launch (kernels/lora_fused.py) instead of shrink + expand
     parts: int = 1  # fused: programs sharing one (tile, slice)'s output columns
+    tile_programs: int = 0  # two launches: programs along the tiles (0: _tile_programs picks)
 
 
 def launch_config(
@@ -215,64 +233,70 @@ def _lora_shrink_kernel(
     table_ptr, stride_table, ranks_ptr, a_off_ptr, stride_idx,
     # segments
     tiles_ptr,  # the call's tile table [K, 3] (kernels/tile_table.py)
+    NUM_TILES,  # the tile count's bound (max_tiles <= K); programs stride over the tiles
     MAX_RANK,
     D_IN: tl.constexpr, W: tl.constexpr, IN_CHUNKS: tl.constexpr,
     M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr,
-    RANK_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, K_PER: tl.constexpr,
+    SPLIT_K: tl.constexpr, K_PER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     ALIGNED: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         gdc_launch_dependents()  # expand may start its prologue now
     q = tl.program_id(1)
-    s = q // (RANK_BLOCKS * SPLIT_K)
-    rb = q // SPLIT_K % RANK_BLOCKS
+    s = q // SPLIT_K
     ks = q % SPLIT_K
-    a, m_start, m_end = table_tile(tiles_ptr, tl.program_id(0))
-    if a < 0:
-        return
-    a64 = a.to(tl.int64)
     m = _pick3(s, M0, M1, M2)
-    rank = tl.minimum(tl.load(ranks_ptr + a64 * stride_idx + m), MAX_RANK)
-    if rb * BLOCK_R >= rank:
-        return
-    a_off = tl.load(a_off_ptr + a64 * stride_idx + m)
-    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < rank
-    # A row j, chunk c sits at slot-table position a_off + j * IN_CHUNKS + c
-    row_pos = table_ptr + a64 * stride_table + a_off + rows * IN_CHUNKS
-    offs_m = m_start + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < m_end
     offs_k = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xt
     k_lo = ks * K_PER
     k_hi = tl.minimum(k_lo + K_PER, D_IN)
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    # One slot lookup per row and pool chunk, outside the streaming loop: a lookup inside it
-    # would serialize every step behind a dependent load and defeat the pipelining.
-    for c in range(k_lo // W, tl.cdiv(k_hi, W)):
-        slot = tl.load(row_pos + c, mask=row_ok, other=0).to(tl.int64)
-        w_rows = pool_ptr + slot[:, None] * stride_slot - c * W  # + k: element k of each row
-        k_end = tl.minimum(k_hi, c * W + W)
-        for k0 in range(tl.maximum(k_lo, c * W), k_end, BLOCK_K):
-            if ALIGNED:  # W and K_PER are multiples of BLOCK_K
-                k0 = tl.multiple_of(k0, BLOCK_K)
-            kk = k0 + offs_k
-            k_ok = kk < k_end
-            w = tl.load(w_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            xt = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            if DOT_F32:
-                acc += tl.dot(xt.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(xt, tl.trans(w.to(xt.dtype)))  # [M, K] x [K, R]
-    h_ptrs = (
-        h_ptr
-        + ks * stride_hk
-        + offs_m[:, None].to(tl.int64) * stride_ht
-        + s * stride_hs
-        + rows[None, :]
-    )
-    tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=m_ok[:, None] & row_ok[None, :])
+    tile = tl.program_id(0)
+    a, m_start, m_end = next_tile(tiles_ptr, tile, NUM_TILES)
+    while a >= 0:
+        a64 = a.to(tl.int64)
+        rank = tl.minimum(tl.load(ranks_ptr + a64 * stride_idx + m), MAX_RANK)
+        a_off = tl.load(a_off_ptr + a64 * stride_idx + m)
+        offs_m = m_start + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < m_end
+        x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xt
+        h_rows = h_ptr + ks * stride_hk + offs_m[:, None].to(tl.int64) * stride_ht + s * stride_hs
+        for r0 in range(0, rank, BLOCK_R):  # none for a module the adapter lacks (rank 0)
+            rows = r0 + tl.arange(0, BLOCK_R)
+            row_ok = rows < rank
+            # A row j, chunk c sits at slot-table position a_off + j * IN_CHUNKS + c
+            row_pos = table_ptr + a64 * stride_table + a_off + rows * IN_CHUNKS
+            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            # One slot lookup per row and pool chunk, outside the streaming loop: a lookup
+            # inside it would serialize every step behind a dependent load and defeat the
+            # pipelining.
+            for c in range(k_lo // W, tl.cdiv(k_hi, W)):
+                slot = tl.load(row_pos + c, mask=row_ok, other=0).to(tl.int64)
+                w_rows = pool_ptr + slot[:, None] * stride_slot - c * W  # + k: element k
+                k_end = tl.minimum(k_hi, c * W + W)
+                for k0 in range(tl.maximum(k_lo, c * W), k_end, BLOCK_K):
+                    if ALIGNED:  # W and K_PER are multiples of BLOCK_K
+                        k0 = tl.multiple_of(k0, BLOCK_K)
+                    kk = k0 + offs_k
+                    k_ok = kk < k_end
+                    w = tl.load(
+                        w_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+                    )
+                    xt = tl.load(
+                        x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
+                    )
+                    if DOT_F32:
+                        acc += tl.dot(
+                            xt.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee"
+                        )
+                    else:
+                        acc += tl.dot(xt, tl.trans(w.to(xt.dtype)))  # [M, K] x [K, R]
+            tl.store(
+                h_rows + rows[None, :],
+                acc.to(h_ptr.dtype.element_ty),
+                mask=m_ok[:, None] & row_ok[None, :],
+            )
+        tile += tl.num_programs(0)
+        a, m_start, m_end = next_tile(tiles_ptr, tile, NUM_TILES)
 
 
 @triton.jit
@@ -325,6 +349,7 @@ def _lora_expand_kernel(
     # LoRA index: slot table; per-module ranks, Bᵀ offsets, scales [N, 7]
     table_ptr, stride_table, ranks_ptr, b_off_ptr, scales_ptr, stride_idx, stride_scale,
     tiles_ptr,  # the call's tile table [K, 3] (kernels/tile_table.py)
+    NUM_TILES,  # the tile count's bound (max_tiles <= K); programs stride over the tiles
     MAX_RANK,
     W: tl.constexpr,
     M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr,
@@ -334,81 +359,58 @@ def _lora_expand_kernel(
     BLOCK_R: tl.constexpr, ALIGNED: tl.constexpr, DOT_F32: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    # Everything up to gdc_wait reads only what existed before shrink started.
     nb = tl.program_id(1)
-    a, m_start, m_end = table_tile(tiles_ptr, tl.program_id(0))
-    if a < 0:
-        return
     s = tl.where(nb < NB0, 0, tl.where(nb < NB0 + NB1, 1, 2))  # this block's slice
     n0 = (nb - _pick3(s, 0, NB0, NB0 + NB1)) * BLOCK_N  # first column inside the slice
     width = _pick3(s, N0, N1, N2)
-    a64 = a.to(tl.int64)
     m = _pick3(s, M0, M1, M2)
-    rank = tl.minimum(tl.load(ranks_ptr + a64 * stride_idx + m), MAX_RANK)
-    if rank == 0:
-        return
-    table_row = table_ptr + a64 * stride_table + tl.load(b_off_ptr + a64 * stride_idx + m)
-    scale = tl.load(scales_ptr + a64 * stride_scale + m)
     out_chunks = (width + W - 1) // W
-    offs_m = m_start + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < m_end
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < width
-    y_ptrs = (
-        y_ptr
-        + offs_m[:, None].to(tl.int64) * stride_yt
-        + _pick3(s, 0, N0, N0 + N1)
-        + offs_n[None, :]
-    )
-    y_ok = m_ok[:, None] & n_ok[None, :]
-    y = tl.load(y_ptrs, mask=y_ok, other=0.0)
-    rows = tl.arange(0, BLOCK_R)
-    bt = _bt_block(
-        table_row,
-        pool_ptr,
-        stride_half,
-        stride_slot,
-        rows,
-        rows < rank,
-        out_chunks,
-        n0,
-        offs_n,
-        n_ok,
-        W,
-        BLOCK_N,
-        ALIGNED,
-    )
-    if PDL:
-        gdc_wait()  # h is shrink's output
-    h_rows = h_ptr + offs_m[:, None].to(tl.int64) * stride_ht + s * stride_hs
-    h = _shrunk(h_rows, stride_hk, rows, rows < rank, m_ok, SPLIT_K)
-    if DOT_F32:
-        acc = tl.dot(h, bt.to(tl.float32), input_precision="ieee")
-    else:
-        acc = tl.dot(h.to(bt.dtype), bt)  # [M, R] x [R, N]
-    for r0 in range(BLOCK_R, rank, BLOCK_R):  # ranks past the first block, if any
-        rows = r0 + tl.arange(0, BLOCK_R)
-        bt = _bt_block(
-            table_row,
-            pool_ptr,
-            stride_half,
-            stride_slot,
-            rows,
-            rows < rank,
-            out_chunks,
-            n0,
-            offs_n,
-            n_ok,
-            W,
-            BLOCK_N,
-            ALIGNED,
-        )
-        h = _shrunk(h_rows, stride_hk, rows, rows < rank, m_ok, SPLIT_K)
-        if DOT_F32:
-            acc += tl.dot(h, bt.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(h.to(bt.dtype), bt)
-    tl.store(y_ptrs, (y.to(tl.float32) + acc * scale).to(y_ptr.dtype.element_ty), mask=y_ok)
+    tile = tl.program_id(0)
+    a, m_start, m_end = next_tile(tiles_ptr, tile, NUM_TILES)
+    while a >= 0:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < width
+        y_cols = y_ptr + _pick3(s, 0, N0, N0 + N1) + offs_n[None, :]
+        a64 = a.to(tl.int64)
+        rank = tl.minimum(tl.load(ranks_ptr + a64 * stride_idx + m), MAX_RANK)
+        if rank > 0:
+            # Up to gdc_wait only what existed before shrink started is read: on the first
+            # tile this overlaps shrink's end; on later ones gdc_wait returns at once.
+            table_row = table_ptr + a64 * stride_table + tl.load(b_off_ptr + a64 * stride_idx + m)
+            scale = tl.load(scales_ptr + a64 * stride_scale + m)
+            offs_m = m_start + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < m_end
+            y_ptrs = y_cols + offs_m[:, None].to(tl.int64) * stride_yt
+            y_ok = m_ok[:, None] & n_ok[None, :]
+            y = tl.load(y_ptrs, mask=y_ok, other=0.0)
+            rows = tl.arange(0, BLOCK_R)
+            bt = _bt_block(
+                table_row, pool_ptr, stride_half, stride_slot, rows, rows < rank, out_chunks,
+                n0, offs_n, n_ok, W, BLOCK_N, ALIGNED,
+            )  # fmt: skip
+            if PDL:
+                gdc_wait()  # h is shrink's output
+            h_rows = h_ptr + offs_m[:, None].to(tl.int64) * stride_ht + s * stride_hs
+            h = _shrunk(h_rows, stride_hk, rows, rows < rank, m_ok, SPLIT_K)
+            if DOT_F32:
+                acc = tl.dot(h, bt.to(tl.float32), input_precision="ieee")
+            else:
+                acc = tl.dot(h.to(bt.dtype), bt)  # [M, R] x [R, N]
+            for r0 in range(BLOCK_R, rank, BLOCK_R):  # ranks past the first block, if any
+                rows = r0 + tl.arange(0, BLOCK_R)
+                bt = _bt_block(
+                    table_row, pool_ptr, stride_half, stride_slot, rows, rows < rank,
+                    out_chunks, n0, offs_n, n_ok, W, BLOCK_N, ALIGNED,
+                )  # fmt: skip
+                h = _shrunk(h_rows, stride_hk, rows, rows < rank, m_ok, SPLIT_K)
+                if DOT_F32:
+                    acc += tl.dot(h, bt.to(tl.float32), input_precision="ieee")
+                else:
+                    acc += tl.dot(h.to(bt.dtype), bt)
+            out = (y.to(tl.float32) + acc * scale).to(y_ptr.dtype.element_ty)
+            tl.store(y_ptrs, out, mask=y_ok)
+        tile += tl.num_programs(0)
+        a, m_start, m_end = next_tile(tiles_ptr, tile, NUM_TILES)
 
 
 def _slice_args(modules: tuple[int, ...], widths: tuple[int, ...] = ()) -> dict:
@@ -431,22 +433,26 @@ def _pdl(cfg: LoraLaunch, device: torch.device) -> bool:
     return cfg.pdl and not INTERPRET and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def _tile_programs(cfg: LoraLaunch, bound: int, per_tile: int) -> int:
+    """Programs along the tiles: as many as the tile bound, up to _TILE_PROGRAMS_PER_SM an SM
+    with ``per_tile`` programs each (or cfg.tile_programs); each strides over the tiles."""
+    want = cfg.tile_programs or _TILE_PROGRAMS_PER_SM * num_sms() // per_tile
+    return max(1, min(bound, want))
+
+
 def _shrink(x, h, pool_layer, index, tokens, modules, max_rank, cfg, call, pdl):
-    rank_blocks = triton.cdiv(max_rank, cfg.shrink_r)
     split = cfg.split_k
-    grid = (
-        max_tiles(call.num_tokens, cfg.block_m, call.num_segs),
-        len(modules) * rank_blocks * split,
-    )
+    bound = max_tiles(call.num_tokens, cfg.block_m, call.num_segs)
+    per_tile = len(modules) * split
+    grid = (_tile_programs(cfg, bound, per_tile), per_tile)
     _lora_shrink_kernel[grid](
         x, x.stride(0), h[0], h.stride(0), h.stride(1), h.stride(2),
         pool_layer, pool_layer.stride(1),
         index.slot_table, index.slot_table.stride(0), index.ranks, index.a_offsets,
         index.ranks.stride(0),
-        _tiles(tokens, cfg.block_m),
+        _tiles(tokens, cfg.block_m), bound,
         max_rank,
-        D_IN=call.d_in, W=call.width, IN_CHUNKS=call.in_chunks,
-        RANK_BLOCKS=rank_blocks, SPLIT_K=split,
+        D_IN=call.d_in, W=call.width, IN_CHUNKS=call.in_chunks, SPLIT_K=split,
         K_PER=triton.cdiv(triton.cdiv(call.d_in, split), cfg.shrink_k) * cfg.shrink_k,
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.shrink_k, BLOCK_R=cfg.shrink_r,
         ALIGNED=call.width % cfg.shrink_k == 0, DOT_F32=dot_f32(x.dtype), PDL=pdl,
@@ -457,18 +463,19 @@ def _shrink(x, h, pool_layer, index, tokens, modules, max_rank, cfg, call, pdl):
 
 def _expand(y, h, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, call, pdl):
     blocks = [triton.cdiv(w, cfg.expand_n) for w in out_widths] + [0, 0]
-    grid = (max_tiles(call.num_tokens, cfg.block_m, call.num_segs), sum(blocks))
+    bound = max_tiles(call.num_tokens, cfg.block_m, call.num_segs)
+    grid = (_tile_programs(cfg, bound, sum(blocks)), sum(blocks))
     _lora_expand_kernel[grid](
         y, y.stride(0), h[0], h.stride(0), h.stride(1), h.stride(2),
         pool_layer, pool_layer.stride(0), pool_layer.stride(1),
         index.slot_table, index.slot_table.stride(0), index.ranks, index.b_offsets,
         index.scales, index.ranks.stride(0), index.scales.stride(0),
-        _tiles(tokens, cfg.block_m),
+        _tiles(tokens, cfg.block_m), bound,
         max_rank,
         W=call.width, NB0=blocks[0], NB1=blocks[1], SPLIT_K=h.shape[0],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.expand_n, BLOCK_R=cfg.expand_r,
         ALIGNED=call.width % cfg.expand_n == 0, DOT_F32=dot_f32(y.dtype), PDL=pdl,
-        num_warps=cfg.expand_warps, num_stages=1, launch_pdl=pdl,
+        num_warps=cfg.expand_warps, num_stages=1, launch_pdl=pdl, maxnreg=_EXPAND_MAX_REGISTERS,
         **_slice_args(modules, out_widths),
     )  # fmt: skip
 

@@ -3,9 +3,11 @@
 A LoRA launch cuts each adapter segment into tiles of at most BLOCK_M tokens, one program per
 tile. The host already knows the segments when it writes a step's metadata, so it writes the
 tiles too: program i reads row i of the table, (LoRA index row, first token, end token), in one
-load; rows past the step's last tile hold row -1 and their programs return at once. The grid is
-the tile count's upper bound for the call's capacity (max_tiles), so a CUDA graph captured once
-serves every step. Before, each program found its tile by scanning the segment list on the
+load; rows past the step's last tile hold row -1. The tile count's upper bound for the call's
+capacity (max_tiles) sizes the launch, so a CUDA graph captured once serves every step: the
+fused kernel launches a program per tile of the bound (those past the last tile return at once);
+the shrink and expand launch fewer, which stride over the tiles and stop at the first row -1
+(kernels/lora.py). Before, each program found its tile by scanning the segment list on the
 device: with the engine's segment capacity (resident adapters + 2, hundreds), that scan in
 every program of a grid sized for the worst case added half to the LoRA time of a decode step
 with a hundred adapters (H200, one layer's q/k/v and o calls, 292 tokens on 96 rank-8

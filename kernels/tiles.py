@@ -1,9 +1,10 @@
 """Tiles over packed runs of tokens, found without a host sync.
 
 A batch of tokens is packed in runs (LoRA segments, or each sequence's queries); kernels cut
-each run into tiles of at most BLOCK rows and launch ``max_tiles(T, BLOCK, runs)`` programs, an
-upper bound. The LoRA kernels read their tile from a table the host wrote with the step's
-metadata (table_tile; kernels/tile_table.py). Attention finds its own (find_tile) by scanning
+each run into tiles of at most BLOCK rows, ``max_tiles(T, BLOCK, runs)`` at most: a program per
+tile of that bound, or fewer that stride over the tiles (next_tile). The LoRA kernels read
+their tiles from a table the host wrote with the step's metadata (table_tile, next_tile;
+kernels/tile_table.py). Attention finds its own (find_tile) by scanning
 the run starts CHUNK runs at a time and stopping at the chunk that holds its tile, so a tile of
 run g costs about g / CHUNK steps whatever the run capacity (its runs are the step's
 sequences). Programs past the last tile get run -1 and return.
@@ -47,6 +48,20 @@ def table_tile(tiles_ptr, tile):
     (kernels/tile_table.py); row = -1 past the step's last tile."""
     p = tiles_ptr + tile * 3
     return tl.load(p), tl.load(p + 1), tl.load(p + 2)
+
+
+@triton.jit
+def next_tile(tiles_ptr, tile, num_tiles):
+    """table_tile for programs that stride over the tiles (a grid smaller than the tile bound,
+    so that programs past the step's last tile do not each cost a launch): row = -1 also from
+    ``num_tiles`` (the table's bound for the call) on, where nothing is read."""
+    ok = tile < num_tiles
+    p = tiles_ptr + tile * 3
+    return (
+        tl.load(p, mask=ok, other=-1),
+        tl.load(p + 1, mask=ok, other=0),
+        tl.load(p + 2, mask=ok, other=0),
+    )
 
 
 @triton.jit

@@ -27,7 +27,8 @@ def test_narrow_table_matches_the_compiled_kernels(tmp_path):
         timeout=600,
     )
     assert run.returncode == 0, run.stderr
-    rows = json.loads(out.read_text())["rows"]
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
     assert {(r["rank_rows"], r["launch"]) for r in rows} == {
         (rows_, name) for rows_ in lora._NARROW for name in ("default", "smaller")
     }
@@ -42,3 +43,13 @@ def test_narrow_table_matches_the_compiled_kernels(tmp_path):
             ]
             assert reach and count == min(reach), (n, launch, reach)
         assert narrow.per_sm > narrow.wide_per_sm  # or the rule would never help
+
+    # The expand's register cap keeps 5 programs an SM (the one-tile-a-program kernel's count)
+    # and the q/k/v call unspilled.
+    two = {(r["call"], r["kernel"]): r for r in doc["two_launch"]}
+    assert {kernel for _, kernel in two} == {"shrink", "expand"}
+    for (_, kernel), r in two.items():
+        if kernel == "expand":
+            assert r["registers"] <= lora._EXPAND_MAX_REGISTERS, r
+            assert r["programs_per_sm"] >= 5, r
+    assert two["qkv", "expand"]["stack_bytes"] == 0

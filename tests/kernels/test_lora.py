@@ -149,6 +149,20 @@ def test_apply_split_k(split_k):
     )
 
 
+@pytest.mark.parametrize("tile_programs", [1, 3])
+@pytest.mark.parametrize("popularity", ["distinct", "base_mix"])
+def test_apply_programs_stride_over_tiles(tile_programs, popularity):
+    """Two launches with fewer programs along the tiles than tiles: each program strides over
+    several (one program takes them all at 1), and a tile reached by no program would stay 0."""
+    gen = torch.Generator().manual_seed(70 + tile_programs)
+    shape = LORA_SHAPES[1]
+    ranks = _ranks(ADAPTERS, shape.modules, RANKS, gen)
+    cfg = SMALL or lora.launch_config(POP_BATCH, shape.d_in, shape.width, max(RANKS))
+    rows = token_rows(popularity, POP_BATCH, ADAPTERS, gen, grouped=True)
+    cfg = cfg._replace(tile_programs=tile_programs, split_k=1 + tile_programs // 3)
+    _check_apply(shape, ranks, rows, DTYPES[tile_programs % len(DTYPES)], gen, config=cfg)
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_apply_prefill_segments(dtype, path):
