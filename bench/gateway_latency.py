@@ -11,7 +11,7 @@ request to the first message with tokens (gRPC) or the first chunk with text (ga
 measured requests meet other streams' chunks in the gateway's event loop (as at 10 requests/s
 on the H200, where it carries about 2300 tokens/s).
 
-    python bench/gateway_latency.py                       # 5 req/s for 30 s, tiny, CPU
+    python bench/gateway_latency.py                       # 8 req/s for 40 s, tiny, CPU
     python bench/gateway_latency.py --background 8 --rate 4 --duration 30
 
 Absolute figures on a CPU only indicate; the difference between the two fronts is the point.
@@ -150,11 +150,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--rate", type=float, default=5.0, help="measured requests per second")
-    parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
+    parser.add_argument("--rate", type=float, default=8.0, help="measured requests per second")
+    parser.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
     parser.add_argument("--warmup", type=int, default=10, help="requests not counted, first")
-    parser.add_argument("--prompt-len", type=span, default=(8, 128), help="LOW:HIGH tokens")
-    parser.add_argument("--output-len", type=span, default=(8, 32), help="LOW:HIGH tokens")
+    parser.add_argument("--prompt-len", type=span, default=(32, 33), help="LOW:HIGH tokens")
+    parser.add_argument("--output-len", type=span, default=(4, 9), help="LOW:HIGH tokens")
     parser.add_argument("--background", type=int, default=0,
                         help="long streams kept running through the gateway")  # fmt: skip
     parser.add_argument("--background-tokens", type=int, default=256)
