@@ -26,43 +26,76 @@ _HTTP_STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUS
                 503: "UNAVAILABLE"}  # fmt: skip
 
 
-async def http_completion(address: str, body: dict, timeout: float) -> tuple:
-    """POST /v1/completions with stream true over one HTTP/1.1 connection, reading the
-    server-sent events as they come: (first token time, last token time, tokens, status)."""
-    host, _, port = address.rpartition(":")
-    raw = json.dumps(body).encode()
-    reader, writer = await asyncio.open_connection(host, int(port))
-    first = last = None
-    tokens, status = 0, "OK"
-    try:
+class HttpClient:
+    """Streamed completions from the gateway over HTTP/1.1, with connections kept alive and
+    reused, as an OpenAI client does (the openai package's httpx pool), so that the gateway's
+    TTFT holds no TCP connect, as gRPC's holds none on its long-lived channels. ``keep_alive``
+    False opens a new connection per request (``Connection: close``)."""
+
+    # Idle connections older than this are not reused: uvicorn closes them after 5 s.
+    IDLE_S = 4.0
+
+    def __init__(self, address: str, keep_alive: bool = True) -> None:
+        host, _, port = address.rpartition(":")
+        self._host, self._port, self._keep_alive = host, int(port), keep_alive
+        self._idle: list[tuple[float, asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        while self._idle:
+            since, reader, writer = self._idle.pop()
+            if time.monotonic() - since < self.IDLE_S and not reader.at_eof():
+                return reader, writer
+            writer.close()
+        return await asyncio.open_connection(self._host, self._port)
+
+    async def completion(self, body: dict, timeout: float) -> tuple:
+        """POST /v1/completions with stream true, reading the server-sent events as they come:
+        (first token time, last token time, tokens, status)."""
+        reader, writer = await self._connection()
+        reusable = False
+        try:
+            *out, reusable = await self._exchange(reader, writer, body, timeout)
+            return tuple(out)
+        finally:
+            if reusable and self._keep_alive:
+                self._idle.append((time.monotonic(), reader, writer))
+            else:
+                writer.close()
+
+    async def _exchange(self, reader, writer, body: dict, timeout: float) -> tuple:
+        """(first, last, tokens, status, whether the connection can carry another request)."""
+        raw = json.dumps(body).encode()
+        close = b"" if self._keep_alive else b"Connection: close\r\n"
         writer.write(
             b"POST /v1/completions HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\nConnection: close\r\n\r\n%b" % (host.encode(), len(raw), raw)
+            b"Content-Length: %d\r\n%b\r\n%b" % (self._host.encode(), len(raw), close, raw)
         )
+        first = last = None
+        tokens, status = 0, "OK"
         code = int((await reader.readline()).split()[1])
         chunked = False
         while (line := await reader.readline()) not in (b"\r\n", b""):
             chunked |= line.lower().startswith(b"transfer-encoding: chunked")
         if code != 200:
-            return None, None, 0, _HTTP_STATUS.get(code, f"HTTP_{code}")
+            return None, None, 0, _HTTP_STATUS.get(code, f"HTTP_{code}"), False
         pending = b""
         while True:
             if chunked:
                 size = int((await asyncio.wait_for(reader.readline(), timeout)).strip(), 16)
-                if size == 0:
-                    break
                 data = await reader.readexactly(size + 2)
+                if size == 0:  # the body's end: the connection is free for the next request
+                    return first, last, tokens, status, True
                 pending += data[:-2]
             else:
                 data = await asyncio.wait_for(reader.read(65536), timeout)
                 if not data:
-                    break
+                    return first, last, tokens, status, False
                 pending += data
             *events, pending = pending.split(b"\n\n")
             for event in events:
                 payload = event.removeprefix(b"data: ")
                 if payload == b"[DONE]":
-                    return first, last, tokens, status
+                    continue
                 msg = json.loads(payload)
                 if "error" in msg:
                     status = "STREAM_ERROR"
@@ -71,9 +104,29 @@ async def http_completion(address: str, body: dict, timeout: float) -> tuple:
                     first = first or last
                 if msg.get("usage"):
                     tokens = msg["usage"]["completion_tokens"]
-        return first, last, tokens, status
-    finally:
-        writer.close()
+
+    async def close(self) -> None:
+        for _, _, writer in self._idle:
+            writer.close()
+        self._idle.clear()
+
+
+async def grpc_completion(
+    stub: pb_grpc.InferenceStub, req: pb.GenerateRequest, timeout: float
+) -> tuple:
+    """One Generate call, reading its stream: (first token time, last token time, tokens,
+    status)."""
+    first = last = None
+    tokens, status = 0, "OK"
+    try:
+        async for msg in stub.Generate(req, timeout=timeout):
+            if msg.token_ids:
+                last = time.perf_counter()
+                first = first or last
+                tokens += len(msg.token_ids)
+    except grpc.aio.AioRpcError as e:
+        status = e.code().name
+    return first, last, tokens, status
 
 
 async def client(spec: dict) -> list[dict]:
@@ -83,6 +136,7 @@ async def client(spec: dict) -> list[dict]:
     start, vocab, names = spec["start"], spec["vocab"], spec["adapters"]
     channels = [grpc.aio.insecure_channel(spec["address"]) for _ in range(spec["channels"])]
     stubs = [pb_grpc.InferenceStub(c) for c in channels]
+    http = HttpClient(spec["http"]) if spec.get("http") else None
     rng = random.Random(spec["seed"])
     results: list[dict] = []
 
@@ -95,35 +149,27 @@ async def client(spec: dict) -> list[dict]:
         )  # fmt: skip
         await asyncio.sleep(max(0.0, start + r["arrival_s"] - time.perf_counter()))
         sent = time.perf_counter()
-        first = last = None
-        tokens = 0
-        status = "OK"
         if spec.get("http"):
             body = {
                 "model": spec["base_model"] if r["adapter"] is None else names[r["adapter"]],
                 "prompt": prompt, "max_tokens": r["output_len"], "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
             }  # fmt: skip
-            first, last, tokens, status = await http_completion(
-                spec["http"], body, spec["timeout_s"]
-            )
+            first, last, tokens, status = await http.completion(body, spec["timeout_s"])
             results.append({"index": r["index"], "sent": sent, "first": first, "last": last,
                             "tokens": tokens, "status": status})  # fmt: skip
             return
-        try:
-            async for msg in stubs[i % len(stubs)].Generate(req, timeout=spec["timeout_s"]):
-                if msg.token_ids:
-                    last = time.perf_counter()
-                    first = first or last
-                    tokens += len(msg.token_ids)
-        except grpc.aio.AioRpcError as e:
-            status = e.code().name
+        first, last, tokens, status = await grpc_completion(
+            stubs[i % len(stubs)], req, spec["timeout_s"]
+        )
         results.append({"index": r["index"], "sent": sent, "first": first, "last": last,
                         "tokens": tokens, "status": status})  # fmt: skip
 
     await asyncio.gather(*(one(i, r) for i, r in enumerate(spec["requests"])))
     for c in channels:
         await c.close()
+    if http is not None:
+        await http.close()
     return results
 
 

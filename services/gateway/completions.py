@@ -10,6 +10,7 @@ calls, and the engine aborts them.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -137,16 +138,46 @@ class _Closer:
 class _GenerationStream(StreamingResponse):
     """A streamed answer whose calls are cancelled however it ends: finished, failed, or cut
     off by a client that went away (even before the body's first chunk, when its generator
-    never ran)."""
+    never ran).
+
+    The head and the first chunk leave in the same event-loop turn as the response is called
+    (the first messages are already in): Starlette's own streaming starts a task group and a
+    task for the body first, which cost turns before the first token. Uvicorn's HTTP/1.1
+    protocols speak ASGI 2.3, where a send to a client that went away does nothing rather than
+    fail, so one plain task watches for the disconnect and cancels the stream, as Starlette's
+    task group does."""
 
     def __init__(self, body: AsyncIterator[str], close: _Closer) -> None:
         super().__init__(body, media_type="text/event-stream", headers=_STREAM_HEADERS)
         self._close = close
 
     async def __call__(self, scope, receive, send) -> None:
+        stream = asyncio.current_task()
+        state = {"streaming": True, "gone": False}
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if state["streaming"]:  # the stream waits inside the try below: it ends there
+                state["gone"] = True
+                stream.cancel()
+
+        watcher = asyncio.ensure_future(watch())
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send(
+                    {"type": "http.response.body", "body": chunk.encode(), "more_body": True}
+                )
+            state["streaming"] = False
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not state["gone"]:  # cancelled from elsewhere (a shutdown): not ours to absorb
+                raise
+            stream.uncancel()
         finally:
+            state["streaming"] = False
+            watcher.cancel()
             self._close()
 
 

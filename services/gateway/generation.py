@@ -71,7 +71,10 @@ class Generations:
         """Every call's first message. A call that fails raises its grpc.RpcError here, before
         anything is sent to the client, so that its status becomes the HTTP status."""
         if self._firsts is None:
-            self._firsts = list(await asyncio.gather(*(_read(c) for c in self._calls)))
+            if len(self._calls) == 1:  # the common case: awaited here, no task per call
+                self._firsts = [await _read(self._calls[0])]
+            else:
+                self._firsts = list(await asyncio.gather(*(_read(c) for c in self._calls)))
         return self._firsts
 
     async def messages(self) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:

@@ -36,19 +36,30 @@ async def read_body(request: Request, limit: int) -> bytes:
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     """``work``'s result; if the client disconnects first, ``work`` is cancelled (a Generate
     call it makes is then cancelled, and the engine aborts the request) and ClientGone raised.
-    The body must have been read already: what the connection receives next is its end."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(request))
+    The body must have been read already: what the connection receives next is its end.
+
+    ``work`` runs in the caller's task, so its result is the caller's at once (a task of its
+    own would cost an event-loop turn between the first message's arrival and the response);
+    the watch for the disconnect is the task, and it cancels the caller's."""
+    caller = asyncio.current_task()
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        await _disconnected(request)
+        gone = True
+        caller.cancel()
+
+    watcher = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise ClientGone()
+        return await work
+    except asyncio.CancelledError:
+        if not gone:  # cancelled from elsewhere (a shutdown): not ours to absorb
+            raise
+        caller.uncancel()
+        raise ClientGone() from None
     finally:
-        watch.cancel()
-        task.cancel()
+        watcher.cancel()
 
 
 async def _disconnected(request: Request) -> None:
