@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kernels import lora_paths
+from services.inference.engine.adapter_manager import AdapterState
 from services.inference.engine.api import AdapterKey
 from services.inference.engine.batch import BatchEntry
 from tests.inference.engine_harness import make_core
@@ -37,6 +38,27 @@ def test_row_ranks_follow_loads_and_evictions(core):
     assert core.adapters.row_ranks[r32] == 32 and core.adapters.row_ranks[r16] == 16
     assert core.adapters.evict_idle() and core.adapters.evict_idle()
     assert core.adapters.row_ranks == [0] * 4
+
+
+def test_a_load_evicts_idle_adapters_until_its_reserve_is_free(core, tiny_models):
+    """begin_load(reserve=R) leaves R pages free (a page per running sequence's next decode),
+    evicting idle adapters for them too, not only for the adapter's own pages."""
+    _load(core, "r32"), _load(core, "r16")
+    pool, adapters = core.pool, core.adapters
+    adapters.touch([AdapterKey("r16", 1)])  # r32 is the least recently used
+    key = AdapterKey("r8", 1)
+    core.add_adapter_dir(key, tiny_models.adapter("tiny-llama", "r8"))
+    need = adapters.pages_of(adapters._entries[key].host)
+    reserve = 3
+    # KV takes all but need + 1 pages: the adapter fits, its reserve does not without evicting.
+    pool.grow_kv("kv", (pool.num_free - need - 1) * pool.page_size)
+    assert adapters.begin_load(key, reserve=reserve)
+    assert pool.num_free >= reserve
+    adapters.poll_loads()
+    states = {n: adapters.state(AdapterKey(n, 1)) for n in ("r32", "r16", "r8")}
+    # the least recently used idle adapter made the room; the other stays resident
+    assert states == {"r32": AdapterState.HOST, "r16": AdapterState.IN_POOL,
+                      "r8": AdapterState.IN_POOL}  # fmt: skip
 
 
 def test_runner_prefers_fused_for_many_distinct_adapters(core, monkeypatch):

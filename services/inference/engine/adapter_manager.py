@@ -273,7 +273,7 @@ class AdapterManager:
                 room = self.pool.num_free + sum(self._pool_pages(k) for k in idle)
                 if rows == 0 or room < need + reserve:
                     return False
-                while not self._free_rows or self.pool.num_free < need:
+                while not self._free_rows or self.pool.num_free < need + reserve:
                     self._evict(idle.pop(0))
             entry.row = self._free_rows.pop()
             slots = self.pool.allocate_adapter(key, entry.host.plan.num_slots)
