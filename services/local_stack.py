@@ -16,6 +16,7 @@ the demo adapters), prints them once, and keeps each in a file of mode 0600.
 from __future__ import annotations
 
 import argparse
+import http.client
 import logging
 import signal
 import subprocess
@@ -98,7 +99,7 @@ def _answers_200(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2.0) as reply:
             return reply.status == 200
-    except OSError:
+    except (OSError, http.client.HTTPException):  # not up yet, or not HTTP on that port
         return False
 
 
@@ -243,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("local stack failed: %s", exc)
         stop(procs)
         return 1
+    except BaseException:  # anything else: no child outlives the supervisor
+        stop(procs)
+        raise
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import yaml
 from lorafleet.v1 import inference_pb2 as pb
 from lorafleet.v1 import inference_pb2_grpc as pb_grpc
 from services.inference.tiny_model import make_adapter
-from tests.services.inference.stack import free_port
+from tests.s3server import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 # `python` resolves to this interpreter, as it does to the image's in a container.
@@ -54,8 +55,33 @@ def complete_over_http(base_url: str, model: str, token: str | None = None) -> d
     return reply.json()
 
 
+def test_make_run_supervisor_fails_clearly_and_leaves_nothing_running(tmp_path):
+    """The gateway told to take the inference service's port cannot bind: the supervisor names
+    it, stops the services it started and exits 1 (its probe meets gRPC, not HTTP, on that
+    port). Once, such a clash killed the supervisor and left its children running."""
+    store_port, inference_port, metrics_port = free_ports(3)
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.local_stack", "--data", str(tmp_path / "data"),
+         "--store-port", str(store_port), "--inference-port", str(inference_port),
+         "--metrics-port", str(metrics_port), "--gateway-port", str(inference_port),
+         "--device", "cpu"],
+        cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "local stack failed: gateway exited with status" in proc.stdout, proc.stdout[-3000:]
+    assert "stopping inference service" in proc.stdout and "stopping adapter store" in proc.stdout
+    # run() returned: no child kept the output pipe open. Nothing listens on the ports any more
+    # (SO_REUSEADDR: the probes' closed connections may linger in TIME_WAIT).
+    for port in (store_port, inference_port):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+            s.listen()
+
+
 def test_make_run_supervisor_serves_demo_adapters_and_stops_on_ctrl_c(tmp_path):
-    ports = [free_port() for _ in range(4)]
+    ports = free_ports(4)  # distinct: ports taken one by one may repeat
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.local_stack", "--data", str(tmp_path / "data"),
          "--store-port", str(ports[0]), "--inference-port", str(ports[1]),
@@ -142,7 +168,7 @@ def test_docker_compose_services_run_as_processes_and_stream_a_generation(tmp_pa
     bucket = re.search(r"mc mb --ignore-existing local/(\S+)", init).group(1)
     seaweed.create_bucket(bucket)
 
-    store_port, inference_port, gateway_port = free_port(), free_port(), free_port()
+    store_port, inference_port, gateway_port, metrics_port = free_ports(4)
     models, secrets = tmp_path / "models", tmp_path / "secrets"
     replacements = {
         "http://minio:9000": seaweed.endpoint,
@@ -151,7 +177,7 @@ def test_docker_compose_services_run_as_processes_and_stream_a_generation(tmp_pa
         "0.0.0.0": "127.0.0.1",
         "50051": str(store_port),
         "50052": str(inference_port),
-        "9400": str(free_port()),
+        "9400": str(metrics_port),
         "8000": str(gateway_port),
         "/models": str(models),
         "/secrets": str(secrets),
