@@ -16,10 +16,19 @@ CHUNK = 4 << 20  # upload chunk bytes
 UPLOAD_OPTIONS = [("grpc.max_send_message_length", 8 << 20)]  # channel options for uploads
 
 
+_ISSUED: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now that this process has not handed out before: ports taken one after
+    another, each socket closed in between, may repeat before the first is bound."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _ISSUED:
+            _ISSUED.add(port)
+            return port
 
 
 def wait_serving(address: str, proc: subprocess.Popen, timeout: float) -> None:
