@@ -31,7 +31,7 @@ import enum
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -334,12 +334,13 @@ class AdapterManager:
         return failed
 
     def evict_idle(self) -> bool:
-        """Evict the least recently used resident adapter that no request uses."""
+        """Evict the least recently used resident adapter that no request uses: one pass over
+        the entries, no sort (the scheduler calls this for each page a step lacks)."""
         with self._lock:
-            idle = self._idle()
-            if not idle:
+            oldest = min(self._idle_keys(), key=lambda k: self._entries[k].last_used, default=None)
+            if oldest is None:
                 return False
-            self._evict(idle[0])
+            self._evict(oldest)
             return True
 
     def evict_for_stall(self, keep: Hashable | None) -> bool:
@@ -380,14 +381,17 @@ class AdapterManager:
         if self._changed is not None:
             self._changed.add(key)
 
-    def _idle(self) -> list[Hashable]:
-        """Resident adapters with no request, least recently used first."""
-        idle = [
+    def _idle_keys(self) -> Iterator[Hashable]:
+        """Resident adapters with no request, in no order."""
+        return (
             k
             for k, e in self._entries.items()
             if e.state is AdapterState.IN_POOL and e.refs == 0 and not e.pinned
-        ]
-        return sorted(idle, key=lambda k: self._entries[k].last_used)
+        )
+
+    def _idle(self) -> list[Hashable]:
+        """Resident adapters with no request, least recently used first."""
+        return sorted(self._idle_keys(), key=lambda k: self._entries[k].last_used)
 
     def _pool_pages(self, key: Hashable) -> int:
         return self.pages_of(self._entries[key].host)
