@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.bench_services import free_port
 from lorafleet.v1 import adapter_store_pb2 as store_pb
 from lorafleet.v1 import adapter_store_pb2_grpc as store_grpc
 from lorafleet.v1 import inference_pb2 as pb
@@ -34,21 +34,6 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
-
-
-_ISSUED: set[int] = set()
-
-
-def free_port() -> int:
-    """A port free now that this process has not handed out before: ports taken one after
-    another, each socket closed in between, may repeat before the first is bound."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _ISSUED:
-            _ISSUED.add(port)
-            return port
 
 
 @dataclass
