@@ -258,6 +258,12 @@ def main() -> None:
     parser.add_argument(
         "--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "lorafleet-serving"
     )
+    parser.add_argument(
+        "--store-dir", type=Path, default=None,
+        help="where the adapter store keeps its files: DIR/store, emptied first (default: the "
+        "work dir); S2 with 1000 adapters is 63 GB, more than some disks hold beside the model, "
+        "so e.g. a directory in /dev/shm",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "serving.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -272,7 +278,7 @@ def main() -> None:
     roof = Roofline.for_shape(shape, ceilings, dtype_bytes=2 if args.device == "cuda" else 4)
     log.info("ceilings: copy %.2f TB/s, matmul %.0f TFLOP/s", ceilings.copy_bytes_per_s / 1e12,
              ceilings.matmul_flops_per_s / 1e12)  # fmt: skip
-    store_dir, step_log = work / "store", work / "steps.jsonl"
+    store_dir, step_log = (args.store_dir or work) / "store", work / "steps.jsonl"
     subprocess.run(["rm", "-rf", str(store_dir)], check=True)
     step_log.unlink(missing_ok=True)
     step_reader = StepLogReader(step_log)
