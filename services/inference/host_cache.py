@@ -138,10 +138,11 @@ class HostCache:
         """A block of ``nbytes``, once bytes held by adapters in use are released (first come,
         first served). Raises HostCacheFull when no room can come; a cancelled caller leaves
         the queue with nothing reserved."""
-        try:
-            return self.reserve(nbytes)
-        except HostCacheBusy:
-            pass
+        self._check_size(nbytes)
+        if not self._waiters:  # else they came first
+            block = self._take(nbytes)
+            if block is not None:
+                return block
         self._loop = asyncio.get_running_loop()
         waiter = _Waiter(nbytes, self._loop.create_future())
         self._waiters.append(waiter)
