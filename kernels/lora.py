@@ -16,9 +16,9 @@ tiles.
   s] · Bᵀ. On Hopper it is launched as a programmatic dependent of shrink: it finds its first
   tile, looks up and loads its Bᵀ block and y block while shrink still runs, then waits for h.
 
-In both, the programs along the tiles stride over them (up to _TILE_PROGRAMS_PER_SM an SM) and
-stop at the step's last tile, rather than one program per tile of the bound a CUDA graph is
-captured for, most of which would find no tile.
+In both, the programs along the tiles stride over them (up to _TILE_PROGRAMS_PER_SM an SM in
+all) and stop at the step's last tile, rather than one program per tile of the bound a CUDA
+graph is captured for, most of which would find no tile.
 
 Graph safety: no host reads of device data; given ``workspace``, no allocation either. Ranks
 above ``max_rank`` cannot be checked without a host sync: the kernels clamp them (memory stays

@@ -1,9 +1,9 @@
 """The LoRA kernels' tile list, built on the host where a step's segments are known.
 
-A LoRA launch cuts each adapter segment into tiles of at most BLOCK_M tokens, one program per
+A LoRA launch cuts each adapter segment into tiles of at most BLOCK_M tokens, one adapter per
 tile. The host already knows the segments when it writes a step's metadata, so it writes the
-tiles too: program i reads row i of the table, (LoRA index row, first token, end token), in one
-load; rows past the step's last tile hold row -1. The tile count's upper bound for the call's
+tiles too: a program reads a tile's row of the table, (LoRA index row, first token, end token),
+in one load; rows past the step's last tile hold row -1. The tile count's upper bound for the call's
 capacity (max_tiles) sizes the launch, so a CUDA graph captured once serves every step: the
 fused kernel launches a program per tile of the bound (those past the last tile return at once);
 the shrink and expand launch fewer, which stride over the tiles and stop at the first row -1
