@@ -8,8 +8,10 @@ rmsnorm(x, weight, eps, delta=None), rope_write_kv(...), silu_mul(gate_up)   # l
 
 The Triton modules are imported on the first CUDA call, so CPU serving never loads Triton.
 Optional keywords pass preallocated buffers (``lora_apply(workspace=)``, ``lora_shrink(out=)``,
-``paged_attention(out=)``); the reference path accepts and fills them the same way. The engine
-passes none: inside a CUDA-graph capture the launchers allocate from the graph's own pool.
+``paged_attention(out=)``); the reference path accepts and fills them the same way
+(``paged_attention(prefill_tiles=)``, a host-built table, it accepts and ignores). The engine
+passes no buffers (inside a CUDA-graph capture the launchers allocate from the graph's own
+pool), only each step's prefill tiles.
 """
 
 from __future__ import annotations
@@ -106,12 +108,15 @@ def paged_attention(
     scale,
     *,
     out: torch.Tensor | None = None,
+    prefill_tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed queries [T, heads, head_dim] over paged K/V."""
+    """Causal attention of packed queries [T, heads, head_dim] over paged K/V. ``prefill_tiles``:
+    a mixed step's prefill tiles (kernels/attention.py), which the reference does not need."""
     if q.is_cuda:
         return _triton_attention().paged_attention(
-            q, pool_layer, block_tables, seq_lens, query_starts, page_size, scale, out=out
-        )
+            q, pool_layer, block_tables, seq_lens, query_starts, page_size, scale, out=out,
+            prefill_tiles=prefill_tiles,
+        )  # fmt: skip
     return attention_ref.paged_attention(
         q, pool_layer, block_tables, seq_lens, query_starts, page_size, scale, out=out
     )

@@ -4,28 +4,38 @@ Geometry and semantics: kernels/attention_ref.py (the float64 reference these ar
 against). The pool layer is ``[2, slots, W]``, ``W = kv_heads * head_dim``; position p of
 sequence b lives at slot ``block_tables[b, p // page_size] * page_size + p % page_size``.
 
-paged_attention launches from shapes alone (no host sync, so a CUDA graph can hold any step):
+paged_attention launches from shapes and a host-built tile table (no host sync, so a CUDA
+graph can hold any step):
 - decode: one program per (query row, kv head, context split). The query heads of a kv head
   are one tile, so each K/V row is read once for the whole group (grouped-query attention).
   Long contexts are split across programs and merged by a second small kernel (split-K,
   "flash decoding"). With as many query rows as sequences (a decode step) it serves every row,
   whatever the mix; otherwise (a mixed step) its programs are sequences, and it serves those
   with exactly one query row.
-- prefill, in mixed steps: one program per (tile of a sequence's query rows, query head), a
-  causal flash-attention loop over the sequence's pages, for the sequences of two rows or more.
+- prefill, in mixed steps: programs per query head that stride over the tiles of the sequences
+  of two rows or more (tiles of a sequence's query rows, listed by the host:
+  kernels/tile_table.py), each a causal flash-attention loop over the sequence's pages. On CUDA
+  it runs on a second stream beside the decode kernel.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.tiles import CHUNK, dot_f32, find_tile, max_tiles, num_sms
+from kernels.tile_table import ATTENTION_BLOCK, EMPTY, FIELDS, query_tiles
+from kernels.tiles import INTERPRET, dot_f32, max_tiles, next_tile, num_sms
 
 _LOG2E = 1.4426950408889634
+# Prefill programs along the tiles, per multiprocessor and head: each strides over the tiles,
+# so the grid does not grow with the bound a CUDA graph is captured for (most of whose tiles
+# do not exist in a given step).
+_PREFILL_PROGRAMS_PER_SM = 8
 
 
 class DecodeLaunch(NamedTuple):
@@ -36,10 +46,11 @@ class DecodeLaunch(NamedTuple):
 
 
 class PrefillLaunch(NamedTuple):
-    block_q: int = 64
+    block_q: int = ATTENTION_BLOCK
     block_n: int = 64
     warps: int = 4
     stages: int = 2
+    tile_programs: int = 0  # programs along the tiles (0: _PREFILL_PROGRAMS_PER_SM picks)
 
 
 @triton.jit
@@ -172,21 +183,13 @@ def _combine_kernel(
 
 
 @triton.jit
-def _prefill_kernel(
+def _prefill_tile(
     q_ptr, stride_qt, stride_qh, out_ptr, stride_ot, stride_oh, pool_ptr, stride_half,
-    stride_slot, bt_ptr, stride_bt, seq_lens_ptr, qs_ptr, num_seqs, scale_log2,
+    stride_slot, bt_ptr, stride_bt, seq_lens_ptr, qs_ptr, scale_log2, b, r0, r1, h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, DOT_F32: tl.constexpr,
-    MIN_ROWS: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
 ):  # fmt: skip
-    # Sequences with fewer than MIN_ROWS query rows get no tiles (the decode kernel serves the
-    # one-row ones of a mixed step).
-    b, _, r0, r1 = find_tile(
-        qs_ptr, qs_ptr, num_seqs, tl.program_id(0), BLOCK_Q, CHUNK, False, MIN_ROWS
-    )
-    if b < 0:
-        return
-    h = tl.program_id(1)
+    """Query rows r0:r1 of sequence b, head h: a causal flash-attention loop over its pages."""
     kvh = h // GROUP
     seq_len = tl.load(seq_lens_ptr + b)
     q_end = tl.load(qs_ptr + b + 1)
@@ -236,6 +239,30 @@ def _prefill_kernel(
         o.to(out_ptr.dtype.element_ty),
         mask=r_ok[:, None] & d_ok[None, :],
     )
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, stride_qt, stride_qh, out_ptr, stride_ot, stride_oh, pool_ptr, stride_half,
+    stride_slot, bt_ptr, stride_bt, seq_lens_ptr, qs_ptr, scale_log2,
+    tiles_ptr,  # [K, 3] (sequence, first row, end row), row -1 past the last (tile_table.py)
+    NUM_TILES,  # the tile count's bound (max_tiles <= K)
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """Programs (i, head h) take tiles i, i + programs, ... of the table until its first
+    empty row: the prompts' and chunks' query tiles of a mixed step."""
+    h = tl.program_id(1)
+    tile = tl.program_id(0)
+    b, r0, r1 = next_tile(tiles_ptr, tile, NUM_TILES)
+    while b >= 0:
+        _prefill_tile(
+            q_ptr, stride_qt, stride_qh, out_ptr, stride_ot, stride_oh, pool_ptr, stride_half,
+            stride_slot, bt_ptr, stride_bt, seq_lens_ptr, qs_ptr, scale_log2, b, r0, r1, h,
+            HEAD_DIM, BLOCK_D, GROUP, PAGE, BLOCK_Q, BLOCK_N, DOT_F32,
+        )  # fmt: skip
+        tile += tl.num_programs(0)
+        b, r0, r1 = next_tile(tiles_ptr, tile, NUM_TILES)
 
 
 @triton.jit
@@ -335,12 +362,18 @@ def paged_attention(
     workspace: torch.Tensor | None = None,
     decode: DecodeLaunch | None = None,
     prefill: PrefillLaunch | None = None,
+    prefill_tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries ``[T, n_heads, head_dim]`` over paged K/V.
 
     ``out`` (optional, [T, n_heads, head_dim]) receives the result; rows past the last
     sequence's (padding) are not written. ``workspace`` (optional, contiguous fp32, at least
-    ``decode_workspace_size(sequences, ...)``) holds split partials.
+    ``decode_workspace_size(sequences, ...)``) holds split partials. ``prefill_tiles``
+    (optional, int32 [>= max_tiles(T, ATTENTION_BLOCK, sequences), 3] on the device): a mixed
+    call's prefill tiles as kernels/tile_table.query_tiles lists them and the engine's
+    StepBatch writes them with each step; without it a mixed call lists them from
+    query_starts on the host, a read that synchronizes (and so cannot be captured in a CUDA
+    graph). Decode-only calls read no table.
     """
     _check_pool(pool_layer)
     if q.dim() != 3 or q.stride(2) != 1:
@@ -413,72 +446,77 @@ def paged_attention(
             raise ValueError(f"workspace must be float32 with at least {need} elements")
         ml = workspace[: b * n_heads * splits * 2]
         acc = workspace[b * n_heads * splits * 2 : need]
+    concurrent = False
+    if by_seq:
+        pcfg = prefill or PrefillLaunch()
+        tiles = _prefill_table(prefill_tiles, query_starts, t, b, pcfg.block_q)
+        # The prompts' tiles run beside the decode rows (another stream, joined below): a
+        # tile's loop over its keys is latency-bound, the decode rows are bandwidth-bound.
+        concurrent = q.is_cuda and not INTERPRET
+        main = torch.cuda.current_stream(q.device) if concurrent else None
+        side = _side_stream(q.device) if concurrent else None
+        if concurrent:
+            side.wait_stream(main)  # q's rotation and the step's K/V are written on main
+        with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
+            bound = max_tiles(t, pcfg.block_q, b)
+            want = pcfg.tile_programs or _PREFILL_PROGRAMS_PER_SM * num_sms() // n_heads
+            programs = max(1, min(bound, want))
+            _prefill_kernel[(programs, n_heads)](
+                q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), *common[:-1],
+                scale_log2, tiles, bound,
+                HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, PAGE=page_size,
+                BLOCK_Q=pcfg.block_q, BLOCK_N=pcfg.block_n, DOT_F32=dot_f32(q.dtype),
+                num_warps=pcfg.warps, num_stages=pcfg.stages,
+            )  # fmt: skip
     _decode_kernel[(b, n_kv, splits)](
-        q,
-        q.stride(0),
-        q.stride(1),
-        out,
-        out.stride(0),
-        out.stride(1),
-        ml,
-        acc,
-        *common,
-        t,
+        q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), ml, acc, *common, t,
         scale_log2,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        PAGE=page_size,
-        BLOCK_N=cfg.block_n,
-        SEQ_POW2=seq_pow2,
-        SPLITS=splits,
-        DOT_F32=dot_f32(q.dtype),
-        BY_SEQ=by_seq,
-        num_warps=cfg.warps,
-        num_stages=cfg.stages,
-    )
+        HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), PAGE=page_size,
+        BLOCK_N=cfg.block_n, SEQ_POW2=seq_pow2, SPLITS=splits, DOT_F32=dot_f32(q.dtype),
+        BY_SEQ=by_seq, num_warps=cfg.warps, num_stages=cfg.stages,
+    )  # fmt: skip
     if splits > 1:
         _combine_kernel[(b, n_heads)](
-            out,
-            out.stride(0),
-            out.stride(1),
-            ml,
-            acc,
-            query_starts,
-            n_heads,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            SPLITS=splits,
-            BY_SEQ=by_seq,
-            num_warps=4,
-        )
-    if not by_seq:
-        return out
-    cfg = prefill or PrefillLaunch()
-    grid = (max_tiles(t, cfg.block_q, b), n_heads)
-    _prefill_kernel[grid](
-        q,
-        q.stride(0),
-        q.stride(1),
-        out,
-        out.stride(0),
-        out.stride(1),
-        *common,
-        scale_log2,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        GROUP=group,
-        PAGE=page_size,
-        BLOCK_Q=cfg.block_q,
-        BLOCK_N=cfg.block_n,
-        CHUNK=CHUNK,
-        DOT_F32=dot_f32(q.dtype),
-        MIN_ROWS=2,
-        num_warps=cfg.warps,
-        num_stages=cfg.stages,
-    )
+            out, out.stride(0), out.stride(1), ml, acc, query_starts, n_heads,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=splits, BY_SEQ=by_seq, num_warps=4,
+        )  # fmt: skip
+    if concurrent:
+        main.wait_stream(side)
     return out
+
+
+def _prefill_table(given, query_starts, t: int, b: int, block_q: int) -> torch.Tensor:
+    """The prefill kernel's tile table: ``given`` after checks, else listed from
+    query_starts on the host (tile_table.query_tiles), which reads them there."""
+    bound = max_tiles(t, block_q, b)
+    if given is None:
+        flat = query_tiles(query_starts.tolist(), block_q)
+        flat += EMPTY * (bound - len(flat) // FIELDS)
+        return torch.tensor(flat, dtype=torch.int32).view(-1, FIELDS).to(query_starts.device)
+    if block_q != ATTENTION_BLOCK:
+        raise ValueError(
+            f"prefill_tiles are cut into {ATTENTION_BLOCK}-row tiles; prefill.block_q is {block_q}"
+        )
+    if (
+        given.dtype != torch.int32
+        or given.dim() != 2
+        or given.shape[1] != FIELDS
+        or given.shape[0] < bound
+        or given.device != query_starts.device
+    ):
+        raise ValueError(
+            f"prefill_tiles must be int32 [>= {bound}, {FIELDS}] on {query_starts.device}, got "
+            f"{given.dtype} {tuple(given.shape)} on {given.device}"
+        )
+    return given
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream the prefill kernel of mixed calls runs on, one per device (high priority:
+    its tiles' loops are the longest chains of a mixed step's attention)."""
+    return torch.cuda.Stream(device=device, priority=-1)
 
 
 def decode_workspace_size(num_rows: int, num_heads: int, head_dim: int, splits: int) -> int:

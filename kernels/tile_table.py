@@ -1,4 +1,5 @@
-"""The LoRA kernels' tile list, built on the host where a step's segments are known.
+"""The kernels' tile lists, built on the host where a step's segments are known: the LoRA
+kernels' and the prefill attention kernel's.
 
 A LoRA launch cuts each adapter segment into tiles of at most BLOCK_M tokens, one adapter per
 tile. The host already knows the segments when it writes a step's metadata, so it writes the
@@ -14,6 +15,12 @@ with a hundred adapters (H200, one layer's q/k/v and o calls, 292 tokens on 96 r
 adapters: 135 µs with a capacity of 514 segments, 89 with the capacity cut to 98;
 bench/results/lora_engine_calls_before_tiles.json).
 
+The prefill attention kernel of a mixed step takes the same kind of table (query_tiles: the
+query rows of each sequence of two rows or more), for the same reason: a mixed step's CUDA
+graph holds max_num_seqs sequences, and a grid of the bound with a device-side scan of their
+query starts in every program (544 tiles x 32 heads for 2048 tokens and 512 sequences, about
+30 x 32 of them with work) spent most of its programs finding no tile.
+
 Plain Python, no Triton: the engine builds tables on the CPU path too.
 """
 
@@ -24,6 +31,10 @@ from collections.abc import Sequence
 TILE_BLOCKS = (16, 32, 64)  # the BLOCK_M values a launch may use; one table each
 FIELDS = 3  # row, first token, end token
 EMPTY = (-1, 0, 0)
+# Query rows per tile of the prefill attention kernel (kernels/attention.py), whose table the
+# engine writes beside the LoRA ones: (sequence, first row, end row) for the sequences of two
+# query rows or more.
+ATTENTION_BLOCK = 64
 
 
 def max_tiles(num_tokens: int, block: int, num_segments: int) -> int:
@@ -48,3 +59,11 @@ def block_tiles(starts: Sequence[int], rows: Sequence[int], block: int) -> list[
         for s in range(starts[g], end, block):
             out += (row, s, min(s + block, end))
     return out
+
+
+def query_tiles(starts: Sequence[int], block: int = ATTENTION_BLOCK) -> list[int]:
+    """The prefill attention kernel's tiles: the query rows of each sequence with two rows or
+    more (sequence b owns rows starts[b]:starts[b+1]; the decode kernel serves the one-row
+    ones), cut into tiles of at most ``block`` rows, flattened (sequence, first row, end row)."""
+    runs = [b if starts[b + 1] - starts[b] >= 2 else -1 for b in range(len(starts) - 1)]
+    return block_tiles(starts, runs, block)

@@ -65,6 +65,33 @@ def test_tiles_match_the_reference_and_forget_the_previous_step():
         assert tiles[k, used:, 0].eq(-1).all()  # the first step's tiles are gone
 
 
+def test_attention_tiles_list_the_prompts_and_forget_the_previous_step():
+    """The prefill attention kernel's table (kernels/tile_table.query_tiles): the query rows
+    of every sequence of two tokens or more, in 64-row tiles; a shorter step empties the rows
+    a longer one wrote."""
+    b = StepBatch(
+        max_tokens=200, max_seqs=6, max_pages_per_seq=12, max_segments=4, page_size=16,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    b.fill(
+        [
+            BatchEntry([1], 9, [0], None, True),  # decode: the decode kernel's
+            BatchEntry([2] * 150, 0, list(range(1, 11)), None, True),  # 3 tiles
+            BatchEntry([3] * 2, 4, [11], 0, False),  # a two-token chunk: a tile
+        ],
+        pad_tokens=180,
+        pad_seqs=5,
+    )
+    tiles = b.attention_tiles.tolist()
+    assert tiles[:4] == [[1, 1, 65], [1, 65, 129], [1, 129, 151], [2, 151, 153]]
+    assert all(row[0] == -1 for row in tiles[4:])
+    b.fill([BatchEntry([5] * 3, 0, [0], None, True), BatchEntry([6], 7, [1], None, True)])
+    tiles = b.attention_tiles.tolist()
+    assert tiles[0] == [0, 0, 3] and all(row[0] == -1 for row in tiles[1:])
+    b.fill([BatchEntry([7], 3, [0], None, True), BatchEntry([8], 7, [1], None, True)])
+    assert all(row[0] == -1 for row in b.attention_tiles.tolist())  # decode only: none
+
+
 def test_slots_of_a_chunk_that_starts_inside_a_page():
     b = _batch()
     b.fill([BatchEntry(list(range(6)), 3, [9, 2, 7], None, True)])  # positions 3..8

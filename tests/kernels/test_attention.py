@@ -227,3 +227,57 @@ def test_mixed_step_with_padding_rows(splits):
     ref = _reference(q[:t], kv, shape.page_size, shape.head_dim**-0.5)
     assert_close(out[:t], ref, DTYPES[0])
     assert torch.equal(out[t:], torch.full_like(out[t:], 7.0))  # padding rows untouched
+
+
+@pytest.mark.parametrize("programs", [1, 0])
+def test_mixed_step_reads_the_given_tile_table(programs):
+    """The engine's path: the prefill tiles come from a host-built table (tile_table.
+    query_tiles) sized for a graph's bound, rows past the step's last tile empty; with one
+    program per head (programs 1) it strides over every tile. Prompts of several 64-row
+    tiles, chunks, decode rows, an empty sequence and padding rows, as a mixed graph has."""
+    from kernels.tile_table import ATTENTION_BLOCK, EMPTY, max_tiles, query_tiles
+
+    gen = torch.Generator().manual_seed(61 + programs)
+    shape = ATTN_SHAPES[1]
+    lens = [130, 9, 70, 40, 3, 0]
+    queries = [130, 1, 3, 1, 2, 0]
+    kv = build_kv(
+        lens, queries, shape.page_size, shape.kv_heads * shape.head_dim, DTYPES[0], DEVICE, gen
+    )
+    t, pad = sum(queries), 6
+    flat = query_tiles(kv.query_starts.tolist(), ATTENTION_BLOCK)
+    assert len(flat) // 3 == 5  # 130 rows in three tiles, then the 3- and 2-row chunks
+    bound = max_tiles(t + pad, ATTENTION_BLOCK, len(lens)) + 4  # a table sized for more
+    table = torch.tensor(flat + list(EMPTY) * (bound - len(flat) // 3), dtype=torch.int32)
+    q = torch.randn(t + pad, shape.heads, shape.head_dim, generator=gen).to(DTYPES[0])
+    q = q.to(DEVICE)
+    out = torch.full_like(q, 7.0)
+    attention.paged_attention(
+        q, kv.pool_layer, kv.block_tables, kv.seq_lens, kv.query_starts, shape.page_size,
+        shape.head_dim**-0.5, out=out, decode=attention.DecodeLaunch(**SMALL_DECODE),
+        prefill=attention.PrefillLaunch(block_n=16 if not ON_GPU else 64, tile_programs=programs),
+        prefill_tiles=table.view(-1, 3).to(DEVICE),
+    )  # fmt: skip
+    ref = _reference(q[:t], kv, shape.page_size, shape.head_dim**-0.5)
+    assert_close(out[:t], ref, DTYPES[0])
+    assert torch.equal(out[t:], torch.full_like(out[t:], 7.0))  # padding rows untouched
+
+
+def test_a_given_tile_table_is_checked():
+    """A table cut for other tiles, too short for the call, or of another dtype is refused."""
+    from kernels.tile_table import ATTENTION_BLOCK, max_tiles
+
+    gen = torch.Generator().manual_seed(71)
+    kv = build_kv([5, 9], [1, 4], 4, 32, torch.float32, DEVICE, gen)
+    q = torch.randn(5, 4, 16, device=DEVICE)
+    bound = max_tiles(5, ATTENTION_BLOCK, 2)
+    good = torch.full((bound, 3), -1, dtype=torch.int32, device=DEVICE)
+    args = (q, kv.pool_layer, kv.block_tables, kv.seq_lens, kv.query_starts, 4, 0.25)
+    cases = [
+        (dict(prefill_tiles=good, prefill=attention.PrefillLaunch(block_q=16)), "64-row tiles"),
+        (dict(prefill_tiles=good[:-1]), "prefill_tiles must be int32"),
+        (dict(prefill_tiles=good.long()), "prefill_tiles must be int32"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            attention.paged_attention(*args, **kwargs)

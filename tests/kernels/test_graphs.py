@@ -15,6 +15,14 @@ import torch
 from kernels import attention, attention_ref, lora, lora_ref
 from kernels.lora_layout import K, Q, V
 from kernels.lora_ref import make_lora_tokens
+from kernels.tile_table import (
+    ATTENTION_BLOCK,
+    EMPTY,
+    TILE_BLOCKS,
+    max_tiles,
+    query_tiles,
+    table_rows,
+)
 from tests.kernels.pools import build_adapters, build_kv, token_rows
 from tests.kernels.sizes import assert_close
 
@@ -45,7 +53,8 @@ def test_decode_step_replays_with_new_batches(path):
     token_lora = torch.empty(batch, dtype=torch.int32, device=DEV)
     seg_starts = torch.empty(cap + 1, dtype=torch.int32, device=DEV)
     seg_lora = torch.empty(cap, dtype=torch.int32, device=DEV)
-    tokens = lora_ref.LoraTokens(token_lora, seg_starts, seg_lora)
+    tiles = torch.empty(len(TILE_BLOCKS), table_rows(batch, cap), 3, dtype=torch.int32, device=DEV)
+    tokens = lora_ref.LoraTokens(token_lora, seg_starts, seg_lora, tiles)
     q = torch.empty(batch, heads, head_dim, dtype=dtype, device=DEV)
     k_new = torch.empty(batch, kv_heads, head_dim, dtype=dtype, device=DEV)
     v_new = torch.empty_like(k_new)
@@ -69,6 +78,7 @@ def test_decode_step_replays_with_new_batches(path):
         token_lora.copy_(t.token_lora)
         seg_starts.copy_(t.seg_starts)
         seg_lora.copy_(t.seg_lora)
+        tiles.copy_(t.tiles)
         lens = [int(torch.randint(1, n + 1, (), generator=gen)) for n in lens_max]
         seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         pos = torch.tensor(lens) - 1
@@ -134,3 +144,59 @@ def test_decode_step_replays_with_new_batches(path):
             ref_y, x.double(), setup.pool[0], setup.index, tokens, (Q, K, V), widths, max_rank
         )
         assert_close(y, ref_y, dtype)
+
+
+def test_mixed_attention_replays_with_new_batches():
+    """A mixed step's attention as the engine's graphs hold it: capacity for 300 tokens and 40
+    sequences, the prefill tiles read from a table the host rewrites before each replay, the
+    prefill kernel on its own stream inside the capture. Each replay is another mix of
+    prompts, chunks and decode rows, with empty sequences and padding rows after them."""
+    gen = torch.Generator().manual_seed(3)
+    dtype = torch.bfloat16
+    heads, kv_heads, head_dim, page = 32, 8, 128, 16
+    w = kv_heads * head_dim
+    t_cap, b_cap, ctx_cap = 300, 40, 700
+    kv = build_kv([ctx_cap] * b_cap, [1] * b_cap, page, w, dtype, DEV, gen)
+    q = torch.empty(t_cap, heads, head_dim, dtype=dtype, device=DEV)
+    out = torch.empty_like(q)
+    seq_lens = torch.empty(b_cap, dtype=torch.int32, device=DEV)
+    starts = torch.empty(b_cap + 1, dtype=torch.int32, device=DEV)
+    bound = max_tiles(t_cap, ATTENTION_BLOCK, b_cap)
+    table = torch.empty(bound, 3, dtype=torch.int32, device=DEV)
+
+    def fill(queries: list[int]) -> list[int]:
+        lens = [int(torch.randint(n, ctx_cap + 1, (), generator=gen)) if n else 0
+                for n in queries]  # fmt: skip
+        lens += [0] * (b_cap - len(lens))
+        rows = [0, *torch.tensor(queries + [0] * (b_cap - len(queries))).cumsum(0).tolist()]
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        starts.copy_(torch.tensor(rows, dtype=torch.int32))
+        flat = query_tiles(rows, ATTENTION_BLOCK)
+        table.copy_(torch.tensor(flat + list(EMPTY) * (bound - len(flat) // 3)).view(-1, 3))
+        q.copy_(torch.randn(q.shape, generator=gen).to(dtype))
+        return lens
+
+    def step() -> None:
+        attention.paged_attention(
+            q, kv.pool_layer, kv.block_tables, seq_lens, starts, page, head_dim**-0.5,
+            out=out, prefill_tiles=table,
+        )  # fmt: skip
+
+    fill([200, 1, 1, 30])
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # a host sync inside would abort the capture
+        step()
+    for queries in ([1] * 20 + [150, 2], [64, 65, 1, 129], [1, 299], [2] * 40):
+        lens = fill(queries)
+        out.fill_(7.0)
+        graph.replay()
+        t = sum(queries)
+        ref = attention_ref.paged_attention(
+            q[:t].double(), kv.pool_layer, kv.block_tables, seq_lens, starts, page,
+            head_dim**-0.5,
+        )  # fmt: skip
+        assert_close(out[:t], ref, dtype)
+        assert out[t:].eq(7.0).all(), "padding rows were written"
+        assert sum(lens) > 0

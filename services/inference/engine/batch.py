@@ -19,7 +19,16 @@ from typing import NamedTuple
 import torch
 
 from kernels import LoraTokens
-from kernels.tile_table import EMPTY, FIELDS, TILE_BLOCKS, block_tiles, table_rows
+from kernels.tile_table import (
+    ATTENTION_BLOCK,
+    EMPTY,
+    FIELDS,
+    TILE_BLOCKS,
+    block_tiles,
+    max_tiles,
+    query_tiles,
+    table_rows,
+)
 
 
 class BatchEntry(NamedTuple):
@@ -65,6 +74,11 @@ class StepBatch:
                 (len(TILE_BLOCKS), table_rows(max_tokens, max_segments), FIELDS),
                 torch.int32,
             ),
+            # The prefill attention kernel's tiles: sequences of two query rows or more.
+            "attn_tiles": (
+                (max(1, max_tiles(max_tokens, ATTENTION_BLOCK, max_seqs)), FIELDS),
+                torch.int32,
+            ),
         }
         pin = device.type == "cuda"
         offsets, total = {}, 0
@@ -86,9 +100,11 @@ class StepBatch:
         self.prev_tokens = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self._copied: torch.cuda.Event | None = None  # behind the latest staging -> device copy
         self._zeros = (0,) * max_pages_per_seq  # pads block-table rows to the step's widest
-        self._host["lora_tiles"][:, :, 0] = -1  # no tiles yet
-        self._dev["lora_tiles"].copy_(self._host["lora_tiles"])
-        self._tiles_used = [0] * len(TILE_BLOCKS)  # rows of each table the last step wrote
+        for name in ("lora_tiles", "attn_tiles"):  # no tiles yet
+            self._host[name][..., 0] = -1
+            self._dev[name].copy_(self._host[name])
+        # Rows of each table the last step wrote: the LoRA tables', then attention's.
+        self._tiles_used = [0] * (len(TILE_BLOCKS) + 1)
         self.num_tokens = self.num_seqs = self.num_logits = self.num_sampled = 0
         self.has_lora = False
 
@@ -169,7 +185,7 @@ class StepBatch:
         seg_starts, seg_rows = _segments(rows)
         if len(seg_rows) > self.max_segments:
             raise ValueError(f"{len(seg_rows)} LoRA segments exceed {self.max_segments}")
-        self._write_tiles(seg_starts, seg_rows)
+        self._write_tiles(seg_starts, seg_rows, starts)
         # Unused segments are empty (start = end = t) and base-only, like make_lora_tokens pads.
         seg_starts += [t] * (self.max_segments + 1 - len(seg_starts))
         seg_rows += [-1] * (self.max_segments - len(seg_rows))
@@ -265,19 +281,26 @@ class StepBatch:
             d["token_lora"][: self.num_tokens], d["seg_starts"], d["seg_lora"], d["lora_tiles"]
         )
 
-    def _write_tiles(self, seg_starts: list[int], seg_rows: list[int]) -> None:
-        """Each block size's tiles of the step's adapter segments into the host table; the rows
-        the previous step wrote past them go back to empty (row -1)."""
-        table = self._host["lora_tiles"]
-        for b, block in enumerate(TILE_BLOCKS):
-            flat = block_tiles(seg_starts, seg_rows, block)
+    @property
+    def attention_tiles(self) -> torch.Tensor:  # [K, 3]: the prefill attention kernel's tiles
+        return self._dev["attn_tiles"]
+
+    def _write_tiles(self, seg_starts: list[int], seg_rows: list[int], starts: list[int]) -> None:
+        """Each block size's tiles of the step's adapter segments, and the prefill attention
+        tiles of its sequences (query ``starts``), into their host tables; the rows the previous
+        step wrote past them go back to empty (row -1)."""
+        lora = self._host["lora_tiles"]
+        tables = [(lora[b], block_tiles(seg_starts, seg_rows, block))
+                  for b, block in enumerate(TILE_BLOCKS)]  # fmt: skip
+        tables.append((self._host["attn_tiles"], query_tiles(starts, ATTENTION_BLOCK)))
+        for i, (table, flat) in enumerate(tables):
             n = len(flat) // FIELDS
-            stale = self._tiles_used[b] - n
+            stale = self._tiles_used[i] - n
             if stale > 0:
                 flat += EMPTY * stale
             if flat:
-                _write(table[b].view(-1), flat)
-            self._tiles_used[b] = n
+                _write(table.view(-1), flat)
+            self._tiles_used[i] = n
 
 
 _TYPECODES = {torch.int32: "i", torch.int64: "q"}

@@ -138,7 +138,7 @@ class Attention(nn.Module):
         kernels.rope_write_kv(q, k, v, *rope, batch.positions, pool_layer, batch.slot_mapping)
         o = kernels.paged_attention(
             q, pool_layer, batch.block_tables, batch.seq_lens, batch.query_starts,
-            batch.page_size, self.scale,
+            batch.page_size, self.scale, prefill_tiles=batch.attention_tiles,
         )  # fmt: skip
         o = o.reshape(t, self.q_dim)  # [T, n_heads * head_dim]
         # Row-split under tensor parallelism: this rank's partial sum (its LoRA share included).

@@ -1,0 +1,241 @@
+"""Where a serving trace's GPU time goes, kernel by kernel: the engine of the inference service
+(its own step loop, default limits, CUDA graphs), in process, on the serving benchmark's trace,
+with the torch profiler over windows of steps.
+
+bench/serving.py measures the trace end to end through the services; this shows what its steps
+spend their time on, which a step's total (the step log) cannot: the trace of 1000 requests at
+once (bench/serving.py's, same seed), for the base model and with n rank-8 q/k/v/o adapters,
+each window's kernels summed by kind (GEMMs, attention's decode and prefill kernels, LoRA,
+the pointwise kernels, the rest) in ms per step, beside the steps' own GPU time.
+
+    python bench/trace_profile.py --adapters 0 100 --windows 40:70 300:330 700:730
+    python bench/trace_profile.py --shape tiny --device cpu --requests 24 --windows 2:6
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from bench.bench_models import SHAPES, make_model  # noqa: E402
+from bench.serving import WORKLOADS, make_trace, with_adapters  # noqa: E402
+from services.inference.engine.api import AdapterKey, GenerationRequest  # noqa: E402
+from services.inference.engine.config import EngineConfig  # noqa: E402
+from services.inference.engine.engine import Engine  # noqa: E402
+from services.inference.engine.sampling_params import SamplingParams  # noqa: E402
+from store.synthetic import synthetic_adapter  # noqa: E402
+
+# Kernel kinds, by a piece of the kernel's name (the first that matches).
+KINDS = (
+    ("attention decode", ("_decode_kernel", "_combine_kernel")),
+    ("attention prefill", ("_prefill_kernel",)),
+    ("lora", ("_lora",)),
+    ("pointwise", ("_rope_kv", "_rmsnorm", "_silu_mul", "_write_kv")),
+    ("gemm", ("nvjet", "gemm", "xmma", "cutlass", "Kernel2", "sm90_")),
+)
+
+
+def kind_of(name: str) -> str:
+    for kind, marks in KINDS:
+        if any(m in name for m in marks):
+            return kind
+    return "other"
+
+
+class Window:
+    """The profiler over steps [first, last) of the engine's count (started and stopped from the
+    event loop that watches the count: the profiler records the GPU's kernels whatever thread
+    launched them)."""
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last = first, last
+        self.prof = None
+        self.kernels: dict[str, list[float]] = {}
+        self.done = False
+
+    def poll(self, steps: int, cuda: bool) -> None:
+        if self.done:
+            return
+        if self.prof is None and steps >= self.first:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+            self.prof = profile(activities=activities)
+            self.prof.__enter__()
+            self.first = steps  # the step the window really begins at
+        elif self.prof is not None and steps >= self.last:
+            if cuda:
+                torch.cuda.synchronize()
+            self.prof.__exit__(None, None, None)
+            self.last = steps
+            self.done = True
+            for e in self.prof.key_averages():
+                us = getattr(e, "self_device_time_total", None)
+                if us is None:
+                    us = getattr(e, "self_cuda_time_total", 0.0)
+                if cuda and us <= 0:
+                    continue
+                if not cuda:
+                    us = e.self_cpu_time_total
+                self.kernels[e.key] = [us / 1e3, e.count]
+
+    def report(self, records: list[dict]) -> dict:
+        steps = [r for r in records if self.first <= r["step"] < self.last]
+        n = max(1, len(steps))
+        by_kind: dict[str, float] = defaultdict(float)
+        for name, (ms, _) in self.kernels.items():
+            by_kind[kind_of(name)] += ms
+        top = sorted(self.kernels.items(), key=lambda kv: -kv[1][0])[:20]
+        return {
+            "steps": [self.first, self.last],
+            "mean_seqs": sum(r["seqs"] for r in steps) / n,
+            "mean_tokens": sum(r["tokens"] for r in steps) / n,
+            "mean_prefill_tokens": sum(r["prefill_tokens"] for r in steps) / n,
+            "mixed_steps": sum(r["prefill_tokens"] > 0 for r in steps),
+            "mean_adapters": sum(r["adapters"] for r in steps) / n,
+            "step_gpu_ms": sum(r["gpu_ms"] or 0.0 for r in steps) / n,
+            "kernel_ms_per_step": {k: round(v / n, 3) for k, v in sorted(by_kind.items())},
+            "top_kernels": [
+                {"name": k[:90], "ms_per_step": round(v[0] / n, 3), "calls": v[1]} for k, v in top
+            ],
+        }
+
+
+async def run_trace(engine: Engine, trace, keys, vocab: int, windows: list[Window], seed: int):
+    """Every request of ``trace`` at once; returns (output tokens, seconds)."""
+    gen = torch.Generator().manual_seed(seed)
+    cuda = engine.device.type == "cuda"
+
+    async def one(i, r) -> int:
+        ids = torch.randint(3, vocab, (r.prompt_len,), generator=gen).tolist()
+        sp = SamplingParams(max_new_tokens=r.output_len, ignore_eos=True)
+        key = None if r.adapter is None else keys[r.adapter]
+        req = GenerationRequest(f"t{seed}-{i}", prompt_token_ids=ids, adapter=key, sampling=sp)
+        n = 0
+        async for out in engine.generate(req):
+            n += len(out.token_ids)
+        return n
+
+    done = asyncio.Event()
+
+    async def watch() -> None:
+        while not done.is_set():
+            for w in windows:
+                w.poll(engine.core.steps, cuda)
+            await asyncio.sleep(0.0005)
+
+    watcher = asyncio.create_task(watch())
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(one(i, r) for i, r in enumerate(trace)))
+    seconds = time.perf_counter() - start
+    done.set()
+    await watcher
+    for w in windows:
+        if w.prof is not None:  # the trace ended inside it: end it there
+            w.poll(math.inf, cuda)
+    return sum(counts), seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-7b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--requests", type=int, default=1000, help="all at once")
+    parser.add_argument("--adapters", type=int, nargs="+", default=[0, 100])
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="S1")
+    parser.add_argument("--windows", nargs="+", default=["40:70", "300:330", "700:730"],
+                        help="FIRST:LAST step ranges to profile in each trace")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "lorafleet-serving"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=REPO / "bench" / "results" / "trace_profile.json"
+    )
+    args = parser.parse_args()
+
+    from bench.adapter_load import machine
+    from bench.roofline import Roofline, measure_ceilings
+
+    shape = SHAPES[args.shape]
+    device = torch.device(args.device)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    model = make_model(args.work_dir / f"model-{args.shape}", shape, device)
+    ceilings = measure_ceilings(device)
+    roof = Roofline.for_shape(shape, ceilings, dtype_bytes=2 if device.type == "cuda" else 4)
+    step_log = args.work_dir / "trace_profile_steps.jsonl"
+    step_log.unlink(missing_ok=True)
+    t = time.perf_counter()
+    engine = Engine(EngineConfig(model_dir=model, device=device.type, step_log=step_log,
+                                 max_num_batched_tokens=2048))  # fmt: skip
+    print(f"engine ready in {time.perf_counter() - t:.0f} s: {engine.limits}", flush=True)
+    ranks, modules = WORKLOADS[args.workload]
+    files = {r: synthetic_adapter(shape.base(), rank=r, alpha=2.0 * r, modules=modules, seed=r)
+             for r in ranks}  # fmt: skip
+    keys = []
+    for i in range(max(args.adapters)):
+        f = files[ranks[i % len(ranks)]]
+        keys.append(AdapterKey(f"bench/{args.workload.lower()}-{i}", 1))
+        engine.add_adapter(keys[-1], f.config_json, f.safetensors)
+    rows = []
+
+    async def go() -> None:
+        await engine.start()
+        try:
+            for n in args.adapters:
+                trace = with_adapters(make_trace(math.inf, args.requests, None, args.seed), n,
+                                      1.0, args.seed)  # fmt: skip
+                before = engine.core.steps
+                windows = [Window(before + int(a), before + int(b))
+                           for a, b in (w.split(":") for w in args.windows)]  # fmt: skip
+                tokens, seconds = await run_trace(engine, trace, keys[:n], shape.vocab,
+                                                  windows, args.seed)  # fmt: skip
+                records = [r.public() for r in engine.core.step_log.recent if r.step >= before]
+                gpu = sum(r["gpu_ms"] or 0.0 for r in records) / 1e3
+                bound = sum(roof.step_phase_bound_ms(r["tokens"], r["kv_read"], r["kv_written"],
+                                                     r["attn_pairs"], r["adapter_bytes"])
+                            for r in records) / 1e3  # fmt: skip
+                row = {
+                    "adapters": n, "requests": len(trace), "output_tokens": tokens,
+                    "seconds": seconds, "output_tokens_per_s": tokens / seconds,
+                    "steps": len(records), "gpu_s": gpu, "phase_bound_s": bound,
+                    "windows": [w.report(records) for w in windows if w.done],
+                }  # fmt: skip
+                rows.append(row)
+                print(f"n={n}: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.0f} tok/s, "
+                      f"{len(records)} steps, GPU {gpu:.2f} s, phase bound {bound:.2f} s",
+                      flush=True)  # fmt: skip
+                for w in row["windows"]:
+                    print(f"  steps {w['steps']}: seqs {w['mean_seqs']:.0f} tokens "
+                          f"{w['mean_tokens']:.0f} (prefill {w['mean_prefill_tokens']:.0f}) "
+                          f"step {w['step_gpu_ms']:.2f} ms | " + ", ".join(
+                              f"{k} {v:.2f}" for k, v in w["kernel_ms_per_step"].items()),
+                          flush=True)  # fmt: skip
+        finally:
+            await engine.stop()
+
+    asyncio.run(go())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "benchmark": "kernel time by kind over windows of the serving trace, engine in process",
+        "shape": args.shape, "workload": args.workload, "ceilings": ceilings._asdict(),
+        "machine": machine(), "limits": str(engine.limits), "results": rows,
+        "command": "python bench/trace_profile.py " + " ".join(sys.argv[1:]),
+    }, indent=2) + "\n")  # fmt: skip
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
