@@ -121,14 +121,16 @@ TINY = SweepConfig(
 
 
 class SweepPoint(NamedTuple):
-    block: int  # shrink_k = expand_n
+    block: int  # shrink_k, and expand_n unless block_n says otherwise
     parts: int | None  # None: fused_config's choice for each call
     stages: int
     warps: int
+    block_n: int | None = None  # expand_n when it differs (fused_config's smaller sm_90 blocks)
 
     def changes(self, block_m: int) -> dict:
         """bench/kernels.py's form: changes to each call's fused_config."""
-        out = dict(path="fused", block_m=block_m, shrink_k=self.block, expand_n=self.block)
+        out = dict(path="fused", block_m=block_m, shrink_k=self.block,
+                   expand_n=self.block_n or self.block)  # fmt: skip
         out.update(stages=self.stages, shrink_warps=self.warps)
         return out if self.parts is None else out | {"parts": self.parts}
 
@@ -176,9 +178,8 @@ def default_point(cfg: SweepConfig, rank: int, batch: int) -> SweepPoint:
     and gate/up too, which fused_config gives the default blocks)."""
     g = cfg.geometry
     d = lora.fused_config(batch, g.pool_w, rank, 1, g.dims[Q][1], d_in=g.dims[Q][0])
-    if d.shrink_k != d.expand_n:  # a point has one block for both (SweepPoint.changes)
-        raise ValueError(f"fused_config gave {d.shrink_k} x {d.expand_n} blocks at rank {rank}")
-    return SweepPoint(d.shrink_k, None, d.stages, d.shrink_warps)
+    block_n = None if d.expand_n == d.shrink_k else d.expand_n
+    return SweepPoint(d.shrink_k, None, d.stages, d.shrink_warps, block_n)
 
 
 def grid(cfg: SweepConfig, rank: int, batch: int) -> list[SweepPoint]:
@@ -224,6 +225,7 @@ class CompileTask(NamedTuple):
     stages: int
     warps: int
     block_m: int
+    block_n: int | None = None
 
 
 def compile_tasks(cfg: SweepConfig) -> list[CompileTask]:
@@ -232,8 +234,10 @@ def compile_tasks(cfg: SweepConfig) -> list[CompileTask]:
     out = set()
     for rank, batch in itertools.product(cfg.ranks, cfg.batches):
         for p in grid(cfg, rank, batch):
-            out.add(CompileTask(rank, cfg.batches[0], p.block, p.stages, p.warps, cfg.block_m))
-    return sorted(out)  # by case first: a worker mostly reuses the case it built last
+            out.add(CompileTask(rank, cfg.batches[0], p.block, p.stages, p.warps, cfg.block_m,
+                                p.block_n))  # fmt: skip
+    # by case first: a worker mostly reuses the case it built last
+    return sorted(out, key=lambda t: t._replace(block_n=t.block_n or 0))
 
 
 _WORKER_CASE: dict[tuple[int, int], bk.LoraCase] = {}
@@ -251,7 +255,8 @@ def compile_one(task: CompileTask) -> str:
     case = _WORKER_CASE[key]
     # Triton specializes an int argument equal to 1 (PARTS): compile both variants.
     for parts in (1, 2):
-        changes = SweepPoint(task.block, parts, task.stages, task.warps).changes(task.block_m)
+        point = SweepPoint(task.block, parts, task.stages, task.warps, task.block_n)
+        changes = point.changes(task.block_m)
         try:
             run, _ = bk.lora_layer_fns(case, task.rank, 1, changes)
             run()
