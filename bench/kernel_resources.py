@@ -63,7 +63,7 @@ INTS = dict(
     PARTS=1,
 )
 POINTERS = dict.fromkeys(
-    ("table_ptr", "ranks_ptr", "a_off_ptr", "b_off_ptr", "tiles_ptr"), "*i32"
+    ("table_ptr", "ranks_ptr", "a_off_ptr", "b_off_ptr", "tiles_ptr", "mods_ptr"), "*i32"
 ) | {"scales_ptr": "*fp32", "h_ptr": "*fp32"}  # the others (x, y, the pool) are bf16
 
 
@@ -112,7 +112,7 @@ def fused_resources(launch: lora.LoraLaunch, call) -> Resources:
     constexprs = dict(
         D_IN=d_in, W=W, IN_CHUNKS=chunks(d_in, W), **lora._slice_args(mods, widths),
         BLOCK_M=launch.block_m, BLOCK_K=launch.shrink_k, BLOCK_N=launch.expand_n,
-        BLOCK_R=launch.shrink_r, DOT_F32=dot_f32(torch.bfloat16),
+        BLOCK_R=launch.shrink_r, DOT_F32=dot_f32(torch.bfloat16), MASKED=True,
     )  # fmt: skip
     ints = dict(INTS, stride_xt=d_in, stride_yt=sum(widths), MAX_RANK=launch.shrink_r)
     options = dict(num_warps=launch.shrink_warps, num_stages=launch.stages)
@@ -129,7 +129,7 @@ def two_launch_resources(call, tokens: int = FUSED_MAX_TOKENS, max_rank: int = 1
                 stride_ht=stride_ht, stride_hs=max_rank, NUM_TILES=tokens + 2,
                 MAX_RANK=max_rank)  # fmt: skip
     common = dict(BLOCK_M=cfg.block_m, DOT_F32=dot_f32(torch.bfloat16), PDL=True,
-                  SPLIT_K=cfg.split_k)  # fmt: skip
+                  SPLIT_K=cfg.split_k, MASKED=True)  # fmt: skip
     shrink = compile_resources(
         lora._lora_shrink_kernel,
         dict(common, D_IN=d_in, W=W, IN_CHUNKS=chunks(d_in, W), **lora._slice_args(mods),

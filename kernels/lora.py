@@ -234,12 +234,13 @@ def _lora_shrink_kernel(
     # segments
     tiles_ptr,  # the call's tile table [K, 3] (kernels/tile_table.py)
     NUM_TILES,  # the tile count's bound (max_tiles <= K); programs stride over the tiles
+    mods_ptr,  # [7] int32: the modules the step's adapters have (LoraTokens.modules)
     MAX_RANK,
     D_IN: tl.constexpr, W: tl.constexpr, IN_CHUNKS: tl.constexpr,
     M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr,
     SPLIT_K: tl.constexpr, K_PER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    ALIGNED: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    ALIGNED: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         gdc_launch_dependents()  # expand may start its prologue now
@@ -247,6 +248,9 @@ def _lora_shrink_kernel(
     s = q // SPLIT_K
     ks = q % SPLIT_K
     m = _pick3(s, M0, M1, M2)
+    if MASKED:
+        if tl.load(mods_ptr + m) == 0:  # no adapter of the step has this module
+            return
     offs_k = tl.arange(0, BLOCK_K)
     k_lo = ks * K_PER
     k_hi = tl.minimum(k_lo + K_PER, D_IN)
@@ -350,6 +354,7 @@ def _lora_expand_kernel(
     table_ptr, stride_table, ranks_ptr, b_off_ptr, scales_ptr, stride_idx, stride_scale,
     tiles_ptr,  # the call's tile table [K, 3] (kernels/tile_table.py)
     NUM_TILES,  # the tile count's bound (max_tiles <= K); programs stride over the tiles
+    mods_ptr,  # [7] int32: the modules the step's adapters have (LoraTokens.modules)
     MAX_RANK,
     W: tl.constexpr,
     M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr,
@@ -357,13 +362,16 @@ def _lora_expand_kernel(
     NB0: tl.constexpr, NB1: tl.constexpr,  # column blocks of slices 0 and 1
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, ALIGNED: tl.constexpr, DOT_F32: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     nb = tl.program_id(1)
     s = tl.where(nb < NB0, 0, tl.where(nb < NB0 + NB1, 1, 2))  # this block's slice
     n0 = (nb - _pick3(s, 0, NB0, NB0 + NB1)) * BLOCK_N  # first column inside the slice
     width = _pick3(s, N0, N1, N2)
     m = _pick3(s, M0, M1, M2)
+    if MASKED:
+        if tl.load(mods_ptr + m) == 0:  # no adapter of the step has this module
+            return
     out_chunks = (width + W - 1) // W
     tile = tl.program_id(0)
     a, m_start, m_end = next_tile(tiles_ptr, tile, NUM_TILES)
@@ -429,6 +437,12 @@ def _tiles(tokens, block_m: int) -> torch.Tensor:
     return tokens.tiles[TILE_BLOCKS.index(block_m)]
 
 
+def _mask(tokens) -> torch.Tensor:
+    """The kernels' module mask argument: LoraTokens.modules, or (unused: MASKED is off) any
+    int32 tensor of the call."""
+    return tokens.seg_lora if tokens.modules is None else tokens.modules
+
+
 def _pdl(cfg: LoraLaunch, device: torch.device) -> bool:
     return cfg.pdl and not INTERPRET and torch.cuda.get_device_capability(device)[0] >= 9
 
@@ -450,12 +464,13 @@ def _shrink(x, h, pool_layer, index, tokens, modules, max_rank, cfg, call, pdl):
         pool_layer, pool_layer.stride(1),
         index.slot_table, index.slot_table.stride(0), index.ranks, index.a_offsets,
         index.ranks.stride(0),
-        _tiles(tokens, cfg.block_m), bound,
+        _tiles(tokens, cfg.block_m), bound, _mask(tokens),
         max_rank,
         D_IN=call.d_in, W=call.width, IN_CHUNKS=call.in_chunks, SPLIT_K=split,
         K_PER=triton.cdiv(triton.cdiv(call.d_in, split), cfg.shrink_k) * cfg.shrink_k,
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.shrink_k, BLOCK_R=cfg.shrink_r,
         ALIGNED=call.width % cfg.shrink_k == 0, DOT_F32=dot_f32(x.dtype), PDL=pdl,
+        MASKED=tokens.modules is not None,
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules),
     )  # fmt: skip
@@ -470,11 +485,12 @@ def _expand(y, h, pool_layer, index, tokens, modules, out_widths, max_rank, cfg,
         pool_layer, pool_layer.stride(0), pool_layer.stride(1),
         index.slot_table, index.slot_table.stride(0), index.ranks, index.b_offsets,
         index.scales, index.ranks.stride(0), index.scales.stride(0),
-        _tiles(tokens, cfg.block_m), bound,
+        _tiles(tokens, cfg.block_m), bound, _mask(tokens),
         max_rank,
         W=call.width, NB0=blocks[0], NB1=blocks[1], SPLIT_K=h.shape[0],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.expand_n, BLOCK_R=cfg.expand_r,
         ALIGNED=call.width % cfg.expand_n == 0, DOT_F32=dot_f32(y.dtype), PDL=pdl,
+        MASKED=tokens.modules is not None,
         num_warps=cfg.expand_warps, num_stages=1, launch_pdl=pdl, maxnreg=_EXPAND_MAX_REGISTERS,
         **_slice_args(modules, out_widths),
     )  # fmt: skip
@@ -492,11 +508,11 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
         pool_layer, pool_layer.stride(0), pool_layer.stride(1),
         index.slot_table, index.slot_table.stride(0), index.ranks, index.a_offsets,
         index.b_offsets, index.scales, index.ranks.stride(0), index.scales.stride(0),
-        _tiles(tokens, cfg.block_m),
+        _tiles(tokens, cfg.block_m), _mask(tokens),
         max_rank, cfg.parts,
         D_IN=call.d_in, W=call.width, IN_CHUNKS=call.in_chunks,
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.shrink_k, BLOCK_N=cfg.expand_n, BLOCK_R=cfg.shrink_r,
-        DOT_F32=dot_f32(y.dtype),
+        DOT_F32=dot_f32(y.dtype), MASKED=tokens.modules is not None,
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules, out_widths),
     )  # fmt: skip

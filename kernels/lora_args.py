@@ -110,6 +110,14 @@ def check_call(
             f"tiles must be contiguous with at least {rows} rows for {acts.shape[0]} tokens in "
             f"{num_segs} segments, got {tuple(tokens.tiles.shape)}"
         )
+    mods = tokens.modules
+    if mods is not None and (
+        mods.shape != (NUM_MODULES,) or mods.dtype != torch.int32 or mods.device != dev
+    ):
+        raise ValueError(
+            f"tokens.modules must be int32 [{NUM_MODULES}] on {dev}, got {mods.dtype} "
+            f"{tuple(mods.shape)} on {mods.device}"
+        )
     if acts.device != dev:
         raise ValueError(f"activations on {acts.device}, pool on {dev}")
     width = pool_layer.shape[2]

@@ -42,16 +42,20 @@ def lora_fused_kernel(
     table_ptr, stride_table, ranks_ptr, a_off_ptr, b_off_ptr, scales_ptr, stride_idx,
     stride_scale,
     tiles_ptr,  # the call's tile table [K, 3] (kernels/tile_table.py)
+    mods_ptr,  # [7] int32: the modules the step's adapters have (LoraTokens.modules)
     MAX_RANK, PARTS,
     D_IN: tl.constexpr, W: tl.constexpr, IN_CHUNKS: tl.constexpr,
     M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr,
     N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,  # slice widths
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     q = tl.program_id(1)
     s = q // PARTS
     p = q % PARTS
+    if MASKED:
+        if tl.load(mods_ptr + _pick3(s, M0, M1, M2)) == 0:  # no adapter of the step has it
+            return
     a, m_start, m_end = table_tile(tiles_ptr, tl.program_id(0))
     if a < 0:
         return

@@ -15,12 +15,13 @@ shrunk activation; ``y`` holds the slices' outputs side by side, widths ``out_wi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
 from kernels import tile_table
-from kernels.lora_layout import chunks
+from kernels.lora_layout import NUM_MODULES, chunks
 
 
 class LoraIndex(NamedTuple):
@@ -44,10 +45,20 @@ class LoraTokens(NamedTuple):
     # end token), then rows of -1; K >= tile_table.table_rows(T, G) (kernels/tile_table.py).
     # The Triton kernels read it; this reference does not.
     tiles: torch.Tensor
+    # [7] int32: 1 for each module some adapter of the step has (rank > 0), 0 for the others;
+    # None: every module may be in use. A Triton launch whose module is 0 returns at once
+    # instead of walking the tiles (adapters on q/k/v/o cost the MLP's calls nothing). The
+    # reference does not need it: a module no adapter has adds nothing.
+    modules: torch.Tensor | None = None
 
 
-def make_lora_tokens(token_lora: torch.Tensor, capacity: int | None = None) -> LoraTokens:
-    """Build LoraTokens from per-token rows; pads to ``capacity`` segments with empty ones."""
+def make_lora_tokens(
+    token_lora: torch.Tensor,
+    capacity: int | None = None,
+    modules: Sequence[int] | None = None,
+) -> LoraTokens:
+    """Build LoraTokens from per-token rows; pads to ``capacity`` segments with empty ones.
+    ``modules``: the module ids some adapter of these rows has (None: every module)."""
     t = token_lora.numel()
     tl = token_lora.to(torch.int32)
     if t == 0:
@@ -73,11 +84,17 @@ def make_lora_tokens(token_lora: torch.Tensor, capacity: int | None = None) -> L
         flat = tile_table.block_tiles(starts, rows, block)
         if flat:
             tiles[b, : len(flat) // 3] = torch.tensor(flat, dtype=torch.int32).view(-1, 3)
+    mask = None
+    if modules is not None:
+        mask = torch.zeros(NUM_MODULES, dtype=torch.int32)
+        mask[list(modules)] = 1
+        mask = mask.to(dev)
     return LoraTokens(
         tl,
         torch.tensor(starts, dtype=torch.int32, device=dev),
         torch.tensor(rows, dtype=torch.int32, device=dev),
         tiles.to(dev),
+        mask,
     )
 
 

@@ -92,6 +92,26 @@ def test_attention_tiles_list_the_prompts_and_forget_the_previous_step():
     assert all(row[0] == -1 for row in b.attention_tiles.tolist())  # decode only: none
 
 
+def test_module_mask_lists_the_modules_of_the_step_adapters():
+    """LoraTokens.modules: the modules the step's adapters have (row bits kept by the adapter
+    manager), none for a base-model step, every one without row bits."""
+    row_modules = [0b0001111, 0b1110000, 0b0000001]  # q/k/v/o; gate/up/down; q alone
+    b = StepBatch(
+        max_tokens=16, max_seqs=4, max_pages_per_seq=2, max_segments=4, page_size=4,
+        device=torch.device("cpu"), row_modules=row_modules,
+    )  # fmt: skip
+    b.fill([BatchEntry([1], 2, [0], 2, True), BatchEntry([2], 3, [1], 0, True)])
+    assert b.lora_tokens.modules.tolist() == [1, 1, 1, 1, 0, 0, 0]
+    b.fill([BatchEntry([1], 2, [0], 1, True), BatchEntry([2], 3, [1], None, True)])
+    assert b.lora_tokens.modules.tolist() == [0, 0, 0, 0, 1, 1, 1]
+    b.fill([BatchEntry([1], 2, [0], None, True)])
+    assert b.lora_tokens.modules.tolist() == [0] * 7
+    assert _batch().lora_tokens.modules is not None
+    everything = _batch()
+    everything.fill([BatchEntry([1], 2, [0], None, True)])
+    assert everything.lora_tokens.modules.tolist() == [1] * 7
+
+
 def test_slots_of_a_chunk_that_starts_inside_a_page():
     b = _batch()
     b.fill([BatchEntry(list(range(6)), 3, [9, 2, 7], None, True)])  # positions 3..8

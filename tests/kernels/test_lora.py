@@ -73,13 +73,20 @@ def _ranks(
     return out
 
 
-def _check_apply(shape, ranks, rows, dtype, gen, config=SMALL, workspace=None, path=None):
+def _check_apply(
+    shape, ranks, rows, dtype, gen, config=SMALL, workspace=None, path=None, masked=False
+):
+    """lora_apply against the reference; ``masked``: the tokens list the modules the rows'
+    adapters have, as the engine's steps do (LoraTokens.modules)."""
     max_rank = max(max(r.values()) for r in ranks)
     if path is not None:
         config = _config(path, shape, rows.numel(), max_rank, parts=1 + rows.numel() % 3)
     dims = {m: (shape.d_in, w) for m, w in zip(shape.modules, shape.widths, strict=True)}
     setup = build_adapters(ranks, dims, shape.width, dtype, DEVICE, gen)
     tokens = lora_tokens(rows, DEVICE, SEG_CAPACITY)
+    if masked:
+        used = {m for row in rows.tolist() if row >= 0 for m, r in ranks[row].items() if r}
+        tokens = tokens._replace(modules=_module_mask(used))
     t = rows.numel()
     x = torch.randn(t, shape.d_in, generator=gen).to(dtype).to(DEVICE)
     y0 = torch.randn(t, sum(shape.widths), generator=gen).to(dtype).to(DEVICE)
@@ -110,7 +117,8 @@ def _check_apply(shape, ranks, rows, dtype, gen, config=SMALL, workspace=None, p
     ("popularity", "grouped"), list(itertools.product(POPULARITY, (True, False)))
 )
 def test_apply_popularity(popularity, grouped, path):
-    """Each popularity, tokens in adapter runs (as the scheduler sorts them) and scattered."""
+    """Each popularity, tokens in adapter runs (as the scheduler sorts them, and as the engine
+    runs them: with the step's module mask) and scattered."""
     i = POPULARITY.index(popularity) * 2 + grouped
     gen = torch.Generator().manual_seed(100 + i)
     dtype = DTYPES[i % len(DTYPES)]
@@ -118,7 +126,7 @@ def test_apply_popularity(popularity, grouped, path):
     n = POP_BATCH if popularity == "distinct" else ADAPTERS
     ranks = _ranks(n, shape.modules, RANKS, gen)
     rows = token_rows(popularity, POP_BATCH, n, gen, grouped)
-    _check_apply(shape, ranks, rows, dtype, gen, path=path)
+    _check_apply(shape, ranks, rows, dtype, gen, path=path, masked=grouped)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -178,6 +186,37 @@ def test_apply_prefill_segments(dtype, path):
     rows = torch.cat([torch.full((b - a,), r) for a, b, r in spans])
     rows[n // 2] = 3  # a one-token run inside a long one
     _check_apply(shape, ranks, rows.to(torch.int32), dtype, gen, path=path)
+
+
+def _module_mask(modules) -> torch.Tensor:
+    mask = torch.zeros(7, dtype=torch.int32)
+    mask[list(modules)] = 1
+    return mask.to(DEVICE)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_apply_reads_the_module_mask(path):
+    """A step's module mask (LoraTokens.modules): with the modules its adapters have, the
+    result is the reference's, the module no adapter has skipped; with a module marked unused
+    the launch leaves its slice alone, adapters or not (the kernels trust the mask)."""
+    gen = torch.Generator().manual_seed(13)
+    shape = next(s for s in LORA_SHAPES if s.modules == (GATE, UP))
+    ranks = [{GATE: RANKS[i % len(RANKS)]} for i in range(ADAPTERS)]  # no adapter has UP
+    rows = token_rows("uniform", POP_BATCH, ADAPTERS, gen, grouped=True)
+    _check_apply(shape, ranks, rows, DTYPES[0], gen, path=path, masked=True)
+    max_rank = max(RANKS)
+    dims = {m: (shape.d_in, w) for m, w in zip(shape.modules, shape.widths, strict=True)}
+    setup = build_adapters(ranks, dims, shape.width, DTYPES[0], DEVICE, gen)
+    tokens = lora_tokens(rows, DEVICE, SEG_CAPACITY)._replace(modules=_module_mask({UP}))
+    x = torch.randn(rows.numel(), shape.d_in, generator=gen).to(DTYPES[0]).to(DEVICE)
+    y0 = torch.randn(rows.numel(), sum(shape.widths), generator=gen).to(DTYPES[0]).to(DEVICE)
+    y = y0.clone()
+    config = _config(path, shape, rows.numel(), max_rank)
+    lora.lora_apply(
+        y, x, setup.pool[0], setup.index, tokens, shape.modules, shape.widths, max_rank,
+        config=config,
+    )  # fmt: skip
+    assert torch.equal(y, y0), "a module marked unused must cost its slice nothing"
 
 
 def test_apply_reuses_workspace():
@@ -295,7 +334,7 @@ def test_apply_fused_flag_picks_the_path(monkeypatch, fused):
 
 
 def _cpu(items):
-    return [type(i)(*(t.cpu() for t in i)) for i in items]
+    return [type(i)(*(None if t is None else t.cpu() for t in i)) for i in items]
 
 
 def test_fused_config_must_hold_every_rank_row():

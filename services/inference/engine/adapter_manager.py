@@ -107,8 +107,10 @@ class AdapterManager:
         self.index = new_lora_index(max_loras, slot_capacity, dev)
         self._free_rows = list(range(max_loras - 1, -1, -1))
         # Host copy of each index row's largest rank (0 = free): the model runner picks the
-        # step's kernel path from it without reading the device.
+        # step's kernel path from it without reading the device. And of the modules each row's
+        # adapter has (bit m: module m), from which a step lists the modules in use.
         self.row_ranks = [0] * max_loras
+        self.row_modules = [0] * max_loras
         self._entries: dict[Hashable, AdapterEntry] = {}
         # Kept beside the table so the per-step reap() and poll_loads() touch only these,
         # not every registered adapter.
@@ -281,6 +283,7 @@ class AdapterManager:
             self._loading.add(key)
             self._mark(key)
         self.row_ranks[entry.row] = entry.host.max_rank
+        self.row_modules[entry.row] = sum(1 << m for m, r in enumerate(entry.host.ranks) if r)
         entry.ready = self.copier.prepare(entry.host, entry.row, slots)
         self._unissued.append(entry.ready)
         return True
@@ -409,6 +412,6 @@ class AdapterManager:
         self.index.ranks[entry.row].zero_()  # a stale row must add nothing if it were read
         if self.copier.mirror is not None:  # and likewise on the tensor-parallel workers
             self.copier.mirror.clear_row(entry.row)
-        self.row_ranks[entry.row] = 0
+        self.row_ranks[entry.row] = self.row_modules[entry.row] = 0
         self._free_rows.append(entry.row)
         entry.state, entry.row = AdapterState.HOST, None

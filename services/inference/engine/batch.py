@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from kernels import LoraTokens
+from kernels.lora_layout import NUM_MODULES
 from kernels.tile_table import (
     ATTENTION_BLOCK,
     EMPTY,
@@ -53,8 +54,13 @@ class StepBatch:
         max_segments: int,
         page_size: int,
         device: torch.device,
+        row_modules: Sequence[int] | None = None,
     ) -> None:
+        """``row_modules``: the modules of each LoRA index row's adapter as bits (bit m: module
+        m), kept current by the adapter manager; each step lists the modules its adapters have
+        from it (LoraTokens.modules). None: every step lists every module."""
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
+        self._row_modules = row_modules
         self.max_pages_per_seq, self.max_segments = max_pages_per_seq, max_segments
         self.page_size, self.device = page_size, device
         shapes = {
@@ -69,6 +75,7 @@ class StepBatch:
             "logits_indices": ((max_seqs,), torch.int64),
             "seg_starts": ((max_segments + 1,), torch.int32),
             "seg_lora": ((max_segments,), torch.int32),
+            "lora_modules": ((NUM_MODULES,), torch.int32),
             # The LoRA kernels' tiles, one table per block size (kernels/tile_table.py).
             "lora_tiles": (
                 (len(TILE_BLOCKS), table_rows(max_tokens, max_segments), FIELDS),
@@ -186,6 +193,7 @@ class StepBatch:
         if len(seg_rows) > self.max_segments:
             raise ValueError(f"{len(seg_rows)} LoRA segments exceed {self.max_segments}")
         self._write_tiles(seg_starts, seg_rows, starts)
+        _write(h["lora_modules"], self._modules(seg_rows))
         # Unused segments are empty (start = end = t) and base-only, like make_lora_tokens pads.
         seg_starts += [t] * (self.max_segments + 1 - len(seg_starts))
         seg_rows += [-1] * (self.max_segments - len(seg_rows))
@@ -278,8 +286,19 @@ class StepBatch:
         """The step's adapter addressing (rows -1 where a token uses the base model only)."""
         d = self._dev
         return LoraTokens(
-            d["token_lora"][: self.num_tokens], d["seg_starts"], d["seg_lora"], d["lora_tiles"]
-        )
+            d["token_lora"][: self.num_tokens], d["seg_starts"], d["seg_lora"], d["lora_tiles"],
+            d["lora_modules"],
+        )  # fmt: skip
+
+    def _modules(self, seg_rows: list[int]) -> list[int]:
+        """1 for each module some adapter of the step has, else 0."""
+        if self._row_modules is None:
+            return [1] * NUM_MODULES
+        bits = 0
+        for row in seg_rows:
+            if row >= 0:
+                bits |= self._row_modules[row]
+        return [(bits >> m) & 1 for m in range(NUM_MODULES)]
 
     @property
     def attention_tiles(self) -> torch.Tensor:  # [K, 3]: the prefill attention kernel's tiles

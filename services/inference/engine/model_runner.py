@@ -68,9 +68,11 @@ class ModelRunner:
         max_model_len: int,
         max_loras: int,
         row_ranks: Sequence[int],
+        row_modules: Sequence[int] | None = None,
     ) -> None:
         """``row_ranks``: each LoRA index row's largest rank, kept current by the adapter
-        manager (read per step to choose the kernel path)."""
+        manager (read per step to choose the kernel path); ``row_modules``: each row's modules
+        as bits (StepBatch lists a step's modules from them; None: every module)."""
         self.model, self.pool = model, pool
         self.max_lora_rank = max_lora_rank
         self.row_ranks = row_ranks
@@ -86,6 +88,7 @@ class ModelRunner:
             max_segments=min(max_loras, max_num_seqs) + 2,
             page_size=pool.page_size,
             device=pool.tensor.device,
+            row_modules=row_modules,
         )
         self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pad: BatchEntry | None = None
