@@ -254,12 +254,19 @@ def _lora_shrink_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     k_lo = ks * K_PER
     k_hi = tl.minimum(k_lo + K_PER, D_IN)
+    # Two tiles ahead: the table row of the tile after next and the next tile's index row are
+    # in flight while this tile streams, so a tile waits for its slot lookups and weights only
+    # (a tile's chain of dependent loads, table row -> index row -> slots -> weights, would
+    # otherwise be the program's critical path in decode, where tiles are one token).
     tile = tl.program_id(0)
+    step = tl.num_programs(0)
     a, m_start, m_end = next_tile(tiles_ptr, tile, NUM_TILES)
+    rank, a_off = _index_entry(a, ranks_ptr, a_off_ptr, stride_idx, m, MAX_RANK)
+    a_n, start_n, end_n = next_tile(tiles_ptr, tile + step, NUM_TILES)
     while a >= 0:
+        a_nn, start_nn, end_nn = next_tile(tiles_ptr, tile + 2 * step, NUM_TILES)
+        rank_n, a_off_n = _index_entry(a_n, ranks_ptr, a_off_ptr, stride_idx, m, MAX_RANK)
         a64 = a.to(tl.int64)
-        rank = tl.minimum(tl.load(ranks_ptr + a64 * stride_idx + m), MAX_RANK)
-        a_off = tl.load(a_off_ptr + a64 * stride_idx + m)
         offs_m = m_start + tl.arange(0, BLOCK_M)
         m_ok = offs_m < m_end
         x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xt
@@ -299,8 +306,19 @@ def _lora_shrink_kernel(
                 acc.to(h_ptr.dtype.element_ty),
                 mask=m_ok[:, None] & row_ok[None, :],
             )
-        tile += tl.num_programs(0)
-        a, m_start, m_end = next_tile(tiles_ptr, tile, NUM_TILES)
+        tile += step
+        a, m_start, m_end, rank, a_off = a_n, start_n, end_n, rank_n, a_off_n
+        a_n, start_n, end_n = a_nn, start_nn, end_nn
+
+
+@triton.jit
+def _index_entry(a, ranks_ptr, off_ptr, stride_idx, m, MAX_RANK):
+    """Adapter row ``a``'s rank (clamped to MAX_RANK) and weight offset for module m; rank 0
+    and offset 0 for a = -1 (no tile), which reads nothing."""
+    ok = a >= 0
+    entry = a.to(tl.int64) * stride_idx + m
+    rank = tl.load(ranks_ptr + entry, mask=ok, other=0)
+    return tl.minimum(rank, MAX_RANK), tl.load(off_ptr + entry, mask=ok, other=0)
 
 
 @triton.jit
@@ -373,18 +391,24 @@ def _lora_expand_kernel(
         if tl.load(mods_ptr + m) == 0:  # no adapter of the step has this module
             return
     out_chunks = (width + W - 1) // W
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < width
+    y_cols = y_ptr + _pick3(s, 0, N0, N0 + N1) + offs_n[None, :]
+    # Two tiles ahead, as in the shrink: the table row of the tile after next and the next
+    # tile's index row load while this tile's block streams.
     tile = tl.program_id(0)
+    step = tl.num_programs(0)
     a, m_start, m_end = next_tile(tiles_ptr, tile, NUM_TILES)
+    rank, b_off = _index_entry(a, ranks_ptr, b_off_ptr, stride_idx, m, MAX_RANK)
+    a_n, start_n, end_n = next_tile(tiles_ptr, tile + step, NUM_TILES)
     while a >= 0:
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < width
-        y_cols = y_ptr + _pick3(s, 0, N0, N0 + N1) + offs_n[None, :]
-        a64 = a.to(tl.int64)
-        rank = tl.minimum(tl.load(ranks_ptr + a64 * stride_idx + m), MAX_RANK)
+        a_nn, start_nn, end_nn = next_tile(tiles_ptr, tile + 2 * step, NUM_TILES)
+        rank_n, b_off_n = _index_entry(a_n, ranks_ptr, b_off_ptr, stride_idx, m, MAX_RANK)
         if rank > 0:
             # Up to gdc_wait only what existed before shrink started is read: on the first
             # tile this overlaps shrink's end; on later ones gdc_wait returns at once.
-            table_row = table_ptr + a64 * stride_table + tl.load(b_off_ptr + a64 * stride_idx + m)
+            a64 = a.to(tl.int64)
+            table_row = table_ptr + a64 * stride_table + b_off
             scale = tl.load(scales_ptr + a64 * stride_scale + m)
             offs_m = m_start + tl.arange(0, BLOCK_M)
             m_ok = offs_m < m_end
@@ -417,8 +441,9 @@ def _lora_expand_kernel(
                     acc += tl.dot(h.to(bt.dtype), bt)
             out = (y.to(tl.float32) + acc * scale).to(y_ptr.dtype.element_ty)
             tl.store(y_ptrs, out, mask=y_ok)
-        tile += tl.num_programs(0)
-        a, m_start, m_end = next_tile(tiles_ptr, tile, NUM_TILES)
+        tile += step
+        a, m_start, m_end, rank, b_off = a_n, start_n, end_n, rank_n, b_off_n
+        a_n, start_n, end_n = a_nn, start_nn, end_nn
 
 
 def _slice_args(modules: tuple[int, ...], widths: tuple[int, ...] = ()) -> dict:
