@@ -56,8 +56,9 @@ _FUSED_PROGRAMS_PER_SM = 2
 # would launch mostly programs that find no tile: H200, 512 decode tokens on 5 rank-8 adapters,
 # one layer's q/k/v and o calls took 58.7 µs with ~50,000 such programs (17,000 for the
 # shrink's rank blocks and splits, 33,000 for the expand's), and each doubling of the shrink's
-# programs by split_k added 18-92 µs (bench/results/lora_engine_calls.json). So programs
-# stride over the tiles instead, and the shrink loops over rank blocks.
+# programs by split_k added 18-92 µs (bench/results/lora_engine_calls_before_striding.json).
+# So programs stride over the tiles instead, and the shrink loops over rank blocks: 45.2 µs
+# for the same calls (bench/results/lora_engine_calls.json).
 _TILE_PROGRAMS_PER_SM = 16
 # The expand's registers a thread. Its tile loop kept 124-128 live (4 programs an SM at 4 warps,
 # 256-column blocks; sm_90, Triton 3.6) where the one-tile-a-program kernel took 96 (5 an SM);
