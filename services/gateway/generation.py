@@ -3,7 +3,9 @@
 The calls start together, so the inference service batches them. Their messages are merged in
 the order they arrive, each tagged with its choice index. ``cancel()`` ends every call still
 running: the inference service aborts each (its pages are free at the next step); it is what
-a client that goes away, or a failure of one choice, leads to.
+a client that goes away, or a failure of one choice, leads to. A call whose last message (the
+one with its finish reason) has arrived is left to close by itself: there is nothing left to
+abort.
 """
 
 from __future__ import annotations
@@ -59,13 +61,16 @@ class Generations:
     ) -> None:
         self._calls = [stub.Generate(r, metadata=metadata) for r in requests]
         self._firsts: list[pb.GenerateResponse] | None = None
+        self._finished: set[int] = set()  # calls whose finish reason has arrived
 
     def __len__(self) -> int:
         return len(self._calls)
 
     def cancel(self) -> None:
-        for call in self._calls:
-            call.cancel()
+        """End the calls still generating (those whose finish reason has not arrived)."""
+        for i, call in enumerate(self._calls):
+            if i not in self._finished and not call.done():
+                call.cancel()
 
     async def first(self) -> list[pb.GenerateResponse]:
         """Every call's first message. A call that fails raises its grpc.RpcError here, before
@@ -81,12 +86,16 @@ class Generations:
         """(choice index, message) of every call as they arrive, first messages included."""
         firsts = await self.first()
         for i, msg in enumerate(firsts):
+            if msg.finish_reason:
+                self._finished.add(i)
             yield i, msg
         live = [i for i, msg in enumerate(firsts) if not msg.finish_reason]
         if len(live) == 1:  # the common case: no task per message
             i = live[0]
             while True:
                 msg = await _read(self._calls[i])
+                if msg.finish_reason:
+                    self._finished.add(i)
                 yield i, msg
                 if msg.finish_reason:
                     return
@@ -97,6 +106,8 @@ class Generations:
                 for task in sorted(done, key=reads.get):
                     i = reads.pop(task)
                     msg = task.result()
+                    if msg.finish_reason:
+                        self._finished.add(i)
                     yield i, msg
                     if not msg.finish_reason:
                         reads[asyncio.ensure_future(_read(self._calls[i]))] = i
