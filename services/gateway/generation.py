@@ -77,53 +77,51 @@ class Generations:
         anything is sent to the client, so that its status becomes the HTTP status."""
         if self._firsts is None:
             if len(self._calls) == 1:  # the common case: awaited here, no task per call
-                self._firsts = [await _read(self._calls[0])]
+                self._firsts = [await self._read(0)]
             else:
-                self._firsts = list(await asyncio.gather(*(_read(c) for c in self._calls)))
+                self._firsts = list(
+                    await asyncio.gather(*(self._read(i) for i in range(len(self._calls))))
+                )
         return self._firsts
 
     async def messages(self) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
         """(choice index, message) of every call as they arrive, first messages included."""
         firsts = await self.first()
         for i, msg in enumerate(firsts):
-            if msg.finish_reason:
-                self._finished.add(i)
             yield i, msg
         live = [i for i, msg in enumerate(firsts) if not msg.finish_reason]
         if len(live) == 1:  # the common case: no task per message
             i = live[0]
             while True:
-                msg = await _read(self._calls[i])
-                if msg.finish_reason:
-                    self._finished.add(i)
+                msg = await self._read(i)
                 yield i, msg
                 if msg.finish_reason:
                     return
-        reads = {asyncio.ensure_future(_read(self._calls[i])): i for i in live}
+        reads = {asyncio.ensure_future(self._read(i)): i for i in live}
         try:
             while reads:
                 done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
                 for task in sorted(done, key=reads.get):
                     i = reads.pop(task)
                     msg = task.result()
-                    if msg.finish_reason:
-                        self._finished.add(i)
                     yield i, msg
                     if not msg.finish_reason:
-                        reads[asyncio.ensure_future(_read(self._calls[i]))] = i
+                        reads[asyncio.ensure_future(self._read(i))] = i
         finally:
             for task in reads:
                 task.cancel()
+
+    async def _read(self, i: int) -> pb.GenerateResponse:
+        """Call i's next message; a call whose finish reason it carries is done generating."""
+        msg = await self._calls[i].read()
+        if msg is grpc.aio.EOF:  # the service ends every stream with a finish reason or a status
+            raise Unavailable("the inference service ended a generation without finishing it")
+        if msg.finish_reason:
+            self._finished.add(i)
+        return msg
 
     async def collect(self) -> list[ChoiceResult]:
         results = [ChoiceResult() for _ in self._calls]
         async for i, msg in self.messages():
             results[i].add(msg)
         return results
-
-
-async def _read(call: grpc.aio.UnaryStreamCall) -> pb.GenerateResponse:
-    msg = await call.read()
-    if msg is grpc.aio.EOF:  # the service ends every stream with a finish reason or a status
-        raise Unavailable("the inference service ended a generation without finishing it")
-    return msg
