@@ -75,6 +75,7 @@ class ServiceConfig:
     tenant_max_queued: int | None = None  # calls not yet streaming their first token
     tenant_tokens_per_second: float | None = None  # prompt + generated tokens
     scheduling: str = "fair"  # fair: tenants share the batch (engine/fairness.py); fcfs
+    fair_prefill_tokens: int = 256  # per step, for tenants above their share (fair only)
 
     def __post_init__(self) -> None:
         if not str(self.model):
@@ -141,6 +142,10 @@ class ServiceConfig:
                 raise ValueError(f"--{_flag(name)} must be positive, got {value}")
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"--scheduling must be one of {SCHEDULING}, got {self.scheduling!r}")
+        if not isinstance(self.fair_prefill_tokens, int) or self.fair_prefill_tokens <= 0:
+            raise ValueError(
+                f"--fair-prefill-tokens must be a positive integer, got {self.fair_prefill_tokens!r}"
+            )
 
     @property
     def address(self) -> str:
@@ -225,6 +230,7 @@ _TYPES = {
     "max_loras": int,
     "max_lora_rank": int,
     "tensor_parallel_size": int,
+    "fair_prefill_tokens": int,
     "host_cache_mb": int,
     "store_timeout_s": float,
     "fetch_timeout_s": float,
@@ -295,6 +301,9 @@ _HELP = {
     "average, in bursts of one second's worth (default unlimited)",
     "scheduling": "fair (default: tenants share the running batch, least served first) or fcfs "
     "(first come, first served)",
+    "fair_prefill_tokens": "with --scheduling fair and several tenants active: prefill tokens "
+    "per step for tenants above their share of the batch, keeping steps short for the others' "
+    "first tokens (default 256)",
 }
 
 

@@ -62,6 +62,7 @@ def engine_config(config: ServiceConfig) -> EngineConfig:
         step_log=config.step_log,
         limits=config.limits,
         scheduling=config.scheduling,
+        fair_prefill_tokens=config.fair_prefill_tokens,
         tensor_parallel_size=config.tensor_parallel_size,
     )
 

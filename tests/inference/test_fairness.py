@@ -19,7 +19,7 @@ from services.inference.engine.fairness import (
     step_cost,
 )
 from services.inference.engine.sampling_params import SamplingParams
-from tests.inference.engine_harness import Recorder, make_core
+from tests.inference.engine_harness import Recorder, Result, make_core
 
 
 @dataclass(eq=False)
@@ -199,3 +199,53 @@ def test_sharing_is_work_conserving_and_changes_no_output(runs):
         assert fair[0] == fcfs[0], (heavy, light)
     # One tenant alone: no preemption for fairness.
     assert runs[("fair", True, False)][4] == 0
+
+
+def test_while_tenants_share_each_ones_prefill_per_step_is_limited(tiny_models):
+    """A step's length is mostly its prefill. While two tenants are active each gets at most
+    fair_prefill_tokens prefill tokens a step (the heavy tenant's refills spread over several
+    steps, the light one's short prompt goes whole); a tenant alone is not limited."""
+    core = make_core(
+        tiny_models.model("tiny-llama"), max_num_seqs=4, max_num_batched_tokens=64,
+        fair_prefill_tokens=8,
+    )  # fmt: skip
+    steps: list[list[tuple[str, int]]] = []
+    schedule = core.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        steps.append([(s.seq.tenant, s.num_tokens) for s in out])
+        return out
+
+    core.scheduler.schedule = recording
+
+    def request(rid, tenant, prompt_len, new_tokens):
+        sampling = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        prompt = [5 + len(rid) + i % 7 for i in range(prompt_len)]
+        return GenerationRequest(rid, prompt_token_ids=prompt, sampling=sampling, tenant=tenant)
+
+    def prefill(step, tenant):
+        return sum(n for t, n in step if t == tenant and n > 1)
+
+    recorder = Recorder()
+    for i in range(4):
+        core.add_request(request(f"h{i}", "heavy", 32, 3))
+    recorder.take(core.step())
+    assert prefill(steps[0], "heavy") == 64  # alone: the whole step budget
+    for i in range(4, 12):
+        core.add_request(request(f"h{i}", "heavy", 32, 3))
+    core.add_request(request("light", "light", 8, 40))
+    shared_from = len(steps)
+    while recorder.results.get("light", Result()).finish_reason is None:
+        recorder.take(core.step())
+    shared = steps[shared_from:]
+    assert prefill(shared[0], "light") == 8  # its prompt whole, in the first step
+    assert all(prefill(s, "heavy") <= 8 for s in shared), shared
+    # The heavy tenant's refills go on, chunk by chunk, beside the light one.
+    assert sum(prefill(s, "heavy") for s in shared) >= 6 * 32
+    while core.has_work:
+        recorder.take(core.step())
+    lengths = {rid: len(r.token_ids) for rid, r in recorder.results.items()}
+    assert lengths == {**{f"h{i}": 3 for i in range(12)}, "light": 40}
+    core.check_integrity()
+    assert core.stats().free_pages == core.stats().num_pages

@@ -43,6 +43,9 @@ class EngineConfig:
     step_log: str | Path | None = None  # append one JSON line per step here (step_log.py)
     limits: RequestLimits = field(default_factory=RequestLimits)  # per-request input sizes
     scheduling: str = "fair"  # "fair": tenants share the batch (engine/fairness.py); "fcfs"
+    # Under "fair", while several tenants are active: prefill tokens per step for tenants above
+    # their share of the batch, so steps stay short for the others' first tokens (fairness.py).
+    fair_prefill_tokens: int = 256
     # Ranks the model is sharded over (engine/tensor_parallel.py); its heads, kv heads and MLP
     # width must divide by it. On CUDA rank r uses GPU r; CUDA graphs are off when above 1.
     tensor_parallel_size: int = 1
@@ -58,6 +61,7 @@ class EngineConfig:
             "page_size": self.page_size,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_lora_rank": self.max_lora_rank,
+            "fair_prefill_tokens": self.fair_prefill_tokens,
             "tensor_parallel_size": self.tensor_parallel_size,
         }
         for name, value in positive.items():

@@ -153,7 +153,7 @@ class EngineCore:
         self.adapters = AdapterManager(self.pool, max_loras, capacity)
         self.scheduler = Scheduler(
             self.pool, self.adapters, max_seqs, config.max_num_batched_tokens, self.max_len,
-            config.scheduling,
+            config.scheduling, config.fair_prefill_tokens,
         )  # fmt: skip
         self.runner = ModelRunner(
             self.model, self.pool, self.adapters.index, config.max_lora_rank,

@@ -19,6 +19,13 @@ leave. A tenant is a request's ``tenant`` (None: anonymous or admin, one tenant 
 - Admission: queued sequences are offered tenant by tenant, first from tenants below their
   share, then from the rest; among those, the tenant with the smallest counter first; within a
   tenant in queue order. Sequences preempted in this step are not offered again in it.
+- Short steps while tenants share: while several tenants are active, each tenant's prefill
+  tokens per step are limited (``limits_prefill``; the scheduler's fair_prefill_tokens). A
+  step's length is mostly its prefill, and an arriving request's first token waits for the
+  steps already built (one running, one prepared): without the limit a burst of the busy
+  tenant's refills (2048-token steps, about 45 ms for a 7B model) sets the other tenants' TTFT
+  tail. The limit is per tenant, so a light tenant's prompt is not chunked behind the busy
+  one's; a tenant alone is not limited.
 - Work-conserving: a tenant that has nothing ready does not hold slots back; with one active
   tenant the order is the queue's, exactly as FCFS.
 ``FirstComeFirstServed`` is the same interface without any of this (--scheduling fcfs).
@@ -90,6 +97,10 @@ class FairShare:
 
     def share(self, max_num_seqs: int) -> int:
         return max_num_seqs // max(1, len(self._live))
+
+    def limits_prefill(self) -> bool:
+        """Whether this step limits each tenant's prefill (several tenants active)."""
+        return len(self._live) >= 2
 
     def preemptions(
         self,
@@ -181,6 +192,11 @@ class Admission:
         if seq.tenant in self._counter:
             self._counter[seq.tenant] += step_cost(seq, num_tokens)
 
+    def pass_over(self, tenant: Tenant) -> None:
+        """Offer nothing more of this tenant's in this step (its prefill limit is spent)."""
+        if self._queues is not None:
+            self._queues.pop(tenant, None)
+
 
 class FirstComeFirstServed:
     """The queue's order, no preemption for fairness, no counters."""
@@ -197,12 +213,18 @@ class FirstComeFirstServed:
     def preemptions(self, running, waiting, max_num_seqs, ready) -> list[_Seq]:
         return []
 
+    def limits_prefill(self) -> bool:
+        return False
+
     def admission(self, waiting, running, max_num_seqs, skip=()) -> _InOrder:
         return _InOrder(list(waiting))
 
 
 class _InOrder(list):
     def admitted(self, seq: _Seq, num_tokens: int) -> None:
+        pass
+
+    def pass_over(self, tenant: Tenant) -> None:  # never asked: FCFS limits no prefill
         pass
 
 

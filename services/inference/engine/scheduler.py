@@ -19,6 +19,9 @@ Order of each step (0 and the order of 3 are the fairness policy's, engine/fairn
    least served tenant first, each tenant's in arrival order; a sequence whose adapter is still
    loading is passed over (the others keep running). One that lacks pages stops admission, after
    idle adapters were evicted for it.
+In 1 and 3, while several tenants are active, each tenant gets at most fair_prefill_tokens
+prefill tokens per step (fairness.py: short steps while tenants share); decode tokens are never
+limited.
 The step's sequences are sorted by LoRA index row, so each adapter's tokens form one segment.
 """
 
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import deque
+from collections import Counter, deque
 from typing import NamedTuple
 
 from services.inference.engine.adapter_manager import AdapterManager, AdapterState
@@ -54,9 +57,13 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_len: int,
         scheduling: str = "fair",
+        fair_prefill_tokens: int = 256,
     ) -> None:
+        if fair_prefill_tokens <= 0:
+            raise ValueError(f"fair_prefill_tokens must be positive, got {fair_prefill_tokens}")
         self.pool, self.adapters = pool, adapters
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
+        self.fair_prefill_tokens = fair_prefill_tokens
         self.max_len = max_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -119,6 +126,8 @@ class Scheduler:
         victims = self.fair.preemptions(self.running, self.waiting, self.max_num_seqs, self._ready)
         for victim in victims:
             self._preempt(victim)
+        limit = self.fair_prefill_tokens if self.fair.limits_prefill() else None
+        prefilled: Counter = Counter()  # prefill tokens per tenant in this step
 
         # 1. Running sequences, oldest first; preempt from the newest end when pages run out.
         # A sequence whose tokens in flight already reach max_new_tokens or the context window
@@ -127,6 +136,11 @@ class Scheduler:
         while pending and budget > 0:
             seq = pending.pop(0)
             n = min(seq.num_uncomputed, budget)
+            prefill = seq.num_uncomputed > 1  # a prompt chunk (or a recompute), not a decode
+            if prefill and limit is not None:
+                n = min(n, limit - prefilled[seq.tenant])
+                if n <= 0:
+                    continue  # its chunk waits for a step with room in the limit
             while not self._grow(seq, seq.num_computed + n):
                 victim = pending.pop() if pending else seq
                 self._preempt(victim)
@@ -135,6 +149,7 @@ class Scheduler:
             else:
                 chosen.append((seq, n))
                 budget -= n
+                prefilled[seq.tenant] += n if prefill else 0
 
         # 2. Loads for queued sequences' adapters, in queue order (only the head's when not
         # prefetching), each leaving a page per running sequence for its next decode. Each
@@ -159,8 +174,14 @@ class Scheduler:
             if not self._ready(seq):
                 continue
             n = min(seq.num_uncomputed, budget)
+            if limit is not None:
+                n = min(n, limit - prefilled[seq.tenant])
+                if n <= 0:
+                    admission.pass_over(seq.tenant)  # the rest of its queue waits too
+                    continue
             if not self._grow(seq, seq.num_computed + n):
                 break
+            prefilled[seq.tenant] += n
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

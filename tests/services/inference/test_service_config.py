@@ -33,6 +33,8 @@ def test_engine_config_follows_the_service_config():
     ec = engine_config(cfg)
     assert ec.max_waiting == 10 and ec.max_num_seqs == 4 and ec.pool_memory_bytes == 3 << 20
     assert ec.max_queue is None  # the engine adds the running batch: 14 in flight at most
+    own = engine_config(ServiceConfig.from_args(["--model", "m", "--fair-prefill-tokens", "64"]))
+    assert own.fair_prefill_tokens == 64
     defaults = engine_config(ServiceConfig(model=Path("m")))
     assert defaults.max_num_seqs is None and defaults.max_waiting is None  # derived by the engine
 
@@ -48,6 +50,7 @@ def test_engine_config_follows_the_service_config():
         (["--model", "m", "--host-cache-mb", "0"], "--host-cache-mb"),
         (["--model", "m", "--fetch-timeout-s", "0"], "--fetch-timeout-s"),
         (["--model", "m", "--log-level", "chatty"], "--log-level"),
+        (["--model", "m", "--fair-prefill-tokens", "0"], "--fair-prefill-tokens"),
     ],
 )
 def test_bad_settings_exit_with_a_message_naming_them(argv, fragment, capsys):
