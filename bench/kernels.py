@@ -318,7 +318,7 @@ def bench_lora_decode(copy_bw: float, quick: bool, cfg=None) -> list[dict]:
                 case = build_lora(n, rank, layers, rows)
                 # The engine's per-step path (kernels/lora_paths.py) unless --config fixes one.
                 distinct = int(torch.unique(rows).numel())
-                fused = lora_paths.decode_prefers_fused(batch, distinct, rank, rank)
+                fused = lora_paths.decode_prefers_fused(batch, distinct, rank)
                 paths = [
                     {"path": "fused" if f else "two_launch"}
                     for f in (

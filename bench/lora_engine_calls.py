@@ -36,6 +36,8 @@ CALLS = (kb.CALLS[0], kb.CALLS[1])  # q/k/v and o: S1's modules
 # tokens, adapters (drawn uniformly, as S1's power law with alpha 1): the last three are the
 # serving benchmark's full decode steps with n = 5, 100 and 1000
 CASES = (
+    (16, 100),  # the first two: decode steps at 10 requests/s with n = 100
+    (32, 100),
     (292, 100),
     (292, 290),
     (64, 60),

@@ -9,10 +9,17 @@ committed at 4a8bb31; one layer's seven projections, Llama-2-7B shapes, bf16):
 - Prefill-sized calls of several slices fuse: x and h stay on chip for all the slices; faster
   with 1, 16 and 256 adapters alike. Shapes alone decide (launch_config).
 - Decode-sized calls fuse only when the step's adapter tokens are (nearly) all on distinct
-  adapters and hold enough rank rows to give every SM work. Where tokens share adapters a fused
-  program streams a whole A alone (batch 64 on one adapter: 79 µs against 37). Shapes cannot
-  tell these apart; the engine can (decode_prefers_fused), and passes its choice per call
-  (decode_call_fused) as lora_apply(fused=...).
+  adapters and hold enough rank rows to give every SM work. A step fuses only when its adapters'
+  ranks fit FUSED_DECODE_ROWS, and its calls are then made with that max_rank, whatever the
+  engine's max_lora_rank (the host knows the step's ranks exactly; the kernels clamp to
+  max_rank, so nothing is read out of bounds either way):
+  H200, 512 decode tokens on 403 distinct rank-8 adapters, one layer's q/k/v and o calls in an
+  engine sized for rank 128, 211.8 µs in two launches against 151.6 fused with 16 rows, where a
+  fused launch holding all 128 rows took 520.4 (bench/results/lora_engine_calls.json, 1031c2c).
+  Where tokens share adapters a fused program streams a whole A alone (batch 64 on one
+  adapter: 79 µs against 37). Shapes cannot tell these apart; the engine can
+  (decode_prefers_fused), and passes its choice per call (decode_call_fused) as
+  lora_apply(fused=...).
 - Calls of several slices (q, k, v; gate, up) gain from the fused kernel sooner than calls of
   one (o, down), whose tokens alone give too few programs to fill the GPU, each streaming a
   whole A. Per call, fused_config's launch against the two launches
@@ -20,9 +27,9 @@ committed at 4a8bb31; one layer's seven projections, Llama-2-7B shapes, bf16):
   µs against 34.4, gate_up 44.5 against 55.1, but o 20.3 against 18.1 and down 33.7 against
   23.0; 128 tokens: qkv 45.5 against 62.4, gate_up 62.9 against 97.2, o 25.7 against 28.1,
   down 43.3 against 38.6; rank 64, 64 tokens: o 31.4 against 47.4, down 58.7 against 64.7.
-  So a fused step runs its multi-slice calls fused from 1024 adapter tokens x max_rank (64
-  rank-16 tokens) and its single-slice calls from 4096 tokens x rank rows of the batch (256
-  rank-16 tokens, 64 rank-64 tokens).
+  So a fused step runs its multi-slice calls fused from 1024 adapter tokens x
+  FUSED_DECODE_ROWS (64 tokens) and its single-slice calls from 4096 tokens x those rows (256
+  tokens).
 """
 
 from __future__ import annotations
@@ -37,7 +44,9 @@ FUSED_MAX_RANK = 128
 # at max_rank 16, 97 against 118 at 32, 99 against 147 at 64, 101 against 186 at 128
 # (bench/results/lora_engine_calls_before_tiles.json, the capacity cut to the adapters used).
 FUSED_PREFILL_MAX_ROWS = 16
-# Decode steps fuse from this many adapter tokens x max_rank (decode_prefers_fused)...
+# The max_rank of the engine's fused decode steps (its fused CUDA graphs are captured with it).
+FUSED_DECODE_ROWS = 16
+# Decode steps fuse from this many adapter tokens x FUSED_DECODE_ROWS (decode_prefers_fused)...
 FUSED_DECODE_MIN_ROWS = 1024
 # ... and their single-slice calls (o, down) from this many tokens x rank rows (decode_call_fused).
 FUSED_SINGLE_SLICE_MIN_ROWS = 4096
@@ -59,31 +68,27 @@ def shapes_prefer_fused(num_tokens: int, max_rank: int, num_slices: int) -> bool
     return num_slices > 1
 
 
-def decode_prefers_fused(adapter_tokens: int, distinct: int, step_rank: int, max_rank: int) -> bool:
+def decode_prefers_fused(adapter_tokens: int, distinct: int, step_rank: int) -> bool:
     """Whether a decode-sized step should run its LoRA calls on the fused kernel (each call's
-    own path: decode_call_fused).
+    own path: decode_call_fused), with max_rank FUSED_DECODE_ROWS.
 
     adapter_tokens: the step's tokens that use an adapter; distinct: how many adapters they
-    use; step_rank: the largest rank among those adapters; max_rank: the rank width the calls
-    are made with (the engine's max_lora_rank), which sets the rows a fused program holds. The
-    measurements above hold when those rows are the adapters' own: a step of rank-16 adapters
-    in an engine sized for rank 64 would make each fused program carry four times the rows, so
-    it keeps the two launches (which skip rank blocks past each adapter's rank)."""
-    if adapter_tokens <= 0 or max_rank > FUSED_MAX_RANK:
-        return False
-    if fused_rank_rows(step_rank) != fused_rank_rows(max_rank):
+    use; step_rank: the largest rank among those adapters. A step with an adapter above
+    FUSED_DECODE_ROWS keeps the two launches (a fused program holds every rank row it may meet
+    in registers: rows for the largest adapter would be computed, mostly masked, for all)."""
+    if adapter_tokens <= 0 or fused_rank_rows(step_rank) > FUSED_DECODE_ROWS:
         return False
     mostly_distinct = 3 * distinct >= 2 * adapter_tokens
-    return mostly_distinct and adapter_tokens * max_rank >= FUSED_DECODE_MIN_ROWS
+    return mostly_distinct and adapter_tokens * FUSED_DECODE_ROWS >= FUSED_DECODE_MIN_ROWS
 
 
 def decode_call_fused(
-    step_fused: bool | None, num_tokens: int, num_slices: int, max_rank: int
+    step_fused: bool | None, num_tokens: int, num_slices: int, rows: int
 ) -> bool | None:
     """One call's path in a step whose rule said ``step_fused`` (None: the shapes decide, False:
     two launches): in a fused step, calls of several slices fuse and a call of one slice fuses
-    from FUSED_SINGLE_SLICE_MIN_ROWS tokens x rank rows (``num_tokens``: the call's, padding
-    included, so a CUDA graph's choice is fixed by its batch size)."""
+    from FUSED_SINGLE_SLICE_MIN_ROWS tokens x the launch's rank ``rows`` (``num_tokens``: the
+    call's, padding included, so a CUDA graph's choice is fixed by its batch size)."""
     if not step_fused or num_slices > 1:
         return step_fused
-    return num_tokens * fused_rank_rows(max_rank) >= FUSED_SINGLE_SLICE_MIN_ROWS
+    return num_tokens * fused_rank_rows(rows) >= FUSED_SINGLE_SLICE_MIN_ROWS

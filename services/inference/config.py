@@ -142,10 +142,9 @@ class ServiceConfig:
                 raise ValueError(f"--{_flag(name)} must be positive, got {value}")
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"--scheduling must be one of {SCHEDULING}, got {self.scheduling!r}")
-        if not isinstance(self.fair_prefill_tokens, int) or self.fair_prefill_tokens <= 0:
-            raise ValueError(
-                f"--fair-prefill-tokens must be a positive integer, got {self.fair_prefill_tokens!r}"
-            )
+        tokens = self.fair_prefill_tokens
+        if not isinstance(tokens, int) or tokens <= 0:
+            raise ValueError(f"--fair-prefill-tokens must be a positive integer, got {tokens!r}")
 
     @property
     def address(self) -> str:

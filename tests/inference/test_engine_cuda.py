@@ -75,7 +75,7 @@ def test_cuda_fused_decode_path_matches_hf_peft(tiny_models, monkeypatch, single
     """Decode steps on the fused LoRA kernel (the per-step choice, with the threshold lowered
     so that the parity run's small batches of distinct adapters take it), graphs included;
     "mixed": q/k/v and gate/up fused while o and down keep the two launches."""
-    monkeypatch.setattr(lora_paths, "FUSED_DECODE_MIN_ROWS", 32)  # one rank-32 token suffices
+    monkeypatch.setattr(lora_paths, "FUSED_DECODE_MIN_ROWS", 32)  # two adapter tokens suffice
     monkeypatch.setattr(lora_paths, "FUSED_SINGLE_SLICE_MIN_ROWS", single_slice_rows)
     run = _mixed_run(tiny_models, "tiny-llama", "float32", max_lora_rank=32)
     core = run[3]

@@ -62,22 +62,24 @@ def test_a_load_evicts_idle_adapters_until_its_reserve_is_free(core, tiny_models
 
 
 def test_runner_prefers_fused_for_many_distinct_adapters(core, monkeypatch):
-    monkeypatch.setattr(lora_paths, "FUSED_DECODE_MIN_ROWS", 64)  # 2 tokens x 32 rank rows
+    """Fused steps are those of (mostly) distinct adapters whose ranks fit the engine's fused
+    launch (FUSED_DECODE_ROWS = 16), whatever the engine's max_lora_rank (32 here)."""
+    monkeypatch.setattr(lora_paths, "FUSED_DECODE_MIN_ROWS", 32)  # 2 tokens x 16 rank rows
     r32, r16 = _load(core, "r32"), _load(core, "r16")
     row_ranks = core.adapters.row_ranks
     free = [r for r in range(4) if r not in (r32, r16)]
-    row_ranks[free[0]] = 32  # a second rank-32 and a second rank-16 adapter's rows, as
-    row_ranks[free[1]] = 16  # the manager writes them
+    row_ranks[free[0]] = 32  # a second rank-32 and a rank-8 adapter's rows, as
+    row_ranks[free[1]] = 8  # the manager writes them
     prefers = core.runner.prefers_fused
-    assert prefers(_decode([r32, free[0]]))  # two distinct rank-32 adapters
-    assert prefers(_decode([None, r32, free[0]]))  # base-model tokens do not count
-    assert not prefers(_decode([r32]))  # one token: too few rank rows
-    assert not prefers(_decode([r32, r32, r32]))  # a shared adapter
-    assert not prefers(_decode([r16, free[1]]))  # rank 16 in calls sized for 32 rows
-    assert prefers(_decode([r16, r32]))  # the step's largest rank fills the rows
+    assert prefers(_decode([r16, free[1]]))  # two distinct adapters of rank <= 16
+    assert prefers(_decode([None, r16, free[1]]))  # base-model tokens do not count
+    assert not prefers(_decode([r16]))  # one token: too few rank rows
+    assert not prefers(_decode([r16, r16, r16]))  # a shared adapter
+    assert not prefers(_decode([r32, free[0]]))  # rank 32: above the fused launch's rows
+    assert not prefers(_decode([r16, r32]))  # the step's largest rank decides
     assert not prefers(_decode([None, None]))
     # A prefill chunk counts its tokens: 30 tokens of one adapter make the step shared.
-    chunk = BatchEntry(tuple(range(30)), 0, tuple(range(8)), r32, False)
-    assert not prefers([*_decode([r32, free[0]]), chunk])
-    prefill = [BatchEntry(tuple(range(600)), 0, tuple(range(150)), r32, True)]
+    chunk = BatchEntry(tuple(range(30)), 0, tuple(range(8)), r16, False)
+    assert not prefers([*_decode([r16, free[1]]), chunk])
+    prefill = [BatchEntry(tuple(range(600)), 0, tuple(range(150)), r16, True)]
     assert prefers(prefill) is None  # prefill-sized: the shapes decide

@@ -291,17 +291,15 @@ def test_fused_config_fills_one_wave(monkeypatch):
 
 def test_decode_path_rule():
     """The engine's per-step choice (kernels/lora_paths.py): fused only for decode steps whose
-    adapter tokens are mostly on distinct adapters, hold enough rank rows, and use the rank
-    rows the calls are sized for."""
+    adapter tokens are mostly on distinct adapters, hold enough rank rows in the engine's
+    16-row fused launches, and whose adapters fit one pass of them."""
     rule = lora_paths.decode_prefers_fused
-    assert rule(256, 256, 16, 16) and rule(64, 64, 64, 64) and rule(512, 400, 16, 16)
-    assert rule(64, 64, 16, 16) and rule(16, 16, 64, 64)
-    assert not rule(32, 32, 16, 16)  # too few rank rows to fill the GPU
-    assert not rule(256, 64, 16, 16)  # tokens share adapters
-    assert not rule(256, 256, 16, 64)  # rank-16 adapters in calls sized for 64 rows
-    assert rule(64, 64, 40, 64)  # 40 and 64 both take 64 rows
-    assert not rule(512, 512, 256, 256)  # too many rows to hold
-    assert not rule(0, 0, 0, 16)
+    assert lora_paths.FUSED_DECODE_ROWS == 16
+    assert rule(256, 256, 16) and rule(512, 400, 8) and rule(64, 64, 16) and rule(64, 64, 4)
+    assert not rule(32, 32, 16)  # too few rank rows to fill the GPU
+    assert not rule(256, 64, 16)  # tokens share adapters
+    assert not rule(256, 256, 32) and not rule(64, 64, 64)  # several passes: two launches
+    assert not rule(0, 0, 0)
 
 
 def test_decode_call_rule():

@@ -119,8 +119,7 @@ class ModelRunner:
 
     def _fusable(self, size: int) -> bool:
         """Whether a decode step of ``size`` sequences could prefer the fused path."""
-        r = self.max_lora_rank
-        return lora_paths.decode_prefers_fused(size, size, r, r)
+        return lora_paths.decode_prefers_fused(size, size, lora_paths.FUSED_DECODE_ROWS)
 
     def prefers_fused(self, entries: Sequence[BatchEntry]) -> bool | None:
         """The step's LoRA path: None (the shapes decide) for prefill-sized steps, else
@@ -132,7 +131,7 @@ class ModelRunner:
             return False
         tokens = sum(len(e.token_ids) for e in entries if e.lora_row is not None)
         rank = max(self.row_ranks[r] for r in distinct)
-        return lora_paths.decode_prefers_fused(tokens, len(distinct), rank, self.max_lora_rank)
+        return lora_paths.decode_prefers_fused(tokens, len(distinct), rank)
 
     def mixed_seqs(self, tokens: int) -> int:
         """Sequences a mixed graph of ``tokens`` tokens holds: a mixed step has a sequence of

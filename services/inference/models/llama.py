@@ -86,9 +86,12 @@ def linear_lora(
     ``modules`` (tokens without an adapter cost the LoRA kernels nothing): [T, d_out]."""
     y = F.linear(x, weight, bias)
     if lora is not None:
+        # A fused step's adapters all have ranks within FUSED_DECODE_ROWS (the engine's rule):
+        # its calls are sized for them, not for the largest adapter the engine allows.
+        max_rank = min(lora_paths.FUSED_DECODE_ROWS, lora.max_rank) if lora.fused else lora.max_rank
         kernels.lora_apply(
-            y, x, pool_layer, lora.index, batch.lora_tokens, modules, widths, lora.max_rank,
-            fused=lora_paths.decode_call_fused(lora.fused, x.shape[0], len(modules), lora.max_rank),
+            y, x, pool_layer, lora.index, batch.lora_tokens, modules, widths, max_rank,
+            fused=lora_paths.decode_call_fused(lora.fused, x.shape[0], len(modules), max_rank),
         )  # fmt: skip
     return y
 
