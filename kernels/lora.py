@@ -139,7 +139,7 @@ def launch_config(
     rank_block = 16
     programs = max(1, min(num_tokens, 1024)) * num_slices  # decode worst case: a tile a token
     want = _SHRINK_PROGRAMS_PER_SM * num_sms() // programs
-    split = 1
+    split = _decode_split(num_tokens, d_in, shrink_k)
     while split * 2 <= want and d_in >= 4 * split * shrink_k:
         split *= 2
     return LoraLaunch(
@@ -150,6 +150,16 @@ def launch_config(
         split_k=split,
         expand_r=rank_block,
     )
+
+
+def _decode_split(num_tokens: int, d_in: int, shrink_k: int) -> int:
+    """The least split_k: 2 for decode-sized calls. Their two-launch steps are the ones whose
+    tokens share adapters (steps of mostly distinct adapters fuse: kernels/lora_paths.py), so
+    their tiles are few and each streams its A alone. H200, one layer's S1 q/k/v and o calls in
+    a graph, split 1 against 2: 512 tokens on 5 adapters 45.3 -> 38.6 µs, on 30 52.8 -> 47.1,
+    on 100 72.5 -> 62.8; 64 on 41 39.8 -> 32.9; but 512 on 403 (a fused step) 197.5 -> 209.1
+    (bench/results/lora_engine_calls.json, --splits)."""
+    return 2 if num_tokens <= FUSED_MAX_TOKENS and d_in >= 8 * shrink_k else 1
 
 
 def fused_config(
@@ -549,11 +559,13 @@ def workspace_size(
 ) -> int:
     """fp32 elements a lora_apply workspace needs: the shrink's partial sums.
 
-    Without a config this bounds every launch_config choice: splits only happen while
-    tokens x slices x split stays within the shrink programs wanted for the GPU."""
+    Without a config this bounds every launch_config choice: decode-sized calls split in two
+    (_decode_split), and further splits only happen while tokens x slices x split stays within
+    the shrink programs wanted for the GPU."""
     if config is not None:
         return config.split_k * num_tokens * num_slices * max_rank
-    rows = max(num_tokens * num_slices, _SHRINK_PROGRAMS_PER_SM * num_sms())
+    least = 2 if num_tokens <= FUSED_MAX_TOKENS else 1
+    rows = max(least * num_tokens * num_slices, _SHRINK_PROGRAMS_PER_SM * num_sms())
     return rows * max_rank
 
 

@@ -74,10 +74,12 @@ def test_cuda_graphs_match_eager_steps(tiny_models):
 def test_cuda_fused_decode_path_matches_hf_peft(tiny_models, monkeypatch, single_slice_rows):
     """Decode steps on the fused LoRA kernel (the per-step choice, with the threshold lowered
     so that the parity run's small batches of distinct adapters take it), graphs included;
-    "mixed": q/k/v and gate/up fused while o and down keep the two launches."""
-    monkeypatch.setattr(lora_paths, "FUSED_DECODE_MIN_ROWS", 32)  # two adapter tokens suffice
+    "mixed": q/k/v and gate/up fused while o and down keep the two launches. The fused steps'
+    calls are sized for 32 rank rows (the parity set's largest rank) in an engine sized for 64."""
+    monkeypatch.setattr(lora_paths, "FUSED_DECODE_ROWS", 32)
+    monkeypatch.setattr(lora_paths, "FUSED_DECODE_MIN_ROWS", 32)  # one adapter token suffices
     monkeypatch.setattr(lora_paths, "FUSED_SINGLE_SLICE_MIN_ROWS", single_slice_rows)
-    run = _mixed_run(tiny_models, "tiny-llama", "float32", max_lora_rank=32)
+    run = _mixed_run(tiny_models, "tiny-llama", "float32", max_lora_rank=64)
     core = run[3]
     assert core.runner.fused_graph_sizes and core.runner.fused_steps > 0
     assert core.runner.fused_steps < core.steps  # the others took the two launches

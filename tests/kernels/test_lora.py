@@ -260,6 +260,24 @@ def test_launch_config_chooses_paths():
     assert lora.fused_config(4096, 4096, 16, 3, 4096, d_in=4096).block_m == 32
 
 
+@pytest.mark.parametrize("sms", [8, 132])
+def test_decode_calls_split_d_in_and_the_workspace_bound_holds(monkeypatch, sms):
+    """Decode-sized two-launch calls split d_in at least in two (their tokens share adapters:
+    few tiles), larger ones only when too few programs would stream; workspace_size without a
+    config bounds every choice."""
+    monkeypatch.setattr(lora, "num_sms", lambda: sms)
+    for t in (1, 16, 64, 300, 512, 513, 1024, 2048):
+        for d_in, slices in ((4096, 3), (4096, 1), (11008, 1), (64, 3)):
+            cfg = lora.launch_config(t, d_in, 4096, 128, slices)
+            if d_in >= 2048 and t <= 512:
+                assert cfg.split_k >= 2, (t, d_in)
+            if t > 512 and sms == 132:
+                assert cfg.split_k == 1, (t, d_in)
+            need = lora.workspace_size(t, slices, 128, cfg)
+            assert need <= lora.workspace_size(t, slices, 128), (t, d_in, slices)
+    assert lora.launch_config(64, 64, 64, 16, 3).split_k == 1  # too little d_in to split
+
+
 def test_fused_config_fills_one_wave(monkeypatch):
     """fused_config takes smaller blocks where a decode call's programs overflow one wave of
     the default launch but fit one wave of the smaller blocks' (on sm_90 with 132 SMs, as the
@@ -297,7 +315,8 @@ def test_decode_path_rule():
     assert lora_paths.FUSED_DECODE_ROWS == 16
     assert rule(256, 256, 16) and rule(512, 400, 8) and rule(64, 64, 16) and rule(64, 64, 4)
     assert not rule(32, 32, 16)  # too few rank rows to fill the GPU
-    assert not rule(256, 64, 16)  # tokens share adapters
+    assert not rule(256, 64, 16) and not rule(512, 100, 8)  # tokens share adapters
+    assert rule(292, 189, 8) and rule(128, 64, 8)  # half or more on distinct adapters
     assert not rule(256, 256, 32) and not rule(64, 64, 64)  # several passes: two launches
     assert not rule(0, 0, 0)
 
