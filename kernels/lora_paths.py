@@ -17,7 +17,7 @@ committed at 4a8bb31; one layer's seven projections, Llama-2-7B shapes, bf16):
   kernels clamp to max_rank, so nothing is read out of bounds either way):
   H200, 512 decode tokens on 403 distinct rank-8 adapters, one layer's q/k/v and o calls in an
   engine sized for rank 128, 211.8 µs in two launches against 151.6 fused with 16 rows, where a
-  fused launch holding all 128 rows took 520.4 (bench/results/lora_engine_calls.json, 1031c2c).
+  fused launch holding all 128 rows took 520.4 (bench/results/lora_engine_calls.json at 1031c2c).
   Where tokens share adapters a fused program streams a whole A alone (batch 64 on one
   adapter: 79 µs against 37). Shapes cannot tell these apart; the engine can
   (decode_prefers_fused), and passes its choice per call (decode_call_fused) as
