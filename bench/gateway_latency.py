@@ -13,8 +13,14 @@ on the H200, where it carries about 2300 tokens/s).
 
     python bench/gateway_latency.py                       # 8 req/s for 40 s, tiny, CPU
     python bench/gateway_latency.py --background 8 --rate 4 --duration 30
+    python bench/gateway_latency.py --stub                # the fronts' own cost alone
 
 Absolute figures on a CPU only indicate; the difference between the two fronts is the point.
+The engine's own time to first token varies by several milliseconds from request to request
+on a CPU, so one run's difference is uncertain by about as much as the gateway adds. With
+``--stub`` a stand-in inference service answers every Generate at once (its first message
+without any model, the next ones 2 ms apart), so what is measured is the two fronts' own cost,
+the gateway's against a gRPC client's (runs differ by about 0.1 ms on a 2-core machine).
 """
 
 from __future__ import annotations
@@ -137,6 +143,38 @@ def commit() -> str:
     return out.stdout.strip() + ("-dirty" if dirty else "")
 
 
+class _Stub(pb_grpc.InferenceServicer):
+    """The inference service's Generate and GetModelInfo, answered without a model."""
+
+    async def GetModelInfo(self, request, context):  # noqa: N802 (the gRPC method's name)
+        return pb.ModelInfo(model_id="stub", context_window=1 << 20)
+
+    async def Generate(self, request, context):  # noqa: N802
+        n = request.sampling.max_new_tokens or 16
+        for i in range(1, n + 1):
+            last = i == n
+            yield pb.GenerateResponse(
+                request_id=request.request_id, token_ids=[i], text="x",
+                finish_reason=pb.FINISH_REASON_LENGTH if last else pb.FINISH_REASON_UNSPECIFIED,
+                usage=pb.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=i),
+            )  # fmt: skip
+            if not last:
+                await asyncio.sleep(0.002)
+
+
+async def serve_stub(port: int) -> None:
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.aio.server()
+    pb_grpc.add_InferenceServicer_to_server(_Stub(), server)
+    checks = health.HealthServicer()
+    checks.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
 def span(text: str) -> tuple[int, int]:
     low, _, high = text.partition(":")
     return int(low), int(high)
@@ -160,6 +198,9 @@ def main() -> None:
     parser.add_argument("--background-tokens", type=int, default=256)
     parser.add_argument("--new-connections", action="store_true",
                         help="a new TCP connection per HTTP request (no keep-alive)")  # fmt: skip
+    parser.add_argument("--stub", action="store_true",
+                        help="a stand-in inference service, answering at once")  # fmt: skip
+    parser.add_argument("--serve-stub", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=120.0)
     parser.add_argument(
@@ -169,22 +210,28 @@ def main() -> None:
         "--out", type=Path, default=REPO / "bench" / "results" / "gateway_latency.json"
     )
     args = parser.parse_args()
+    if args.serve_stub is not None:
+        asyncio.run(serve_stub(args.serve_stub))
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
-    import torch
-
     shape = SHAPES[args.shape]
-    args.work_dir.mkdir(parents=True, exist_ok=True)
-    model = make_model(args.work_dir / f"model-{args.shape}", shape, torch.device(args.device))
     path = os.environ.get("PYTHONPATH")
     env = {**os.environ, "PYTHONPATH": str(REPO) + (os.pathsep + path if path else "")}
     port, gateway_port = free_port(), free_port()
     address = f"127.0.0.1:{port}"
+    if args.stub:
+        service = [sys.executable, __file__, "--serve-stub", str(port)]
+    else:
+        import torch
+
+        args.work_dir.mkdir(parents=True, exist_ok=True)
+        model = make_model(args.work_dir / f"model-{args.shape}", shape, torch.device(args.device))
+        service = [sys.executable, "-m", "services.inference", "--model", str(model),
+                   "--port", str(port), "--device", args.device]  # fmt: skip
     procs = []
     try:
-        procs.append(subprocess.Popen([sys.executable, "-m", "services.inference", "--model",
-                                       str(model), "--port", str(port), "--device", args.device],
-                                      cwd=REPO, env=env))  # fmt: skip
+        procs.append(subprocess.Popen(service, cwd=REPO, env=env))
         wait_serving(address, procs[-1], 600)
         procs.append(subprocess.Popen([sys.executable, "-m", "services.gateway", "--port",
                                        str(gateway_port), "--inference", address],
@@ -205,7 +252,8 @@ def main() -> None:
     args.out.write_text(json.dumps({
         "benchmark": "time to first token through the HTTP gateway against gRPC, side by side",
         "command": "python bench/gateway_latency.py " + " ".join(sys.argv[1:]),
-        "commit": commit(), "machine": machine(), "shape": args.shape, "device": args.device,
+        "commit": commit(), "machine": machine(), "stub": args.stub,
+        "shape": None if args.stub else args.shape, "device": None if args.stub else args.device,
         "rate": args.rate, "duration_s": args.duration, "prompt_len": args.prompt_len,
         "output_len": args.output_len, "background": args.background,
         "keep_alive": not args.new_connections, "summary": s, "requests": results,

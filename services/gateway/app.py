@@ -12,6 +12,8 @@ import contextlib
 import time
 
 from fastapi import FastAPI, Request, Response
+from starlette.middleware.errors import ServerErrorMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lorafleet.v1 import inference_pb2 as pb
 from services.gateway import adapters, completions, errors, lora_compat, models
@@ -38,7 +40,27 @@ class Gateway:
         return "" if model == info.model_id else model
 
 
-def create_app(config: GatewayConfig) -> FastAPI:
+class GatewayApp(FastAPI):
+    """FastAPI, with the generation endpoints' POSTs taken ahead of it (completions.py says
+    why) into ``generation``: the request metrics and Starlette's server-error middleware, as
+    around every route, then completions.serve. Everything else, those paths' other methods
+    included, goes through FastAPI."""
+
+    generation: ASGIApp
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["method"] == "POST"
+            and scope["path"] in completions.ENDPOINTS
+        ):
+            scope["app"] = self  # as Starlette sets it: the endpoints find the state here
+            await self.generation(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+
+def create_app(config: GatewayConfig) -> GatewayApp:
     metrics = GatewayMetrics()
 
     @contextlib.asynccontextmanager
@@ -52,7 +74,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             prefetch.cancel()
             await gateway.backends.close()
 
-    app = FastAPI(
+    app = GatewayApp(
         title="lorafleet gateway",
         description="OpenAI-compatible API and REST adapter registry over lorafleet's services",
         lifespan=lifespan,
@@ -80,6 +102,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return Response(metrics.render(), media_type=metrics.content_type)
 
     app.add_middleware(_RequestMetrics, metrics=metrics)
+    app.generation = ServerErrorMiddleware(
+        _RequestMetrics(completions.serve, metrics), handler=errors.handle, debug=app.debug
+    )
     return app
 
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from starlette.requests import Request
+from starlette.types import Scope
 
 from lorafleet.v1 import adapter_store_pb2_grpc as store_grpc
 from lorafleet.v1 import inference_pb2_grpc as pb_grpc
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import BadRequest
+from services.gateway.http_io import header
 
 Metadata = tuple[tuple[str, str], ...]
 
@@ -21,9 +22,10 @@ _OPTIONS = [
 ]
 
 
-def call_metadata(request: Request) -> Metadata:
-    """The caller's credentials for the gRPC call made on its behalf (none without a header)."""
-    value = request.headers.get("authorization")
+def call_metadata(scope: Scope) -> Metadata:
+    """The caller's credentials for the gRPC call made on its behalf (none without a header).
+    ``scope`` is the request's ASGI scope, or its Starlette Request (which reads as one)."""
+    value = header(scope, b"authorization")
     return (("authorization", value),) if value else ()
 
 

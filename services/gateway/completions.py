@@ -6,23 +6,40 @@ Before anything is sent, every call's first message is awaited, so a refusal (an
 adapter, a prompt beyond the context window, a full queue) answers with its own status code; a
 failure after that ends a stream with an error event. A client that disconnects cancels its
 calls, and the engine aborts them.
+
+The two endpoints are plain ASGI apps, not FastAPI endpoints, and their POSTs are taken ahead
+of FastAPI's middleware and router (``serve``, called by app.GatewayApp): they are on every
+request's path to its first token, where FastAPI's and Starlette's per-request layers (the
+middleware stack, routing, Request objects, dependency solving, response classes, the streaming
+task group) cost more than all the endpoints' own work. Their errors are answered as the other
+routes' are.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
+import grpc
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from lorafleet.v1 import inference_pb2 as pb
-from services.gateway.backends import call_metadata
-from services.gateway.errors import BadRequest, error_body, error_of
+from services.gateway.backends import Metadata, call_metadata
+from services.gateway.errors import (
+    BadRequest,
+    ClientGone,
+    GatewayError,
+    error_body,
+    error_of,
+    response_for,
+)
 from services.gateway.generation import ChoiceResult, Generations
-from services.gateway.http_io import read_body, until_disconnect
+from services.gateway.http_io import DisconnectWatch, read_body
 from services.gateway.openai_format import (
     DONE,
     ChatFormat,
@@ -33,22 +50,32 @@ from services.gateway.openai_format import (
 from services.gateway.sampling import COMPLETIONS_MAX_TOKENS, sampling_params
 from services.gateway.schemas import ChatRequest, CompletionRequest, GenerationFields, parse
 
-router = APIRouter()
+if TYPE_CHECKING:
+    from services.gateway.app import Gateway
 
 # Streamed answers must reach the client as produced: no proxy buffering, no caching.
-_STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_STREAM_HEAD = {
+    "type": "http.response.start",
+    "status": 200,
+    "headers": [
+        (b"cache-control", b"no-cache"),
+        (b"x-accel-buffering", b"no"),
+        (b"content-type", b"text/event-stream; charset=utf-8"),
+    ],
+}
+_STREAM_END = {"type": "http.response.body", "body": b"", "more_body": False}
+
+# What a request becomes: its fields and its Generate calls, whose ids extend the request's.
+Prepared = tuple[GenerationFields, list[pb.GenerateRequest]]
+Prepare = Callable[["Gateway", bytes, Metadata, str], Awaitable[Prepared]]
 
 
-@router.post("/v1/completions")
-async def completions(request: Request):
-    gw = request.app.state.gateway
-    req = parse(CompletionRequest, await read_body(request, gw.config.max_request_bytes))
-    metadata = call_metadata(request)
+async def _completions(gw: Gateway, raw: bytes, metadata: Metadata, rid: str) -> Prepared:
+    req = parse(CompletionRequest, raw)
     adapter_id = gw.adapter_for(req.model, await gw.model_info.get(metadata))
     max_tokens = req.max_tokens or COMPLETIONS_MAX_TOKENS
     prompts = req.prompts()
     _check_count(len(prompts) * req.n, gw.config.max_n)
-    rid = uuid.uuid4().hex
     calls = []
     for p, prompt in enumerate(prompts):
         for j in range(req.n):
@@ -62,21 +89,16 @@ async def completions(request: Request):
             else:
                 msg.prompt_token_ids.extend(prompt)
             calls.append(msg)
-    fmt = CompletionFormat(req.model, req.n, req.include_usage, req.wanted_logprobs is not None)
-    return await _serve(request, req, calls, fmt, "completions")
+    return req, calls
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request):
-    gw = request.app.state.gateway
-    req = parse(ChatRequest, await read_body(request, gw.config.max_request_bytes))
-    metadata = call_metadata(request)
+async def _chat_completions(gw: Gateway, raw: bytes, metadata: Metadata, rid: str) -> Prepared:
+    req = parse(ChatRequest, raw)
     adapter_id = gw.adapter_for(req.model, await gw.model_info.get(metadata))
     template = await gw.model_info.chat_template(metadata)
     prompt = template.render(req.template_messages(), req.add_generation_prompt)
     max_tokens = req.completion_limit or gw.config.chat_max_tokens
     _check_count(req.n, gw.config.max_n)
-    rid = uuid.uuid4().hex
     calls = [
         pb.GenerateRequest(
             request_id=f"{rid}-{j}",
@@ -86,8 +108,7 @@ async def chat_completions(request: Request):
         )
         for j in range(req.n)
     ]
-    fmt = ChatFormat(req.model, req.n, req.include_usage, req.wanted_logprobs is not None)
-    return await _serve(request, req, calls, fmt, "chat")
+    return req, calls
 
 
 def _check_count(count: int, limit: int) -> None:
@@ -99,25 +120,73 @@ def _check_count(count: int, limit: int) -> None:
         )
 
 
-async def _serve(
-    request: Request, req: GenerationFields, calls: list[pb.GenerateRequest], fmt: Format, kind: str
-):
-    gw = request.app.state.gateway
-    start = time.perf_counter()
-    gens = Generations(gw.backends.inference, calls, call_metadata(request))
-    close = _Closer(gens, gw.metrics)
-    try:
-        await until_disconnect(request, gens.first())
-        gw.metrics.ttft.labels(kind).observe(time.perf_counter() - start)
-        if req.stream:
-            return _GenerationStream(_stream(gens, fmt, gw.metrics), close)
-        results = await until_disconnect(request, gens.collect())
-    except BaseException:
-        close()
-        raise
-    close()
-    gw.metrics.tokens.inc(sum(r.completion_tokens for r in results))
-    return JSONResponse(fmt.response(results))
+class GenerationEndpoint:
+    """One generation endpoint as an ASGI app: the body read and checked, the Generate calls
+    started, their first messages awaited, then the answer, streamed or whole. Failures before
+    the answer starts are raised, as from FastAPI's routes.
+
+    A stream's head and first chunk leave in the event-loop turn in which the first messages
+    arrive: they are awaited in the request's own task, and one plain task (DisconnectWatch)
+    watches the connection for the whole request, cancelling it if the client goes away.
+    Uvicorn's HTTP/1.1 protocols speak ASGI 2.3, where a send to a client that went away does
+    nothing rather than fail."""
+
+    def __init__(self, kind: str, prepare: Prepare, format_class: type[Format]) -> None:
+        self.kind = kind  # the time-to-first-token metric's endpoint label
+        self._prepare = prepare
+        self._format = format_class
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gw = scope["app"].state.gateway
+        metadata = call_metadata(scope)
+        raw = await read_body(scope, receive, gw.config.max_request_bytes)
+        rid = os.urandom(16).hex()
+        req, calls = await self._prepare(gw, raw, metadata, rid)
+        start = time.perf_counter()
+        gens = Generations(gw.backends.inference, calls, metadata)
+        close = _Closer(gens, gw.metrics)
+        watch = None
+        started = False  # the response's head has left
+        try:
+            # grpc.aio sends each call's request from a task of its own: it goes first, and
+            # what is left to set up is done while the requests travel.
+            await asyncio.sleep(0)
+            watch = DisconnectWatch(receive)
+            logprobs = req.wanted_logprobs is not None
+            fmt = self._format(rid, req.model, req.n, req.include_usage, logprobs)
+            await gens.first()
+            ttft = time.perf_counter() - start
+            if req.stream:
+                body = _stream(gens, fmt, gw.metrics)
+                first = await anext(body)  # made before the head, so both leave back to back
+                started = True
+                await send(_STREAM_HEAD)
+                await send(_chunk(first))
+                gw.metrics.ttft.labels(self.kind).observe(ttft)  # after the first token left
+                async for chunk in body:
+                    await send(_chunk(chunk))
+                watch.stop()  # the response's end is no disconnect
+                await send(_STREAM_END)
+                return
+            gw.metrics.ttft.labels(self.kind).observe(ttft)
+            results = await gens.collect()
+        except asyncio.CancelledError:
+            if watch is None or not watch.gone:  # from elsewhere (a shutdown): not ours
+                raise
+            asyncio.current_task().uncancel()
+            if not started:
+                raise ClientGone() from None
+            return  # a stream cut off: nothing more to send
+        finally:
+            if watch is not None:
+                watch.stop()
+            close()
+        gw.metrics.tokens.inc(sum(r.completion_tokens for r in results))
+        await JSONResponse(fmt.response(results))(scope, receive, send)
+
+
+def _chunk(text: str) -> dict:
+    return {"type": "http.response.body", "body": text.encode(), "more_body": True}
 
 
 class _Closer:
@@ -135,67 +204,25 @@ class _Closer:
             self._metrics.generations.dec(len(self._gens))
 
 
-class _GenerationStream(StreamingResponse):
-    """A streamed answer whose calls are cancelled however it ends: finished, failed, or cut
-    off by a client that went away (even before the body's first chunk, when its generator
-    never ran).
-
-    The head and the first chunk leave in the same event-loop turn as the response is called
-    (the first messages are already in): Starlette's own streaming starts a task group and a
-    task for the body first, which cost turns before the first token. Uvicorn's HTTP/1.1
-    protocols speak ASGI 2.3, where a send to a client that went away does nothing rather than
-    fail, so one plain task watches for the disconnect and cancels the stream, as Starlette's
-    task group does."""
-
-    def __init__(self, body: AsyncIterator[str], close: _Closer) -> None:
-        super().__init__(body, media_type="text/event-stream", headers=_STREAM_HEADERS)
-        self._close = close
-
-    async def __call__(self, scope, receive, send) -> None:
-        stream = asyncio.current_task()
-        state = {"streaming": True, "gone": False}
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            if state["streaming"]:  # the stream waits inside the try below: it ends there
-                state["gone"] = True
-                stream.cancel()
-
-        watcher = asyncio.ensure_future(watch())
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for chunk in self.body_iterator:
-                await send(
-                    {"type": "http.response.body", "body": chunk.encode(), "more_body": True}
-                )
-            state["streaming"] = False
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not state["gone"]:  # cancelled from elsewhere (a shutdown): not ours to absorb
-                raise
-            stream.uncancel()
-        finally:
-            state["streaming"] = False
-            watcher.cancel()
-            self._close()
-
-
 async def _stream(gens: Generations, fmt: Format, metrics) -> AsyncIterator[str]:
-    """The SSE body; cancelled when the client disconnects."""
+    """The SSE body, the events of each message together; cancelled when the client
+    disconnects."""
     results = [ChoiceResult() for _ in range(len(gens))]  # finish reasons and token counts
     try:
         opened = set()
         async for i, msg in gens.messages():
+            events = []
             if i not in opened:
                 opened.add(i)
                 if (opening := fmt.opening(i)) is not None:
-                    yield fmt.chunk([opening])
+                    events.append(fmt.chunk([opening]))
             if msg.text or (fmt.logprobs and msg.logprobs):
-                yield fmt.chunk([fmt.delta(i, msg.text, None, list(msg.logprobs))])
+                events.append(fmt.chunk([fmt.delta(i, msg.text, None, list(msg.logprobs))]))
             if msg.finish_reason:
                 results[i].finish(msg)
-                yield fmt.chunk([fmt.delta(i, "", results[i].finish_reason)])
+                events.append(fmt.chunk([fmt.delta(i, "", results[i].finish_reason)]))
+            if events:
+                yield "".join(events)
         if fmt.include_usage:
             yield fmt.usage_chunk(results)
     except Exception as exc:  # after the 200: the error travels as an event
@@ -203,3 +230,51 @@ async def _stream(gens: Generations, fmt: Format, metrics) -> AsyncIterator[str]
     finally:
         metrics.tokens.inc(sum(r.completion_tokens for r in results))
     yield DONE
+
+
+ENDPOINTS = {
+    "/v1/completions": GenerationEndpoint("completions", _completions, CompletionFormat),
+    "/v1/chat/completions": GenerationEndpoint("chat", _chat_completions, ChatFormat),
+}
+
+# FastAPI's routes of the endpoints: they answer their other methods (405), a trailing slash (a
+# redirect) and /openapi.json as any route does, and name the route for the request metrics;
+# their POSTs, taken by GatewayApp, reach them only through FastAPI's own stack (none do when
+# the gateway serves).
+router = APIRouter()
+
+
+class _Run(Response):
+    """A response that is the endpoint itself, run on the request's connection."""
+
+    def __init__(self, endpoint: GenerationEndpoint) -> None:
+        super().__init__()
+        self._endpoint = endpoint
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._endpoint(scope, receive, send)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return _Run(ENDPOINTS["/v1/completions"])
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return _Run(ENDPOINTS["/v1/chat/completions"])
+
+
+_ROUTES = {route.path: route for route in router.routes}
+
+
+async def serve(scope: Scope, receive: Receive, send: Send) -> None:
+    """A POST to one of ENDPOINTS' paths, taken ahead of FastAPI's middleware and router
+    (app.GatewayApp): what its endpoint raises before answering is answered as the app's
+    exception handlers answer it (errors.response_for)."""
+    path = scope["path"]
+    scope["route"] = _ROUTES[path]  # the request metrics' label, as FastAPI's router sets it
+    try:
+        await ENDPOINTS[path](scope, receive, send)
+    except (GatewayError, grpc.RpcError, ClientGone) as exc:
+        await response_for(exc)(scope, receive, send)

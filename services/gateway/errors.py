@@ -5,7 +5,8 @@ the HTTP status. gRPC statuses map as the contract says (INVALID_ARGUMENT, FAILE
 and OUT_OF_RANGE 400, UNAUTHENTICATED 401, PERMISSION_DENIED 403, NOT_FOUND 404,
 RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, anything else 500), with the service's message, which
 says what to fix. A client that left before its answer gets none (the metrics count it as 499).
-Handlers are installed on the app here and nowhere else.
+Every answer to a failure is made here: by the handlers installed on the app, and by
+response_for for the generation endpoints, which are served ahead of FastAPI (completions.py).
 """
 
 from __future__ import annotations
@@ -114,11 +115,20 @@ def error_of(exc: BaseException) -> tuple[int, str, str | None]:
     return 500, f"internal error: {type(exc).__name__}: {exc}", None
 
 
+def response_for(exc: Exception) -> Response:
+    """The answer to a request that failed with ``exc`` before its response started."""
+    if isinstance(exc, ClientGone):
+        return Response(status_code=CLIENT_CLOSED)  # unread: the client is gone
+    return error_response(*error_of(exc))
+
+
+async def handle(request: Request, exc: Exception) -> Response:
+    """The exception handler of the gateway's own errors, gRPC's and anything unexpected."""
+    return response_for(exc)
+
+
 def install(app: FastAPI) -> None:
     """Answers every failure with OpenAI's error body."""
-
-    async def handle(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(*error_of(exc))
 
     async def handle_http(request: Request, exc: HTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
@@ -129,14 +139,11 @@ def install(app: FastAPI) -> None:
     async def handle_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(400, validation_message(exc.errors()))
 
-    async def handle_client_gone(request: Request, exc: ClientGone) -> Response:
-        return Response(status_code=CLIENT_CLOSED)  # unread: the client is gone
-
     app.add_exception_handler(GatewayError, handle)
     app.add_exception_handler(grpc.RpcError, handle)
     app.add_exception_handler(HTTPException, handle_http)
     app.add_exception_handler(RequestValidationError, handle_validation)
-    app.add_exception_handler(ClientGone, handle_client_gone)
+    app.add_exception_handler(ClientGone, handle)
     app.add_exception_handler(Exception, handle)
 
 

@@ -47,7 +47,8 @@ class UnloadLoraRequest(BaseModel):
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(request: Request) -> dict:
     gw = request.app.state.gateway
-    req = parse_json(LoadLoraRequest, await read_body(request, gw.config.max_request_bytes))
+    raw = await read_body(request, request.receive, gw.config.max_request_bytes)
+    req = parse_json(LoadLoraRequest, raw)
     metadata = call_metadata(request)
     version = 0
     if req.lora_path:
@@ -73,7 +74,8 @@ async def load_lora_adapter(request: Request) -> dict:
 @router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(request: Request) -> dict:
     gw = request.app.state.gateway
-    req = parse_json(UnloadLoraRequest, await read_body(request, gw.config.max_request_bytes))
+    raw = await read_body(request, request.receive, gw.config.max_request_bytes)
+    req = parse_json(UnloadLoraRequest, raw)
     reply = await gw.backends.inference.UnloadAdapter(
         pb.UnloadAdapterRequest(adapter_id=req.lora_name),
         metadata=call_metadata(request),

@@ -12,9 +12,11 @@ from __future__ import annotations
 import abc
 import json
 import time
-import uuid
 
 from services.gateway.generation import ChoiceResult
+
+# json.dumps makes an encoder per call when given options; this one is made once.
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
 class Format(abc.ABC):
@@ -25,15 +27,20 @@ class Format(abc.ABC):
     id_prefix = ""
 
     def __init__(
-        self, model: str, n: int, include_usage: bool = False, logprobs: bool = False
+        self, rid: str, model: str, n: int, include_usage: bool = False, logprobs: bool = False
     ) -> None:
-        self.id = self.id_prefix + uuid.uuid4().hex
+        self.id = self.id_prefix + rid  # the request's id, which its Generate calls' ids extend
         self.created = int(time.time())
         self.model = model
         self.n = n  # choices per prompt
         self.include_usage = include_usage
         self.logprobs = logprobs  # the request asked for them: choices carry them
         self._offsets: dict[int, int] = {}  # choice -> characters of its tokens so far
+        # A chunk's envelope is the same in every chunk: encoded once, around its choices
+        # ("choices" is its last key, so the encoding ends in "[]}").
+        envelope = _JSON.encode(self._envelope(self.chunk_object_name, []))
+        self._chunk_head = "data: " + envelope[:-2]
+        self._chunk_tail = "]" + (',"usage":null' if include_usage else "") + "}\n\n"
 
     # --- whole responses ----------------------------------------------------------------------
 
@@ -69,10 +76,9 @@ class Format(abc.ABC):
         """One choice of a stream chunk."""
 
     def chunk(self, choices: list[dict]) -> str:
-        body = self._envelope(self.chunk_object_name, choices)
-        if self.include_usage:
-            body["usage"] = None
-        return event(body)
+        """The event of a chunk with these choices (and ``"usage": null`` when the usage comes
+        last), as ``event`` would encode it."""
+        return self._chunk_head + ",".join(map(_JSON.encode, choices)) + self._chunk_tail
 
     def usage_chunk(self, results: list[ChoiceResult]) -> str:
         return event({**self._envelope(self.chunk_object_name, []), "usage": self._usage(results)})
@@ -177,7 +183,7 @@ class ChatFormat(Format):
 
 def event(body: dict) -> str:
     """One server-sent event."""
-    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_JSON.encode(body)}\n\n"
 
 
 DONE = "data: [DONE]\n\n"
