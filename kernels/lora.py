@@ -60,10 +60,13 @@ _FUSED_PROGRAMS_PER_SM = 2
 # So programs stride over the tiles instead, and the shrink loops over rank blocks: 45.2 µs
 # for the same calls (bench/results/lora_engine_calls.json).
 _TILE_PROGRAMS_PER_SM = 16
+# Decode-sized calls of at most this d_in split it in two at least (_decode_split).
+_DECODE_SPLIT_MAX_D_IN = 4096
 # The expand's registers a thread. Its tile loop kept 124-128 live (4 programs an SM at 4 warps,
 # 256-column blocks; sm_90, Triton 3.6) where the one-tile-a-program kernel took 96 (5 an SM);
-# capped at 96 the q/k/v call compiles without spilling, o, gate/up and down with 24 bytes of
-# stack a thread (`python -m bench.kernel_resources`; a test checks it).
+# capped at 96 the q/k/v call compiles without spilling at split 1, with 16 bytes of stack a
+# thread at the decode step's split 2 (whose timings above include them), o and gate/up with 32
+# (`python -m bench.kernel_resources`; a test checks it).
 _EXPAND_MAX_REGISTERS = 96
 
 
@@ -158,8 +161,12 @@ def _decode_split(num_tokens: int, d_in: int, shrink_k: int) -> int:
     their tiles are few and each streams its A alone. H200, one layer's S1 q/k/v and o calls in
     a graph, split 1 against 2: 512 tokens on 5 adapters 45.3 -> 38.6 µs, on 30 52.8 -> 47.1,
     on 100 72.5 -> 62.8; 64 on 41 39.8 -> 32.9; but 512 on 403 (a fused step) 197.5 -> 209.1
-    (bench/results/lora_engine_calls.json, --splits)."""
-    return 2 if num_tokens <= FUSED_MAX_TOKENS and d_in >= 8 * shrink_k else 1
+    (bench/results/lora_engine_calls.json, --splits). Only up to the d_in measured (4096): a
+    down call's shrink (d_in 11008) compiles to 168 registers a thread at split 2 (3 programs an
+    SM, against 4; `python -m bench.kernel_resources`) and was not timed."""
+    if num_tokens <= FUSED_MAX_TOKENS and 8 * shrink_k <= d_in <= _DECODE_SPLIT_MAX_D_IN:
+        return 2
+    return 1
 
 
 def fused_config(
@@ -564,7 +571,7 @@ def workspace_size(
     the shrink programs wanted for the GPU."""
     if config is not None:
         return config.split_k * num_tokens * num_slices * max_rank
-    least = 2 if num_tokens <= FUSED_MAX_TOKENS else 1
+    least = 2 if num_tokens <= FUSED_MAX_TOKENS else 1  # an upper bound: d_in is not known
     rows = max(least * num_tokens * num_slices, _SHRINK_PROGRAMS_PER_SM * num_sms())
     return rows * max_rank
 

@@ -75,7 +75,7 @@ class ServiceConfig:
     tenant_max_queued: int | None = None  # calls not yet streaming their first token
     tenant_tokens_per_second: float | None = None  # prompt + generated tokens
     scheduling: str = "fair"  # fair: tenants share the batch (engine/fairness.py); fcfs
-    fair_prefill_tokens: int = 256  # per step, for tenants above their share (fair only)
+    fair_prefill_tokens: int = 256  # per tenant and step while tenants share (fair only)
 
     def __post_init__(self) -> None:
         if not str(self.model):
@@ -301,8 +301,7 @@ _HELP = {
     "scheduling": "fair (default: tenants share the running batch, least served first) or fcfs "
     "(first come, first served)",
     "fair_prefill_tokens": "with --scheduling fair and several tenants active: prefill tokens "
-    "per step for tenants above their share of the batch, keeping steps short for the others' "
-    "first tokens (default 256)",
+    "each tenant gets per step, keeping steps short for the others' first tokens (default 256)",
 }
 
 

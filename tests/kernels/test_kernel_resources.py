@@ -44,12 +44,14 @@ def test_narrow_table_matches_the_compiled_kernels(tmp_path):
             assert reach and count == min(reach), (n, launch, reach)
         assert narrow.per_sm > narrow.wide_per_sm  # or the rule would never help
 
-    # The expand's register cap keeps 5 programs an SM (the one-tile-a-program kernel's count)
-    # and the q/k/v call unspilled.
+    # The expand's register cap keeps 5 programs an SM (the one-tile-a-program kernel's count);
+    # at the decode step's split of 2 (q/k/v, o, gate/up) the q/k/v call spills 16 bytes a
+    # thread, which the timings behind the split include (kernels/lora.py _decode_split).
     two = {(r["call"], r["kernel"]): r for r in doc["two_launch"]}
     assert {kernel for _, kernel in two} == {"shrink", "expand"}
     for (_, kernel), r in two.items():
         if kernel == "expand":
             assert r["registers"] <= lora._EXPAND_MAX_REGISTERS, r
             assert r["programs_per_sm"] >= 5, r
-    assert two["qkv", "expand"]["stack_bytes"] == 0
+    assert two["qkv", "expand"]["stack_bytes"] <= 16
+    assert two["down", "shrink"]["programs_per_sm"] >= 4  # d_in 11008: no decode split

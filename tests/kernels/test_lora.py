@@ -269,7 +269,7 @@ def test_decode_calls_split_d_in_and_the_workspace_bound_holds(monkeypatch, sms)
     for t in (1, 16, 64, 300, 512, 513, 1024, 2048):
         for d_in, slices in ((4096, 3), (4096, 1), (11008, 1), (64, 3)):
             cfg = lora.launch_config(t, d_in, 4096, 128, slices)
-            if d_in >= 2048 and t <= 512:
+            if 2048 <= d_in <= 4096 and t <= 512:
                 assert cfg.split_k >= 2, (t, d_in)
             if t > 512 and sms == 132:
                 assert cfg.split_k == 1, (t, d_in)

@@ -43,8 +43,8 @@ class EngineConfig:
     step_log: str | Path | None = None  # append one JSON line per step here (step_log.py)
     limits: RequestLimits = field(default_factory=RequestLimits)  # per-request input sizes
     scheduling: str = "fair"  # "fair": tenants share the batch (engine/fairness.py); "fcfs"
-    # Under "fair", while several tenants are active: prefill tokens per step for tenants above
-    # their share of the batch, so steps stay short for the others' first tokens (fairness.py).
+    # Under "fair", while several tenants are active: prefill tokens per step for each tenant,
+    # so steps stay short for the others' first tokens (fairness.py).
     fair_prefill_tokens: int = 256
     # Ranks the model is sharded over (engine/tensor_parallel.py); its heads, kv heads and MLP
     # width must divide by it. On CUDA rank r uses GPU r; CUDA graphs are off when above 1.
