@@ -11,7 +11,13 @@ once plus the activations (bench/kernels.py's lora_bytes) against 4.2 TB/s of co
 With ``--profile`` each case's engine default (max_rank 128, capacity 514) also runs eagerly
 under the torch profiler, and its rows say how much of the time each kernel takes.
 
-    python bench/lora_engine_calls.py [--splits] [--profile] \
+With ``--steps`` the cases are instead the serving trace's step compositions (bench/serving.py's
+step log, n = 1000, adapters in the host cache): mixed steps of decode tokens on distinct adapters
+beside a few prompts' prefill chunks, and the decode steps of 10 requests/s; each by path and
+max_rank, and with the MLP calls (gate/up, down) an S1 step also launches, masked: its adapters
+have no MLP modules, so those launches find nothing to do.
+
+    python bench/lora_engine_calls.py [--splits] [--profile] [--steps] \
         [--out bench/results/lora_engine_calls.json]
 """
 
@@ -30,6 +36,7 @@ import torch  # noqa: E402
 
 from bench import kernels as kb  # noqa: E402
 from kernels import lora  # noqa: E402
+from kernels.lora_layout import K, O, Q, V  # noqa: E402
 from kernels.lora_ref import make_lora_tokens  # noqa: E402
 
 CALLS = (kb.CALLS[0], kb.CALLS[1])  # q/k/v and o: S1's modules
@@ -47,36 +54,59 @@ CASES = (
     (512, 100),
     (512, 1000),
 )
+# --steps: (decode tokens, adapters they are drawn from, prefill chunks' lengths): mixed steps
+# of the n = 1000 trace (its step log: ~360 distinct adapters beside 1000-2000 tokens in all)
+# and 10 requests/s decode steps with n = 100.
+STEP_CASES = (
+    (400, 1000, (400, 400, 400, 400)),
+    (400, 1000, (200, 200, 200)),
+    (300, 1000, (512, 512, 512)),
+    (16, 100, ()),
+    (16, 100, (256,)),
+)
+S1_MODULES = (Q, K, V, O)
 LAYERS = 4  # each with its own weights, so one layer's adapters do not stay in L2
 
 
-def time_case(t: int, n: int, gen: torch.Generator, variants: list[dict]) -> list[dict]:
-    rows = torch.randint(0, n, (t,), generator=gen).sort().values.int()
+def time_case(
+    t: int, n: int, gen: torch.Generator, variants: list[dict], prefill: tuple[int, ...] = ()
+) -> list[dict]:
+    """t tokens on adapters drawn uniformly from n; with ``prefill``, that many more chunks of
+    those lengths, each on an adapter of its own (a prompt's), after the decode tokens."""
+    rows = torch.randint(0, n, (t,), generator=gen)
+    prompts = torch.randperm(n, generator=gen)[: len(prefill)]
+    rows = torch.cat([rows, *[p.repeat(k) for p, k in zip(prompts, prefill, strict=True)]])
+    rows = rows.sort().values.int()  # the engine's steps group tokens by adapter
+    decode, t = t, rows.numel()
     case = kb.build_lora(n, 8, LAYERS, rows)
     used = int(torch.unique(rows).numel())
+    all_calls = kb.CALLS if any(v.get("mlp") for v in variants) else CALLS
     nbytes = kb.lora_bytes(case.rows.cpu(), 8, t, CALLS)
-    xs = [[torch.randn(t, d, dtype=kb.DT, device=kb.DEV) for _, d, _ in CALLS]
+    xs = [[torch.randn(t, d, dtype=kb.DT, device=kb.DEV) for _, d, _ in all_calls]
           for _ in range(LAYERS)]  # fmt: skip
-    ys = [[torch.zeros(t, sum(w), dtype=kb.DT, device=kb.DEV) for _, _, w in CALLS]
+    ys = [[torch.zeros(t, sum(w), dtype=kb.DT, device=kb.DEV) for _, _, w in all_calls]
           for _ in range(LAYERS)]  # fmt: skip
     out = []
     for v in variants:
         max_rank, cap = v["max_rank"], v["segments"] or used + 2
-        tokens = make_lora_tokens(case.rows, capacity=cap)
-        cfgs = [None] * len(CALLS)
+        # With the MLP calls the step's module mask is S1's (q, k, v, o): they find no work.
+        calls = all_calls if v.get("mlp") else CALLS
+        modules = S1_MODULES if v.get("mlp") else None
+        tokens = make_lora_tokens(case.rows, capacity=cap, modules=modules)
+        cfgs = [None] * len(calls)
         if v.get("split_k"):
             cfgs = [
                 lora.launch_config(t, d, kb.POOL_W, max_rank, len(m))._replace(
                     split_k=v["split_k"], expand_n=v["expand_n"]
                 )
-                for m, d, _ in CALLS
+                for m, d, _ in calls
             ]
         split = max(c.split_k for c in cfgs) if cfgs[0] else 16
         ws = torch.empty(lora.workspace_size(t, 3, max_rank) * split, device=kb.DEV)
 
-        def fn(tokens=tokens, cfgs=cfgs, ws=ws, v=v, max_rank=max_rank):
+        def fn(tokens=tokens, cfgs=cfgs, ws=ws, v=v, max_rank=max_rank, calls=calls):
             for layer in range(LAYERS):
-                for c, (m, _, w) in enumerate(CALLS):
+                for c, (m, _, w) in enumerate(calls):
                     lora.lora_apply(
                         ys[layer][c], xs[layer][c], case.pool[layer], case.index, tokens, m, w,
                         max_rank, workspace=ws, config=cfgs[c], fused=v.get("fused"),
@@ -84,6 +114,7 @@ def time_case(t: int, n: int, gen: torch.Generator, variants: list[dict]) -> lis
 
         us = kb.timed(fn, LAYERS, eager=False).graph_us
         row = dict(tokens=t, adapters=n, used=used, **v, segments_used=cap, us=us,
+                   decode_tokens=decode, prefill=list(prefill),
                    tb_per_s=round(nbytes / (us * 1e-6) / 1e12, 3))  # fmt: skip
         if v.get("profile"):
             row["kernels_us"] = kernel_times(fn)
@@ -113,10 +144,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--splits", action="store_true", help="two launches by split_k, expand_n")
     ap.add_argument("--profile", action="store_true", help="kernel times of the engine default")
+    ap.add_argument("--steps", action="store_true", help="the serving trace's step compositions")
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/lora_engine_calls.json")
     args = ap.parse_args()
     variants = []
-    if args.splits:
+    if args.steps:
+        for mlp in (False, True):
+            for max_rank, fused in ((128, None), (16, None), (16, True), (16, False)):
+                variants.append(dict(max_rank=max_rank, segments=514, fused=fused, mlp=mlp))
+    elif args.splits:
         for split in (1, 2, 4, 8, 16):
             for en in (256, 128):
                 variants.append(dict(max_rank=128, segments=514, split_k=split, expand_n=en))
@@ -128,9 +164,13 @@ def main() -> None:
                 for fused in (False, True, None):
                     variants.append(dict(max_rank=max_rank, segments=cap, fused=fused))
     if args.profile:
-        variants.insert(0, dict(max_rank=128, segments=514, fused=None, profile=True))
+        variants.insert(0, dict(max_rank=128, segments=514, fused=None, mlp=args.steps,
+                                profile=True))  # fmt: skip
     gen = torch.Generator().manual_seed(0)
-    rows = [r for t, n in CASES for r in time_case(t, n, gen, variants)]
+    if args.steps:
+        rows = [r for t, n, p in STEP_CASES for r in time_case(t, n, gen, variants, p)]
+    else:
+        rows = [r for t, n in CASES for r in time_case(t, n, gen, variants)]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                             capture_output=True, text=True).stdout.strip()  # fmt: skip
     args.out.write_text(json.dumps({

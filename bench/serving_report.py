@@ -5,6 +5,7 @@ from the engine's step log, and the table it prints."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 
@@ -68,6 +69,8 @@ def analyse(results: list[dict], steps: list[dict], roof) -> dict:
         "median_step_host_ms": pct([s["host_ms"] for s in window], 50),
         "graph_steps": sum(s["graph"] for s in window),
         "median_batch": pct([s["seqs"] for s in window], 50),
+        # steps by their LoRA kernels' path (the engine's ModelRunner.LoraMode values)
+        "lora_paths": dict(Counter(s.get("lora", "none") for s in window).most_common()),
     }
 
 

@@ -84,6 +84,23 @@ def decode_prefers_fused(adapter_tokens: int, distinct: int, step_rank: int) -> 
     return mostly_distinct and adapter_tokens * FUSED_DECODE_ROWS >= FUSED_DECODE_MIN_ROWS
 
 
+def prefill_step_rows(step_rank: int) -> int | None:
+    """The max_rank a prefill-sized step (over FUSED_MAX_TOKENS tokens) makes its calls with:
+    FUSED_PREFILL_MAX_ROWS when every adapter of the step fits it, so that its calls of several
+    slices take the fused kernel (shapes_prefer_fused); None when one does not (the engine's
+    max_lora_rank: two launches). ``step_rank``: the step's largest adapter rank.
+
+    H200, one layer's S1 q/k/v and o calls in a CUDA graph with the masked MLP calls beside them,
+    mixed steps of the n = 1000 serving trace (bench/results/lora_engine_calls_steps.json): 400
+    decode tokens on 331 adapters beside four 400-token prompts, 364.0 µs at max_rank 128 (two
+    launches) against 244.8 at 16 rows (q/k/v fused); 300 decode tokens beside three 512-token
+    prompts, 313.3 against 225.7; 400 beside three 200-token prompts (1000 tokens), 194.5
+    against 195.7."""
+    if fused_rank_rows(step_rank) <= FUSED_PREFILL_MAX_ROWS:
+        return FUSED_PREFILL_MAX_ROWS
+    return None
+
+
 def decode_call_fused(
     step_fused: bool | None, num_tokens: int, num_slices: int, rows: int
 ) -> bool | None:

@@ -86,6 +86,22 @@ def test_cuda_fused_decode_path_matches_hf_peft(tiny_models, monkeypatch, single
     assert_matches_hf(tiny_models, "tiny-llama", *run[:3])
 
 
+def test_cuda_narrow_mixed_steps_and_attention_graphs_match_hf_peft(tiny_models, monkeypatch):
+    """Mixed steps sized for FUSED_PREFILL_MAX_ROWS rank rows (NARROW: every adapter of the step
+    fits them; q/k/v and gate/up fused), with the prefill-sized threshold lowered so that the
+    parity run's mixed steps count as prefill-sized, in an engine sized for rank 64; steps of
+    the rank-32 adapter keep the engine's rows. Decode steps whose adapters adapt attention only
+    replay the graphs without MLP calls. Every step against HF + PEFT."""
+    monkeypatch.setattr(lora_paths, "FUSED_MAX_TOKENS", 16)
+    run = _mixed_run(tiny_models, "tiny-llama", "float32", max_lora_rank=64)
+    core = run[3]
+    assert core.runner.narrow_graph_sizes and core.runner.attention_graph_sizes
+    paths = {(r.graph, r.lora) for r in core.step_log.recent}
+    assert (True, "by shapes, narrow") in paths and (True, "by shapes") in paths
+    assert core.runner.attention_steps > 0
+    assert_matches_hf(tiny_models, "tiny-llama", *run[:3])
+
+
 @pytest.mark.parametrize(
     "preset, overlap",
     [("tiny-llama", False), ("tiny-qwen2", False), ("tiny-llama", True)],

@@ -8,9 +8,12 @@ from __future__ import annotations
 import pytest
 
 from kernels import lora_paths
+from kernels.lora_layout import DOWN, GATE, UP, K, O, Q, V
 from services.inference.engine.adapter_manager import AdapterState
-from services.inference.engine.api import AdapterKey
+from services.inference.engine.api import AdapterKey, GenerationRequest
 from services.inference.engine.batch import BatchEntry
+from services.inference.engine.model_runner import LoraMode, StepLora
+from services.inference.engine.sampling_params import SamplingParams
 from tests.inference.engine_harness import make_core
 
 
@@ -83,3 +86,61 @@ def test_runner_prefers_fused_for_many_distinct_adapters(core, monkeypatch):
     assert not prefers([*_decode([r16, free[1]]), chunk])
     prefill = [BatchEntry(tuple(range(600)), 0, tuple(range(150)), r16, True)]
     assert prefers(prefill) is None  # prefill-sized: the shapes decide
+
+
+def test_prefill_sized_steps_are_sized_for_their_adapters_ranks(core):
+    """A prefill-sized step whose adapters all fit FUSED_PREFILL_MAX_ROWS (16) rank rows makes
+    its calls with that many (NARROW: its calls of several slices fuse), whatever the engine's
+    max_lora_rank (32 here); one with a larger adapter keeps the engine's. A step's modules are
+    those of its adapters."""
+    r32, r16 = _load(core, "r32"), _load(core, "r16")
+    modules = core.adapters.row_modules
+
+    def prefill(row, n=600):
+        return BatchEntry(tuple(range(n)), 0, tuple(range(n // 4)), row, True)
+
+    step, lora_for = core.runner.step_lora, core.runner._lora_for
+    assert step([prefill(r16)]) == StepLora(LoraMode.NARROW, modules[r16])
+    assert step([prefill(r16), *_decode([r32])]) == StepLora(
+        LoraMode.SHAPES, modules[r16] | modules[r32]
+    )
+    assert step([prefill(r16, 100), *_decode([r32])]).mode is LoraMode.TWO  # decode-sized
+    assert step([prefill(None), *_decode([None])]) == StepLora(LoraMode.NONE, None)
+    # The context each path's calls are made with.
+    assert lora_for(LoraMode.NONE, None) is None
+    assert lora_for(LoraMode.NARROW, modules[r16]).rows == lora_paths.FUSED_PREFILL_MAX_ROWS
+    assert core.runner.lora.modules == modules[r16] and core.runner.lora.fused is None
+    assert lora_for(LoraMode.SHAPES, None).rows == 32
+    assert lora_for(LoraMode.FUSED, None).rows == lora_paths.FUSED_DECODE_ROWS
+    assert core.runner.lora.fused is True
+    assert lora_for(LoraMode.TWO, None).rows == 32 and core.runner.lora.fused is False
+
+
+@pytest.mark.parametrize(
+    "adapter, want",
+    [("r8", {(Q, K, V), (O,)}), ("r16", {(GATE, UP), (DOWN,)}), ("r4", {(Q, K, V)})],
+)
+def test_a_step_makes_no_call_for_modules_its_adapters_lack(tiny_models, monkeypatch, adapter,
+                                                            want):  # fmt: skip
+    """Each step's LoRA calls cover only the modules some adapter of it has (r8: q/k/v and o;
+    r16: gate/up and down; r4: q and v, one q/k/v call), and the output still matches the
+    reference path (test_engine_parity.py checks it against HF + PEFT)."""
+    import kernels
+
+    core = make_core(tiny_models.model("tiny-llama"))
+    key = AdapterKey(adapter, 1)
+    core.add_adapter_dir(key, tiny_models.adapter("tiny-llama", adapter))
+    calls = []
+    apply = kernels.lora_apply
+
+    def spy(y, x, pool_layer, index, tokens, modules, *args, **kwargs):
+        calls.append(tuple(modules))
+        return apply(y, x, pool_layer, index, tokens, modules, *args, **kwargs)
+
+    monkeypatch.setattr(kernels, "lora_apply", spy)
+    sampling = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    core.add_request(GenerationRequest("a", prompt_token_ids=[5, 9, 13], adapter=key,
+                                       sampling=sampling))  # fmt: skip
+    while core.has_work:
+        core.step()
+    assert calls and set(calls) == want

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from kernels.lora_layout import GATE, O, Q, V
 from services.inference.engine.api import AdapterKey, GenerationRequest
 from services.inference.engine.batch import BatchEntry
-from services.inference.engine.model_runner import GraphKey, LoraMode
+from services.inference.engine.model_runner import ATTENTION, GraphKey, LoraMode, StepLora
 from services.inference.engine.sampling_params import SamplingParams
 from tests.inference.engine_harness import make_core
 from tests.inference.models import PARITY_ADAPTERS
@@ -57,9 +58,10 @@ def test_each_step_finds_its_graph(tiny_models):
     core = make_core(tiny_models.model("tiny-llama"), max_num_seqs=8, max_num_batched_tokens=32)
     runner = core.runner
     graphs = [GraphKey(n, n, mode) for n in (4, 8) for mode in (LoraMode.NONE, LoraMode.TWO)]
-    graphs += [GraphKey(8, 8, LoraMode.FUSED)]
+    graphs += [GraphKey(8, 8, LoraMode.FUSED), GraphKey(4, 4, LoraMode.TWO, ATTENTION)]
     graphs += [GraphKey(n, min(8, n - 1), mode) for n in (16, 32)
                for mode in (LoraMode.NONE, LoraMode.SHAPES)]  # fmt: skip
+    graphs += [GraphKey(32, 8, LoraMode.NARROW)]
     runner._graphs = dict.fromkeys(graphs, (None, None))
     runner._decode_sizes, runner._mixed_sizes = (4, 8), (16, 32)
 
@@ -69,14 +71,26 @@ def test_each_step_finds_its_graph(tiny_models):
     def chunk(n, row=None, sample=True):
         return BatchEntry(list(range(n)), 0, [0, 1, 2, 3, 4, 5, 6, 7], row, sample)
 
-    pick = runner._graph_for
-    assert pick(decode(3), False) == GraphKey(4, 4, LoraMode.NONE)  # base only: no LoRA kernels
-    assert pick(decode(3, row=0), False) == GraphKey(4, 4, LoraMode.TWO)
-    assert pick(decode(6, row=0), True) == GraphKey(8, 8, LoraMode.FUSED)
-    assert pick(decode(3, row=0), True) == GraphKey(4, 4, LoraMode.TWO)  # no fused graph of 4
-    assert pick(decode(9), False) is None  # more sequences than any graph
-    assert pick([*decode(2), chunk(9)], False) == GraphKey(16, 8, LoraMode.NONE)
-    assert pick([*decode(2, row=1), chunk(9)], False) == GraphKey(16, 8, LoraMode.SHAPES)
-    assert pick([*decode(3), chunk(20)], None) == GraphKey(32, 8, LoraMode.NONE)
-    assert pick([chunk(1, sample=False), *decode(2)], False) == GraphKey(16, 8, LoraMode.NONE)
-    assert pick([*decode(5), chunk(28)], None) is None  # 33 tokens: more than any graph
+    def pick(entries, mode, modules=None):
+        return runner._graph_for(entries, StepLora(mode, modules))
+
+    none, two, fused = LoraMode.NONE, LoraMode.TWO, LoraMode.FUSED
+    shapes, narrow = LoraMode.SHAPES, LoraMode.NARROW
+    assert pick(decode(3), none) == GraphKey(4, 4, none)  # base only: no LoRA kernels
+    assert pick(decode(3, row=0), two) == GraphKey(4, 4, two)
+    assert pick(decode(6, row=0), fused) == GraphKey(8, 8, fused)
+    assert pick(decode(3, row=0), fused) == GraphKey(4, 4, two)  # no fused graph of 4
+    # Adapters of the attention modules only take the graph without MLP calls, where there is
+    # one; any MLP module (or modules unknown: None) takes the graph of every module.
+    q_v, o, gate = 1 << Q | 1 << V, 1 << O, 1 << GATE
+    assert pick(decode(3, row=0), two, q_v | o) == GraphKey(4, 4, two, ATTENTION)
+    assert pick(decode(3, row=0), two, q_v | gate) == GraphKey(4, 4, two)
+    assert pick(decode(3, row=0), two, None) == GraphKey(4, 4, two)
+    assert pick(decode(6, row=0), two, q_v) == GraphKey(8, 8, two)  # none at 8
+    assert pick(decode(9), none) is None  # more sequences than any graph
+    assert pick([*decode(2), chunk(9)], none) == GraphKey(16, 8, none)
+    assert pick([*decode(2, row=1), chunk(9)], two, q_v) == GraphKey(16, 8, shapes)
+    assert pick([*decode(2, row=1), chunk(20)], narrow) == GraphKey(32, 8, narrow)
+    assert pick([*decode(3), chunk(20)], none) == GraphKey(32, 8, none)
+    assert pick([chunk(1, sample=False), *decode(2)], none) == GraphKey(16, 8, none)
+    assert pick([*decode(5), chunk(28)], shapes) is None  # 33 tokens: more than any graph

@@ -381,7 +381,10 @@ class EngineCore:
             for i, seq in enumerate(sampling):
                 seq.inflight += 1
                 seq.last_row = i
-        record = self.step_log.begin(scheduled, self.runner.last_graph, start, mark)
+        runner = self.runner
+        record = self.step_log.begin(
+            scheduled, runner.last_graph, start, mark, runner.last_lora.value
+        )
         # The GPU computes meanwhile (the step's work is queued), so the adapter copies
         # prepared for this step are issued now, and a collection due now costs nothing; on
         # CPU both simply run after the forward.

@@ -14,9 +14,15 @@ them.
 
 The LoRA kernels' path (two launches or the fused kernel, kernels.lora_apply) is chosen per
 step from what only the host knows: how many of the step's tokens use an adapter, on how many
-distinct adapters, of which rank (kernels/lora_paths.py). A graph fixes the path it
-was captured with, so decode sizes where the fused path can win get a third graph; mixed steps
-let each call's shapes decide.
+distinct adapters, of which rank and on which modules (kernels/lora_paths.py). A graph fixes the
+path it was captured with, so decode sizes where the fused path can win get a third graph;
+mixed steps let each call's shapes decide, sized for the engine's max_lora_rank or, when every
+adapter of the step fits FUSED_PREFILL_MAX_ROWS rank rows, for those (prefill-sized mixed
+steps get that graph too: it fuses their q/k/v calls). A step makes no call for modules none of
+its adapters has: eagerly for any module; the small decode graphs, where each launch is a
+measurable share of the step, also come without the MLP calls, for steps whose adapters adapt
+attention only (H200, 16 decode tokens on 13 adapters, one layer's S1 calls: 19.6 µs, 26.3 with
+the masked MLP launches; bench/results/lora_engine_calls_steps.json).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from kernels import LoraIndex, lora_paths
+from kernels.lora_layout import K, O, Q, V
 from services.inference.engine.batch import BatchEntry, StepBatch
 from services.inference.engine.page_pool import PagePool
 from services.inference.models.llama import LoraContext, Transformer
@@ -44,16 +51,40 @@ class LoraMode(enum.Enum):
     TWO = "two launches"  # decode-sized: shrink, then expand
     FUSED = "fused"  # decode-sized, mostly distinct adapters: the one-launch kernel
     SHAPES = "by shapes"  # mixed steps: each call's shapes pick
+    # prefill-sized steps whose adapters all fit FUSED_PREFILL_MAX_ROWS rank rows: each call's
+    # shapes pick, for calls sized for those rows (q/k/v and gate/up fuse)
+    NARROW = "by shapes, narrow"
 
     @property
     def fused(self) -> bool | None:
         return {LoraMode.TWO: False, LoraMode.FUSED: True}.get(self)
 
 
+# The attention projections' modules as bits (LoraContext.modules): the module set of the small
+# decode graphs without MLP calls.
+ATTENTION = sum(1 << m for m in (Q, K, V, O))
+
+
 class GraphKey(NamedTuple):
     tokens: int  # the step's tokens, padding included
     seqs: int  # its sequences, padding included (= tokens for decode graphs)
     lora: LoraMode
+    modules: int | None = None  # the modules its LoRA calls cover (bits); None: every module
+
+
+class StepLora(NamedTuple):
+    """A step's LoRA calls: their path, and the modules its adapters have (bits; None: all)."""
+
+    mode: LoraMode
+    modules: int | None
+
+    def encode(self) -> tuple[int, int]:
+        """As two ints (a tensor-parallel command header's fields)."""
+        return list(LoraMode).index(self.mode), -1 if self.modules is None else self.modules
+
+    @classmethod
+    def decode(cls, mode: int, modules: int) -> StepLora:
+        return cls(list(LoraMode)[mode], None if modules < 0 else modules)
 
 
 class ModelRunner:
@@ -75,7 +106,7 @@ class ModelRunner:
         as bits (StepBatch lists a step's modules from them; None: every module)."""
         self.model, self.pool = model, pool
         self.max_lora_rank = max_lora_rank
-        self.row_ranks = row_ranks
+        self.row_ranks, self.row_modules = row_ranks, row_modules
         # The shrunk activations are max_lora_rank wide whatever the step holds: a fixed shape
         # for CUDA graphs; the kernels only compute up to each adapter's own rank.
         self.lora = LoraContext(lora_index, max_lora_rank)
@@ -98,6 +129,8 @@ class ModelRunner:
         self.graph_steps = 0  # steps served by a graph replay
         self.last_graph = False  # whether the latest step replayed one
         self.fused_steps = 0  # steps whose LoRA path was the fused one (CUDA only runs it)
+        self.attention_steps = 0  # steps replayed on a graph without MLP LoRA calls
+        self.last_lora = LoraMode.NONE  # the latest step's LoRA path (the step log's "lora")
         # Under tensor parallelism, this rank's end of the group (engine/tensor_parallel.py):
         # rank 0 sends each filled step to the workers, every rank receives the step's
         # sampled inputs from rank 0. Steps run eagerly then (no CUDA graphs).
@@ -117,6 +150,22 @@ class ModelRunner:
     def fused_graph_sizes(self) -> tuple[int, ...]:
         return tuple(sorted(k.tokens for k in self._graphs if k.lora is LoraMode.FUSED))
 
+    @property
+    def narrow_graph_sizes(self) -> tuple[int, ...]:
+        """Token counts of the mixed graphs sized for FUSED_PREFILL_MAX_ROWS rank rows."""
+        return tuple(sorted(k.tokens for k in self._graphs if k.lora is LoraMode.NARROW))
+
+    @property
+    def attention_graph_sizes(self) -> tuple[int, ...]:
+        """Decode batch sizes with a graph whose LoRA calls cover the attention modules only."""
+        return tuple(sorted(k.tokens for k in self._graphs if k.modules == ATTENTION))
+
+    def _narrows(self, tokens: int) -> bool:
+        """Whether a mixed step of ``tokens`` tokens may be sized for fewer rank rows than the
+        engine's: prefill-sized, in an engine whose max_lora_rank is above those rows."""
+        rows = lora_paths.FUSED_PREFILL_MAX_ROWS
+        return tokens > lora_paths.FUSED_MAX_TOKENS and self.max_lora_rank > rows
+
     def _fusable(self, size: int) -> bool:
         """Whether a decode step of ``size`` sequences could prefer the fused path."""
         return lora_paths.decode_prefers_fused(size, size, lora_paths.FUSED_DECODE_ROWS)
@@ -132,6 +181,38 @@ class ModelRunner:
         tokens = sum(len(e.token_ids) for e in entries if e.lora_row is not None)
         rank = max(self.row_ranks[r] for r in distinct)
         return lora_paths.decode_prefers_fused(tokens, len(distinct), rank)
+
+    def step_lora(self, entries: Sequence[BatchEntry]) -> StepLora:
+        """The step's LoRA path (prefers_fused; for a prefill-sized step, NARROW when every
+        adapter of it fits FUSED_PREFILL_MAX_ROWS: lora_paths.prefill_step_rows) and modules."""
+        rows = {e.lora_row for e in entries if e.lora_row is not None}
+        if not rows:
+            return StepLora(LoraMode.NONE, None)
+        modules = None
+        if self.row_modules is not None:
+            modules = 0
+            for r in rows:
+                modules |= self.row_modules[r]
+        fused = self.prefers_fused(entries)
+        if fused is not None:
+            return StepLora(LoraMode.FUSED if fused else LoraMode.TWO, modules)
+        rank = max(self.row_ranks[r] for r in rows)
+        tokens = sum(len(e.token_ids) for e in entries)
+        if self._narrows(tokens) and lora_paths.prefill_step_rows(rank) is not None:
+            return StepLora(LoraMode.NARROW, modules)
+        return StepLora(LoraMode.SHAPES, modules)
+
+    def _lora_for(self, mode: LoraMode, modules: int | None) -> LoraContext | None:
+        """The LoRA context set up for a step (or a graph) of ``mode`` covering ``modules``."""
+        if mode is LoraMode.NONE:
+            return None
+        rows = self.max_lora_rank
+        if mode is LoraMode.FUSED:  # its adapters all fit FUSED_DECODE_ROWS (prefers_fused)
+            rows = min(lora_paths.FUSED_DECODE_ROWS, rows)
+        elif mode is LoraMode.NARROW:  # they all fit FUSED_PREFILL_MAX_ROWS (step_lora)
+            rows = min(lora_paths.FUSED_PREFILL_MAX_ROWS, rows)
+        self.lora.fused, self.lora.rows, self.lora.modules = mode.fused, rows, modules
+        return self.lora
 
     def mixed_seqs(self, tokens: int) -> int:
         """Sequences a mixed graph of ``tokens`` tokens holds: a mixed step has a sequence of
@@ -155,33 +236,39 @@ class ModelRunner:
             keys += [GraphKey(size, size, LoraMode.NONE), GraphKey(size, size, LoraMode.TWO)]
             if self._fusable(size):
                 keys.append(GraphKey(size, size, LoraMode.FUSED))
+            else:  # small: without the MLP calls too
+                keys.append(GraphKey(size, size, LoraMode.TWO, ATTENTION))
         for tokens in mixed_sizes:
             seqs = self.mixed_seqs(tokens)
             keys += [GraphKey(tokens, seqs, LoraMode.NONE), GraphKey(tokens, seqs, LoraMode.SHAPES)]
-        warmed: set[tuple[int, LoraMode]] = set()
+            if self._narrows(tokens):
+                keys.append(GraphKey(tokens, seqs, LoraMode.NARROW))
+        warmed: set[tuple] = set()
         for key in sorted(keys, key=lambda k: (k.tokens, k.seqs), reverse=True):
             self._fill_for(key, [self._pad])
-            self.lora.fused = key.lora.fused
-            lora = None if key.lora is LoraMode.NONE else self.lora
-            if (key.tokens, key.lora) not in warmed:  # compiles kernels, settles the allocator
+            lora = self._lora_for(key.lora, key.modules)
+            if key not in warmed:  # compiles kernels, settles the allocator
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     self._forward(lora)
                 torch.cuda.current_stream().wait_stream(side)
-                warmed.add((key.tokens, key.lora))
+                warmed.add(key)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=memory):
                 logits = self._forward(lora)  # [key.seqs, vocab]
             self._graphs[key] = (graph, logits)
-        self.lora.fused = None
+        self._lora_for(LoraMode.SHAPES, None)
         self._decode_sizes = tuple(sorted(set(decode_sizes)))
         self._mixed_sizes = tuple(sorted(set(mixed_sizes)))
         torch.cuda.synchronize()
         log.info(
             "captured %d CUDA graphs in %.1f s: decode steps of %s sequences (with fused LoRA "
-            "kernels from %s), mixed steps of %s tokens",
+            "kernels from %s, without MLP LoRA calls up to %s), mixed steps of %s tokens (sized "
+            "for %d rank rows from %s)",
             len(self._graphs), time.perf_counter() - start, list(self._decode_sizes),
-            min(self.fused_graph_sizes, default=None), list(self._mixed_sizes),
+            min(self.fused_graph_sizes, default=None),
+            max(self.attention_graph_sizes, default=None), list(self._mixed_sizes),
+            lora_paths.FUSED_PREFILL_MAX_ROWS, min(self.narrow_graph_sizes, default=None),
         )  # fmt: skip
 
     def _fill_for(self, key: GraphKey, entries: Sequence[BatchEntry]) -> None:
@@ -192,21 +279,24 @@ class ModelRunner:
         else:
             self.batch.fill(entries, pad_tokens=key.tokens, pad_seqs=key.seqs)
 
-    def _graph_for(self, entries: Sequence[BatchEntry], fused: bool | None) -> GraphKey | None:
-        """The captured graph that serves this step, if any."""
+    def _graph_for(self, entries: Sequence[BatchEntry], step: StepLora) -> GraphKey | None:
+        """The captured graph that serves this step, if any: one of its path (or the nearest
+        captured: two launches for a fused decode step, the shapes' choice for a mixed one)
+        whose LoRA calls cover the step's modules."""
         if not self._graphs or len(entries) > self._max_seqs:
             return None
-        if not any(e.lora_row is not None for e in entries):
-            lora = LoraMode.NONE
-        elif fused is None:
-            lora = LoraMode.SHAPES
-        else:
-            lora = LoraMode.FUSED if fused else LoraMode.TWO
+        lora = step.mode
         if all(len(e.token_ids) == 1 and e.sample for e in entries):
             size = next((n for n in self._decode_sizes if n >= len(entries)), None)
-            key = None if size is None else GraphKey(size, size, lora)
-            if key is not None and key not in self._graphs and lora is LoraMode.FUSED:
+            if size is None:
+                return None
+            key = GraphKey(size, size, lora)
+            if key not in self._graphs and lora is LoraMode.FUSED:
                 key = key._replace(lora=LoraMode.TWO)  # no fused graph at this size
+            attention = key._replace(modules=ATTENTION)
+            if step.modules is not None and not step.modules & ~ATTENTION:
+                if attention in self._graphs:  # the step's adapters adapt attention only
+                    return attention
             return key if key in self._graphs else None
         tokens = sum(len(e.token_ids) for e in entries)
         size = next((n for n in self._mixed_sizes if n >= tokens), None)
@@ -225,32 +315,32 @@ class ModelRunner:
         return self.model(self.batch, self.pool.tensor, lora)
 
     @torch.inference_mode()
-    def forward_adopted(self, fused: bool | None) -> None:
+    def forward_adopted(self, step: StepLora) -> None:
         """A tensor-parallel worker's step: rank 0 filled the batch, which this rank adopted
-        (StepBatch.adopt); its logits are rank 0's to sample, so they are dropped here."""
-        self.lora.fused = fused
-        self._forward(self.lora if self.batch.has_lora else None)
+        (StepBatch.adopt), and chose its LoRA path; its logits are rank 0's to sample, so they
+        are dropped here."""
+        self._forward(self._lora_for(step.mode, step.modules))
 
     @torch.inference_mode()
     def execute(self, entries: Sequence[BatchEntry]) -> torch.Tensor:
         """Run one step; returns float32 logits [number of sampling entries, vocab], in order.
         After a graph replay the rows are a view of the graph's output, valid until the next
         step."""
-        fused = self.prefers_fused(entries)
-        key = self._graph_for(entries, fused)
+        step = self.step_lora(entries)
+        key = self._graph_for(entries, step)
         if key is not None:
             self._fill_for(key, entries)
             graph, logits = self._graphs[key]
             graph.replay()
             self.graph_steps += 1
             self.fused_steps += key.lora is LoraMode.FUSED
-            self.last_graph = True
+            self.attention_steps += key.modules is not None
+            self.last_graph, self.last_lora = True, key.lora
             # Decode graphs pad with sampling rows of the reserved page: only the real ones count.
             return logits[: sum(e.sample for e in entries)]
-        self.last_graph = False
-        self.fused_steps += bool(fused)
+        self.last_graph, self.last_lora = False, step.mode
+        self.fused_steps += step.mode is LoraMode.FUSED
         self.batch.fill(entries)
-        self.lora.fused = fused
         if self.tp is not None:
-            self.tp.send_step(self.batch, fused)
-        return self._forward(self.lora if self.batch.has_lora else None)
+            self.tp.send_step(self.batch, step)
+        return self._forward(self._lora_for(step.mode, step.modules))

@@ -38,6 +38,7 @@ class StepRecord:
     adapters: int  # distinct adapters among the step's sequences
     adapter_bytes: int  # their weights' bytes (each read at least once by the step)
     graph: bool  # replayed a CUDA graph
+    lora: str  # its LoRA kernels' path (ModelRunner's LoraMode: "none" without adapters)
     host_ms: float = 0.0
     gpu_ms: float | None = None
     _start: object = field(default=None, repr=False)
@@ -67,9 +68,17 @@ class StepLog:
             return event
         return time.perf_counter()
 
-    def begin(self, scheduled: Sequence, graph: bool, launched_at: float, start: object):
+    def begin(
+        self,
+        scheduled: Sequence,
+        graph: bool,
+        launched_at: float,
+        start: object,
+        lora: str = "none",
+    ):
         """After the step's work (sampling included) is queued. ``scheduled``: the scheduler's
-        ScheduledSeq list, with each sequence's num_computed already counting this step."""
+        ScheduledSeq list, with each sequence's num_computed already counting this step;
+        ``lora``: the path its LoRA kernels took."""
         tokens = prefill = kv_read = pairs = 0
         rows = {}
         for s in scheduled:
@@ -84,7 +93,7 @@ class StepLog:
                 rows[s.lora_row] = s.seq.adapter_bytes
         record = StepRecord(
             self._count, launched_at, len(scheduled), tokens, prefill, kv_read, tokens, pairs,
-            len(rows), sum(rows.values()), graph,
+            len(rows), sum(rows.values()), graph, lora,
             1e3 * (time.perf_counter() - launched_at),
         )  # fmt: skip
         self._count += 1

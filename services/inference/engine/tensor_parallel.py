@@ -57,7 +57,6 @@ STEP, LOAD, CLEAR, CHECK, STOP = range(1, 6)
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 IDLE_TIMEOUT = timedelta(days=365)
 _REPO = Path(__file__).resolve().parents[3]
-_FUSED = {None: -1, False: 0, True: 1}
 
 
 class WorkerDied(RuntimeError):
@@ -72,14 +71,6 @@ class WorkerLayout(NamedTuple):
     max_loras: int
     slot_capacity: int
     max_len: int
-
-
-def fused_code(fused: bool | None) -> int:
-    return _FUSED[fused]
-
-
-def fused_value(code: int) -> bool | None:
-    return {v: k for k, v in _FUSED.items()}[code]
 
 
 class Group:
@@ -203,9 +194,10 @@ class TensorParallel:
             self.group.header([CLEAR, row])
         self.group.header(fields)
 
-    def send_step(self, batch, fused: bool | None) -> None:
-        """The filled StepBatch to every worker; the forward pass follows on every rank."""
-        self._command([STEP, *map(int, batch.counts), fused_code(fused)])
+    def send_step(self, batch, step) -> None:
+        """The filled StepBatch and its LoRA path (ModelRunner's StepLora) to every worker; the
+        forward pass follows on every rank."""
+        self._command([STEP, *map(int, batch.counts), *step.encode()])
         self.group.host(batch.packed)
 
     def broadcast(self, x: torch.Tensor) -> None:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from services.inference.engine.adapter_copy import write_adapter, write_row
 from services.inference.engine.adapter_manager import new_lora_index
 from services.inference.engine.config import EngineConfig
-from services.inference.engine.model_runner import ModelRunner
+from services.inference.engine.model_runner import ModelRunner, StepLora
 from services.inference.engine.page_pool import PagePool
 from services.inference.engine.pool_sizing import context_window
 from services.inference.engine.tensor_parallel import (
@@ -36,7 +36,6 @@ from services.inference.engine.tensor_parallel import (
     STOP,
     Group,
     WorkerLayout,
-    fused_value,
     index_tensors,
     send_bytes,
 )  # fmt: skip
@@ -83,7 +82,7 @@ class Worker:
                 batch.wait_staging()
                 g.host(batch.packed)
                 batch.adopt((*args[:4], bool(args[4])))
-                self.runner.forward_adopted(fused_value(args[5]))
+                self.runner.forward_adopted(StepLora.decode(args[5], args[6]))
             elif cmd == LOAD:
                 self._load(*args[:4])
             elif cmd == CLEAR:

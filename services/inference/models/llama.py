@@ -63,13 +63,21 @@ class RMSNorm(nn.Module):
 
 class LoraContext:
     """What the LoRA hooks need besides the activations and the step's token -> row addressing
-    (StepBatch.lora_tokens): the resident adapters' index rows, the width of the shrunk
-    activations, and the kernel path of this step (``fused``: the engine sets it per step, None
-    leaves it to the shapes; each call's own path is kernels.lora_paths.decode_call_fused)."""
+    (StepBatch.lora_tokens): the resident adapters' index rows and the engine's max_lora_rank,
+    and what the engine sets per step (ModelRunner): the kernel path (``fused``: None leaves it
+    to the shapes; each call's own path is kernels.lora_paths.decode_call_fused), the rank rows
+    the step's calls are sized for (``rows``: max_rank, or fewer when every adapter of the step
+    fits fewer), and the modules they cover (``modules``: bits, module m = bit m; None: all).
+    A call none of whose modules is covered is not made: no adapter of the step has them."""
 
     def __init__(self, index: LoraIndex, max_rank: int) -> None:
         self.index, self.max_rank = index, max_rank
         self.fused: bool | None = None
+        self.rows = max_rank
+        self.modules: int | None = None
+
+    def covers(self, modules: tuple[int, ...]) -> bool:
+        return self.modules is None or any(self.modules >> m & 1 for m in modules)
 
 
 def linear_lora(
@@ -85,13 +93,10 @@ def linear_lora(
     """x · Wᵀ + b, then each token's LoRA delta added in place on the output slices
     ``modules`` (tokens without an adapter cost the LoRA kernels nothing): [T, d_out]."""
     y = F.linear(x, weight, bias)
-    if lora is not None:
-        # A fused step's adapters all have ranks within FUSED_DECODE_ROWS (the engine's rule):
-        # its calls are sized for them, not for the largest adapter the engine allows.
-        max_rank = min(lora_paths.FUSED_DECODE_ROWS, lora.max_rank) if lora.fused else lora.max_rank
+    if lora is not None and lora.covers(modules):
         kernels.lora_apply(
-            y, x, pool_layer, lora.index, batch.lora_tokens, modules, widths, max_rank,
-            fused=lora_paths.decode_call_fused(lora.fused, x.shape[0], len(modules), max_rank),
+            y, x, pool_layer, lora.index, batch.lora_tokens, modules, widths, lora.rows,
+            fused=lora_paths.decode_call_fused(lora.fused, x.shape[0], len(modules), lora.rows),
         )  # fmt: skip
     return y
 
