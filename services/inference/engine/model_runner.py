@@ -107,8 +107,9 @@ class ModelRunner:
         self.model, self.pool = model, pool
         self.max_lora_rank = max_lora_rank
         self.row_ranks, self.row_modules = row_ranks, row_modules
-        # The shrunk activations are max_lora_rank wide whatever the step holds: a fixed shape
-        # for CUDA graphs; the kernels only compute up to each adapter's own rank.
+        # A step's calls are sized for max_lora_rank rank rows, or fewer where every adapter of
+        # the step fits fewer (FUSED, NARROW): one shape per graph, whatever the step holds;
+        # the kernels only compute up to each adapter's own rank.
         self.lora = LoraContext(lora_index, max_lora_rank)
         self.batch = StepBatch(
             max_tokens=max_num_batched_tokens,
@@ -257,7 +258,6 @@ class ModelRunner:
             with torch.cuda.graph(graph, pool=memory):
                 logits = self._forward(lora)  # [key.seqs, vocab]
             self._graphs[key] = (graph, logits)
-        self._lora_for(LoraMode.SHAPES, None)
         self._decode_sizes = tuple(sorted(set(decode_sizes)))
         self._mixed_sizes = tuple(sorted(set(mixed_sizes)))
         torch.cuda.synchronize()

@@ -63,15 +63,15 @@ class RMSNorm(nn.Module):
 
 class LoraContext:
     """What the LoRA hooks need besides the activations and the step's token -> row addressing
-    (StepBatch.lora_tokens): the resident adapters' index rows and the engine's max_lora_rank,
-    and what the engine sets per step (ModelRunner): the kernel path (``fused``: None leaves it
-    to the shapes; each call's own path is kernels.lora_paths.decode_call_fused), the rank rows
-    the step's calls are sized for (``rows``: max_rank, or fewer when every adapter of the step
-    fits fewer), and the modules they cover (``modules``: bits, module m = bit m; None: all).
-    A call none of whose modules is covered is not made: no adapter of the step has them."""
+    (StepBatch.lora_tokens): the resident adapters' index rows, and what the engine sets per
+    step (ModelRunner): the kernel path (``fused``: None leaves it to the shapes; each call's
+    own path is kernels.lora_paths.decode_call_fused), the rank rows the step's calls are sized
+    for (``rows``: the engine's max_lora_rank, or fewer when every adapter of the step fits
+    fewer), and the modules they cover (``modules``: bits, module m = bit m; None: all). A call
+    none of whose modules is covered is not made: no adapter of the step has them."""
 
     def __init__(self, index: LoraIndex, max_rank: int) -> None:
-        self.index, self.max_rank = index, max_rank
+        self.index = index
         self.fused: bool | None = None
         self.rows = max_rank
         self.modules: int | None = None
