@@ -63,6 +63,9 @@ STEP_CASES = (
     (300, 1000, (512, 512, 512)),
     (16, 100, ()),
     (16, 100, (256,)),
+    # few adapters (n = 5): prefill-sized steps of a few prompts, whether o should fuse there
+    (300, 5, (512, 512, 512)),
+    (0, 5, (1024, 1024)),
 )
 S1_MODULES = (Q, K, V, O)
 LAYERS = 4  # each with its own weights, so one layer's adapters do not stay in L2
