@@ -1,0 +1,136 @@
+"""Whether a small decode step's LoRA calls can hide behind the base GEMMs (CUDA; a question
+for the engine's next design, not what it does now).
+
+At 10 requests/s a decode step holds about 15 sequences, and each layer's S1 LoRA calls (q/k/v
+and o, two launches each) cost their latency, not their bytes: 19.6 µs a layer at 16 tokens
+(bench/results/lora_engine_calls_steps.json), about 1 ms of a 6.4 ms step. They depend only on
+the projection's input, as the base GEMM does, so they could run on a second stream beside the
+GEMM, into a zeroed buffer that is then added to the GEMM's output (by an add here; by the next
+kernel, rope or the residual norm, in an engine that adopted it). This times one Llama-7B
+layer's q/k/v and o projections in a CUDA graph, per layer (4 layers with their own weights),
+for decode batches of rank-8 adapters on distinct rows:
+
+- base: the two GEMMs alone;
+- serial: the GEMMs, each followed by its LoRA call (the engine today);
+- side: each call's LoRA on a second stream (zero, shrink, expand into a buffer) beside its
+  GEMM, joined, then one add;
+- side, no add: the same without the add (what fusing the add into the next kernel could
+  reach).
+
+    python bench/lora_overlap.py [--batches 1 8 16 32 64] [--out bench/results/lora_overlap.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from bench import kernels as kb  # noqa: E402
+from kernels import lora  # noqa: E402
+from kernels.lora_layout import K, O, Q, V  # noqa: E402
+from kernels.lora_ref import make_lora_tokens  # noqa: E402
+
+H = kb.H
+CALLS = (((Q, K, V), (H, H, H)), ((O,), (H,)))  # (modules, output widths), input width H
+LAYERS = 4
+MAX_RANK = 128  # the engine's default max_lora_rank: its two-launch calls are sized for it
+SEGMENTS = 514  # the engine's segment capacity at 512 sequences
+
+
+def case(batch: int, gen: torch.Generator):
+    rows = torch.randperm(4 * batch, generator=gen)[:batch].sort().values.int()
+    lc = kb.build_lora(4 * batch, 8, LAYERS, rows)
+    tokens = make_lora_tokens(lc.rows, capacity=SEGMENTS, modules=(Q, K, V, O))
+    weights = [[torch.randn(sum(w), H, dtype=kb.DT, device=kb.DEV) * 0.02 for _, w in CALLS]
+               for _ in range(LAYERS)]  # fmt: skip
+    xs = [[torch.randn(batch, H, dtype=kb.DT, device=kb.DEV) for _ in CALLS]
+          for _ in range(LAYERS)]  # fmt: skip
+    ys = [[torch.empty(batch, sum(w), dtype=kb.DT, device=kb.DEV) for _, w in CALLS]
+          for _ in range(LAYERS)]  # fmt: skip
+    zs = [[torch.empty_like(y) for y in layer] for layer in ys]
+    ws = torch.empty(lora.workspace_size(batch, 3, MAX_RANK), device=kb.DEV)
+    ws2 = torch.empty_like(ws)  # the side stream's own: the two calls may overlap there
+    return lc, tokens, weights, xs, ys, zs, (ws, ws2)
+
+
+def variants(batch: int, gen: torch.Generator) -> dict:
+    lc, tokens, weights, xs, ys, zs, (ws, ws2) = case(batch, gen)
+    side = torch.cuda.Stream()
+
+    def apply(y, x, layer, c, workspace):
+        mods, widths = CALLS[c]
+        lora.lora_apply(y, x, lc.pool[layer], lc.index, tokens, mods, widths, MAX_RANK,
+                        workspace=workspace, fused=False)  # fmt: skip
+
+    def base():
+        for layer in range(LAYERS):
+            for c in range(len(CALLS)):
+                torch.mm(xs[layer][c], weights[layer][c].t(), out=ys[layer][c])
+
+    def serial():
+        for layer in range(LAYERS):
+            for c in range(len(CALLS)):
+                torch.mm(xs[layer][c], weights[layer][c].t(), out=ys[layer][c])
+                apply(ys[layer][c], xs[layer][c], layer, c, ws)
+
+    def overlapped(add: bool):
+        def fn():
+            main = torch.cuda.current_stream()
+            for layer in range(LAYERS):
+                for c in range(len(CALLS)):
+                    side.wait_stream(main)  # x is ready
+                    with torch.cuda.stream(side):
+                        zs[layer][c].zero_()
+                        apply(zs[layer][c], xs[layer][c], layer, c, ws2)
+                    torch.mm(xs[layer][c], weights[layer][c].t(), out=ys[layer][c])
+                    main.wait_stream(side)
+                    if add:
+                        ys[layer][c].add_(zs[layer][c])
+
+        return fn
+
+    fns = {"base": base, "serial": serial, "side": overlapped(True),
+           "side, no add": overlapped(False)}  # fmt: skip
+    # The overlapped result equals the serial one (up to the rounding of one add).
+    serial()
+    want = [y.clone() for layer in ys for y in layer]
+    overlapped(True)()
+    torch.cuda.synchronize()
+    for got, w in zip((y for layer in ys for y in layer), want, strict=True):
+        torch.testing.assert_close(got, w, rtol=2e-2, atol=2e-2)
+    return {name: kb.timed(fn, LAYERS, eager=False).graph_us for name, fn in fns.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32, 64])
+    ap.add_argument("--out", type=Path, default=REPO / "bench/results/lora_overlap.json")
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    print(f"{'batch':>5} {'base':>7} {'serial':>7} {'side':>7} {'no add':>7}  (µs a layer)")
+    for batch in args.batches:
+        t = variants(batch, gen)
+        rows.append({"batch": batch, **{k: round(v, 2) for k, v in t.items()}})
+        print(f"{batch:>5} {t['base']:>7.1f} {t['serial']:>7.1f} {t['side']:>7.1f} "
+              f"{t['side, no add']:>7.1f}", flush=True)  # fmt: skip
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                            capture_output=True, text=True).stdout.strip()  # fmt: skip
+    args.out.write_text(json.dumps({
+        "benchmark": "one layer's q/k/v and o GEMMs with S1 LoRA calls: serial or on a side stream",
+        "command": "python bench/lora_overlap.py " + " ".join(sys.argv[1:]),
+        "commit": commit, "gpu": torch.cuda.get_device_name(), "rows": rows,
+    }, indent=1) + "\n")  # fmt: skip
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
