@@ -104,7 +104,7 @@ class ServiceConfig:
             host, sep, port = self.adapter_store.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"--adapter-store must be HOST:PORT, got {self.adapter_store!r}")
-        for name in ("max_lora_rank", "tensor_parallel_size", *_LIMITS):
+        for name in ("max_lora_rank", "tensor_parallel_size", "fair_prefill_tokens", *_LIMITS):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
         optional = (
@@ -142,9 +142,6 @@ class ServiceConfig:
                 raise ValueError(f"--{_flag(name)} must be positive, got {value}")
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"--scheduling must be one of {SCHEDULING}, got {self.scheduling!r}")
-        tokens = self.fair_prefill_tokens
-        if not isinstance(tokens, int) or tokens <= 0:
-            raise ValueError(f"--fair-prefill-tokens must be a positive integer, got {tokens!r}")
 
     @property
     def address(self) -> str:

@@ -172,21 +172,24 @@ class ModelRunner:
         return lora_paths.decode_prefers_fused(size, size, lora_paths.FUSED_DECODE_ROWS)
 
     def prefers_fused(self, entries: Sequence[BatchEntry]) -> bool | None:
-        """The step's LoRA path: None (the shapes decide) for prefill-sized steps, else
-        kernels.lora_paths.decode_prefers_fused over the step's adapter tokens."""
-        if sum(len(e.token_ids) for e in entries) > lora_paths.FUSED_MAX_TOKENS:
-            return None
-        distinct = {e.lora_row for e in entries if e.lora_row is not None}
-        if not distinct:
-            return False
-        tokens = sum(len(e.token_ids) for e in entries if e.lora_row is not None)
-        rank = max(self.row_ranks[r] for r in distinct)
-        return lora_paths.decode_prefers_fused(tokens, len(distinct), rank)
+        """Whether the step's calls take the fused kernel: True or False for decode-sized steps
+        with adapters (kernels.lora_paths.decode_prefers_fused), None otherwise (step_lora)."""
+        return self.step_lora(entries).mode.fused
 
     def step_lora(self, entries: Sequence[BatchEntry]) -> StepLora:
-        """The step's LoRA path (prefers_fused; for a prefill-sized step, NARROW when every
-        adapter of it fits FUSED_PREFILL_MAX_ROWS: lora_paths.prefill_step_rows) and modules."""
-        rows = {e.lora_row for e in entries if e.lora_row is not None}
+        """The step's LoRA path and modules, from one pass over its entries: for a decode-sized
+        step (up to FUSED_MAX_TOKENS tokens) fused or two launches by
+        lora_paths.decode_prefers_fused over its adapter tokens; for a prefill-sized one NARROW
+        when every adapter of it fits FUSED_PREFILL_MAX_ROWS (lora_paths.prefill_step_rows),
+        else the shapes' choice at max_lora_rank."""
+        tokens = adapter_tokens = 0
+        rows = set()
+        for e in entries:
+            n = len(e.token_ids)
+            tokens += n
+            if e.lora_row is not None:
+                adapter_tokens += n
+                rows.add(e.lora_row)
         if not rows:
             return StepLora(LoraMode.NONE, None)
         modules = None
@@ -194,11 +197,10 @@ class ModelRunner:
             modules = 0
             for r in rows:
                 modules |= self.row_modules[r]
-        fused = self.prefers_fused(entries)
-        if fused is not None:
-            return StepLora(LoraMode.FUSED if fused else LoraMode.TWO, modules)
         rank = max(self.row_ranks[r] for r in rows)
-        tokens = sum(len(e.token_ids) for e in entries)
+        if tokens <= lora_paths.FUSED_MAX_TOKENS:
+            fused = lora_paths.decode_prefers_fused(adapter_tokens, len(rows), rank)
+            return StepLora(LoraMode.FUSED if fused else LoraMode.TWO, modules)
         if self._narrows(tokens) and lora_paths.prefill_step_rows(rank) is not None:
             return StepLora(LoraMode.NARROW, modules)
         return StepLora(LoraMode.SHAPES, modules)
@@ -208,7 +210,7 @@ class ModelRunner:
         if mode is LoraMode.NONE:
             return None
         rows = self.max_lora_rank
-        if mode is LoraMode.FUSED:  # its adapters all fit FUSED_DECODE_ROWS (prefers_fused)
+        if mode is LoraMode.FUSED:  # its adapters all fit FUSED_DECODE_ROWS (step_lora)
             rows = min(lora_paths.FUSED_DECODE_ROWS, rows)
         elif mode is LoraMode.NARROW:  # they all fit FUSED_PREFILL_MAX_ROWS (step_lora)
             rows = min(lora_paths.FUSED_PREFILL_MAX_ROWS, rows)
