@@ -86,16 +86,19 @@ def decode_prefers_fused(adapter_tokens: int, distinct: int, step_rank: int) -> 
 
 def prefill_step_rows(step_rank: int) -> int | None:
     """The max_rank a prefill-sized step (over FUSED_MAX_TOKENS tokens) makes its calls with:
-    FUSED_PREFILL_MAX_ROWS when every adapter of the step fits it, so that its calls of several
-    slices take the fused kernel (shapes_prefer_fused); None when one does not (the engine's
-    max_lora_rank: two launches). ``step_rank``: the step's largest adapter rank.
+    FUSED_PREFILL_MAX_ROWS when every adapter of the step fits it, and then every call of the
+    step takes the fused kernel (the engine passes fused=True: decode_call_fused fuses its
+    single-slice calls too, from 256 tokens); None when one does not (the engine's
+    max_lora_rank, each call's shapes pick). ``step_rank``: the step's largest adapter rank.
 
     H200, one layer's S1 q/k/v and o calls in a CUDA graph with the masked MLP calls beside them,
-    mixed steps of the n = 1000 serving trace (bench/results/lora_engine_calls_steps.json): 400
-    decode tokens on 331 adapters beside four 400-token prompts, 364.0 µs at max_rank 128 (two
-    launches) against 244.8 at 16 rows (q/k/v fused); 300 decode tokens beside three 512-token
-    prompts, 313.3 against 225.7; 400 beside three 200-token prompts (1000 tokens), 194.5
-    against 195.7."""
+    the serving trace's mixed steps (bench/results/lora_engine_calls_steps.json at c7d24b0), at
+    max_rank 128 (two launches; the engine's default) / 16 rows with the shapes' choice (q/k/v
+    fused, o two launches) / 16 rows, all fused: 400 decode tokens on 331 adapters beside four
+    400-token prompts 364.0 / 244.8 / 203.1 µs; 300 decode tokens on 266 beside three 512-token
+    prompts 314.2 / 226.8 / 192.8; the same on 5 adapters 116.6 / 101.6 / 102.5; two 1024-token
+    prompts of 2 adapters 122.5 / 103.5 / 103.9; 400 decode tokens beside three 200-token
+    prompts (1000 tokens, 326 adapters) 195.6 / 196.7 / 195.6."""
     if fused_rank_rows(step_rank) <= FUSED_PREFILL_MAX_ROWS:
         return FUSED_PREFILL_MAX_ROWS
     return None

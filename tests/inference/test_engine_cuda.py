@@ -88,21 +88,28 @@ def test_cuda_fused_decode_path_matches_hf_peft(tiny_models, monkeypatch, single
 
 def test_cuda_narrow_mixed_steps_match_hf_peft(tiny_models, monkeypatch):
     """Mixed steps sized for FUSED_PREFILL_MAX_ROWS rank rows (NARROW: every adapter of the step
-    fits them; q/k/v and gate/up fused), with the prefill-sized threshold lowered so that the
-    parity run's mixed steps count as prefill-sized, in an engine sized for rank 64; steps of
-    the rank-32 adapter keep the engine's rows. Every step against HF + PEFT."""
+    fits them; every call fused), with the prefill-sized threshold lowered so that the parity
+    run's mixed steps count as prefill-sized and the single-slice threshold so that their o and
+    down calls fuse at these sizes too, in an engine sized for rank 64; steps of the rank-32
+    adapter keep the engine's rows. Every step against HF + PEFT."""
     monkeypatch.setattr(lora_paths, "FUSED_MAX_TOKENS", 16)
+    monkeypatch.setattr(lora_paths, "FUSED_SINGLE_SLICE_MIN_ROWS", 16)
     run = _mixed_run(tiny_models, "tiny-llama", "float32", max_lora_rank=64)
     core = run[3]
     assert core.runner.narrow_graph_sizes
     paths = {(r.graph, r.lora) for r in core.step_log.recent}
-    assert (True, "by shapes, narrow") in paths and (True, "by shapes") in paths
+    assert (True, "fused, narrow") in paths and (True, "by shapes") in paths
     assert_matches_hf(tiny_models, "tiny-llama", *run[:3])
 
 
-def test_cuda_attention_only_decode_graphs_match_hf_peft(tiny_models):
+@pytest.mark.parametrize("fused", [False, True], ids=["two-launches", "fused"])
+def test_cuda_attention_only_decode_graphs_match_hf_peft(tiny_models, monkeypatch, fused):
     """Decode steps whose adapters adapt attention only (r4: q and v; r8: q/k/v/o), beside the
-    base model, replay the graphs without MLP LoRA calls; every token against HF + PEFT."""
+    base model, replay the graphs without MLP LoRA calls, of two launches or ("fused", the
+    threshold lowered so that the parity run's distinct adapters take it) of the fused kernel;
+    every token against HF + PEFT."""
+    if fused:
+        monkeypatch.setattr(lora_paths, "FUSED_DECODE_MIN_ROWS", 16)  # one adapter token
     model_dir = tiny_models.model("tiny-llama")
     recorder = Recorder()
     core = make_core(model_dir, recorder, device="cuda", dtype="float32",
@@ -113,6 +120,7 @@ def test_cuda_attention_only_decode_graphs_match_hf_peft(tiny_models):
                 if n in (None, "r4", "r8")]  # fmt: skip
     results = run(core, {0: [r for r, _ in requests]}, recorder)
     assert core.runner.attention_graph_sizes and core.runner.attention_steps > 0
+    assert (core.runner.fused_steps > 0) == fused
     core.check_integrity()
     assert_matches_hf(tiny_models, "tiny-llama", model_dir, requests, results)
 

@@ -85,12 +85,14 @@ def test_runner_prefers_fused_for_many_distinct_adapters(core, monkeypatch):
     chunk = BatchEntry(tuple(range(30)), 0, tuple(range(8)), r16, False)
     assert not prefers([*_decode([r16, free[1]]), chunk])
     prefill = [BatchEntry(tuple(range(600)), 0, tuple(range(150)), r16, True)]
-    assert prefers(prefill) is None  # prefill-sized: the shapes decide
+    assert prefers(prefill) is True  # prefill-sized, every adapter within 16 rows: NARROW
+    prefill.append(BatchEntry((1,), 4, (8,), r32, True))
+    assert prefers(prefill) is None  # prefill-sized with a rank-32 adapter: the shapes decide
 
 
 def test_prefill_sized_steps_are_sized_for_their_adapters_ranks(core):
     """A prefill-sized step whose adapters all fit FUSED_PREFILL_MAX_ROWS (16) rank rows makes
-    its calls with that many (NARROW: its calls of several slices fuse), whatever the engine's
+    its calls with that many (NARROW: every call fused), whatever the engine's
     max_lora_rank (32 here); one with a larger adapter keeps the engine's. A step's modules are
     those of its adapters."""
     r32, r16 = _load(core, "r32"), _load(core, "r16")
@@ -109,8 +111,8 @@ def test_prefill_sized_steps_are_sized_for_their_adapters_ranks(core):
     # The context each path's calls are made with.
     assert lora_for(LoraMode.NONE, None) is None
     assert lora_for(LoraMode.NARROW, modules[r16]).rows == lora_paths.FUSED_PREFILL_MAX_ROWS
-    assert core.runner.lora.modules == modules[r16] and core.runner.lora.fused is None
-    assert lora_for(LoraMode.SHAPES, None).rows == 32
+    assert core.runner.lora.modules == modules[r16] and core.runner.lora.fused is True
+    assert lora_for(LoraMode.SHAPES, None).rows == 32 and core.runner.lora.fused is None
     assert lora_for(LoraMode.FUSED, None).rows == lora_paths.FUSED_DECODE_ROWS
     assert core.runner.lora.fused is True
     assert lora_for(LoraMode.TWO, None).rows == 32 and core.runner.lora.fused is False

@@ -58,7 +58,8 @@ def test_each_step_finds_its_graph(tiny_models):
     core = make_core(tiny_models.model("tiny-llama"), max_num_seqs=8, max_num_batched_tokens=32)
     runner = core.runner
     graphs = [GraphKey(n, n, mode) for n in (4, 8) for mode in (LoraMode.NONE, LoraMode.TWO)]
-    graphs += [GraphKey(8, 8, LoraMode.FUSED), GraphKey(4, 4, LoraMode.TWO, ATTENTION)]
+    graphs += [GraphKey(8, 8, LoraMode.FUSED), GraphKey(4, 4, LoraMode.TWO, ATTENTION),
+               GraphKey(8, 8, LoraMode.FUSED, ATTENTION)]  # fmt: skip
     graphs += [GraphKey(n, min(8, n - 1), mode) for n in (16, 32)
                for mode in (LoraMode.NONE, LoraMode.SHAPES)]  # fmt: skip
     graphs += [GraphKey(32, 8, LoraMode.NARROW)]
@@ -87,6 +88,8 @@ def test_each_step_finds_its_graph(tiny_models):
     assert pick(decode(3, row=0), two, q_v | gate) == GraphKey(4, 4, two)
     assert pick(decode(3, row=0), two, None) == GraphKey(4, 4, two)
     assert pick(decode(6, row=0), two, q_v) == GraphKey(8, 8, two)  # none at 8
+    assert pick(decode(6, row=0), fused, q_v) == GraphKey(8, 8, fused, ATTENTION)
+    assert pick(decode(6, row=0), fused, q_v | gate) == GraphKey(8, 8, fused)
     assert pick(decode(9), none) is None  # more sequences than any graph
     assert pick([*decode(2), chunk(9)], none) == GraphKey(16, 8, none)
     assert pick([*decode(2, row=1), chunk(9)], two, q_v) == GraphKey(16, 8, shapes)

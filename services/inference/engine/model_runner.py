@@ -51,16 +51,16 @@ class LoraMode(enum.Enum):
     TWO = "two launches"  # decode-sized: shrink, then expand
     FUSED = "fused"  # decode-sized, mostly distinct adapters: the one-launch kernel
     SHAPES = "by shapes"  # mixed steps: each call's shapes pick
-    # prefill-sized steps whose adapters all fit FUSED_PREFILL_MAX_ROWS rank rows: each call's
-    # shapes pick, for calls sized for those rows (q/k/v and gate/up fuse)
-    NARROW = "by shapes, narrow"
+    # prefill-sized steps whose adapters all fit FUSED_PREFILL_MAX_ROWS rank rows: every call
+    # on the fused kernel, sized for those rows (kernels.lora_paths.prefill_step_rows)
+    NARROW = "fused, narrow"
 
     @property
     def fused(self) -> bool | None:
-        return {LoraMode.TWO: False, LoraMode.FUSED: True}.get(self)
+        return {LoraMode.TWO: False, LoraMode.FUSED: True, LoraMode.NARROW: True}.get(self)
 
 
-# The attention projections' modules as bits (LoraContext.modules): the module set of the small
+# The attention projections' modules as bits (LoraContext.modules): the module set of the
 # decode graphs without MLP calls.
 ATTENTION = sum(1 << m for m in (Q, K, V, O))
 
@@ -129,7 +129,7 @@ class ModelRunner:
         self._max_seqs = max_num_seqs
         self.graph_steps = 0  # steps served by a graph replay
         self.last_graph = False  # whether the latest step replayed one
-        self.fused_steps = 0  # steps whose LoRA path was the fused one (CUDA only runs it)
+        self.fused_steps = 0  # decode steps whose LoRA path was the fused one (CUDA runs it)
         self.attention_steps = 0  # steps replayed on a graph without MLP LoRA calls
         self.last_lora = LoraMode.NONE  # the latest step's LoRA path (the step log's "lora")
         # Under tensor parallelism, this rank's end of the group (engine/tensor_parallel.py):
@@ -159,7 +159,7 @@ class ModelRunner:
     @property
     def attention_graph_sizes(self) -> tuple[int, ...]:
         """Decode batch sizes with a graph whose LoRA calls cover the attention modules only."""
-        return tuple(sorted(k.tokens for k in self._graphs if k.modules == ATTENTION))
+        return tuple(sorted({k.tokens for k in self._graphs if k.modules == ATTENTION}))
 
     def _narrows(self, tokens: int) -> bool:
         """Whether a mixed step of ``tokens`` tokens may be sized for fewer rank rows than the
@@ -173,15 +173,16 @@ class ModelRunner:
 
     def prefers_fused(self, entries: Sequence[BatchEntry]) -> bool | None:
         """Whether the step's calls take the fused kernel: True or False for decode-sized steps
-        with adapters (kernels.lora_paths.decode_prefers_fused), None otherwise (step_lora)."""
+        with adapters (kernels.lora_paths.decode_prefers_fused), True for NARROW prefill-sized
+        ones, None otherwise: the shapes pick (step_lora)."""
         return self.step_lora(entries).mode.fused
 
     def step_lora(self, entries: Sequence[BatchEntry]) -> StepLora:
         """The step's LoRA path and modules, from one pass over its entries: for a decode-sized
         step (up to FUSED_MAX_TOKENS tokens) fused or two launches by
         lora_paths.decode_prefers_fused over its adapter tokens; for a prefill-sized one NARROW
-        when every adapter of it fits FUSED_PREFILL_MAX_ROWS (lora_paths.prefill_step_rows),
-        else the shapes' choice at max_lora_rank."""
+        when every adapter of it fits FUSED_PREFILL_MAX_ROWS (lora_paths.prefill_step_rows:
+        every call fused, sized for those rows), else the shapes' choice at max_lora_rank."""
         tokens = adapter_tokens = 0
         rows = set()
         for e in entries:
@@ -236,11 +237,10 @@ class ModelRunner:
         side = torch.cuda.Stream()
         keys = []
         for size in decode_sizes:
-            keys += [GraphKey(size, size, LoraMode.NONE), GraphKey(size, size, LoraMode.TWO)]
-            if self._fusable(size):
-                keys.append(GraphKey(size, size, LoraMode.FUSED))
-            else:  # small: without the MLP calls too
-                keys.append(GraphKey(size, size, LoraMode.TWO, ATTENTION))
+            keys.append(GraphKey(size, size, LoraMode.NONE))
+            modes = (LoraMode.TWO, LoraMode.FUSED) if self._fusable(size) else (LoraMode.TWO,)
+            for mode in modes:  # each also without the MLP calls
+                keys += [GraphKey(size, size, mode), GraphKey(size, size, mode, ATTENTION)]
         for tokens in mixed_sizes:
             seqs = self.mixed_seqs(tokens)
             keys += [GraphKey(tokens, seqs, LoraMode.NONE), GraphKey(tokens, seqs, LoraMode.SHAPES)]
@@ -250,12 +250,15 @@ class ModelRunner:
         for key in sorted(keys, key=lambda k: (k.tokens, k.seqs), reverse=True):
             self._fill_for(key, [self._pad])
             lora = self._lora_for(key.lora, key.modules)
-            if key not in warmed:  # compiles kernels, settles the allocator
+            # An eager run first compiles the kernels and settles the allocator; a graph of
+            # fewer modules launches a subset of its full graph's kernels (captured before it:
+            # the sort keeps the order of keys), so that graph's run serves it too.
+            if key[:3] not in warmed:
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     self._forward(lora)
                 torch.cuda.current_stream().wait_stream(side)
-                warmed.add(key)
+                warmed.add(key[:3])
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=memory):
                 logits = self._forward(lora)  # [key.seqs, vocab]
@@ -265,11 +268,10 @@ class ModelRunner:
         torch.cuda.synchronize()
         log.info(
             "captured %d CUDA graphs in %.1f s: decode steps of %s sequences (with fused LoRA "
-            "kernels from %s, without MLP LoRA calls up to %s), mixed steps of %s tokens (sized "
-            "for %d rank rows from %s)",
+            "kernels from %s; each LoRA graph also without MLP LoRA calls), mixed steps of %s "
+            "tokens (sized for %d rank rows from %s)",
             len(self._graphs), time.perf_counter() - start, list(self._decode_sizes),
-            min(self.fused_graph_sizes, default=None),
-            max(self.attention_graph_sizes, default=None), list(self._mixed_sizes),
+            min(self.fused_graph_sizes, default=None), list(self._mixed_sizes),
             lora_paths.FUSED_PREFILL_MAX_ROWS, min(self.narrow_graph_sizes, default=None),
         )  # fmt: skip
 
