@@ -50,6 +50,7 @@ class ServiceConfig:
     host_cache_mb: int | None = None
     store_timeout_s: float = 10.0  # deadline of a store lookup (GetAdapter)
     fetch_timeout_s: float = 120.0  # deadline of one adapter fetch
+    max_fetches: int = 8  # adapters streamed from the store at once; the rest wait in order
     shutdown_grace_s: float = 5.0  # in-flight streams may finish within this after SIGTERM
     log_level: str = "INFO"
     engine: str = "process"  # where the step loop runs: its own process, or a thread here
@@ -104,7 +105,8 @@ class ServiceConfig:
             host, sep, port = self.adapter_store.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"--adapter-store must be HOST:PORT, got {self.adapter_store!r}")
-        for name in ("max_lora_rank", "tensor_parallel_size", "fair_prefill_tokens", *_LIMITS):
+        for name in ("max_lora_rank", "tensor_parallel_size", "fair_prefill_tokens",
+                     "max_fetches", *_LIMITS):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
         optional = (
@@ -230,6 +232,7 @@ _TYPES = {
     "host_cache_mb": int,
     "store_timeout_s": float,
     "fetch_timeout_s": float,
+    "max_fetches": int,
     "shutdown_grace_s": float,
     **dict.fromkeys(_LIMITS, int),
     **dict.fromkeys(_FILES, Path),
@@ -264,7 +267,11 @@ _HELP = {
     "host_cache_mb": "host cache for adapters in MiB, pinned on CUDA (default: from memory, "
     "25%% of the host's memory or of its cgroup's limit if lower, 1 to 64 GiB)",
     "store_timeout_s": "deadline in seconds of an adapter lookup in the store (default 10)",
-    "fetch_timeout_s": "deadline in seconds of one adapter download (default 120)",
+    "fetch_timeout_s": "deadline in seconds of one adapter download (default 120; a download "
+    "waiting for its turn is not counted)",
+    "max_fetches": "adapters downloaded from the store at once (default 8); the others wait, "
+    "first come first served, so a burst of cold adapters arrives one after another rather "
+    "than all at the end",
     "shutdown_grace_s": "seconds in-flight streams may finish after SIGTERM (default 5)",
     "log_level": "DEBUG, INFO, WARNING or ERROR (also LORAFLEET_LOG_LEVEL)",
     "engine": "where the engine's step loop runs: 'process' (default: its own process, so no "

@@ -164,7 +164,9 @@ class InferenceServer:
                 cfg.adapter_store, cfg.adapter_store_token_file,
                 cfg.adapter_store_ca, cfg.adapter_store_cert, cfg.adapter_store_key,
             )  # fmt: skip
-            self._store = StoreClient(access, cache, cfg.store_timeout_s, cfg.fetch_timeout_s)
+            self._store = StoreClient(
+                access, cache, cfg.store_timeout_s, cfg.fetch_timeout_s, cfg.max_fetches
+            )
         metrics = ServiceMetrics()
         self.engine.add_load_listener(lambda _key, seconds: metrics.observe_load("copy", seconds))
         registry = AdapterRegistry(

@@ -9,6 +9,14 @@ single-flight: concurrent callers for one adapter version share one stream, and 
 to completion even if every caller went away (the bytes stay cached). A caller may have the
 entry held for it (``hold``): the hold is taken as the entry is cached, before any other fetch
 could evict it.
+At most ``max_fetches`` fetches stream at once; the others wait for a slot, first come first
+served, and a fetch's deadline counts its own transfer only. Streamed together, the adapters a
+burst of requests wants share the worker's and the store's bandwidth, so each lands late: the
+saturating trace with 1000 adapters fetched 572 at once, which landed with median 12.0 s, the
+last at 17.2 s. A few at a time they land in turn, the first after about one adapter's
+transfer, and as many bytes move (bench/fetch_burst.py, 256 rank-8 Llama-7B adapters at once
+on the 16-core H200 host: median landing 2.44-2.51 s all at once, 1.87-2.19 s eight at a time,
+at 920-955 against 1036-1134 MB/s; on 2 cores 4.80-6.59 s against 3.45-3.61 s).
 When the host cache has no room for the size the AdapterInfo announces, the stream is dropped,
 the fetch waits in the cache's queue until room is released (host_cache.py), and it asks again
 with the block reserved; it leaves the queue once every caller went away.
@@ -63,6 +71,7 @@ class _Flight:
     holders: int = 0  # callers the entry is held for once cached
     held: bool = False  # the entry is cached, held once per holder
     waiting_for_room: bool = False  # queued in the host cache, not streaming
+    waiting_for_slot: bool = False  # queued for one of the streams (max_fetches)
 
 
 class AdapterEvent(NamedTuple):
@@ -102,13 +111,20 @@ class StoreClient:
         cache: HostCache,
         lookup_timeout: float,
         fetch_timeout: float,
+        max_fetches: int = 8,
     ) -> None:
-        """``target``: HOST:PORT, or a StoreAccess with the token and TLS to use."""
+        """``target``: HOST:PORT, or a StoreAccess with the token and TLS to use;
+        ``max_fetches``: adapters streamed at once (the rest wait, in order)."""
+        if max_fetches < 1:
+            raise ValueError(f"max_fetches must be at least 1, got {max_fetches}")
         access = target if isinstance(target, StoreAccess) else StoreAccess(target)
         self.target = access.target
         self._cache = cache
         self._lookup_timeout = lookup_timeout
         self._fetch_timeout = fetch_timeout
+        self.max_fetches = max_fetches
+        self._slots = asyncio.Semaphore(max_fetches)
+        self.streaming = 0  # fetches streaming now (at most max_fetches)
         # Lookups and the watch; fetches have the worker's own channel. Every call carries
         # the service's token (store_access.py), read again when its file changes.
         self._token = access.token()
@@ -173,9 +189,9 @@ class StoreClient:
             elif not flight.task.done():
                 flight.callers -= 1
                 flight.holders -= hold
-                if not flight.callers and flight.waiting_for_room:
-                    # Nobody waits for it any more: it leaves the cache's queue (and is
-                    # forgotten now, so that a new caller starts a fetch of its own).
+                if not flight.callers and (flight.waiting_for_room or flight.waiting_for_slot):
+                    # Nobody waits for it any more: it leaves the cache's or the slots' queue
+                    # (and is forgotten now, so that a new caller starts a fetch of its own).
                     self._landed(key, flight)
                     flight.task.cancel()
             raise
@@ -200,7 +216,13 @@ class StoreClient:
 
         try:
             while True:
+                flight.waiting_for_slot = True
+                try:
+                    await self._slots.acquire()
+                finally:
+                    flight.waiting_for_slot = False
                 start = time.perf_counter()
+                self.streaming += 1
                 try:
                     info, block, verdict = await self._worker.fetch(
                         key.adapter_id, key.version, self._fetch_timeout, reserve,
@@ -209,15 +231,19 @@ class StoreClient:
                     break
                 except FetchFailed as exc:
                     raise _fetch_error(exc, what) from None
-                except HostCacheBusy as busy:
-                    log.info("%s waits for room in the host cache: %s", what, busy)
-                    flight.waiting_for_room = True
-                    try:
-                        ready = await self._cache.reserve_when_free(busy.nbytes)
-                    finally:
-                        flight.waiting_for_room = False
-                    log.info("%s: room in the host cache after %.3f s", what,
-                             time.perf_counter() - start)  # fmt: skip
+                except HostCacheBusy as exc:
+                    busy = exc  # the slot goes to the next fetch while this one waits for room
+                finally:
+                    self.streaming -= 1
+                    self._slots.release()
+                log.info("%s waits for room in the host cache: %s", what, busy)
+                flight.waiting_for_room = True
+                try:
+                    ready = await self._cache.reserve_when_free(busy.nbytes)
+                finally:
+                    flight.waiting_for_room = False
+                log.info("%s: room in the host cache after %.3f s", what,
+                         time.perf_counter() - start)  # fmt: skip
         finally:
             if ready is not None:  # the stream failed before it announced the adapter
                 self._cache.discard(ready)

@@ -43,6 +43,7 @@ class Script:
         self.config_json = "{}"
         self.started = asyncio.Event()
         self.release = asyncio.Event()
+        self.requested: list[str] = []  # each FetchAdapter's adapter_id, as it arrived
 
 
 def _info(size: int, config_json: str) -> pb.FetchAdapterResponse:
@@ -74,6 +75,7 @@ async def server():
     srv = grpc.aio.server()
 
     async def fetch(request, context):
+        script.requested.append(request.adapter_id)
         async for message in _serve(script, request, context):
             yield message
 
@@ -134,6 +136,42 @@ async def test_bytes_land_in_the_shared_arena(server):
         _no_leak(cache)
     finally:
         await client.close()
+
+
+async def test_fetches_beyond_the_slots_wait_in_order_and_may_leave(server):
+    """With one slot, a second and a third adapter wait while the first streams (paused
+    mid-body by the server); the third's only caller gives up and it leaves the queue unasked;
+    once the first ends, the second streams, whole, and nothing is left reserved."""
+    script, address = server
+    script.steps = PAUSED
+    cache = HostCache(HostArena(200 * ALIGN, pin=False))
+    client = StoreClient(address, cache, lookup_timeout=5, fetch_timeout=10, max_fetches=1)
+    try:
+        first = asyncio.create_task(client.fetch(AdapterKey("x", 1)))
+        await asyncio.wait_for(script.started.wait(), 10)
+        second = asyncio.create_task(client.fetch(AdapterKey("y", 1)))
+        third = asyncio.create_task(client.fetch(AdapterKey("z", 1)))
+        await asyncio.sleep(0.3)
+        assert script.requested == ["x"] and client.streaming == 1
+        assert all(client._inflight[AdapterKey(k, 1)].waiting_for_slot for k in "yz")
+        third.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await third
+        assert AdapterKey("z", 1) not in client._inflight
+        script.release.set()
+        entries = await asyncio.wait_for(asyncio.gather(first, second), 10)
+        assert script.requested == ["x", "y"] and client.streaming == 0
+        assert all(bytes(cache.arena.view(e.block)) == BODY for e in entries)
+        assert client.fetch_latency.summary().count == 2
+        _no_leak(cache)
+    finally:
+        await client.close()
+
+
+def test_at_least_one_fetch_slot():
+    cache = HostCache(HostArena(8 * ALIGN, pin=False))
+    with pytest.raises(ValueError, match="max_fetches must be at least 1"):
+        StoreClient("127.0.0.1:1", cache, lookup_timeout=5, fetch_timeout=10, max_fetches=0)
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,8 @@ def test_flags_win_over_environment_and_defaults_fill_the_rest():
     assert cfg.model == Path("/models/env") and cfg.port == 7000 and cfg.device == "cpu"
     assert cfg.host_cache_bytes == 32 << 20 and cfg.adapter_store == "store:50051"
     assert cfg.log_level == "DEBUG" and cfg.metrics_port is None and cfg.max_queue is None
+    assert cfg.max_fetches == 8
+    assert ServiceConfig.from_args(["--max-fetches", "2"], environ=env).max_fetches == 2
     own = {**env, "LORAFLEET_INFERENCE_ADAPTER_STORE": "mine:1"}
     assert ServiceConfig.from_args([], environ=own).adapter_store == "mine:1"
 
@@ -51,6 +53,7 @@ def test_engine_config_follows_the_service_config():
         (["--model", "m", "--fetch-timeout-s", "0"], "--fetch-timeout-s"),
         (["--model", "m", "--log-level", "chatty"], "--log-level"),
         (["--model", "m", "--fair-prefill-tokens", "0"], "--fair-prefill-tokens"),
+        (["--model", "m", "--max-fetches", "0"], "--max-fetches"),
     ],
 )
 def test_bad_settings_exit_with_a_message_naming_them(argv, fragment, capsys):

@@ -1,0 +1,128 @@
+"""A burst of cold adapters: when each lands in the host cache, by how many stream at once.
+
+The saturating trace with 1000 adapters wants several hundred cold adapters in its first
+second. The inference service fetches them through its StoreClient (one fetch worker process,
+single-flight per adapter, --max-fetches streams at once, the rest waiting first come first
+served). Streamed all at once they share the store's and the worker's bandwidth and each lands
+near the end of the whole burst; a few at a time they land one after another, the first after
+about one adapter's transfer, as long as enough stream at once to keep the bandwidth used.
+
+This starts the adapter store (local backend, as bench/serving.py runs it) on --store-dir,
+uploads --adapters S1 adapters of the --shape (rank 8, q/k/v/o: 16.8 MB for Llama-7B), then
+for each --slots value (0: all at once) asks a fresh StoreClient and host cache for every
+adapter at once, in order, and records when each lands. Prints a table and writes JSON.
+
+    python bench/fetch_burst.py [--adapters 256] [--slots 0 4 8 16 32 64] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.bench_services import free_port, wait_serving  # noqa: E402
+from bench.serving import upload  # noqa: E402
+from services.inference.arena import HostArena  # noqa: E402
+from services.inference.engine.api import AdapterKey  # noqa: E402
+from services.inference.host_cache import HostCache  # noqa: E402
+from services.inference.store_client import StoreClient  # noqa: E402
+
+
+async def burst(address: str, names: list[str], warm: str, slots: int, arena_bytes: int) -> dict:
+    """Fetch every adapter of ``names`` at once, asked in order, after ``warm`` alone (which
+    starts the fetch worker); seconds from the start to each landing."""
+    cache = HostCache(HostArena(arena_bytes, pin=False))
+    client = StoreClient(address, cache, lookup_timeout=30, fetch_timeout=600,
+                         max_fetches=slots or len(names))  # fmt: skip
+    try:
+        await client.fetch(AdapterKey(warm, 1))
+        start = time.perf_counter()
+
+        async def one(name: str) -> tuple[float, int]:
+            entry = await client.fetch(AdapterKey(name, 1))
+            return time.perf_counter() - start, entry.block.size
+
+        landed = await asyncio.gather(*(one(n) for n in names))
+    finally:
+        await client.close()
+    times = [t for t, _ in landed]
+    total = max(times)
+    ordered = sorted(times)
+    return {
+        "slots": slots or "all",
+        "adapters": len(names),
+        "total_s": round(total, 3),
+        "mb_per_s": round(sum(n for _, n in landed) / total / 1e6, 1),
+        "first_s": round(ordered[0], 3),
+        "p50_s": round(statistics.median(times), 3),
+        "p90_s": round(ordered[int(0.9 * (len(ordered) - 1))], 3),
+        # how far from the order they were asked in: 0 when each lands in its turn
+        "out_of_order": sum(a > b for a, b in zip(times, times[1:], strict=False)),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from bench.bench_models import SHAPES
+
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-7b")
+    ap.add_argument("--adapters", type=int, default=256)
+    ap.add_argument("--slots", type=int, nargs="+", default=[0, 4, 8, 16, 32, 64])
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--store-dir", type=Path, default=None, help="default: a temporary dir")
+    ap.add_argument("--out", type=Path, default=REPO / "bench/results/fetch_burst.json")
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="fetch-burst-", dir=args.store_dir))
+    port = free_port()
+    store = subprocess.Popen([sys.executable, "-m", "services.adapter_store", "--port", str(port),
+                              "--backend", "local", "--root", str(root / "store")],
+                             cwd=REPO)  # fmt: skip
+    rows = []
+    try:
+        address = f"127.0.0.1:{port}"
+        wait_serving(address, store, 60)
+        t = time.perf_counter()
+        *names, warm = upload(address, SHAPES[args.shape], "S1", args.adapters + 1)
+        print(f"uploaded {len(names)} adapters in {time.perf_counter() - t:.1f} s", flush=True)
+        size = sum(f.stat().st_size for f in (root / "store").rglob("*") if f.is_file())
+        arena = int(size * 1.2) + (64 << 20)
+        print(f"{'slots':>5} {'total s':>8} {'MB/s':>7} {'first':>6} {'p50':>6} {'p90':>6} "
+              f"{'unordered':>9}")  # fmt: skip
+        for _ in range(args.repeats):
+            for slots in args.slots:
+                r = asyncio.run(burst(address, names, warm, slots, arena))
+                rows.append(r)
+                print(f"{r['slots']:>5} {r['total_s']:>8.2f} {r['mb_per_s']:>7.0f} "
+                      f"{r['first_s']:>6.2f} {r['p50_s']:>6.2f} {r['p90_s']:>6.2f} "
+                      f"{r['out_of_order']:>9}", flush=True)  # fmt: skip
+    finally:
+        store.terminate()
+        store.wait(30)
+        subprocess.run(["rm", "-rf", str(root)], check=False)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                            capture_output=True, text=True).stdout.strip()  # fmt: skip
+    args.out.write_text(json.dumps({
+        "benchmark": "a burst of cold adapters through StoreClient: landing times by streams at once",
+        "command": "python bench/fetch_burst.py " + " ".join(sys.argv[1:]),
+        "commit": commit, "shape": args.shape, "workload": "S1",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version()},  # fmt: skip
+        "rows": rows,
+    }, indent=1) + "\n")  # fmt: skip
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
