@@ -114,7 +114,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                             capture_output=True, text=True).stdout.strip()  # fmt: skip
     args.out.write_text(json.dumps({
-        "benchmark": "a burst of cold adapters through StoreClient: landing times by streams at once",
+        "benchmark": "a burst of cold adapters through StoreClient: landing by streams at once",
         "command": "python bench/fetch_burst.py " + " ".join(sys.argv[1:]),
         "commit": commit, "shape": args.shape, "workload": "S1",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),

@@ -1,0 +1,103 @@
+"""What adapters add to each kind of step: one serving run's step log, a LoRA run against the
+base model's, step by step at the same batch.
+
+bench/serving.py runs its traces one after another on one service, whose step log (one JSON
+line a step, engine/step_log.py) holds them all in order; each result of its JSON counts its
+run's steps. This splits the log into the runs (the steps before them are the service's own
+warm-up), then bins the decode steps (64 sequences and more) by batch and the mixed steps
+(over 512 tokens) by tokens, and prints for each bin the median GPU time of the base run's
+steps and of the LoRA run's, their difference, and the time the LoRA run's adapter bytes take
+at the copy bandwidth the serving run measured (the least the difference could be).
+
+    python bench/step_compare.py --serving bench/results/serving_s1_n1000.json \
+        --steps bench/results/serving_s1_n1000_steps.jsonl.gz --base 0:2 --lora 1000:2
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+from pathlib import Path
+
+
+def split_runs(steps: list[dict], results: list[dict]) -> dict[tuple[int, int], list[dict]]:
+    """The steps of each (adapters, pass) run, from the results' step counts (in run order)."""
+    total = sum(r["steps"] for r in results)
+    if total > len(steps):
+        raise ValueError(f"the results count {total} steps, the log holds {len(steps)}")
+    runs, at = {}, len(steps) - total
+    for r in results:
+        runs[r["adapters"], r.get("pass", 1)] = steps[at : at + r["steps"]]
+        at += r["steps"]
+    return runs
+
+
+def bins(steps: list[dict], mixed: bool) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for s in steps:
+        if mixed and s["prefill_tokens"] > 0 and s["tokens"] > 512:
+            out.setdefault(s["tokens"] // 256 * 256, []).append(s)
+        elif not mixed and s["prefill_tokens"] == 0 and s["seqs"] >= 64:
+            out.setdefault(s["seqs"] // 32 * 32, []).append(s)
+    return out
+
+
+def compare(base: list[dict], lora: list[dict], bandwidth: float, mixed: bool) -> list[dict]:
+    rows = []
+    b, lo = bins(base, mixed), bins(lora, mixed)
+    for key in sorted(lo):
+        if len(b.get(key, ())) < 4 or len(lo[key]) < 4:
+            continue  # too few steps to say
+        base_ms = statistics.median(s["gpu_ms"] for s in b[key])
+        lora_ms = statistics.median(s["gpu_ms"] for s in lo[key])
+        nbytes = statistics.median(s["adapter_bytes"] for s in lo[key])
+        rows.append({
+            "tokens" if mixed else "batch": key, "steps": len(lo[key]),
+            "base_ms": round(base_ms, 2), "lora_ms": round(lora_ms, 2),
+            "extra_ms": round(lora_ms - base_ms, 2),
+            "adapters": statistics.median(s["adapters"] for s in lo[key]),
+            "adapter_bytes_ms": round(nbytes / bandwidth * 1e3, 2),
+        })  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--serving", type=Path, required=True, help="bench/serving.py's JSON")
+    ap.add_argument("--steps", type=Path, required=True, help="that run's step log (.gz or not)")
+    ap.add_argument("--base", default="0:1", help="ADAPTERS:PASS of the base run")
+    ap.add_argument("--lora", required=True, help="ADAPTERS:PASS of the LoRA run")
+    ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    args = ap.parse_args()
+    serving = json.loads(args.serving.read_text())
+    opener = gzip.open if args.steps.suffix == ".gz" else open
+    with opener(args.steps, "rt") as f:
+        steps = [json.loads(line) for line in f if line.strip()]
+    runs = split_runs(steps, serving["results"])
+    base = runs[tuple(int(x) for x in args.base.split(":"))]
+    lora = runs[tuple(int(x) for x in args.lora.split(":"))]
+    bandwidth = serving["ceilings"]["copy_bytes_per_s"]
+    report = {}
+    for mixed in (False, True):
+        kind = "mixed" if mixed else "decode"
+        rows = report[kind] = compare(base, lora, bandwidth, mixed)
+        print(f"{kind} steps ({'tokens' if mixed else 'batch'}): median GPU ms, base against "
+              f"{args.lora} adapters:pass")  # fmt: skip
+        print(f"{'bin':>6} {'steps':>5} {'base':>7} {'lora':>7} {'extra':>6} {'adapters':>8} "
+              f"{'bytes':>6}")  # fmt: skip
+        for r in rows:
+            print(f"{r['tokens' if mixed else 'batch']:>6} {r['steps']:>5} {r['base_ms']:>7.2f} "
+                  f"{r['lora_ms']:>7.2f} {r['extra_ms']:>6.2f} {r['adapters']:>8.0f} "
+                  f"{r['adapter_bytes_ms']:>6.2f}")  # fmt: skip
+    if args.out:
+        args.out.write_text(json.dumps({
+            "command": "python bench/step_compare.py " + " ".join(
+                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+            "serving_commit": serving.get("commit"), **report,
+        }, indent=1) + "\n")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

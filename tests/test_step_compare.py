@@ -1,0 +1,37 @@
+"""bench/step_compare.py: a serving run's step log split into its traces and compared by bin."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.step_compare import compare, split_runs
+
+
+def _step(seqs, gpu_ms, prefill=0, tokens=None, adapters=0, nbytes=0):
+    return {"seqs": seqs, "tokens": tokens or seqs, "prefill_tokens": prefill, "gpu_ms": gpu_ms,
+            "adapters": adapters, "adapter_bytes": nbytes}  # fmt: skip
+
+
+def test_runs_are_split_by_their_step_counts_after_the_warm_up():
+    warm_up = [_step(1, 99.0)] * 3
+    base = [_step(64, 10.0)] * 5
+    lora = [_step(64, 12.0, adapters=70, nbytes=10**9)] * 6
+    results = [{"adapters": 0, "pass": 1, "steps": 5}, {"adapters": 100, "steps": 6}]
+    runs = split_runs(warm_up + base + lora, results)
+    assert runs[0, 1] == base and runs[100, 1] == lora
+    with pytest.raises(ValueError, match="count 14 steps, the log holds 11"):
+        split_runs(base + lora, [*results, {"adapters": 5, "steps": 3}])
+
+
+def test_bins_compare_medians_and_the_bytes_bound():
+    base = [_step(70, t) for t in (10.0, 10.2, 9.8, 10.1)]
+    base += [_step(40, 8.0, prefill=600, tokens=800)] * 4
+    lora = [_step(75, t, adapters=70, nbytes=2 * 10**9) for t in (12.0, 12.4, 11.6, 12.2, 50.0)]
+    lora += [_step(60, 11.0, prefill=600, tokens=900, nbytes=10**9)] * 4
+    lora += [_step(100, 20.0)] * 3  # a bin the base run lacks: no row
+    (decode,) = compare(base, lora, bandwidth=1e12, mixed=False)
+    assert decode == {"batch": 64, "steps": 5, "base_ms": 10.05, "lora_ms": 12.2,
+                      "extra_ms": 2.15, "adapters": 70, "adapter_bytes_ms": 2.0}  # fmt: skip
+    (mixed,) = compare(base, lora, bandwidth=1e12, mixed=True)
+    assert mixed["tokens"] == 768 and mixed["extra_ms"] == 3.0
+    assert mixed["adapter_bytes_ms"] == 1.0
