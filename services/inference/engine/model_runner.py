@@ -16,13 +16,13 @@ The LoRA kernels' path (two launches or the fused kernel, kernels.lora_apply) is
 step from what only the host knows: how many of the step's tokens use an adapter, on how many
 distinct adapters, of which rank and on which modules (kernels/lora_paths.py). A graph fixes the
 path it was captured with, so decode sizes where the fused path can win get a third graph;
-mixed steps let each call's shapes decide, sized for the engine's max_lora_rank or, when every
-adapter of the step fits FUSED_PREFILL_MAX_ROWS rank rows, for those (prefill-sized mixed
-steps get that graph too: it fuses their q/k/v calls). A step makes no call for modules none of
-its adapters has: eagerly for any module; the small decode graphs, where each launch is a
-measurable share of the step, also come without the MLP calls, for steps whose adapters adapt
-attention only (H200, 16 decode tokens on 13 adapters, one layer's S1 calls: 19.6 µs, 26.3 with
-the masked MLP launches; bench/results/lora_engine_calls_steps.json).
+mixed steps let each call's shapes decide, sized for the engine's max_lora_rank, or, when every
+adapter of the step fits FUSED_PREFILL_MAX_ROWS rank rows, run every call fused, sized for
+those (prefill-sized mixed steps get that graph too). A step makes no call for modules none of
+its adapters has: eagerly for any module; every decode graph with LoRA calls also comes without
+the MLP calls, for steps whose adapters adapt attention only (H200, 16 decode tokens on 13
+adapters, one layer's S1 calls: 19.6 µs, 26.3 with the masked MLP launches;
+bench/results/lora_engine_calls_steps.json).
 """
 
 from __future__ import annotations
