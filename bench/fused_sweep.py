@@ -1,6 +1,7 @@
 """Launch-configuration sweep of the fused decode LoRA kernel (kernels/lora_fused.py).
 
     python -m bench.fused_sweep [--json bench/results/fused_sweep.json] [--workers N]
+        [--ranks 8 16] [--batches 256] [--blocks 256 512] [--parts 0 2] [--stages 3] [--warps 4]
     TRITON_INTERPRET=1 python -m bench.fused_sweep --tiny     # CPU: the plumbing, no speeds
 
 For (rank, batch) in {16, 64} x {128, 256, 512}, distinct adapters, one Llama-2-7B layer's seven
@@ -467,6 +468,9 @@ def main() -> None:
         default=min(16, os.cpu_count() or 1),
         help="processes compiling ahead (CUDA); 0: compile during the sweep",
     )
+    for name in ("ranks", "batches", "blocks", "stages", "warps"):
+        ap.add_argument(f"--{name}", type=int, nargs="+", help=f"the grid's {name} (a subset)")
+    ap.add_argument("--parts", type=int, nargs="+", help="the grid's parts; 0: fused_config's")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not args.tiny and not torch.cuda.is_available():
@@ -479,7 +483,11 @@ def main() -> None:
 
         _fix_interpreter_loop_bounds()
     cfg = TINY if args.tiny else SweepConfig()
-    cfg = dataclasses.replace(cfg, workers=args.workers)
+    grid = {k: tuple(getattr(args, k)) for k in ("ranks", "batches", "blocks", "stages", "warps")
+            if getattr(args, k)}  # fmt: skip
+    if args.parts:
+        grid["parts"] = tuple(p or None for p in args.parts)
+    cfg = dataclasses.replace(cfg, workers=args.workers, **grid)
     print(report(run_sweep(cfg, args.json)))
 
 
