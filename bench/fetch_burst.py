@@ -32,6 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import torch  # noqa: E402
+
 from bench.bench_services import free_port, wait_serving  # noqa: E402
 from bench.serving import upload  # noqa: E402
 from services.inference.arena import HostArena  # noqa: E402
@@ -40,14 +42,40 @@ from services.inference.host_cache import HostCache  # noqa: E402
 from services.inference.store_client import StoreClient  # noqa: E402
 
 
-async def burst(address: str, names: list[str], warm: str, slots: int, arena_bytes: int) -> dict:
+def cpu_s(pid: int) -> float:
+    """A process's CPU seconds so far, user and system, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    return out
+
+
+async def burst(address: str, names: list[str], warm: str, slots: int, arena_bytes: int,
+                store_pid: int) -> dict:  # fmt: skip
     """Fetch every adapter of ``names`` at once, asked in order, after ``warm`` alone (which
-    starts the fetch worker); seconds from the start to each landing."""
-    cache = HostCache(HostArena(arena_bytes, pin=False))
+    starts the fetch worker); seconds from the start to each landing, and the CPU seconds the
+    store, the fetch worker and this process spent meanwhile. The arena is resident before the
+    burst, as the service's is (pinned on CUDA, as there)."""
+    arena = HostArena(arena_bytes, pin=torch.cuda.is_available())
+    arena.buffer.fill_(0)
+    cache = HostCache(arena)
     client = StoreClient(address, cache, lookup_timeout=30, fetch_timeout=600,
                          max_fetches=slots or len(names))  # fmt: skip
     try:
         await client.fetch(AdapterKey(warm, 1))
+        procs = {"store": [store_pid], "fetch worker": [p for p in children(os.getpid())
+                                                        if p != store_pid],
+                 "this process": [os.getpid()]}  # fmt: skip
+        before = {k: sum(cpu_s(p) for p in pids) for k, pids in procs.items()}
         start = time.perf_counter()
 
         async def one(name: str) -> tuple[float, int]:
@@ -55,11 +83,13 @@ async def burst(address: str, names: list[str], warm: str, slots: int, arena_byt
             return time.perf_counter() - start, entry.block.size
 
         landed = await asyncio.gather(*(one(n) for n in names))
+        used = {k: sum(cpu_s(p) for p in pids) - before[k] for k, pids in procs.items()}
     finally:
         await client.close()
     times = [t for t, _ in landed]
     total = max(times)
     ordered = sorted(times)
+    gb = sum(n for _, n in landed) / 1e9
     return {
         "slots": slots or "all",
         "adapters": len(names),
@@ -70,6 +100,7 @@ async def burst(address: str, names: list[str], warm: str, slots: int, arena_byt
         "p90_s": round(ordered[int(0.9 * (len(ordered) - 1))], 3),
         # how far from the order they were asked in: 0 when each lands in its turn
         "out_of_order": sum(a > b for a, b in zip(times, times[1:], strict=False)),
+        "cpu_s_per_gb": {k: round(v / gb, 3) for k, v in used.items()},
     }
 
 
@@ -99,14 +130,16 @@ def main() -> None:
         size = sum(f.stat().st_size for f in (root / "store").rglob("*") if f.is_file())
         arena = int(size * 1.2) + (64 << 20)
         print(f"{'slots':>5} {'total s':>8} {'MB/s':>7} {'first':>6} {'p50':>6} {'p90':>6} "
-              f"{'unordered':>9}")  # fmt: skip
+              f"{'unordered':>9}  CPU s/GB: store, fetch worker, this process")  # fmt: skip
         for _ in range(args.repeats):
             for slots in args.slots:
-                r = asyncio.run(burst(address, names, warm, slots, arena))
+                r = asyncio.run(burst(address, names, warm, slots, arena, store.pid))
                 rows.append(r)
+                cpu = r["cpu_s_per_gb"]
                 print(f"{r['slots']:>5} {r['total_s']:>8.2f} {r['mb_per_s']:>7.0f} "
                       f"{r['first_s']:>6.2f} {r['p50_s']:>6.2f} {r['p90_s']:>6.2f} "
-                      f"{r['out_of_order']:>9}", flush=True)  # fmt: skip
+                      f"{r['out_of_order']:>9}  {cpu['store']:.2f} {cpu['fetch worker']:.2f} "
+                      f"{cpu['this process']:.2f}", flush=True)  # fmt: skip
     finally:
         store.terminate()
         store.wait(30)
