@@ -13,6 +13,9 @@ for each --slots value (0: all at once) asks a fresh StoreClient and host cache 
 adapter at once, in order, and records when each lands. Prints a table and writes JSON.
 
     python bench/fetch_burst.py [--adapters 256] [--slots 0 4 8 16 32 64] [--repeats 2]
+
+The store's peak resident memory is a high-water mark: put the slot counts to compare in
+ascending order of their expected peak (e.g. --slots 8 16 0 --repeats 1) to read each one's.
 """
 
 from __future__ import annotations
@@ -48,6 +51,14 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def peak_rss_mb(pid: int) -> float:
+    """A process's peak resident memory so far (Linux /proc: VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def children(pid: int) -> list[int]:
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -59,14 +70,12 @@ def children(pid: int) -> list[int]:
     return out
 
 
-async def burst(address: str, names: list[str], warm: str, slots: int, arena_bytes: int,
+async def burst(address: str, names: list[str], warm: str, slots: int, arena: HostArena,
                 store_pid: int) -> dict:  # fmt: skip
     """Fetch every adapter of ``names`` at once, asked in order, after ``warm`` alone (which
-    starts the fetch worker); seconds from the start to each landing, and the CPU seconds the
-    store, the fetch worker and this process spent meanwhile. The arena is resident before the
-    burst, as the service's is (pinned on CUDA, as there)."""
-    arena = HostArena(arena_bytes, pin=torch.cuda.is_available())
-    arena.buffer.fill_(0)
+    starts the fetch worker), into an empty ``arena``, which it leaves empty; seconds from the
+    start to each landing, and the CPU seconds the store, the fetch worker and this process
+    spent meanwhile."""
     cache = HostCache(arena)
     client = StoreClient(address, cache, lookup_timeout=30, fetch_timeout=600,
                          max_fetches=slots or len(names))  # fmt: skip
@@ -86,6 +95,8 @@ async def burst(address: str, names: list[str], warm: str, slots: int, arena_byt
         used = {k: sum(cpu_s(p) for p in pids) - before[k] for k, pids in procs.items()}
     finally:
         await client.close()
+        for key in cache.keys():
+            cache.remove(key)
     times = [t for t, _ in landed]
     total = max(times)
     ordered = sorted(times)
@@ -101,6 +112,8 @@ async def burst(address: str, names: list[str], warm: str, slots: int, arena_byt
         # how far from the order they were asked in: 0 when each lands in its turn
         "out_of_order": sum(a > b for a, b in zip(times, times[1:], strict=False)),
         "cpu_s_per_gb": {k: round(v / gb, 3) for k, v in used.items()},
+        # a high-water mark: the peak of this burst or of any before it
+        "store_peak_rss_mb": round(peak_rss_mb(store_pid), 1),
     }
 
 
@@ -128,9 +141,13 @@ def main() -> None:
         *names, warm = upload(address, SHAPES[args.shape], "S1", args.adapters + 1)
         print(f"uploaded {len(names)} adapters in {time.perf_counter() - t:.1f} s", flush=True)
         size = sum(f.stat().st_size for f in (root / "store").rglob("*") if f.is_file())
-        arena = int(size * 1.2) + (64 << 20)
+        # One arena for every burst, resident before the first, as the service's is (pinned
+        # on CUDA, as there).
+        arena = HostArena(int(size * 1.2) + (64 << 20), pin=torch.cuda.is_available())
+        arena.buffer.fill_(0)
         print(f"{'slots':>5} {'total s':>8} {'MB/s':>7} {'first':>6} {'p50':>6} {'p90':>6} "
-              f"{'unordered':>9}  CPU s/GB: store, fetch worker, this process")  # fmt: skip
+              f"{'unordered':>9}  CPU s/GB: store, fetch worker, this process; store's peak "
+              "RSS MB so far")  # fmt: skip
         for _ in range(args.repeats):
             for slots in args.slots:
                 r = asyncio.run(burst(address, names, warm, slots, arena, store.pid))
@@ -139,7 +156,8 @@ def main() -> None:
                 print(f"{r['slots']:>5} {r['total_s']:>8.2f} {r['mb_per_s']:>7.0f} "
                       f"{r['first_s']:>6.2f} {r['p50_s']:>6.2f} {r['p90_s']:>6.2f} "
                       f"{r['out_of_order']:>9}  {cpu['store']:.2f} {cpu['fetch worker']:.2f} "
-                      f"{cpu['this process']:.2f}", flush=True)  # fmt: skip
+                      f"{cpu['this process']:.2f}; {r['store_peak_rss_mb']:.0f}",
+                      flush=True)  # fmt: skip
     finally:
         store.terminate()
         store.wait(30)
