@@ -52,6 +52,7 @@ from bench.bench_services import (  # noqa: E402
     upload_adapter,
     wait_serving,
 )
+from bench.provenance import git_commit  # noqa: E402
 from lorafleet.v1 import adapter_store_pb2_grpc as store_grpc  # noqa: E402
 from lorafleet.v1 import inference_pb2 as pb  # noqa: E402
 from lorafleet.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
@@ -265,14 +266,6 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def _commit() -> str:
-    """The code measured: the commit, marked when the work tree differs from it."""
-    done = subprocess.run(
-        ["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True
-    )
-    return done.stdout.strip() or "unknown"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-7b")
@@ -304,7 +297,7 @@ def main() -> int:
         "machine": machine(),
         "device": args.device,
         "command": " ".join(sys.argv),
-        "commit": _commit(),
+        "commit": git_commit(),
         "shape": args.shape,
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import statistics
@@ -38,6 +37,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from bench.bench_services import free_port, wait_serving  # noqa: E402
+from bench.provenance import write_result  # noqa: E402
 from bench.serving import upload  # noqa: E402
 from services.inference.arena import HostArena  # noqa: E402
 from services.inference.engine.api import AdapterKey  # noqa: E402
@@ -162,17 +162,13 @@ def main() -> None:
         store.terminate()
         store.wait(30)
         subprocess.run(["rm", "-rf", str(root)], check=False)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                            capture_output=True, text=True).stdout.strip()  # fmt: skip
-    args.out.write_text(json.dumps({
+    write_result(args.out, "fetch_burst.py", {
         "benchmark": "a burst of cold adapters through StoreClient: landing by streams at once",
-        "command": "python bench/fetch_burst.py " + " ".join(sys.argv[1:]),
-        "commit": commit, "shape": args.shape, "workload": "S1",
+        "shape": args.shape, "workload": "S1",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},  # fmt: skip
         "rows": rows,
-    }, indent=1) + "\n")  # fmt: skip
-    print(f"wrote {args.out}")
+    })  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import random
@@ -43,6 +42,7 @@ sys.path.insert(0, str(REPO))
 import grpc  # noqa: E402
 
 from bench.bench_services import free_port, wait_serving  # noqa: E402
+from bench.provenance import write_result  # noqa: E402
 from bench.serving_client import HttpClient, grpc_completion  # noqa: E402
 from lorafleet.v1 import inference_pb2 as pb  # noqa: E402
 from lorafleet.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
@@ -133,14 +133,6 @@ def table(s: dict) -> str:
         lines.append(f"gateway adds {1e3 * s['ttft_p50_added_s']:.2f} ms to TTFT p50 "
                      f"({1e3 * s['ttft_mean_added_s']:.2f} ms to the mean)")  # fmt: skip
     return "\n".join(lines)
-
-
-def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                         capture_output=True, text=True)  # fmt: skip
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                           capture_output=True, text=True).stdout.strip()  # fmt: skip
-    return out.stdout.strip() + ("-dirty" if dirty else "")
 
 
 class _Stub(pb_grpc.InferenceServicer):
@@ -248,17 +240,14 @@ def main() -> None:
                 p.kill()
     s = summary(results)
     print(table(s))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
+    write_result(args.out, "gateway_latency.py", {
         "benchmark": "time to first token through the HTTP gateway against gRPC, side by side",
-        "command": "python bench/gateway_latency.py " + " ".join(sys.argv[1:]),
-        "commit": commit(), "machine": machine(), "stub": args.stub,
+        "machine": machine(), "stub": args.stub,
         "shape": None if args.stub else args.shape, "device": None if args.stub else args.device,
         "rate": args.rate, "duration_s": args.duration, "prompt_len": args.prompt_len,
         "output_len": args.output_len, "background": args.background,
         "keep_alive": not args.new_connections, "summary": s, "requests": results,
-    }, indent=2) + "\n")  # fmt: skip
-    print(f"wrote {args.out}")
+    }, indent=2)  # fmt: skip
 
 
 if __name__ == "__main__":

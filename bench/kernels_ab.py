@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import re
 import subprocess
 import sys
@@ -32,6 +31,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+
+from bench.provenance import write_result  # noqa: E402
 
 LORA_CASES = ("512x5", "512x100", "512x1000", "mixed2048x1000")
 LAYERS = 4
@@ -159,15 +160,10 @@ def main() -> None:
             results["attention"] = attention_ab(base)
         if "lora" in args.families:
             results["lora_us_per_layer"] = lora_ab(base)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                            capture_output=True, text=True).stdout.strip()  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
+    write_result(args.out, "kernels_ab.py", {
         "benchmark": "kernels of a baseline commit against the current ones, one run",
-        "baseline": args.baseline, "commit": commit, "machine": machine(), "results": results,
-        "command": "python bench/kernels_ab.py " + " ".join(sys.argv[1:]),
-    }, indent=2) + "\n")  # fmt: skip
-    print(f"wrote {args.out}")
+        "baseline": args.baseline, "machine": machine(), "results": results,
+    }, indent=2)  # fmt: skip
 
 
 if __name__ == "__main__":

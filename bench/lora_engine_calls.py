@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from bench import kernels as kb  # noqa: E402
+from bench.provenance import write_result  # noqa: E402
 from kernels import lora  # noqa: E402
 from kernels.lora_layout import K, O, Q, V  # noqa: E402
 from kernels.lora_ref import make_lora_tokens  # noqa: E402
@@ -174,14 +174,10 @@ def main() -> None:
         rows = [r for t, n, p in STEP_CASES for r in time_case(t, n, gen, variants, p)]
     else:
         rows = [r for t, n in CASES for r in time_case(t, n, gen, variants)]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                            capture_output=True, text=True).stdout.strip()  # fmt: skip
-    args.out.write_text(json.dumps({
+    write_result(args.out, "lora_engine_calls.py", {
         "benchmark": "one layer's S1 LoRA calls (q/k/v, o; rank 8) as the engine makes them",
-        "command": "python bench/lora_engine_calls.py " + " ".join(sys.argv[1:]),
-        "commit": commit, "gpu": torch.cuda.get_device_name(), "rows": rows,
-    }, indent=1) + "\n")  # fmt: skip
-    print(f"wrote {args.out}")
+        "gpu": torch.cuda.get_device_name(), "rows": rows,
+    })  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -32,8 +32,6 @@ calls serial.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -43,6 +41,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from bench import kernels as kb  # noqa: E402
+from bench.provenance import write_result  # noqa: E402
 from kernels import lora  # noqa: E402
 from kernels.lora_layout import K, O, Q, V  # noqa: E402
 from kernels.lora_ref import make_lora_tokens  # noqa: E402
@@ -154,14 +153,10 @@ def main() -> None:
         rows.append({"batch": batch, **{k: round(v, 2) for k, v in t.items()}})
         print(f"{batch:>5} {t['base']:>7.1f} {t['serial']:>7.1f} {t['side']:>7.1f} "
               f"{t['side, no add']:>7.1f} {t['shrink aside']:>7.1f}", flush=True)  # fmt: skip
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                            capture_output=True, text=True).stdout.strip()  # fmt: skip
-    args.out.write_text(json.dumps({
+    write_result(args.out, "lora_overlap.py", {
         "benchmark": "one layer's q/k/v and o GEMMs with S1 LoRA calls: serial or on a side stream",
-        "command": "python bench/lora_overlap.py " + " ".join(sys.argv[1:]),
-        "commit": commit, "gpu": torch.cuda.get_device_name(), "rows": rows,
-    }, indent=1) + "\n")  # fmt: skip
-    print(f"wrote {args.out}")
+        "gpu": torch.cuda.get_device_name(), "rows": rows,
+    })  # fmt: skip
 
 
 if __name__ == "__main__":
