@@ -84,12 +84,12 @@ def decode_prefers_fused(adapter_tokens: int, distinct: int, step_rank: int) -> 
     return mostly_distinct and adapter_tokens * FUSED_DECODE_ROWS >= FUSED_DECODE_MIN_ROWS
 
 
-def prefill_step_rows(step_rank: int) -> int | None:
-    """The max_rank a prefill-sized step (over FUSED_MAX_TOKENS tokens) makes its calls with:
-    FUSED_PREFILL_MAX_ROWS when every adapter of the step fits it, and then every call of the
-    step takes the fused kernel (the engine passes fused=True: decode_call_fused fuses its
-    single-slice calls too, from 256 tokens); None when one does not (the engine's
-    max_lora_rank, each call's shapes pick). ``step_rank``: the step's largest adapter rank.
+def prefill_step_narrows(step_rank: int) -> bool:
+    """Whether a prefill-sized step (over FUSED_MAX_TOKENS tokens) makes its calls with
+    FUSED_PREFILL_MAX_ROWS rank rows, every call on the fused kernel (the engine passes
+    fused=True: decode_call_fused fuses its single-slice calls too, from 256 tokens): when every
+    adapter of the step fits those rows; otherwise its calls keep the engine's max_lora_rank and
+    each call's shapes pick. ``step_rank``: the step's largest adapter rank.
 
     H200, one layer's S1 q/k/v and o calls in a CUDA graph with the masked MLP calls beside them,
     the serving trace's mixed steps (bench/results/lora_engine_calls_steps.json at c7d24b0), at
@@ -99,9 +99,7 @@ def prefill_step_rows(step_rank: int) -> int | None:
     prompts 314.2 / 226.8 / 192.8; the same on 5 adapters 116.6 / 101.6 / 102.5; two 1024-token
     prompts of 2 adapters 122.5 / 103.5 / 103.9; 400 decode tokens beside three 200-token
     prompts (1000 tokens, 326 adapters) 195.6 / 196.7 / 195.6."""
-    if fused_rank_rows(step_rank) <= FUSED_PREFILL_MAX_ROWS:
-        return FUSED_PREFILL_MAX_ROWS
-    return None
+    return fused_rank_rows(step_rank) <= FUSED_PREFILL_MAX_ROWS
 
 
 def decode_call_fused(

@@ -73,7 +73,10 @@ def test_runner_prefers_fused_for_many_distinct_adapters(core, monkeypatch):
     free = [r for r in range(4) if r not in (r32, r16)]
     row_ranks[free[0]] = 32  # a second rank-32 and a rank-8 adapter's rows, as
     row_ranks[free[1]] = 8  # the manager writes them
-    prefers = core.runner.prefers_fused
+
+    def prefers(entries):  # the step's path: fused (True), two launches (False), shapes (None)
+        return core.runner.step_lora(entries).mode.fused
+
     assert prefers(_decode([r16, free[1]]))  # two distinct adapters of rank <= 16
     assert prefers(_decode([None, r16, free[1]]))  # base-model tokens do not count
     assert not prefers(_decode([r16]))  # one token: too few rank rows

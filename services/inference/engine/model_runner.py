@@ -52,7 +52,7 @@ class LoraMode(enum.Enum):
     FUSED = "fused"  # decode-sized, mostly distinct adapters: the one-launch kernel
     SHAPES = "by shapes"  # mixed steps: each call's shapes pick
     # prefill-sized steps whose adapters all fit FUSED_PREFILL_MAX_ROWS rank rows: every call
-    # on the fused kernel, sized for those rows (kernels.lora_paths.prefill_step_rows)
+    # on the fused kernel, sized for those rows (kernels.lora_paths.prefill_step_narrows)
     NARROW = "fused, narrow"
 
     @property
@@ -171,17 +171,11 @@ class ModelRunner:
         """Whether a decode step of ``size`` sequences could prefer the fused path."""
         return lora_paths.decode_prefers_fused(size, size, lora_paths.FUSED_DECODE_ROWS)
 
-    def prefers_fused(self, entries: Sequence[BatchEntry]) -> bool | None:
-        """Whether the step's calls take the fused kernel: True or False for decode-sized steps
-        with adapters (kernels.lora_paths.decode_prefers_fused), True for NARROW prefill-sized
-        ones, None otherwise: the shapes pick (step_lora)."""
-        return self.step_lora(entries).mode.fused
-
     def step_lora(self, entries: Sequence[BatchEntry]) -> StepLora:
         """The step's LoRA path and modules, from one pass over its entries: for a decode-sized
         step (up to FUSED_MAX_TOKENS tokens) fused or two launches by
         lora_paths.decode_prefers_fused over its adapter tokens; for a prefill-sized one NARROW
-        when every adapter of it fits FUSED_PREFILL_MAX_ROWS (lora_paths.prefill_step_rows:
+        when every adapter of it fits FUSED_PREFILL_MAX_ROWS (lora_paths.prefill_step_narrows:
         every call fused, sized for those rows), else the shapes' choice at max_lora_rank."""
         tokens = adapter_tokens = 0
         rows = set()
@@ -202,7 +196,7 @@ class ModelRunner:
         if tokens <= lora_paths.FUSED_MAX_TOKENS:
             fused = lora_paths.decode_prefers_fused(adapter_tokens, len(rows), rank)
             return StepLora(LoraMode.FUSED if fused else LoraMode.TWO, modules)
-        if self._narrows(tokens) and lora_paths.prefill_step_rows(rank) is not None:
+        if self._narrows(tokens) and lora_paths.prefill_step_narrows(rank):
             return StepLora(LoraMode.NARROW, modules)
         return StepLora(LoraMode.SHAPES, modules)
 

@@ -74,7 +74,7 @@ class StepLog:
         graph: bool,
         launched_at: float,
         start: object,
-        lora: str = "none",
+        lora: str,
     ):
         """After the step's work (sampling included) is queued. ``scheduled``: the scheduler's
         ScheduledSeq list, with each sequence's num_computed already counting this step;
