@@ -124,7 +124,6 @@ class StoreClient:
         self._cache = cache
         self._lookup_timeout = lookup_timeout
         self._fetch_timeout = fetch_timeout
-        self.max_fetches = max_fetches
         self._slots = asyncio.Semaphore(max_fetches)
         self.streaming = 0  # fetches streaming now (at most max_fetches)
         # Lookups and the watch; fetches have the worker's own channel. Every call carries
