@@ -19,7 +19,12 @@ import argparse
 import gzip
 import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.provenance import write_result  # noqa: E402
 
 
 def split_runs(steps: list[dict], results: list[dict]) -> dict[tuple[int, int], list[dict]]:
@@ -92,11 +97,8 @@ def main() -> None:
                   f"{r['lora_ms']:>7.2f} {r['extra_ms']:>6.2f} {r['adapters']:>8.0f} "
                   f"{r['adapter_bytes_ms']:>6.2f}")  # fmt: skip
     if args.out:
-        args.out.write_text(json.dumps({
-            "command": "python bench/step_compare.py " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
-            "serving_commit": serving.get("commit"), **report,
-        }, indent=1) + "\n")  # fmt: skip
+        write_result(args.out, "step_compare.py", {"serving_commit": serving.get("commit"),
+                                                   **report})  # fmt: skip
 
 
 if __name__ == "__main__":
