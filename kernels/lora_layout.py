@@ -28,6 +28,12 @@ Q, K, V, O, GATE, UP, DOWN = range(7)  # noqa: E741 (the projections' own names)
 NUM_MODULES = len(MODULES)
 
 
+# An adapter copy's pieces table (kernels/adapter_write.py documents the columns): its width,
+# and the codes of the file dtypes it reads.
+PIECE_COLS = 12
+PIECE_DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
 def chunks(dim: int, width: int) -> int:
     """Number of W-wide chunks that hold a row of ``dim`` elements."""
     return -(-dim // width)

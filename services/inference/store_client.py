@@ -13,12 +13,12 @@ At most ``max_fetches`` fetches stream at once; the others wait for a slot, firs
 served, and a fetch's deadline counts its own transfer only. Streamed together, the adapters a
 burst of requests wants share the worker's and the store's bandwidth, so each lands late: the
 saturating trace with 1000 adapters fetched 572 at once, each taking a median 12.0 s, the
-longest 17.3 s (bench/results/serving_n1000_fetches.txt.gz). A few at a time they land in turn, the first after about one adapter's
-transfer, and as many bytes move (bench/fetch_burst.py, 256 rank-8 Llama-7B adapters at once
-on the 16-core H200 host: median landing 2.44-2.51 s all at once, 1.87-2.19 s eight at a time,
-at 920-955 against 1036-1134 MB/s; on 2 cores, 96 adapters: 1.95-2.02 s against 1.40-1.74 s,
-at 580-657 against 547-627 MB/s, the store's peak memory 778 MB against 402). Bounded, they
-also bound what the store holds for this service's reads.
+longest 17.3 s (bench/results/serving_n1000_fetches.txt.gz). A few at a time they land in turn,
+the first after about one adapter's transfer, and as many bytes move (bench/fetch_burst.py, 256
+rank-8 Llama-7B adapters at once on the 16-core H200 host: median landing 2.44-2.51 s all at
+once, 1.87-2.19 s eight at a time, at 920-955 against 1036-1134 MB/s; on 2 cores, 96 adapters:
+1.95-2.02 s against 1.40-1.74 s, at 580-657 against 547-627 MB/s, the store's peak memory 778 MB
+against 402). Bounded, they also bound what the store holds for this service's reads.
 When the host cache has no room for the size the AdapterInfo announces, the stream is dropped,
 the fetch waits in the cache's queue until room is released (host_cache.py), and it asks again
 with the block reserved; it leaves the queue once every caller went away.

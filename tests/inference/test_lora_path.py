@@ -64,6 +64,27 @@ def test_a_load_evicts_idle_adapters_until_its_reserve_is_free(core, tiny_models
                       "r8": AdapterState.IN_POOL}  # fmt: skip
 
 
+def test_issued_copies_keep_to_the_budget_in_the_order_they_were_prepared(
+    core, tiny_models, monkeypatch
+):
+    """issue_loads(budget_s) stops once its budget is spent, having issued at least one copy;
+    the others wait, in order, for the next call (without a budget: all of them)."""
+    adapters = core.adapters
+    core.add_adapter_dir(AdapterKey("r8", 1), tiny_models.adapter("tiny-llama", "r8"))
+    for name in ("r32", "r16", "r8"):
+        assert adapters.begin_load(AdapterKey(name, 1))
+    prepared = list(adapters._unissued)
+    issued = []
+    real = adapters.copier.issue
+    monkeypatch.setattr(adapters.copier, "issue", lambda t: (issued.append(t), real(t)))
+    adapters.issue_loads(budget_s=0.0)
+    assert issued == prepared[:1]
+    adapters.issue_loads(budget_s=0.0)
+    assert issued == prepared[:2]
+    adapters.issue_loads()
+    assert issued == prepared and not adapters._unissued
+
+
 def test_runner_prefers_fused_for_many_distinct_adapters(core, monkeypatch):
     """Fused steps are those of (mostly) distinct adapters whose ranks fit the engine's fused
     launch (FUSED_DECODE_ROWS = 16), whatever the engine's max_lora_rank (32 here)."""

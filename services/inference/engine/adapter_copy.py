@@ -1,13 +1,16 @@
-"""Host -> pool copies of adapters: one transfer of the file's bytes, then a few batched kernels.
+"""Host -> pool copies of adapters: one transfer of the file's bytes, then one kernel.
 
 On CUDA the step thread issues a copy on a side stream: a non-blocking copy of the whole
-adapter file from pinned host memory into a device staging buffer, then, per module, the
-layers' A and Bᵀ stacked, converted to the pool's dtype, padded to the pool's chunk width, and
-scattered into the adapter's slots of every layer at once (kernels/lora_layout.py's geometry),
-then an event. The step thread only polls the event (CopyTicket.done), so it never waits on the
-transfer or the kernels. (A loader thread that issued the copies instead made the steps it
-overlapped slower: its Python competed with the step thread's for the GIL. bench/adapter_load.py,
-decode step p99 under loads: 1.087x with the thread, 1.034x without.)
+adapter file from pinned host memory into a device staging buffer, then one launch of
+kernels/adapter_write.py, which converts every layer's A and Bᵀ to the pool's dtype, pads them
+to the pool's chunk width and writes them into the adapter's slots (kernels/lora_layout.py's
+geometry) from the adapter's pieces table (HostAdapter.pieces, built once on the host), then an
+event. On the CPU, and for a file whose matrices lie at offsets their dtype does not divide,
+write_adapter_torch does the same with torch operations, a few per module (the reference of the
+kernel's tests). The step thread only polls the event (CopyTicket.done), so it never waits on
+the transfer or the kernels. (A loader thread that issued the copies instead made the steps it
+overlapped slower: its Python competed with the step thread's for the GIL.
+bench/adapter_load.py, decode step p99 under loads: 1.087x with the thread, 1.034x without.)
 
 Issuing is two calls. prepare(), when the scheduler takes the pages, does host work only: it
 writes the adapter's LoRA index row (slot table, ranks, offsets, scales) into a pinned host copy
@@ -16,10 +19,9 @@ pages and rows, which work queued before (the last use of those KV pages, an evi
 index row being cleared) may still touch. issue(), which the engine calls once the step's own
 GPU work is queued (AdapterManager.issue_loads; at once when no step runs), makes the side
 stream wait for that event only, not for the step, and queues there the row's copy into the
-device index (non-blocking, from pinned memory), the transfer and the scatter; so the
-milliseconds of host time that issuing takes (about 60 operations and an 80 MB transfer for a
-Llama-7B rank-16 adapter) pass while the GPU computes the step, and nothing between steps waits
-for the GPU. (With the row written by pageable copies on the scheduling stream, begin_load took
+device index (non-blocking, from pinned memory), the transfer and the kernel; so the host time
+that issuing takes (about a dozen operations) passes while the GPU computes the step, and nothing
+between steps waits for the GPU. (With the row written by pageable copies on the scheduling stream, begin_load took
 0.7 ms between steps, p99 1.1-1.4 ms: bench/results/service_load_engines_3/4.txt.) The row
 reaches the device before the copy's end event, and a step reads it only once that event has
 passed (the adapter is IN_POOL then). On the CPU the same function runs in place, synchronously,
@@ -28,7 +30,9 @@ at prepare(), writing the index row and reading the host bytes directly.
 
 from __future__ import annotations
 
+import functools
 import time
+from types import ModuleType
 
 import torch
 
@@ -57,12 +61,41 @@ def _stacked(src: torch.Tensor, refs: list[TensorRef]) -> torch.Tensor:
     return torch.stack([typed_view(src, r) for r in refs])
 
 
+@functools.cache
+def _triton_writer() -> ModuleType:
+    from kernels import adapter_write
+
+    return adapter_write
+
+
+def to_device(raw: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The file's bytes on ``device`` (non-blocking from pinned memory), in a buffer whose
+    length is a multiple of 4, as kernels/adapter_write.py reads it."""
+    n = raw.numel()
+    staged = torch.empty(-(-n // 4) * 4, dtype=torch.uint8, device=device)
+    staged[:n].copy_(raw, non_blocking=True)
+    return staged
+
+
 def write_adapter(pool: torch.Tensor, host: HostAdapter, slots: torch.Tensor, src: torch.Tensor):
     """Write every layer's A and Bᵀ of ``host`` into its ``slots`` of ``pool`` [layers, 2, slots,
-    W]. ``src`` holds the adapter file's bytes (uint8) on the pool's device. Layers a module does
-    not transform, rows past a layer's rank and columns past a dimension are written as zeros.
-    With ``host.shard``, only the rank's columns of A (row-split modules) or rows of B
-    (column-split ones) are written (models/shard.py)."""
+    W]. ``src`` holds the adapter file's bytes (uint8) on the pool's device (to_device). Layers a
+    module does not transform, rows past a layer's rank and columns past a dimension are written
+    as zeros. With ``host.shard``, only the rank's columns of A (row-split modules) or rows of B
+    (column-split ones) are written (models/shard.py). On CUDA one kernel launch."""
+    pieces = host.pieces if pool.is_cuda else None
+    if pieces is None or src.numel() % 4:
+        write_adapter_torch(pool, host, slots.long(), src)
+        return
+    rows = max(p.rank for p in host.plan.placements if p is not None)
+    pieces = pieces.to(pool.device, non_blocking=True)
+    _triton_writer().adapter_write(pool, slots, src, pieces, rows)
+
+
+def write_adapter_torch(
+    pool: torch.Tensor, host: HostAdapter, slots: torch.Tensor, src: torch.Tensor
+) -> None:
+    """write_adapter with torch operations (``slots`` int64): the CPU path."""
     num_layers, width = pool.shape[0], pool.shape[-1]
     for m, place in enumerate(host.plan.placements):
         if place is None:
@@ -189,8 +222,8 @@ class AdapterCopier:
                 ticket._start.record(side)
                 for dst, src in zip(self.index, self._staged, strict=True):
                     dst[row].copy_(src[row], non_blocking=True)
-                slots = self.index.slot_table[row, :num_slots].long()
-                staged = host.raw.to(self.pool.device, non_blocking=True)  # pinned -> DMA
+                slots = self.index.slot_table[row, :num_slots]
+                staged = to_device(host.raw, self.pool.device)  # pinned -> DMA
                 write_adapter(self.pool, host, slots, staged)
                 ticket._end.record(side)
         except Exception as exc:  # reported to the step thread through ticket.error

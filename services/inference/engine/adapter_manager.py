@@ -12,8 +12,10 @@ take_failed_loads() has reported it (the engine then ends the requests waiting f
 scheduler admits a request only when its adapter is IN_POOL, so a load never stalls the
 requests already running. The copy itself is
 adapter_copy.py's: on CUDA begin_load() prepares it and issue_loads(), called once the step's
-GPU work is queued (at once when no step runs), issues it on a side stream (milliseconds of the
-step thread's time, spent while the GPU computes); the transfer runs while later steps compute.
+GPU work is queued (at once when no step runs), issues it on a side stream (a fraction of a
+millisecond of the step thread's time each, spent while the GPU computes, within a budget per
+step: the others wait for the next step, keeping their pages and rows); the transfer runs while
+later steps compute.
 
 Invariant: an adapter with refs > 0 (a request that uses it is queued or running) or pinned is
 never evicted by evict_idle(). Only evict_for_stall() may take one that queued requests are
@@ -30,6 +32,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
@@ -288,14 +291,21 @@ class AdapterManager:
         self._unissued.append(entry.ready)
         return True
 
-    def issue_loads(self) -> None:
-        """Queue the copies begin_load prepared (adapter_copy.py). The engine calls this once
-        the step's GPU work is queued, so their host time passes while the GPU computes (and at
-        once when no step runs)."""
-        if self._unissued:
-            tickets, self._unissued = self._unissued, []
-            for ticket in tickets:
-                self.copier.issue(ticket)
+    def issue_loads(self, budget_s: float | None = None) -> None:
+        """Queue the copies begin_load prepared (adapter_copy.py), in the order they were
+        prepared (the queue's). The engine calls this once the step's GPU work is queued, so
+        their host time passes while the GPU computes (and at once when no step runs). With
+        ``budget_s``, it stops once that much time has passed, at least one issued: a burst of
+        hundreds of loads (a saturating trace's adapters all wanted at once) must not keep the
+        step thread from launching the next step while the GPU idles."""
+        start = time.perf_counter()
+        issued = 0
+        for ticket in self._unissued:
+            self.copier.issue(ticket)
+            issued += 1
+            if budget_s is not None and time.perf_counter() - start >= budget_s:
+                break
+        del self._unissued[:issued]
 
     def poll_loads(self) -> None:
         """LOADING -> IN_POOL for every load whose copy has completed (never blocks); a copy

@@ -72,6 +72,10 @@ log = logging.getLogger(__name__)
 
 # Steps in a row whose every sequence fails alone before the failure is the engine's (_execute).
 MAX_FAILED_STEPS = 3
+# Host time a launch may spend issuing adapter copies (AdapterManager.issue_loads): this share of
+# the last step's GPU time, at least ISSUE_MIN_S. The step thread has the rest of the step for
+# the previous step's tokens and the next step's scheduling.
+ISSUE_SHARE, ISSUE_MIN_S = 0.25, 0.001
 # Called with (request_id, logits [vocab] float32) for every sampled token: a test hook.
 LogitsHook = Callable[[str, torch.Tensor], None]
 
@@ -123,6 +127,7 @@ class EngineCore:
         self._failed_steps = 0  # steps in a row in which every sequence failed (_execute)
         self.steps = self.computed_tokens = self.generated_tokens = 0
         self.last_step_ran = False
+        self._issue_budget_s = ISSUE_MIN_S  # from the last finished step's GPU time (finish)
         log.info(
             "engine ready: %d pages of %d tokens (%.1f MiB), context %d, up to %d sequences "
             "per step and %d requests in flight, %d resident adapters (LoRA index %.1f MiB), "
@@ -386,9 +391,9 @@ class EngineCore:
             scheduled, runner.last_graph, start, mark, runner.last_lora.value
         )
         # The GPU computes meanwhile (the step's work is queued), so the adapter copies
-        # prepared for this step are issued now, and a collection due now costs nothing; on
-        # CPU both simply run after the forward.
-        self.adapters.issue_loads()
+        # prepared for this step are issued now (within the budget), and a collection due now
+        # costs nothing; on CPU both simply run after the forward.
+        self.adapters.issue_loads(self._issue_budget_s)
         if during is not None:
             during()
         collect_if_due()
@@ -400,10 +405,10 @@ class EngineCore:
         sequences that end. A sequence that ended meanwhile (an abort, or a stop found in an
         earlier step's token while this one ran) drops its token."""
         if launched.ticket is None:
-            self.step_log.end(launched.record)
+            self._ended(launched.record)
             return []
         tokens = self._tokens.take(launched.ticket)
-        self.step_log.end(launched.record)
+        self._ended(launched.record)
         logprobs = self._token_logprobs(launched, tokens)
         live = []
         for i, (seq, tok) in enumerate(zip(launched.sampled, tokens, strict=True)):
@@ -411,6 +416,10 @@ class EngineCore:
             if seq.status is not SequenceStatus.FINISHED:
                 live.append((seq, tok, logprobs.get(i)))
         return self._append_all(live)
+
+    def _ended(self, record: StepRecord) -> None:
+        self.step_log.end(record)
+        self._issue_budget_s = max(ISSUE_MIN_S, ISSUE_SHARE * record.gpu_ms / 1e3)
 
     def _token_logprobs(self, launched: LaunchedStep, tokens: list[int]) -> dict:
         """Row -> TokenLogprob for the rows that asked, from the step's copies (ticket.extras:

@@ -19,15 +19,24 @@ each A or B; ``dims`` and ``pairs`` still describe the whole file.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from kernels.lora_layout import MODULE_ID, MODULES, AdapterPlan, plan_adapter
+from kernels.lora_layout import (
+    MODULE_ID,
+    MODULES,
+    PIECE_COLS,
+    PIECE_DTYPES,
+    AdapterPlan,
+    plan_adapter,
+)
 from services.inference.engine.adapter_spec import AdapterSpec, validate_and_describe
-from services.inference.models.shard import Shard, shard_base_shape
+from services.inference.models.shard import Shard, lora_slices, shard_base_shape
 from store.peft import BaseModelShape
 
 TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
@@ -55,6 +64,7 @@ class HostAdapter:
     scales: tuple[float, ...]  # per module id: the LoRA index scale
     pairs: dict[tuple[int, int], LoraPair]  # (layer, module id) -> where its weights are
     plan: AdapterPlan  # where the weights go in the adapter's slot table
+    num_layers: int  # the base model's layers (a pair may be missing for some)
     raw: torch.Tensor  # uint8 [file size]: the adapter file's bytes (pinned on CUDA)
     shard: Shard | None = None  # a tensor-parallel rank's share: the plan is the shard's
 
@@ -68,6 +78,14 @@ class HostAdapter:
 
     def host_view(self, ref: TensorRef) -> torch.Tensor:
         return typed_view(self.raw, ref)
+
+    @functools.cached_property
+    def pieces(self) -> torch.Tensor | None:
+        """The copy's pieces table for kernels/adapter_write.py (int64 [pieces, PIECE_COLS], on
+        the host), built once: a piece per (layer, module, half) of the plan, zeros where the file
+        has no pair. None when a matrix lies at an offset its dtype does not divide (then
+        adapter_copy.py's torch path writes the adapter)."""
+        return copy_pieces(self)
 
 
 def typed_view(buf: torch.Tensor, ref: TensorRef) -> torch.Tensor:
@@ -126,7 +144,54 @@ def build_host_adapter(
     dims = tuple(tuple(base.module_dims(name)) for name in MODULES)
     plan_base = base if shard is None else shard_base_shape(base, shard.size)
     plan = plan_for(spec, plan_base, width)
-    return HostAdapter(key, ranks, dims, scales, pairs, plan, raw, shard)
+    return HostAdapter(
+        key, ranks, dims, scales, pairs, plan, num_layers=base.num_layers, raw=raw, shard=shard
+    )
+
+
+def copy_pieces(host: HostAdapter) -> torch.Tensor | None:
+    """HostAdapter.pieces: where each row of every (layer, module, half) comes from in the file
+    and goes to in the adapter's slots (kernels/adapter_write.py documents the columns). A's rows
+    are the file's rows (columns contiguous), Bᵀ's rows the file's B columns (stride r_l); a
+    shard's slice of A's columns or B's rows moves the start."""
+    table = []
+    for m, place in enumerate(host.plan.placements):
+        if place is None:
+            continue
+        d_in, d_out = host.dims[m]
+        a_part, b_part = range(d_in), range(d_out)
+        if host.shard is not None:
+            a_cols, b_rows = lora_slices(m, d_in, d_out, host.shard)
+            a_part, b_part = a_part[a_cols], b_part[b_rows]
+        for layer in range(host.num_layers):
+            pair = host.pairs.get((layer, m))
+            a_row = [layer, 0, place.a_offset, place.rank, place.in_chunks]
+            b_row = [layer, 1, place.b_offset, place.rank, place.out_chunks]
+            if pair is None:  # a layer the module does not transform: zeros
+                table += [a_row + [0] * 6 + [_F32_ONE], b_row + [0] * 6 + [_F32_ONE]]
+                continue
+            r_l = pair.a.shape[0]
+            for ref in (pair.a, pair.b):
+                if ref.offset % ref.dtype.itemsize:
+                    return None
+            a, b = pair.a, pair.b
+            a_start = a.offset // a.dtype.itemsize + a_part.start
+            b_start = b.offset // b.dtype.itemsize + b_part.start * r_l
+            fold = _F32_ONE if pair.fold is None else _f32_bits(pair.fold)
+            a_code, b_code = PIECE_DTYPES[a.dtype], PIECE_DTYPES[b.dtype]
+            table.append(a_row + [a_start, a.shape[1], 1, r_l, len(a_part), a_code, _F32_ONE])
+            table.append(b_row + [b_start, 1, r_l, r_l, len(b_part), b_code, fold])
+    out = torch.from_numpy(np.asarray(table, dtype=np.int64).reshape(-1, PIECE_COLS))
+    # Pinned beside pinned bytes: a copy from pageable memory would wait for the copy stream.
+    return out.pin_memory() if host.raw.is_pinned() else out
+
+
+def _f32_bits(value: float) -> int:
+    """``value`` as float32, its bits as an int (a pieces column: kernels/adapter_write.py)."""
+    return int(np.float32(value).view(np.int32))
+
+
+_F32_ONE = _f32_bits(1.0)
 
 
 def plan_for(spec: AdapterSpec, base: BaseModelShape, width: int) -> AdapterPlan:

@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from services.inference.engine.adapter_copy import write_adapter, write_row
+from services.inference.engine.adapter_copy import to_device, write_adapter, write_row
 from services.inference.engine.adapter_manager import new_lora_index
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.model_runner import ModelRunner, StepLora
@@ -106,7 +106,7 @@ class Worker:
         host = dataclasses.replace(host, raw=raw, shard=self.shard)
         write_row(self.index, row, host, slots)
         dev = self.pool.tensor.device
-        write_adapter(self.pool.tensor, host, slots.to(dev), raw.to(dev))
+        write_adapter(self.pool.tensor, host, slots.to(dev), to_device(raw, dev))
 
     def _in_step(self, num_pages: int, page_size: int) -> bool:
         """Whether this rank's LoRA index and pool geometry equal rank 0's (sent now)."""
