@@ -20,13 +20,13 @@ index row being cleared) may still touch. issue(), which the engine calls once t
 GPU work is queued (AdapterManager.issue_loads; at once when no step runs), makes the side
 stream wait for that event only, not for the step, and queues there the row's copy into the
 device index (non-blocking, from pinned memory), the transfer and the kernel; so the host time
-that issuing takes (about a dozen operations) passes while the GPU computes the step, and nothing
-between steps waits for the GPU. (With the row written by pageable copies on the scheduling stream, begin_load took
-0.7 ms between steps, p99 1.1-1.4 ms: bench/results/service_load_engines_3/4.txt.) The row
-reaches the device before the copy's end event, and a step reads it only once that event has
-passed (the adapter is IN_POOL then). On the CPU the same function runs in place, synchronously,
-at prepare(), writing the index row and reading the host bytes directly.
-"""
+that issuing takes (about a dozen operations) passes while the GPU computes the step, and
+nothing between steps waits for the GPU. (With the row written by pageable copies on the
+scheduling stream, begin_load took 0.7 ms between steps, p99 1.1-1.4 ms:
+bench/results/service_load_engines_3/4.txt.) The row reaches the device before the copy's end
+event, and a step reads it only once that event has passed (the adapter is IN_POOL then). On the
+CPU the same function runs in place, synchronously, at prepare(), writing the index row and
+reading the host bytes directly. """
 
 from __future__ import annotations
 
