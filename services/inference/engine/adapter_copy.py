@@ -26,7 +26,7 @@ scheduling stream, begin_load took 0.7 ms between steps, p99 1.1-1.4 ms:
 bench/results/service_load_engines_3/4.txt.) The row reaches the device before the copy's end
 event, and a step reads it only once that event has passed (the adapter is IN_POOL then). On the
 CPU the same function runs in place, synchronously, at prepare(), writing the index row and
-reading the host bytes directly. """
+reading the host bytes directly."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from types import ModuleType
 import torch
 
 from kernels import LoraIndex
+from kernels.lora_layout import PIECE_COLS
 from services.inference.engine.host_adapter import HostAdapter, LoraPair, TensorRef, typed_view
 from services.inference.models.shard import lora_slices
 
@@ -75,6 +76,18 @@ def to_device(raw: torch.Tensor, device: torch.device) -> torch.Tensor:
     staged = torch.empty(-(-n // 4) * 4, dtype=torch.uint8, device=device)
     staged[:n].copy_(raw, non_blocking=True)
     return staged
+
+
+def warm_up(pool: torch.Tensor, slots: torch.Tensor) -> None:
+    """Compile (or load from Triton's cache) the write kernel for this pool and a slot table of
+    this dtype now, at start-up: the first adapter's load would otherwise spend that time on the
+    step thread, every running request waiting (a second and more on a fresh machine). One
+    program that writes nothing (a piece of no rows)."""
+    if not pool.is_cuda:
+        return
+    pieces = torch.zeros(1, PIECE_COLS, dtype=torch.int64, device=pool.device)
+    src = torch.zeros(4, dtype=torch.uint8, device=pool.device)
+    _triton_writer().adapter_write(pool, slots, src, pieces, 1)
 
 
 def write_adapter(pool: torch.Tensor, host: HostAdapter, slots: torch.Tensor, src: torch.Tensor):
@@ -189,6 +202,7 @@ class AdapterCopier:
             if self.cuda
             else index
         )
+        warm_up(pool, index.slot_table[0])
 
     def prepare(self, host: HostAdapter, row: int, slots: torch.Tensor) -> CopyTicket:
         """A copy of ``host`` into ``slots`` (host tensor) and of its index ``row``, ordered after

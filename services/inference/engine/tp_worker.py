@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from services.inference.engine.adapter_copy import to_device, write_adapter, write_row
+from services.inference.engine.adapter_copy import to_device, warm_up, write_adapter, write_row
 from services.inference.engine.adapter_manager import new_lora_index
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.model_runner import ModelRunner, StepLora
@@ -65,6 +65,7 @@ class Worker:
             self.device,
         )  # fmt: skip
         self.index = new_lora_index(layout.max_loras, layout.slot_capacity, self.device)
+        warm_up(self.pool.tensor, self.index.slot_table[0])
         self.runner = ModelRunner(
             self.model, self.pool, self.index, self.config.max_lora_rank, layout.max_num_seqs,
             self.config.max_num_batched_tokens, layout.max_len, layout.max_loras,
@@ -105,8 +106,8 @@ class Worker:
         host = pickle.loads(meta.numpy().tobytes())
         host = dataclasses.replace(host, raw=raw, shard=self.shard)
         write_row(self.index, row, host, slots)
-        dev = self.pool.tensor.device
-        write_adapter(self.pool.tensor, host, slots.to(dev), to_device(raw, dev))
+        table = self.index.slot_table[row, :num_slots]  # the slots, on the device
+        write_adapter(self.pool.tensor, host, table, to_device(raw, self.pool.tensor.device))
 
     def _in_step(self, num_pages: int, page_size: int) -> bool:
         """Whether this rank's LoRA index and pool geometry equal rank 0's (sent now)."""
