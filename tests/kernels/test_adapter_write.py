@@ -124,3 +124,13 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="int64"):
         adapter_write.adapter_write(pool, slots, to_device(host.raw, DEVICE),
                                     host.pieces.int().to(DEVICE), 4)  # fmt: skip
+
+
+def test_a_piece_of_no_rows_writes_nothing():
+    """What adapter_copy.warm_up launches at start-up to compile the kernel."""
+    pool = torch.full((SHAPE.num_layers, 2, SLOTS, WIDTH), float("nan"), device=DEVICE)
+    pieces = torch.zeros(1, 12, dtype=torch.int64, device=DEVICE)
+    slots = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    src = torch.zeros(4, dtype=torch.uint8, device=DEVICE)
+    adapter_write.adapter_write(pool, slots, src, pieces, 1)
+    assert pool.isnan().all()
