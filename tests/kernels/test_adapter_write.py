@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kernels import adapter_write
-from kernels.lora_layout import MODULES
+from kernels.lora_layout import MODULES, PIECE_COLS
 from services.inference.engine.adapter_copy import to_device, write_adapter_torch
 from services.inference.engine.host_adapter import build_host_adapter
 from services.inference.models.shard import Shard
@@ -56,9 +56,8 @@ def _write_both(host, pool_dtype):
                       device=DEVICE)  # fmt: skip
     expected = pool.clone()
     write_adapter_torch(expected, host, slots.long(), host.raw.to(DEVICE))
-    rows = max(p.rank for p in host.plan.placements if p is not None)
     adapter_write.adapter_write(
-        pool, slots.int(), to_device(host.raw, DEVICE), host.pieces.to(DEVICE), rows
+        pool, slots.int(), to_device(host.raw, DEVICE), host.pieces.to(DEVICE), host.max_rank
     )
     return pool, expected, slots
 
@@ -97,7 +96,7 @@ def test_pieces_cover_every_layer_module_and_half():
     host = build_host_adapter("k", config, body, SHAPE, WIDTH, 16, pin=False)
     pieces = host.pieces
     targeted = sum(p is not None for p in host.plan.placements)
-    assert pieces.shape == (SHAPE.num_layers * targeted * 2, 12)
+    assert pieces.shape == (SHAPE.num_layers * targeted * 2, PIECE_COLS)
     # layers 0, 2 and 3 are not transformed: their pieces write zeros (no valid rows)
     valid_rows = pieces[:, 8].reshape(targeted, SHAPE.num_layers, 2)
     assert (valid_rows[:, [0, 2, 3]] == 0).all() and (valid_rows[:, 1] == 4).all()
@@ -129,7 +128,7 @@ def test_bad_arguments_are_refused():
 def test_a_piece_of_no_rows_writes_nothing():
     """What adapter_copy.warm_up launches at start-up to compile the kernel."""
     pool = torch.full((SHAPE.num_layers, 2, SLOTS, WIDTH), float("nan"), device=DEVICE)
-    pieces = torch.zeros(1, 12, dtype=torch.int64, device=DEVICE)
+    pieces = torch.zeros(1, PIECE_COLS, dtype=torch.int64, device=DEVICE)
     slots = torch.zeros(4, dtype=torch.int32, device=DEVICE)
     src = torch.zeros(4, dtype=torch.uint8, device=DEVICE)
     adapter_write.adapter_write(pool, slots, src, pieces, 1)

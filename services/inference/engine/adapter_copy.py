@@ -100,9 +100,8 @@ def write_adapter(pool: torch.Tensor, host: HostAdapter, slots: torch.Tensor, sr
     if pieces is None or src.numel() % 4:
         write_adapter_torch(pool, host, slots.long(), src)
         return
-    rows = max(p.rank for p in host.plan.placements if p is not None)
     pieces = pieces.to(pool.device, non_blocking=True)
-    _triton_writer().adapter_write(pool, slots, src, pieces, rows)
+    _triton_writer().adapter_write(pool, slots, src, pieces, host.max_rank)
 
 
 def write_adapter_torch(
