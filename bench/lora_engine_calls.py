@@ -17,7 +17,13 @@ beside a few prompts' prefill chunks, and the decode steps of 10 requests/s; eac
 max_rank, and with the MLP calls (gate/up, down) an S1 step also launches, masked: its adapters
 have no MLP modules, so those launches find nothing to do.
 
-    python bench/lora_engine_calls.py [--splits] [--profile] [--steps] \
+With ``--gemv`` the cases are both sets, decode-only and the trace's steps, and the variants the
+fused kernel's GEMV body (kernels/lora_fused.py) by tiles it takes (gemv_max), weight block and
+warps, every call on the fused kernel, against the engine's paths today: its fused decode rule
+(q/k/v fused, o fused from 256 tokens; prefill-sized steps all fused), all fused, all two
+launches.
+
+    python bench/lora_engine_calls.py [--splits] [--profile] [--steps] [--gemv] \
         [--out bench/results/lora_engine_calls.json]
 """
 
@@ -35,7 +41,7 @@ import torch  # noqa: E402
 
 from bench import kernels as kb  # noqa: E402
 from bench.provenance import write_result  # noqa: E402
-from kernels import lora  # noqa: E402
+from kernels import lora, lora_paths  # noqa: E402
 from kernels.lora_layout import K, O, Q, V  # noqa: E402
 from kernels.lora_ref import make_lora_tokens  # noqa: E402
 
@@ -67,6 +73,19 @@ STEP_CASES = (
     (300, 5, (512, 512, 512)),
     (0, 5, (1024, 1024)),
 )
+# --gemv: (GEMV rank rows, most tokens of a GEMV tile, weight block, warps). A first sweep over
+# 1 and 16 tokens, blocks 256-1024 and 4 or 8 warps found 1 token, 1024 and 4 warps fastest
+# everywhere (bench/results/lora_engine_calls_gemv_sweep.json); these go on from there.
+GEMV_POINTS = (
+    (16, 1, 1024, 4),
+    (8, 1, 1024, 4),
+    (8, 1, 2048, 4),
+    (8, 1, 2048, 8),
+    (16, 1, 1024, 2),
+    (8, 1, 1024, 2),
+    (8, 2, 2048, 4),
+    (16, 2, 1024, 4),
+)
 S1_MODULES = (Q, K, V, O)
 LAYERS = 4  # each with its own weights, so one layer's adapters do not stay in L2
 
@@ -97,6 +116,18 @@ def time_case(
         modules = S1_MODULES if v.get("mlp") else None
         tokens = make_lora_tokens(case.rows, capacity=cap, modules=modules)
         cfgs = [None] * len(calls)
+        fused = [v.get("fused")] * len(calls)
+        if v.get("engine"):  # the engine's per-call choice in a fused step (kernels/lora_paths)
+            fused = [lora_paths.decode_call_fused(True, t, len(m), max_rank) or t > 512
+                     for m, _, _ in calls]  # fmt: skip
+        if v.get("gemv_max"):
+            cfgs = [
+                lora.fused_config(t, kb.POOL_W, max_rank, len(m), max(w), d_in=d)._replace(
+                    gemv_max=v["gemv_max"], gemv_k=v["gemv_block"], gemv_n=v["gemv_block"],
+                    shrink_warps=v["warps"], gemv_r=v.get("gemv_r", 0),
+                )
+                for m, d, w in calls
+            ]  # fmt: skip
         if v.get("split_k"):
             cfgs = [
                 lora.launch_config(t, d, kb.POOL_W, max_rank, len(m))._replace(
@@ -107,12 +138,12 @@ def time_case(
         split = max(c.split_k for c in cfgs) if cfgs[0] else 16
         ws = torch.empty(lora.workspace_size(t, 3, max_rank) * split, device=kb.DEV)
 
-        def fn(tokens=tokens, cfgs=cfgs, ws=ws, v=v, max_rank=max_rank, calls=calls):
+        def fn(tokens=tokens, cfgs=cfgs, ws=ws, fused=fused, max_rank=max_rank, calls=calls):
             for layer in range(LAYERS):
                 for c, (m, _, w) in enumerate(calls):
                     lora.lora_apply(
                         ys[layer][c], xs[layer][c], case.pool[layer], case.index, tokens, m, w,
-                        max_rank, workspace=ws, config=cfgs[c], fused=v.get("fused"),
+                        max_rank, workspace=ws, config=cfgs[c], fused=fused[c],
                     )  # fmt: skip
 
         us = kb.timed(fn, LAYERS, eager=False).graph_us
@@ -148,10 +179,19 @@ def main() -> None:
     ap.add_argument("--splits", action="store_true", help="two launches by split_k, expand_n")
     ap.add_argument("--profile", action="store_true", help="kernel times of the engine default")
     ap.add_argument("--steps", action="store_true", help="the serving trace's step compositions")
+    ap.add_argument("--gemv", action="store_true", help="the fused kernel's GEMV body, both sets")
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/lora_engine_calls.json")
     args = ap.parse_args()
     variants = []
-    if args.steps:
+    if args.gemv:
+        for mlp in (False, True):
+            variants += [dict(max_rank=16, segments=514, engine=True, mlp=mlp),
+                         dict(max_rank=16, segments=514, fused=False, mlp=mlp)]  # fmt: skip
+            # (GEMV rows, tiles it takes, weight block, warps); rows 8 calls carry max_rank 8
+            for rows, gmax, block, warps in GEMV_POINTS:
+                variants.append(dict(max_rank=rows, segments=514, gemv_max=gmax, gemv_r=rows,
+                                     gemv_block=block, warps=warps, mlp=mlp))  # fmt: skip
+    elif args.steps:
         for mlp in (False, True):
             for max_rank, fused in ((128, None), (16, None), (16, True), (16, False)):
                 variants.append(dict(max_rank=max_rank, segments=514, fused=fused, mlp=mlp))
@@ -170,9 +210,12 @@ def main() -> None:
         variants.insert(0, dict(max_rank=128, segments=514, fused=None, mlp=args.steps,
                                 profile=True))  # fmt: skip
     gen = torch.Generator().manual_seed(0)
-    if args.steps:
-        rows = [r for t, n, p in STEP_CASES for r in time_case(t, n, gen, variants, p)]
-    else:
+    if args.gemv:
+        decode = [v for v in variants if not v.get("mlp")]
+        steps = [v for v in variants if v.get("mlp")]
+        rows = [r for t, n in CASES for r in time_case(t, n, gen, decode)]
+        rows += [r for t, n, p in STEP_CASES for r in time_case(t, n, gen, steps, p)]
+    elif args.steps:
         rows = [r for t, n in CASES for r in time_case(t, n, gen, variants)]
     write_result(args.out, "lora_engine_calls.py", {
         "benchmark": "one layer's S1 LoRA calls (q/k/v, o; rank 8) as the engine makes them",

@@ -38,6 +38,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kernels.lora_args import MAX_SLICES, check_call, check_float, check_modules, check_widths
 from kernels.lora_fused import lora_fused_kernel
 from kernels.lora_paths import (
+    FUSED_DECODE_ROWS,
     FUSED_MAX_RANK,
     FUSED_MAX_TOKENS,
     fused_rank_rows,
@@ -70,6 +71,26 @@ _DECODE_SPLIT_MAX_D_IN = 4096
 _EXPAND_MAX_REGISTERS = 96
 
 
+# Fused launches send tiles of at most this many tokens to the kernel's GEMV body
+# (kernels/lora_fused.py), with weight blocks of _GEMV_BLOCK elements. H200, one layer's S1
+# q/k/v and o calls in a graph at the engine's 16 rank rows, every call fused, the dot body
+# against GEMV for one-token tiles (bench/results/lora_engine_calls_gemv.json; the engine's own
+# paths beside them): 512 decode tokens on 405 adapters 151.4 against 116.3 µs; the n = 1000
+# trace's mixed steps, 400 decode tokens beside four 400-token prompts 201.0 against 170.3, beside
+# three 200-token prompts 191.7 against 145.1, 300 beside three 512-token prompts 188.9 against
+# 150.9; 292 tokens on 192 adapters 85.9 against 81.0; calls whose tiles are mostly longer
+# (512 tokens on 5 or 30 adapters, 1024 on 100, prefill of a few adapters) within 1 µs either way.
+# Tiles of up to 2 tokens on the GEMV body were slower at 512 on 405 (161.7), 16 much slower
+# (a 16-token tile, 16 products of every weight on the CUDA cores: 1657 µs at 1024 on 100); with
+# 256- and 512-element blocks or 8 warps a program streams less at once and took longer (512 on
+# 405: 349.5 and 149.1 with 4 warps, 197.7 with 1024 and 8 warps; the first sweep,
+# lora_engine_calls_gemv_sweep.json). GEMV programs of 8 rank rows (rank-8 adapters in calls of
+# max_rank 8) gained 2-5% more (113.2 and 140.1 µs above), which the engine's 16-row fused graphs
+# leave aside. Launches of more rank rows have no GEMV body (fused_config).
+_GEMV_MAX = 1
+_GEMV_BLOCK = 1024
+
+
 class _Narrow(NamedTuple):
     """A fused decode launch with smaller blocks, which more programs share one SM with: taken
     when a call's programs overflow what one wave of the default launch holds but fit one wave
@@ -90,13 +111,15 @@ class _Narrow(NamedTuple):
 # multiprocessor; Triton 3.6). Programs an SM holds follow from the compiled kernel's registers
 # and shared memory, which differ between calls (`python -m bench.kernel_resources` prints them
 # for the Llama-2-7B layer's four; a test checks this table against it: each count is the least
-# among the calls whose decode programs can reach the window). At 16 rows the default 256 x 256
-# launch holds 3 to 5 programs an SM (96-135 registers a thread: q/k/v 5, gate/up 3), 256 x 128
-# blocks 6 (63-80 registers; 32 KB of shared memory each is the limit). At 64 rows the default
-# 256 x 256 launch with 8 warps holds 2 (80 KB of shared memory), 128 x 128 with 4 warps 4 (5
-# for q/k/v and o, 4 for gate/up and down: 78-128 registers). Other rank rows were not
-# measured and keep the default launch.
-_NARROW = {16: _Narrow(3, 6, 256, 128, 4), 64: _Narrow(2, 4, 128, 128, 4)}
+# among the calls whose decode programs can reach the window). At 16 rows, with the GEMV body
+# the launch carries for one-token tiles (_GEMV_MAX), the default 256 x 256 launch holds 3 to 5
+# programs an SM (96-168 registers a thread: q/k/v and o 5, gate/up 4, down 3), 256 x 128 blocks
+# 4 or 5 (88-128 registers: gate/up 4); without the GEMV body those blocks held 6 (63-80
+# registers), the count behind the rule's timings (fused_config's docstring), which were not
+# retaken with it. At 64 rows the default 256 x 256 launch with 8 warps holds 2 (80 KB of
+# shared memory), 128 x 128 with 4 warps 4 (5 for q/k/v and o, 4 for gate/up and down: 78-128
+# registers). Other rank rows were not measured and keep the default launch.
+_NARROW = {16: _Narrow(3, 4, 256, 128, 4), 64: _Narrow(2, 4, 128, 128, 4)}
 
 
 class LoraLaunch(NamedTuple):
@@ -115,6 +138,10 @@ class LoraLaunch(NamedTuple):
     fused: bool = False  # one launch (kernels/lora_fused.py) instead of shrink + expand
     parts: int = 1  # fused: programs sharing one (tile, slice)'s output columns
     tile_programs: int = 0  # two launches: programs along the tiles (0: _tile_programs picks)
+    gemv_max: int = 0  # fused: tiles of at most this many tokens take the GEMV body (0: none)
+    gemv_k: int = 256  # fused: the GEMV body's d_in block
+    gemv_n: int = 256  # fused: the GEMV body's column block
+    gemv_r: int = 0  # fused: the GEMV body's rank rows (0: shrink_r's; any power of two)
 
 
 def launch_config(
@@ -180,12 +207,17 @@ def fused_config(
     and at most 1 + out_width // d_in: each part reads the tile's whole A (all but one from
     L2), so the extra A reads stay within the slice's Bᵀ bytes (o: 2 parts, down: 1); but 2
     while two parts give at most one program an SM (down up to 66 tokens on 132 SMs).
-    32-token tiles for prefill.
+    32-token tiles for prefill. Tiles of one token (a decode token whose adapter no other token
+    of the call uses) take the GEMV body with 1024-element weight blocks (_GEMV_MAX), in
+    launches of FUSED_DECODE_ROWS rank rows, the engine's (a program of more rows would hold
+    rows x 1024 weights in registers; not measured).
 
     On sm_90, decode calls whose programs overflow one wave of that launch but fit one wave of
     a launch with smaller blocks (_NARROW) take the smaller blocks: a partial second wave
     streams through too few programs an SM (rank 16, 256 tokens, q/k/v: 768 programs, 528 a
-    wave of the default launch on 132 SMs, 792 of 256 x 128 blocks: 72 µs against 89).
+    wave of the default launch on 132 SMs, 792 of 256 x 128 blocks: 72 µs against 89, before
+    the GEMV body, with which those blocks hold 4 programs an SM, not 6, and that call keeps
+    the default launch: the window at 16 rows is now 397-528 programs).
 
     Measured per call on the H200 for decode at ranks 16 and 64 (bench/results/
     kernels_sweep_blocks.json and kernels_sweep_waves.json, docs/kernels.md), Llama-2-7B
@@ -207,6 +239,7 @@ def fused_config(
         block_k = _fit_block(narrow.block_k, width)
         block_n = _fit_block(narrow.block_n, width)
         warps = narrow.warps
+    gemv = _fit_block(_GEMV_BLOCK, width)
     return LoraLaunch(
         block_m=16 if decode else 32,
         shrink_k=block_k,
@@ -217,6 +250,9 @@ def fused_config(
         fused=True,
         parts=parts,
         stages=3,
+        gemv_max=_GEMV_MAX if rows <= FUSED_DECODE_ROWS else 0,
+        gemv_k=gemv,
+        gemv_n=gemv,
     )
 
 
@@ -542,6 +578,8 @@ def _expand(y, h, pool_layer, index, tokens, modules, out_widths, max_rank, cfg,
 def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, call):
     if cfg.shrink_r < max_rank:
         raise ValueError(f"a fused config holds {cfg.shrink_r} rank rows, max_rank is {max_rank}")
+    if cfg.gemv_max and (cfg.gemv_r or cfg.shrink_r) < max_rank:
+        raise ValueError(f"a GEMV body holds {cfg.gemv_r} rank rows, max_rank is {max_rank}")
     grid = (
         max_tiles(call.num_tokens, cfg.block_m, call.num_segs),
         len(modules) * cfg.parts,
@@ -556,6 +594,9 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
         D_IN=call.d_in, W=call.width, IN_CHUNKS=call.in_chunks,
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.shrink_k, BLOCK_N=cfg.expand_n, BLOCK_R=cfg.shrink_r,
         DOT_F32=dot_f32(y.dtype), MASKED=tokens.modules is not None,
+        PART_N=max(cfg.expand_n, cfg.gemv_n) if cfg.gemv_max else cfg.expand_n,
+        GEMV_MAX=cfg.gemv_max, GEMV_K=cfg.gemv_k, GEMV_N=cfg.gemv_n,
+        GEMV_R=cfg.gemv_r or cfg.shrink_r,
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules, out_widths),
     )  # fmt: skip

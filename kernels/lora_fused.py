@@ -15,6 +15,15 @@ takes this path by default for prefill-sized calls of several slices, and on req
 (``fused=True``) elsewhere: in decode it wins only when tokens' adapters are distinct and many,
 which the engine knows and the shapes do not (kernels/lora_paths.py).
 
+A tile takes one of two bodies by its token count. Tiles of more than GEMV_MAX tokens multiply
+their token block by each weight block on the tensor cores (_tile_dot): a 16- or 32-row block,
+the weights staged through shared memory. Tiles of at most GEMV_MAX tokens (GEMV_MAX = 0: none),
+a decode token's tile of one, would pad that block to 16 rows for one, so they keep each weight
+block in registers instead and form each token's products and sums on the CUDA cores
+(_tile_gemv): h[t] = Σ_k A[:, k] x[t, k], then y[t, cols] += scale · Σ_r h[t, r] Bᵀ[r, cols],
+one token after the other against the block loaded once. Both round alike: products and sums in
+fp32, h rounded once to the output dtype before the expand (for bf16 and fp16 outputs), y once.
+
 Slot lookups are hoisted out of both streaming loops (one per rank row and pool chunk), as in
 the two-launch kernels, so the loops are plain strided streams that software-pipeline.
 """
@@ -49,6 +58,10 @@ def lora_fused_kernel(
     N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,  # slice widths
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr,
+    PART_N: tl.constexpr,  # parts own whole blocks of PART_N columns (both bodies' blocks fit)
+    GEMV_MAX: tl.constexpr = 0,
+    GEMV_K: tl.constexpr = 256, GEMV_N: tl.constexpr = 256,  # the GEMV body's weight blocks
+    GEMV_R: tl.constexpr = 16,  # the GEMV body's rank rows (>= MAX_RANK; no dot: 8 is allowed)
 ):  # fmt: skip
     q = tl.program_id(1)
     s = q // PARTS
@@ -60,7 +73,7 @@ def lora_fused_kernel(
     if a < 0:
         return
     width = _pick3(s, N0, N1, N2)
-    per = tl.cdiv(tl.cdiv(width, BLOCK_N), PARTS) * BLOCK_N  # columns of one part
+    per = tl.cdiv(tl.cdiv(width, PART_N), PARTS) * PART_N
     lo = p * per
     hi = tl.minimum(lo + per, width)
     if lo >= hi:  # a narrow slice (GQA k, v) has fewer blocks than parts
@@ -70,14 +83,48 @@ def lora_fused_kernel(
     rank = tl.minimum(tl.load(ranks_ptr + a64 * stride_idx + m), MAX_RANK)
     if rank == 0:
         return
+    table_row = table_ptr + a64 * stride_table
+    # A row j, chunk c at a_off + j*IN_CHUNKS + c; Bᵀ row j, chunk c at b_off + j*out_chunks + c
+    a_base = table_row + tl.load(a_off_ptr + a64 * stride_idx + m)
+    b_base = table_row + tl.load(b_off_ptr + a64 * stride_idx + m)
+    scale = tl.load(scales_ptr + a64 * stride_scale + m)
+    y_base = y_ptr + _pick3(s, 0, N0, N0 + N1)
+    if GEMV_MAX > 0:
+        if m_end - m_start <= GEMV_MAX:
+            _tile_gemv(
+                x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
+                a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
+                D_IN, W, IN_CHUNKS, GEMV_MAX, GEMV_K, GEMV_N, GEMV_R,
+            )  # fmt: skip
+        else:
+            _tile_dot(
+                x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
+                a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
+                D_IN, W, IN_CHUNKS, BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_R, DOT_F32,
+            )  # fmt: skip
+    else:
+        _tile_dot(
+            x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
+            a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
+            D_IN, W, IN_CHUNKS, BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_R, DOT_F32,
+        )  # fmt: skip
+
+
+@triton.jit
+def _tile_dot(
+    x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
+    a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
+    D_IN: tl.constexpr, W: tl.constexpr, IN_CHUNKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """A tile's shrink and expand as dots of its BLOCK_M-row token block (tensor cores)."""
     rows = tl.arange(0, BLOCK_R)  # every rank row at once: BLOCK_R >= MAX_RANK
     row_ok = rows < rank
+    a_pos = a_base + rows * IN_CHUNKS
+    b_pos = b_base + rows * ((width + W - 1) // W)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     m_ok = offs_m < m_end
-    table_row = table_ptr + a64 * stride_table
-
-    # shrink: h = x · Aᵀ over all of d_in; A row j, chunk c at position a_off + j*IN_CHUNKS + c
-    a_pos = table_row + tl.load(a_off_ptr + a64 * stride_idx + m) + rows * IN_CHUNKS
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xt
     offs_k = tl.arange(0, BLOCK_K)
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -97,15 +144,11 @@ def lora_fused_kernel(
             else:
                 h += tl.dot(xt, tl.trans(w.to(xt.dtype)))  # [M, K] x [K, R]
 
-    # expand: y[:, lo:hi] += scale · h · Bᵀ; Bᵀ row j, chunk c at b_off + j*out_chunks + c
-    scale = tl.load(scales_ptr + a64 * stride_scale + m)
-    out_chunks = (width + W - 1) // W
-    b_pos = table_row + tl.load(b_off_ptr + a64 * stride_idx + m) + rows * out_chunks
-    y_rows = y_ptr + offs_m[:, None].to(tl.int64) * stride_yt + _pick3(s, 0, N0, N0 + N1)
+    y_rows = y_base + offs_m[:, None].to(tl.int64) * stride_yt
     if DOT_F32:
         hd = h
     else:
-        hd = h.to(y_ptr.dtype.element_ty)  # rounded once, as the two-launch path rounds h
+        hd = h.to(y_base.dtype.element_ty)  # rounded once, as the two-launch path rounds h
     offs_n = tl.arange(0, BLOCK_N)
     for c in range(lo // W, tl.cdiv(hi, W)):
         slot = tl.load(b_pos + c, mask=row_ok, other=0).to(tl.int64)
@@ -124,4 +167,62 @@ def lora_fused_kernel(
             else:
                 acc = tl.dot(hd, bt.to(hd.dtype))  # [M, R] x [R, N]
             out = yb.to(tl.float32) + acc * scale
-            tl.store(y_rows + nn[None, :], out.to(y_ptr.dtype.element_ty), mask=y_ok)
+            tl.store(y_rows + nn[None, :], out.to(y_base.dtype.element_ty), mask=y_ok)
+
+
+@triton.jit
+def _tile_gemv(
+    x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
+    a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
+    D_IN: tl.constexpr, W: tl.constexpr, IN_CHUNKS: tl.constexpr,
+    GEMV_MAX: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """A tile of at most GEMV_MAX tokens, token by token against each weight block held in
+    registers (CUDA cores). BLOCK_R (the launch's GEMV_R) >= MAX_RANK: every rank row at once."""
+    rows = tl.arange(0, BLOCK_R)
+    row_ok = rows < rank
+    a_pos = a_base + rows * IN_CHUNKS
+    b_pos = b_base + rows * ((width + W - 1) // W)
+    toks = tl.arange(0, GEMV_MAX)  # the tile's tokens, as rows of h
+    n_tok = m_end - m_start
+    offs_k = tl.arange(0, BLOCK_K)
+    h = tl.zeros((GEMV_MAX, BLOCK_R), dtype=tl.float32)
+    for c in range(IN_CHUNKS):
+        slot = tl.load(a_pos + c, mask=row_ok, other=0).to(tl.int64)
+        w_rows = pool_ptr + slot[:, None] * stride_slot - c * W
+        k_end = tl.minimum(D_IN, c * W + W)
+        for k0 in range(c * W, k_end, BLOCK_K):
+            if W % BLOCK_K == 0:
+                k0 = tl.multiple_of(k0, BLOCK_K)
+            kk = k0 + offs_k
+            k_ok = kk < k_end
+            w = tl.load(w_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = w.to(tl.float32)
+            for t in range(n_tok):
+                xv = tl.load(x_ptr + (m_start + t).to(tl.int64) * stride_xt + kk, mask=k_ok,
+                             other=0.0)  # fmt: skip
+                part = tl.sum(w * xv.to(tl.float32)[None, :], axis=1)  # [R]
+                h += tl.where(toks[:, None] == t, part[None, :], 0.0)
+
+    if y_base.dtype.element_ty != tl.float32:  # rounded once, as the two-launch path rounds h
+        h = h.to(y_base.dtype.element_ty).to(tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for c in range(lo // W, tl.cdiv(hi, W)):
+        slot = tl.load(b_pos + c, mask=row_ok, other=0).to(tl.int64)
+        bt_rows = pool_ptr + stride_half + slot[:, None] * stride_slot - c * W
+        c_end = tl.minimum(hi, c * W + W)
+        for n0 in range(tl.maximum(lo, c * W), c_end, BLOCK_N):
+            if W % BLOCK_N == 0:
+                n0 = tl.multiple_of(n0, BLOCK_N)
+            nn = n0 + offs_n
+            n_ok = nn < c_end
+            bt = tl.load(bt_rows + nn[None, :], mask=row_ok[:, None] & n_ok[None, :], other=0.0)
+            bt = bt.to(tl.float32)
+            for t in range(n_tok):
+                ht = tl.sum(tl.where(toks[:, None] == t, h, 0.0), axis=0)  # [R]: token t's h
+                acc = tl.sum(ht[:, None] * bt, axis=0)  # [N]
+                y_ptrs = y_base + (m_start + t).to(tl.int64) * stride_yt + nn
+                yb = tl.load(y_ptrs, mask=n_ok, other=0.0)
+                out = yb.to(tl.float32) + acc * scale
+                tl.store(y_ptrs, out.to(y_base.dtype.element_ty), mask=n_ok)

@@ -35,25 +35,41 @@ from tests.kernels.sizes import (
 # Under the interpreter, small blocks make every loop run several steps; on a GPU the
 # launcher's own choice is what gets tested.
 SMALL = None if ON_GPU else lora.LoraLaunch(block_m=16, shrink_k=16, shrink_r=16, expand_n=16)
-PATHS = ("two_launch", "fused")
+PATHS = ("two_launch", "fused", "gemv")
 
 
 def _config(path: str, shape, t: int, max_rank: int, parts: int = 2):
     """The launch config of a path: shrink + expand, or the fused one-launch kernel, forced
-    either way. On a GPU the launcher's own blocks (launch_config, fused_config)."""
+    either way; "gemv": the fused kernel with tiles of up to two tokens on its GEMV body (and
+    the longer ones on its dot body). On a GPU the launcher's own blocks (launch_config,
+    fused_config: one-token tiles on the GEMV body); here "fused" is the dot body alone."""
     slices = len(shape.modules)
     if path == "two_launch":
         if SMALL is not None:
             return SMALL
         return lora.launch_config(t, shape.d_in, shape.width, max_rank, slices)
+    # GEMV rows: the least power of two that holds max_rank (8 and below allowed: no dot)
+    gemv = dict(gemv_max=2, gemv_r=1 << (max_rank - 1).bit_length()) if path == "gemv" else {}
     if ON_GPU:
-        return lora.fused_config(
+        cfg = lora.fused_config(
             t, shape.width, max_rank, slices, max(shape.widths), d_in=shape.d_in
         )
+        if gemv:  # each GEMV weight block the benchmarks try, by the call's token count
+            block = (256, 512, 1024)[t % 3]
+            gemv.update(gemv_k=block, gemv_n=block)
+        return cfg._replace(**gemv)
     rows = lora.fused_rank_rows(max_rank)
     block_m = 32 if t > 20 else 16  # 32-token tiles for the small shapes' prefill-like calls
+    if gemv:  # GEMV column blocks wider than the dot's: parts own whole blocks of both
+        gemv.update(gemv_k=32, gemv_n=32)
     return lora.LoraLaunch(
-        block_m=block_m, shrink_k=16, shrink_r=rows, expand_n=16, fused=True, parts=parts
+        block_m=block_m,
+        shrink_k=16,
+        shrink_r=rows,
+        expand_n=16,
+        fused=True,
+        parts=parts,
+        **gemv,
     )
 
 
@@ -258,6 +274,12 @@ def test_launch_config_chooses_paths():
     cfg = lora.fused_config(1, 4096, 64, 3, 4096, d_in=4096)
     assert cfg.fused and cfg.shrink_r >= 64 and cfg.parts > 1 and cfg.block_m == 16
     assert lora.fused_config(4096, 4096, 16, 3, 4096, d_in=4096).block_m == 32
+    # one-token tiles on the GEMV body, its weight blocks inside one pool chunk, at the
+    # engine's 16 fused rank rows; launches of more rows have no GEMV body
+    g = lora.fused_config(64, 4096, 16, 3, 4096, d_in=4096)
+    assert (g.gemv_max, g.gemv_k, g.gemv_n) == (1, 1024, 1024)
+    assert lora.fused_config(64, 1536, 16, 3, 1536, d_in=1536).gemv_k == 512
+    assert cfg.gemv_max == 0
 
 
 @pytest.mark.parametrize("sms", [8, 132])
@@ -290,7 +312,8 @@ def test_fused_config_fills_one_wave(monkeypatch):
         return c.shrink_k, c.expand_n, c.shrink_warps, c.parts
 
     assert cfg(128, 16, 3, 4096) == (256, 256, 4, 1)  # q, k, v: 384 programs, one wave
-    assert cfg(256, 16, 3, 4096) == (256, 128, 4, 1)  # 768: 396 a wave, 792 with 256 x 128
+    assert cfg(160, 16, 3, 4096) == (256, 128, 4, 1)  # 480: 396 a wave, 528 with 256 x 128
+    assert cfg(256, 16, 3, 4096)[:3] == (256, 256, 4)  # 768: two waves either way
     assert cfg(256, 16, 2, 11008) == (256, 128, 4, 1)  # gate_up: 512 (3 an SM: 396 a wave)
     assert cfg(512, 16, 3, 4096)[:3] == (256, 256, 4)  # 1536: several waves either way
     assert cfg(64, 64, 3, 4096) == (256, 256, 8, 1)  # 192 of 264
@@ -304,7 +327,7 @@ def test_fused_config_fills_one_wave(monkeypatch):
     assert cfg(67, 64, 1, 4096, 11008)[3] == 1  # 134: more than one an SM
     assert cfg(256, 16, 1, 4096, 11008)[3] == 1
     monkeypatch.setattr(lora, "_hopper", lambda: False)  # the counts are sm_90's
-    assert cfg(256, 16, 3, 4096)[:3] == (256, 256, 4)
+    assert cfg(160, 16, 3, 4096)[:3] == (256, 256, 4)
 
 
 def test_decode_path_rule():
@@ -360,6 +383,15 @@ def test_fused_config_must_hold_every_rank_row():
     with pytest.raises(ValueError, match="rank rows"):
         lora.lora_apply(
             y, x, setup.pool[0], setup.index, tokens, (Q, K, V), (32, 16, 16), 32, config=cfg
+        )
+
+
+def test_gemv_rows_must_hold_every_rank_row():
+    setup, tokens, x, y = _small_call()
+    cfg = lora.LoraLaunch(16, 16, 16, 16, fused=True, gemv_max=1, gemv_r=8)  # max_rank 16
+    with pytest.raises(ValueError, match="GEMV body holds 8 rank rows"):
+        lora.lora_apply(
+            y, x, setup.pool[0], setup.index, tokens, (Q, K, V), (32, 16, 16), 16, config=cfg
         )
 
 
