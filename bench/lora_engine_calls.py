@@ -23,7 +23,7 @@ warps, every call on the fused kernel, against the engine's paths today: its fus
 (q/k/v fused, o fused from 256 tokens; prefill-sized steps all fused), all fused, all two
 launches.
 
-    python bench/lora_engine_calls.py [--splits] [--profile] [--steps] [--gemv] \
+    python bench/lora_engine_calls.py [--splits] [--profile] [--steps] [--gemv [--points N]] \
         [--out bench/results/lora_engine_calls.json]
 """
 
@@ -180,6 +180,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="kernel times of the engine default")
     ap.add_argument("--steps", action="store_true", help="the serving trace's step compositions")
     ap.add_argument("--gemv", action="store_true", help="the fused kernel's GEMV body, both sets")
+    ap.add_argument("--points", type=int, default=len(GEMV_POINTS),
+                    help="--gemv: the first this many of GEMV_POINTS")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/lora_engine_calls.json")
     args = ap.parse_args()
     variants = []
@@ -188,7 +190,7 @@ def main() -> None:
             variants += [dict(max_rank=16, segments=514, engine=True, mlp=mlp),
                          dict(max_rank=16, segments=514, fused=False, mlp=mlp)]  # fmt: skip
             # (GEMV rows, tiles it takes, weight block, warps); rows 8 calls carry max_rank 8
-            for rows, gmax, block, warps in GEMV_POINTS:
+            for rows, gmax, block, warps in GEMV_POINTS[: args.points]:
                 variants.append(dict(max_rank=rows, segments=514, gemv_max=gmax, gemv_r=rows,
                                      gemv_block=block, warps=warps, mlp=mlp))  # fmt: skip
     elif args.steps:

@@ -581,8 +581,8 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
     if cfg.gemv_max and (cfg.gemv_r or cfg.shrink_r) < max_rank:
         raise ValueError(f"a GEMV body holds {cfg.gemv_r} rank rows, max_rank is {max_rank}")
     grid = (
-        max_tiles(call.num_tokens, cfg.block_m, call.num_segs),
         len(modules) * cfg.parts,
+        max_tiles(call.num_tokens, cfg.block_m, call.num_segs),  # at most 65535: a grid's y
     )
     lora_fused_kernel[grid](
         x, x.stride(0), y, y.stride(0),

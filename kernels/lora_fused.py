@@ -1,7 +1,8 @@
 """One-launch multi-LoRA: shrink and expand fused in one kernel.
 
-Semantics are kernels/lora_ref.py's lora_apply; geometry kernels/lora_layout.py. Grid (tiles,
-slices x parts): a program owns one tile (at most BLOCK_M tokens of one adapter, from the tile
+Semantics are kernels/lora_ref.py's lora_apply; geometry kernels/lora_layout.py. Grid (slices x
+parts, tiles), so that every program of a tile starts before those of the next (the host lists
+the long tiles first: kernels/tile_table.block_tiles): a program owns one tile (at most BLOCK_M tokens of one adapter, from the tile
 table the host wrote: kernels/tile_table.py), one slice and one contiguous share (``part``) of
 that slice's output columns. It computes the tile's whole h = x · Aᵀ for its slice in
 registers (all rank rows at once, streaming d_in), then streams its share of Bᵀ and adds
@@ -63,13 +64,13 @@ def lora_fused_kernel(
     GEMV_K: tl.constexpr = 256, GEMV_N: tl.constexpr = 256,  # the GEMV body's weight blocks
     GEMV_R: tl.constexpr = 16,  # the GEMV body's rank rows (>= MAX_RANK; no dot: 8 is allowed)
 ):  # fmt: skip
-    q = tl.program_id(1)
+    q = tl.program_id(0)
     s = q // PARTS
     p = q % PARTS
     if MASKED:
         if tl.load(mods_ptr + _pick3(s, M0, M1, M2)) == 0:  # no adapter of the step has it
             return
-    a, m_start, m_end = table_tile(tiles_ptr, tl.program_id(0))
+    a, m_start, m_end = table_tile(tiles_ptr, tl.program_id(1))
     if a < 0:
         return
     width = _pick3(s, N0, N1, N2)

@@ -50,15 +50,27 @@ def table_rows(num_tokens: int, num_segments: int) -> int:
 
 def block_tiles(starts: Sequence[int], rows: Sequence[int], block: int) -> list[int]:
     """The tiles of segments ``rows`` (segment g covers tokens starts[g]:starts[g+1]) with an
-    adapter (row >= 0), flattened (row, start, end, ...), in token order."""
+    adapter (row >= 0), flattened (row, start, end, ...): the tiles of two tokens or more
+    first, then those of one, each kind in token order.
+
+    Why that order: programs start roughly in table order, and in the fused LoRA kernel a tile of
+    several tokens (a prompt's, its dot body) takes several times as long as one of one token (a
+    decode token's, its GEMV body). Listed last, as the prompts of a mixed step often are, the
+    long programs started last and ran on alone after the short ones had ended; listed first,
+    the short ones fill the GPU around them."""
     out: list[int] = []
+    ones: list[int] = []
     for g, row in enumerate(rows):
         if row < 0:
             continue
         end = starts[g + 1]
+        if end - starts[g] == 1:
+            ones += (row, starts[g], end)
+            continue
         for s in range(starts[g], end, block):
-            out += (row, s, min(s + block, end))
-    return out
+            e = min(s + block, end)
+            (out if e - s > 1 else ones).extend((row, s, e))
+    return out + ones
 
 
 def query_tiles(starts: Sequence[int], block: int = ATTENTION_BLOCK) -> list[int]:
