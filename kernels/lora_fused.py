@@ -2,9 +2,9 @@
 
 Semantics are kernels/lora_ref.py's lora_apply; geometry kernels/lora_layout.py. Grid (slices x
 parts, tiles), so that every program of a tile starts before those of the next (the host lists
-the long tiles first: kernels/tile_table.block_tiles): a program owns one tile (at most BLOCK_M tokens of one adapter, from the tile
-table the host wrote: kernels/tile_table.py), one slice and one contiguous share (``part``) of
-that slice's output columns. It computes the tile's whole h = x · Aᵀ for its slice in
+the long tiles first: kernels/tile_table.block_tiles): a program owns one tile (at most BLOCK_M
+tokens of one adapter, from the tile table the host wrote), one slice and one contiguous share
+(``part``) of that slice's output columns. It computes the tile's whole h = x · Aᵀ for its slice in
 registers (all rank rows at once, streaming d_in), then streams its share of Bᵀ and adds
 scale · h · Bᵀ into y.
 
