@@ -218,6 +218,8 @@ def main() -> None:
         rows = [r for t, n in CASES for r in time_case(t, n, gen, decode)]
         rows += [r for t, n, p in STEP_CASES for r in time_case(t, n, gen, steps, p)]
     elif args.steps:
+        rows = [r for t, n, p in STEP_CASES for r in time_case(t, n, gen, variants, p)]
+    else:
         rows = [r for t, n in CASES for r in time_case(t, n, gen, variants)]
     write_result(args.out, "lora_engine_calls.py", {
         "benchmark": "one layer's S1 LoRA calls (q/k/v, o; rank 8) as the engine makes them",

@@ -578,8 +578,16 @@ def _expand(y, h, pool_layer, index, tokens, modules, out_widths, max_rank, cfg,
 def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, call):
     if cfg.shrink_r < max_rank:
         raise ValueError(f"a fused config holds {cfg.shrink_r} rank rows, max_rank is {max_rank}")
-    if cfg.gemv_max and (cfg.gemv_r or cfg.shrink_r) < max_rank:
-        raise ValueError(f"a GEMV body holds {cfg.gemv_r} rank rows, max_rank is {max_rank}")
+    gemv_rows = cfg.gemv_r or cfg.shrink_r
+    if cfg.gemv_max:
+        for name in ("gemv_max", "gemv_k", "gemv_n"):
+            v = getattr(cfg, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two, got {v}")
+        if gemv_rows & (gemv_rows - 1):
+            raise ValueError(f"gemv_r must be a power of two, got {gemv_rows}")
+    if cfg.gemv_max and gemv_rows < max_rank:
+        raise ValueError(f"a GEMV body holds {gemv_rows} rank rows, max_rank is {max_rank}")
     grid = (
         len(modules) * cfg.parts,
         max_tiles(call.num_tokens, cfg.block_m, call.num_segs),  # at most 65535: a grid's y
@@ -596,7 +604,7 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
         DOT_F32=dot_f32(y.dtype), MASKED=tokens.modules is not None,
         PART_N=max(cfg.expand_n, cfg.gemv_n) if cfg.gemv_max else cfg.expand_n,
         GEMV_MAX=cfg.gemv_max, GEMV_K=cfg.gemv_k, GEMV_N=cfg.gemv_n,
-        GEMV_R=cfg.gemv_r or cfg.shrink_r,
+        GEMV_R=gemv_rows,
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules, out_widths),
     )  # fmt: skip

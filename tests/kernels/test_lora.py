@@ -393,6 +393,13 @@ def test_gemv_rows_must_hold_every_rank_row():
         lora.lora_apply(
             y, x, setup.pool[0], setup.index, tokens, (Q, K, V), (32, 16, 16), 16, config=cfg
         )
+    for bad, name in ((dict(gemv_max=3), "gemv_max"), (dict(gemv_n=48), "gemv_n"),
+                      (dict(gemv_r=24), "gemv_r")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"{name} must be a power of two"):
+            lora.lora_apply(
+                y, x, setup.pool[0], setup.index, tokens, (Q, K, V), (32, 16, 16), 16,
+                config=cfg._replace(**{"gemv_r": 16, **bad}),
+            )  # fmt: skip
 
 
 def test_shrink_and_expand_match_reference():
