@@ -18,9 +18,9 @@ max_rank, and with the MLP calls (gate/up, down) an S1 step also launches, maske
 have no MLP modules, so those launches find nothing to do.
 
 With ``--gemv`` the cases are both sets, decode-only and the trace's steps, and the variants the
-fused kernel's GEMV body (kernels/lora_fused.py) by tiles it takes (gemv_max), weight block and
-warps, every call on the fused kernel, against the engine's paths today: its fused decode rule
-(q/k/v fused, o fused from 256 tokens; prefill-sized steps all fused), all fused, all two
+fused kernel's GEMV body (kernels/lora_fused.py) by rank rows, tiles it takes (gemv_max), weight
+block and warps (GEMV_POINTS), every call on the fused kernel, against the engine's fused-step
+rule (q/k/v fused, o fused from 256 tokens; prefill-sized steps all fused) and all two
 launches.
 
     python bench/lora_engine_calls.py [--splits] [--profile] [--steps] [--gemv [--points N]] \
@@ -75,7 +75,8 @@ STEP_CASES = (
 )
 # --gemv: (GEMV rank rows, most tokens of a GEMV tile, weight block, warps). A first sweep over
 # 1 and 16 tokens, blocks 256-1024 and 4 or 8 warps found 1 token, 1024 and 4 warps fastest
-# everywhere (bench/results/lora_engine_calls_gemv_sweep.json); these go on from there.
+# where adapters are many (bench/results/lora_engine_calls_gemv_sweep.json); these go on from
+# there.
 GEMV_POINTS = (
     (16, 1, 1024, 4),
     (8, 1, 1024, 4),

@@ -79,16 +79,19 @@ _EXPAND_MAX_REGISTERS = 96
 # trace's mixed steps, 400 decode tokens beside four 400-token prompts 201.0 against 170.3, beside
 # three 200-token prompts 191.7 against 145.1, 300 beside three 512-token prompts 188.9 against
 # 150.9; 292 tokens on 192 adapters 85.9 against 81.0; calls whose tiles are mostly longer
-# (512 tokens on 5 or 30 adapters, 1024 on 100, prefill of a few adapters) within 1 µs either way.
+# (512 tokens on 5 or 30 adapters, 1024 on 100, prefill of a few adapters) within 1.1 µs.
 # Tiles of up to 2 tokens on the GEMV body were slower at 512 on 405 (161.7), 16 much slower
 # (a 16-token tile, 16 products of every weight on the CUDA cores: 1657 µs at 1024 on 100); with
-# 256- and 512-element blocks or 8 warps a program streams less at once and took longer (512 on
-# 405: 349.5 and 149.1 with 4 warps, 197.7 with 1024 and 8 warps; the first sweep,
+# 256- and 512-element blocks or 8 warps it took longer (512 on 405: 349.5 and 149.1 with 4
+# warps, 197.7 with 1024 and 8 warps; the first sweep,
 # lora_engine_calls_gemv_sweep.json). GEMV programs of 8 rank rows (rank-8 adapters in calls of
 # max_rank 8) gained 2-5% more (113.2 and 140.1 µs above), which the engine's 16-row fused graphs
 # leave aside. Launches of more rank rows have no GEMV body (fused_config).
 _GEMV_MAX = 1
 _GEMV_BLOCK = 1024
+# The fused grid's tiles lie along its y axis (the slices first: kernels/lora_fused.py), whose
+# size CUDA caps.
+_MAX_GRID_Y = 65535
 
 
 class _Narrow(NamedTuple):
@@ -588,10 +591,13 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
             raise ValueError(f"gemv_r must be a power of two, got {gemv_rows}")
     if cfg.gemv_max and gemv_rows < max_rank:
         raise ValueError(f"a GEMV body holds {gemv_rows} rank rows, max_rank is {max_rank}")
-    grid = (
-        len(modules) * cfg.parts,
-        max_tiles(call.num_tokens, cfg.block_m, call.num_segs),  # at most 65535: a grid's y
-    )
+    tiles = max_tiles(call.num_tokens, cfg.block_m, call.num_segs)
+    if tiles > _MAX_GRID_Y:
+        raise ValueError(
+            f"a fused call takes at most {_MAX_GRID_Y} tiles (a grid's y), this one "
+            f"{tiles}: use the two launches (fused=False) for {call.num_tokens} tokens"
+        )
+    grid = (len(modules) * cfg.parts, tiles)
     lora_fused_kernel[grid](
         x, x.stride(0), y, y.stride(0),
         pool_layer, pool_layer.stride(0), pool_layer.stride(1),

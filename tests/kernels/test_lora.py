@@ -402,6 +402,17 @@ def test_gemv_rows_must_hold_every_rank_row():
             )  # fmt: skip
 
 
+def test_fused_call_refuses_more_tiles_than_a_grid_holds(monkeypatch):
+    """The fused grid's tiles lie along y, which CUDA caps: a call with more says so."""
+    setup, tokens, x, y = _small_call()
+    monkeypatch.setattr(lora, "_MAX_GRID_Y", 2)  # the bound of 3 tokens in 6 segments: 4
+    cfg = lora.LoraLaunch(16, 16, 16, 16, fused=True)
+    with pytest.raises(ValueError, match="at most 2 tiles"):
+        lora.lora_apply(
+            y, x, setup.pool[0], setup.index, tokens, (Q, K, V), (32, 16, 16), 16, config=cfg
+        )
+
+
 def test_shrink_and_expand_match_reference():
     """The two halves on their own, as the public lora_shrink / lora_expand."""
     gen = torch.Generator().manual_seed(5)
