@@ -713,6 +713,9 @@ def lora_apply(
         raise ValueError(f"x has {t} tokens, y has {y.shape[0]}")
     call = check_call(x, pool_layer, index, tokens, modules, max_rank, d_in)
     cfg = config or _path_config(t, d_in, call.width, max_rank, len(modules), out_widths, fused)
+    if config is None and fused is None and cfg.fused:  # the shapes' choice: never one that fails
+        if max_tiles(call.num_tokens, cfg.block_m, call.num_segs) > _MAX_GRID_Y:
+            cfg = launch_config(t, d_in, call.width, max_rank, len(modules))
     need = 0 if cfg.fused else cfg.split_k * t * len(modules) * max_rank
     if workspace is not None and (
         workspace.dtype != torch.float32

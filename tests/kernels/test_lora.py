@@ -403,7 +403,8 @@ def test_gemv_rows_must_hold_every_rank_row():
 
 
 def test_fused_call_refuses_more_tiles_than_a_grid_holds(monkeypatch):
-    """The fused grid's tiles lie along y, which CUDA caps: a call with more says so."""
+    """The fused grid's tiles lie along y, which CUDA caps: a call with more says so, and the
+    shapes never choose the fused kernel for one."""
     setup, tokens, x, y = _small_call()
     monkeypatch.setattr(lora, "_MAX_GRID_Y", 2)  # the bound of 3 tokens in 6 segments: 4
     cfg = lora.LoraLaunch(16, 16, 16, 16, fused=True)
@@ -411,6 +412,14 @@ def test_fused_call_refuses_more_tiles_than_a_grid_holds(monkeypatch):
         lora.lora_apply(
             y, x, setup.pool[0], setup.index, tokens, (Q, K, V), (32, 16, 16), 16, config=cfg
         )
+    # where the shapes would pick the fused kernel, such a call takes the two launches instead
+    monkeypatch.setattr(lora, "shapes_prefer_fused", lambda *a: True)
+    ran = []
+    for name in ("_fused", "_shrink"):
+        real = getattr(lora, name)
+        monkeypatch.setattr(lora, name, lambda *a, _n=name, _f=real: (ran.append(_n), _f(*a)))
+    lora.lora_apply(y, x, setup.pool[0], setup.index, tokens, (Q, K, V), (32, 16, 16), 16)
+    assert ran == ["_shrink"]
 
 
 def test_shrink_and_expand_match_reference():
