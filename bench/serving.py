@@ -163,6 +163,37 @@ def wait_gateway(address: str, proc: subprocess.Popen, timeout: float) -> str:
             time.sleep(0.5)
 
 
+def preloads(flags: list[str]) -> bool:
+    """Whether the inference service preloads adapters under these --serve-flag values (its
+    default: on)."""
+    words = " ".join(flags).replace("=", " ").split()
+    on = True
+    for flag, value in zip(words, words[1:], strict=False):
+        if flag == "--preload-adapters":
+            on = value == "on"
+    return on
+
+
+def wait_preloaded(address: str, n: int, settle: float = 10.0, timeout: float = 1200.0) -> dict:
+    """Waits until the service's host cache holds ``n`` adapters, or holds no more for
+    ``settle`` seconds (its preloader found no more room); returns how many and how long."""
+    start = time.monotonic()
+    last, since = -1, start
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        while time.monotonic() - start < timeout:
+            entries = stub.GetStats(pb.GetStatsRequest(), timeout=10).host_cache.entries
+            now = time.monotonic()
+            if entries != last:
+                last, since = entries, now
+            if entries >= n or now - since >= settle:
+                break
+            time.sleep(0.5)
+    seconds = time.monotonic() - start
+    log.info("preload: %d of %d adapters in the host cache after %.1f s", last, n, seconds)
+    return {"adapters": n, "in_host_cache": last, "seconds": round(seconds, 1)}
+
+
 def wait_idle(address: str, timeout: float = 600.0) -> None:
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.InferenceStub(channel)
@@ -211,7 +242,7 @@ def parse_run(text: str) -> tuple[float, int | None, float | None]:
     return float(rate), None, float(amount)
 
 
-def write_result(args, ceilings, rows: list[dict]) -> None:
+def write_result(args, ceilings, rows: list[dict], preload: dict | None = None) -> None:
     """The JSON so far (written after every run, so a failure keeps what was measured)."""
     from bench.adapter_load import machine
 
@@ -219,7 +250,8 @@ def write_result(args, ceilings, rows: list[dict]) -> None:
     args.out.write_text(json.dumps({
         "benchmark": "serving workload of DESIGN.md through the deployed gRPC services",
         "shape": args.shape, "workload": args.workload, "alpha": args.alpha, "seed": args.seed,
-        "serve_flags": args.serve_flag, "ceilings": ceilings._asdict(), "machine": machine(),
+        "serve_flags": args.serve_flag, "preload": preload, "ceilings": ceilings._asdict(),
+        "machine": machine(),
         "command": "python bench/serving.py " + " ".join(sys.argv[1:]), "results": rows,
     }, indent=2) + "\n")  # fmt: skip
 
@@ -243,8 +275,9 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--passes", type=int, default=1,
-        help="run each trace this many times in a row: the first finds the adapters in the store "
-        "only (cold), later ones in the service's host cache (warm)",
+        help="run each trace this many times in a row: in the first no adapter has served a "
+        "request yet (preloaded in the host cache, the service's default, or in the store only "
+        "with --serve-flag=--preload-adapters=off: cold), in later ones they have (warm)",
     )  # fmt: skip
     parser.add_argument("--alpha", type=float, default=1.0, help="popularity power law")
     parser.add_argument("--seed", type=int, default=0)
@@ -309,6 +342,11 @@ def main() -> None:
             ], cwd=REPO, env=env)  # fmt: skip
             base_model = wait_gateway(f"127.0.0.1:{gateway_port}", gateway, 120)
             http = {"http": f"127.0.0.1:{gateway_port}", "base_model": base_model}
+        # Adapters are in the store before the service starts, as a deployment's are before
+        # its traffic: with preload on, the traces start once the service has preloaded them.
+        preload = None
+        if max(args.adapters) and preloads(args.serve_flag):
+            preload = wait_preloaded(address, max(args.adapters))
         warm = [Request(0.0, 64, 8, None)] * 4
         for via in args.via:
             run_trace(args, address, warm, names, f"warmup-{via}", shape.vocab, work,
@@ -343,7 +381,7 @@ def main() -> None:
                         row["ttft_p50_added_s"] = row["ttft_p50_s"] - g["ttft_p50_s"]
                     rows.append(row)
                     print(table(rows[-1:]).splitlines()[1], flush=True)
-                    write_result(args, ceilings, rows)
+                    write_result(args, ceilings, rows, preload)
     finally:
         for p in (gateway, service, store):
             if p is not None and p.poll() is None:

@@ -116,7 +116,8 @@ def table(rows: list[dict]) -> str:
             f"{'-' if share is None else f'{share:.2f}':>10}"
         )
     return (
-        "\n".join(lines) + "\n(TTFT, TPOT in ms; pass 1 finds adapters in the store, later passes "
-        "in the host cache; tail: last end after the last arrival; "
+        "\n".join(lines) + "\n(TTFT, TPOT in ms; pass 1: no adapter has served a request yet "
+        "(preloaded in the host cache, or in the store only with --preload-adapters off), later "
+        "passes: they have; tail: last end after the last arrival; "
         "step/roof: median step's share of its roofline, steps of >= 64 sequences)"
     )

@@ -4,8 +4,10 @@ It joins the three places an adapter lives: the store (fetched through StoreClie
 cache (bytes in the pinned arena) and the engine (validated, then copied into pool pages when a
 request needs it). Invariants, all on the service's event loop:
 
-- an adapter version is in the engine exactly when its bytes are in the host cache: a host
-  eviction removes it from the engine (pages freed once its last request ends);
+- an adapter version is in the engine only while its bytes are in the host cache: a host
+  eviction removes it from the engine (pages freed once its last request ends); the cache also
+  holds versions preloaded ahead of their first request (preload.py), added to the engine when
+  a request first acquires them;
 - a version in use (a Generate call or a LoadAdapter holds a lease) is held in the host cache,
   and a pinned one pinned there, so neither is evicted there;
 - a request never fails because the host cache is full of adapters in use: its fetch waits for

@@ -134,6 +134,21 @@ class HostCache:
             raise self._busy(nbytes, "")
         return block
 
+    def reserve_free(self, nbytes: int) -> ArenaBlock | None:
+        """A block of ``nbytes`` from free room only, for a preload (preload.py): evicts
+        nothing and takes nothing while fetches wait for room; None when no free range fits."""
+        if self._waiters or nbytes > self.arena.capacity:
+            return None
+        block = self.arena.alloc(nbytes)
+        if block is not None:
+            self._reserved[block.offset] = block
+        return block
+
+    def demote(self, key: Hashable) -> None:
+        """Marks an entry least recently used: a preloaded adapter no request has used yet
+        goes before the ones requests used when room must be made."""
+        self._entries.move_to_end(key, last=False)
+
     async def reserve_when_free(self, nbytes: int) -> ArenaBlock:
         """A block of ``nbytes``, once bytes held by adapters in use are released (first come,
         first served). Raises HostCacheFull when no room can come; a cancelled caller leaves

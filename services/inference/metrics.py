@@ -100,14 +100,16 @@ class ServiceMetrics:
         )
         self.adapter_load = Histogram(
             "lorafleet_adapter_load_seconds",
-            "Adapter load phases: fetch (store to host cache), copy (host cache to page pool)",
+            "Adapter load phases: fetch (store to host cache for a request), preload (store to "
+            "host cache ahead of requests), copy (host cache to page pool)",
             labelnames=["phase"],
             buckets=_LOAD_BUCKETS,
             registry=self.registry,
         )
         self.adapter_loads = Counter(
             "lorafleet_adapter_loads",
-            "Adapter loads: into the host cache (fetched from the store) and into the page pool",
+            "Adapter loads: into the host cache (fetched from the store for a request), into it "
+            "ahead of requests (preload), and into the page pool",
             labelnames=["target"],
             registry=self.registry,
         )
@@ -124,10 +126,13 @@ class ServiceMetrics:
         self.registry.register(_SnapshotCollector(snapshot))
 
     def observe_load(self, phase: str, seconds: float) -> None:
-        """One adapter load phase: fetch (store -> host) or copy (host -> pool). Thread-safe."""
+        """One adapter load phase: fetch or preload (store -> host) or copy (host -> pool).
+        Thread-safe."""
         self.adapter_load.labels(phase).observe(seconds)
         if phase == "fetch":
             self.adapter_loads.labels("host").inc()
+        elif phase == "preload":
+            self.adapter_loads.labels("preload").inc()
         elif phase == "copy":
             self.adapter_loads.labels("pool").inc()
 

@@ -37,6 +37,7 @@ from services.inference.errors import status_for
 from services.inference.host_cache import HostCache
 from services.inference.metrics import ServiceMetrics
 from services.inference.model_info import read_model_info
+from services.inference.preload import Preloader
 from services.inference.servicer import InferenceServicer
 from services.inference.store_access import StoreAccess
 from services.inference.store_client import StoreClient
@@ -118,6 +119,7 @@ class InferenceServer:
         self.servicer: InferenceServicer | None = None
         self._store: StoreClient | None = None
         self._follower: asyncio.Task | None = None
+        self._preloader: asyncio.Task | None = None
         self._stopped = asyncio.Event()
         # Set when the server cannot serve any more (the engine process died): the entry point
         # then stops it and exits non-zero, so that a supervisor starts a fresh one.
@@ -173,8 +175,18 @@ class InferenceServer:
             self.engine, self._store, cache, lambda s: metrics.observe_load("fetch", s)
         )
         if self._store is not None:
+            on_event = registry.on_event
+            if cfg.preload_adapters == "on":
+                preloader = Preloader(self._store, cache)
+                self._store.on_preloaded = lambda s: metrics.observe_load("preload", s)
+                self._preloader = asyncio.create_task(preloader.run())
+
+                def on_event(event, registry_event=registry.on_event):
+                    registry_event(event)
+                    preloader.on_event(event)
+
             self._follower = asyncio.create_task(
-                self._store.follow(registry.on_event, registry.forget_latest)
+                self._store.follow(on_event, registry.forget_latest)
             )
         # The service tokenizes prompts itself (servicer.py), never the engine's step thread.
         tokenizer = getattr(self.engine, "tokenizer", None) or await asyncio.to_thread(
@@ -205,8 +217,9 @@ class InferenceServer:
         if self.servicer is not None:
             await self.servicer.shutdown(self.config.shutdown_grace_s)
         await self.server.stop(grace=1.0)
-        if self._follower is not None:
-            self._follower.cancel()
+        for task in (self._follower, self._preloader):
+            if task is not None:
+                task.cancel()
         if self._store is not None:
             await self._store.close()
         if self.engine is not None:

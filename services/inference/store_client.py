@@ -19,6 +19,9 @@ rank-8 Llama-7B adapters at once on the 16-core H200 host: median landing 2.44-2
 once, 1.87-2.19 s eight at a time, at 920-955 against 1036-1134 MB/s; on 2 cores, 96 adapters:
 1.95-2.02 s against 1.40-1.74 s, at 580-657 against 547-627 MB/s, the store's peak memory 778 MB
 against 402). Bounded, they also bound what the store holds for this service's reads.
+A preload (preload.py) is a fetch that no request waits for: it streams into free room the
+preloader reserved, evicts nothing, and counts apart from the requests' fetches; a request for
+the same version joins it as it would any fetch in flight.
 When the host cache has no room for the size the AdapterInfo announces, the stream is dropped,
 the fetch waits in the cache's queue until room is released (host_cache.py), and it asks again
 with the block reserved; it leaves the queue once every caller went away.
@@ -74,12 +77,18 @@ class _Flight:
     held: bool = False  # the entry is cached, held once per holder
     waiting_for_room: bool = False  # queued in the host cache, not streaming
     waiting_for_slot: bool = False  # queued for one of the streams (max_fetches)
+    preload: bool = False  # started by the preloader: free room only, while no caller waits
+
+
+class PreloadSkipped(Exception):
+    """A preload found no free room for the size the store announced: nothing was fetched."""
 
 
 class AdapterEvent(NamedTuple):
     created: bool  # False: deleted
     adapter_id: str
     version: int
+    size_bytes: int = 0  # the adapter's bytes (as the store announced them)
 
 
 def _store_error(exc: grpc.aio.AioRpcError, what: str) -> Exception:
@@ -137,6 +146,8 @@ class StoreClient:
         self._inflight: dict[AdapterKey, _Flight] = {}
         self.fetch_latency = LatencyWindow()  # one sample per fetch, however many waited
         self.on_fetched: Callable[[float], None] | None = None
+        self.preloads = 0  # adapters preloaded into the host cache (preload.py)
+        self.on_preloaded: Callable[[float], None] | None = None
 
     async def close(self) -> None:
         for flight in list(self._inflight.values()):
@@ -164,9 +175,43 @@ class StoreClient:
         except grpc.aio.AioRpcError as exc:
             raise _store_error(exc, what) from None
 
+    @property
+    def demand_fetches(self) -> int:
+        """Fetches in flight other than preloads that no request has joined."""
+        return sum(1 for f in self._inflight.values() if f.callers or not f.preload)
+
     async def fetch(self, key: AdapterKey, hold: bool = False) -> HostEntry:
         """The adapter's bytes in the host cache: a hit, a fetch in flight, or a new fetch.
         With ``hold`` the entry comes held once for the caller (who releases it)."""
+        while True:
+            try:
+                return await self._fetch_once(key, hold)
+            except PreloadSkipped:  # joined a preload that found no room: fetch on its own
+                continue
+
+    async def preload(self, key: AdapterKey, nbytes: int) -> bool:
+        """Fetches ``key`` into the host cache's free room ahead of any request: True when it
+        landed; False when it is cached or in flight already, or when no free range of
+        ``nbytes`` is left (nothing is evicted for it). Raises as fetch does."""
+        if key in self._cache or key in self._inflight:
+            return False
+        block = self._cache.reserve_free(nbytes)
+        if block is None:
+            return False
+        flight = self._start(key, _Flight(preload=True), block)
+        try:
+            await asyncio.shield(flight.task)
+        except PreloadSkipped:
+            return False
+        return True
+
+    def _start(self, key: AdapterKey, flight: _Flight, block: ArenaBlock | None = None) -> _Flight:
+        flight.task = asyncio.get_running_loop().create_task(self._fetch(key, flight, block))
+        self._inflight[key] = flight
+        flight.task.add_done_callback(lambda _t, k=key, f=flight: self._landed(k, f))
+        return flight
+
+    async def _fetch_once(self, key: AdapterKey, hold: bool) -> HostEntry:
         entry = self._cache.get(key)
         if entry is not None:
             if hold:
@@ -174,15 +219,15 @@ class StoreClient:
             return entry
         flight = self._inflight.get(key)
         if flight is None:
-            flight = _Flight()
-            flight.task = asyncio.get_running_loop().create_task(self._fetch(key, flight))
-            self._inflight[key] = flight
-            flight.task.add_done_callback(lambda _t, k=key, f=flight: self._landed(k, f))
+            flight = self._start(key, _Flight())
         flight.callers += 1
         flight.holders += hold
         try:
             # shield: one caller's cancellation must not cancel the fetch the others wait on.
             return await asyncio.shield(flight.task)
+        except PreloadSkipped:
+            self._landed(key, flight)  # forgotten now: the caller's next try starts its own
+            raise
         except asyncio.CancelledError:
             if flight.held:
                 if hold:  # taken for this caller as the entry was cached
@@ -190,9 +235,11 @@ class StoreClient:
             elif not flight.task.done():
                 flight.callers -= 1
                 flight.holders -= hold
-                if not flight.callers and (flight.waiting_for_room or flight.waiting_for_slot):
+                waiting = flight.waiting_for_room or flight.waiting_for_slot
+                if not flight.callers and not flight.preload and waiting:
                     # Nobody waits for it any more: it leaves the cache's or the slots' queue
-                    # (and is forgotten now, so that a new caller starts a fetch of its own).
+                    # (and is forgotten now, so that a new caller starts a fetch of its own;
+                    # a preload goes on).
                     self._landed(key, flight)
                     flight.task.cancel()
             raise
@@ -201,10 +248,13 @@ class StoreClient:
         if self._inflight.get(key) is flight:
             del self._inflight[key]
 
-    async def _fetch(self, key: AdapterKey, flight: _Flight | None = None) -> HostEntry:
+    async def _fetch(
+        self, key: AdapterKey, flight: _Flight | None = None, ready: ArenaBlock | None = None
+    ) -> HostEntry:
+        """``ready``: a block reserved for the announced size (a preload's, or after waiting
+        for room), used if the size matches."""
         what = f"adapter {key.adapter_id!r} version {key.version}"
         flight = flight or _Flight()
-        ready: ArenaBlock | None = None  # reserved after waiting for room, for the next attempt
 
         def reserve(info: pb.AdapterInfo) -> ArenaBlock:
             nonlocal ready
@@ -213,6 +263,11 @@ class StoreClient:
                 return block
             if block is not None:  # not the size announced before: reserve anew
                 self._cache.discard(block)
+            if flight.preload and not flight.callers:  # free room only
+                block = self._cache.reserve_free(info.size_bytes)
+                if block is None:
+                    raise PreloadSkipped(f"no free room for {what} ({info.size_bytes} bytes)")
+                return block
             return self._cache.reserve(info.size_bytes)  # HostCacheBusy: wait, HostCacheFull
 
         try:
@@ -250,15 +305,23 @@ class StoreClient:
                 self._cache.discard(ready)
         # No await from here on: the holds are taken before anything else could evict it.
         entry = self._cache.put(key, block, info.adapter_config_json, verdict)
+        if flight.preload and not flight.callers:
+            self._cache.demote(key)  # evicted before adapters that requests used
         for _ in range(flight.holders):
             self._cache.hold(key)
         flight.held = True
         seconds = time.perf_counter() - start
-        self.fetch_latency.add(seconds)
-        if self.on_fetched is not None:
-            self.on_fetched(seconds)
+        if flight.preload:  # no request waited for it to start
+            self.preloads += 1
+            if self.on_preloaded is not None:
+                self.on_preloaded(seconds)
+        else:
+            self.fetch_latency.add(seconds)
+            if self.on_fetched is not None:
+                self.on_fetched(seconds)
         log.info(
-            "fetched %s: %.1f MB in %.3f s (%.0f MB/s)",
+            "%s %s: %.1f MB in %.3f s (%.0f MB/s)",
+            "preloaded" if flight.preload else "fetched",
             what,
             block.size / 1e6,
             seconds,
@@ -293,7 +356,9 @@ class StoreClient:
                     created = event.type == pb.ADAPTER_EVENT_TYPE_CREATED
                     if created or event.type == pb.ADAPTER_EVENT_TYPE_DELETED:
                         info = event.adapter
-                        on_event(AdapterEvent(created, info.adapter_id, info.version))
+                        on_event(
+                            AdapterEvent(created, info.adapter_id, info.version, info.size_bytes)
+                        )
                 log.warning("the adapter store ended its watch stream; reconnecting")
             except grpc.aio.AioRpcError as exc:
                 log.warning(

@@ -322,3 +322,48 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+async def test_a_request_joins_a_preload_in_flight(server):
+    """A preload streams alone, not counted as a request's fetch; a request for the same
+    version joins its stream (one FetchAdapter) and gets the entry held."""
+    script, address = server
+    script.steps = PAUSED
+    client, cache = _client(address)
+    key = AdapterKey("x", 1)
+    try:
+        preload = asyncio.create_task(client.preload(key, len(BODY)))
+        await asyncio.wait_for(script.started.wait(), 10)
+        assert client.demand_fetches == 0  # a preload that no request has joined
+        request = asyncio.create_task(client.fetch(key, hold=True))
+        await asyncio.sleep(0.1)
+        assert client.demand_fetches == 1
+        script.release.set()
+        landed, entry = await asyncio.wait_for(asyncio.gather(preload, request), 10)
+        assert landed and entry.holds == 1 and bytes(cache.arena.view(entry.block)) == BODY
+        assert script.requested == ["x"]
+        assert client.preloads == 1 and client.fetch_latency.summary().count == 0
+        assert not await client.preload(key, len(BODY))  # cached: nothing to do
+        cache.release(key)
+        _no_leak(cache)
+    finally:
+        await client.close()
+
+
+async def test_a_preload_takes_free_room_only(server):
+    script, address = server
+    script.steps = WHOLE
+    blocks = -(-len(BODY) // ALIGN)
+    client, cache = _client(address, blocks=blocks + 1)  # room for one adapter
+    try:
+        await _fetch_intact(client, cache)  # idle in the cache: a request's fetch would evict it
+        assert not await client.preload(AdapterKey("y", 1), len(BODY))
+        assert script.requested == ["x"] and cache.keys() == [AdapterKey("x", 1)]
+        # Announced larger than the free room the preload reserved: skipped, nothing kept.
+        cache.remove(AdapterKey("x", 1))
+        script.steps = [("info", 2 * len(BODY)), ("body", None)]
+        assert not await client.preload(AdapterKey("z", 1), len(BODY))
+        assert script.requested == ["x", "z"] and len(cache) == 0 and client.preloads == 0
+        _no_leak(cache)
+    finally:
+        await client.close()

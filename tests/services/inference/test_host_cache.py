@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -119,6 +120,40 @@ def test_cache_asks_the_owner_before_evicting():
     assert not cache.remove("a")
     busy.clear()
     assert cache.remove("a")
+
+
+def test_preload_room_is_free_room_only_and_preloaded_entries_go_first():
+    evicted: list[str] = []
+    cache = HostCache(HostArena(4 * ALIGN, pin=False), on_evict=evicted.append)
+    for key in ("a", "b"):
+        _fill(cache, key, ALIGN)
+    block = cache.reserve_free(2 * ALIGN)  # the two free pages
+    assert block is not None and cache.reserve_free(ALIGN) is None  # nothing evicted for it
+    assert evicted == [] and set(cache.keys()) == {"a", "b"}
+    cache.put("p", block, "{}")
+    cache.demote("p")  # preloaded: least recently used, ahead of a and b
+    _fill(cache, "c", 2 * ALIGN)
+    assert evicted == ["p"] and set(cache.keys()) == {"a", "b", "c"}
+    assert cache.reserve_free(5 * ALIGN) is None  # larger than the cache: no room, no error
+    cache.arena.check_integrity()
+
+
+async def test_preload_room_waits_behind_fetches_waiting_for_room():
+    cache = HostCache(HostArena(3 * ALIGN, pin=False))
+    _fill(cache, "a", 2 * ALIGN)
+    cache.hold("a")
+    waiter = asyncio.create_task(cache.reserve_when_free(2 * ALIGN))
+    await asyncio.sleep(0)
+    assert cache.waiting == 1
+    assert cache.reserve_free(ALIGN) is None  # a page is free, but a fetch waits: it comes first
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    block = cache.reserve_free(ALIGN)
+    assert block is not None
+    cache.discard(block)
+    cache.release("a")
+    cache.arena.check_integrity()
 
 
 def test_cache_discard_returns_a_failed_fetch_block():

@@ -8,6 +8,7 @@ reserved or held."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,7 +22,7 @@ from services.inference.engine.sampling_params import SamplingParams
 from services.inference.tiny_model import make_adapter
 from tests.services.inference.conftest import start_stack, stop_stack
 from tests.services.inference.reference import PROMPTS, Reference, assert_matches
-from tests.services.inference.stack import collect, sampling, store_proc, upload
+from tests.services.inference.stack import collect, sampling, store_proc, upload, wait_for
 
 N = 8
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -60,9 +61,24 @@ def big_reference(svc_models, big_adapters) -> Reference:
 @pytest.fixture(scope="module")
 def small_cache_stack(svc_models, big_adapters, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("small-cache")
-    stack = start_stack(svc_models, tmp, uploads=(), flags=("--host-cache-mb", str(CACHE_MB)))
+    # Requests' fetches alone (no preload): each of the N adapters is fetched when wanted.
+    flags = ("--host-cache-mb", str(CACHE_MB), "--preload-adapters", "off")
+    stack = start_stack(svc_models, tmp, uploads=(), flags=flags)
     sizes = [upload(stack.store.address, n, p).size_bytes for n, p in big_adapters.items()]
     assert 2 * _blocks(max(sizes)) <= CACHE_MB << 20 < 3 * _blocks(min(sizes))
+    yield stack
+    stop_stack(stack)
+
+
+@pytest.fixture(scope="module")
+def preloading_small_cache_stack(svc_models, big_adapters, tmp_path_factory):
+    """The same cache, the adapters in the store before the service starts, preload on."""
+    tmp = tmp_path_factory.mktemp("small-cache-preload")
+    store = store_proc(tmp / "store", tmp).start().wait_serving()
+    for name, path in big_adapters.items():
+        upload(store.address, name, path)
+    flags = ("--host-cache-mb", str(CACHE_MB))
+    stack = start_stack(svc_models, tmp, uploads=(), store=store, flags=flags)
     yield stack
     stop_stack(stack)
 
@@ -105,6 +121,34 @@ def test_distinct_adapters_beyond_the_cache_wait_and_all_complete(small_cache_st
     assert after.adapter_evictions_host >= N - 2 and after.adapter_fetch.count == N
     assert "waits for room in the host cache" in stack.inference.log()
     assert "RESOURCE_EXHAUSTED" not in stack.inference.log()
+
+
+def test_preload_fills_the_cache_and_no_more(preloading_small_cache_stack, big_reference):
+    """The preloader takes the free room (two adapters), evicts nothing for the third; those
+    two serve without a fetch, the others are fetched as requests want them, evicting the
+    preloaded ones, and every request gets what the engine alone computes."""
+    stack = preloading_small_cache_stack
+    log = wait_for(
+        lambda: "preloading stops at adapter" in stack.inference.log() and stack.inference.log(),
+        what="the preloader stopping for want of room",
+    )  # fmt: skip
+    preloaded = sorted(set(re.findall(r"preloaded adapter 'p(\d)' version 1", log)))
+    stats = _stats(stack)
+    assert len(preloaded) == 2 and stats.host_cache.entries == 2
+    assert stats.adapter_fetch.count == 0 and stats.adapter_evictions_host == 0
+    first = [_request(int(i)) for i in preloaded]
+    rest = [_request(i) for i in range(N) if str(i) not in preloaded]
+    for request in first:  # from the preloaded bytes
+        stream = collect(stack.stub, request, timeout=120)
+        assert_matches(stream, big_reference.expect(request, version=1), request)
+    assert _stats(stack).adapter_fetch.count == 0
+    with ThreadPoolExecutor(len(rest)) as pool:
+        streams = list(pool.map(lambda r: collect(stack.stub, r, timeout=120), rest))
+    for request, stream in zip(rest, streams, strict=True):
+        assert_matches(stream, big_reference.expect(request, version=1), request)
+    after = _stats(stack)
+    assert after.adapter_fetch.count == N - 2 and after.adapter_evictions_host >= N - 2
+    assert after.host_cache.entries <= 2
 
 
 def test_pinned_adapters_that_fill_the_cache_are_named(small_cache_stack, big_reference):

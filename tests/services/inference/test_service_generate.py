@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import sys
 import urllib.request
@@ -192,7 +193,8 @@ def test_load_list_unload_and_stats(stack, reference):
     stats = _stats(stack)
     assert stats.pool.total_pages > 0 and stats.pool.adapter_pages > 0
     assert stats.generated_tokens > 0 and stats.resident_adapters >= 1
-    assert stats.adapter_fetch.count >= 3 and stats.adapter_copy.count >= 3
+    # Each of a, b, c came from the store once: preloaded (the default) or for a request.
+    assert stats.adapter_fetch.count + _preloads(stack) >= 3 and stats.adapter_copy.count >= 3
     assert stats.host_cache.entries >= 3 and stats.host_cache.used_bytes > 0
     assert stats.device == "cpu"
 
@@ -227,6 +229,7 @@ def test_health_reflection_and_metrics(stack):
         "lorafleet_inter_token_latency_seconds_bucket", "lorafleet_tokens_per_second",
         'lorafleet_pool_pages{kind="kv"}', 'lorafleet_pool_pages{kind="adapter"}',
         'lorafleet_adapter_loads_total{target="host"}',
+        'lorafleet_adapter_loads_total{target="preload"}',
         'lorafleet_adapter_load_seconds_bucket{le="0.001",phase="fetch"}',
         'lorafleet_adapter_evictions_total{tier="gpu"}',
         "lorafleet_host_cache_waiting_fetches 0.0",
@@ -234,6 +237,14 @@ def test_health_reflection_and_metrics(stack):
         assert name in body, name
     # The service follows the store from its start, so its fetch worker runs, once.
     assert "lorafleet_fetch_worker_starts_total 1.0" in body
+
+
+def _preloads(stack) -> int:
+    """Adapters the service preloaded from the store, from its metrics."""
+    port = int(wait_for(lambda: _metrics_port(stack), what="the metrics port in the log"))
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    found = re.search(r'^lorafleet_adapter_loads_total\{target="preload"\} (\S+)$', body, re.M)
+    return int(float(found.group(1))) if found else 0
 
 
 def _metrics_port(stack) -> str | None:

@@ -133,7 +133,8 @@ def test_hot_reload_serves_new_version_and_finishes_old_requests_on_theirs(
 
 
 def test_store_killed_and_restarted_mid_run(stack_factory, reference, tmp_path):
-    stack = stack_factory()
+    # No preload: "b" stays in the store only, so its request needs the store.
+    stack = stack_factory(flags=("--preload-adapters", "off"))
     resident = pb.GenerateRequest(prompt=PROMPTS[1], adapter_id="a")
     assert_matches(collect(stack.stub, resident), reference.expect(resident, 1), resident)
     flowing = Recorder(stack.stub, pb.GenerateRequest(prompt="steady", sampling=sampling(**LONG)))

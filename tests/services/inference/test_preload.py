@@ -1,0 +1,100 @@
+"""The preloader: the store's adapters come into the host cache before a request wants them.
+
+In process, against a scripted FetchAdapter server (test_fetch_worker.py's): the preloader
+waits while a request's fetch streams, and follows the watch's versions. Through an adapter
+store process and an inference service process: adapters in the store when the service starts,
+and versions created while it serves, are preloaded, so their requests fetch nothing and match
+the engine alone; a host cache smaller than the store's adapters is filled and no more, and
+requests for the others still complete (test_host_cache_pressure.py); with --preload-adapters
+off nothing is preloaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from lorafleet.v1 import inference_pb2 as pb
+from services.inference.arena import ALIGN, HostArena
+from services.inference.engine.api import AdapterKey
+from services.inference.host_cache import HostCache
+from services.inference.preload import Preloader
+from services.inference.store_client import AdapterEvent, StoreClient
+from tests.services.inference.reference import PROMPTS, assert_matches
+from tests.services.inference.stack import collect, upload, wait_for
+from tests.services.inference.test_fetch_worker import BODY, PAUSED, server  # noqa: F401
+
+
+async def _until(predicate, what: str, timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise TimeoutError(what)
+        await asyncio.sleep(0.02)
+
+
+async def test_the_preloader_waits_for_requests_fetches(server):  # noqa: F811
+    script, address = server
+    script.steps = PAUSED
+    cache = HostCache(HostArena(200 * ALIGN, pin=False))
+    client = StoreClient(address, cache, lookup_timeout=5, fetch_timeout=10)
+    preloader = Preloader(client, cache)
+    runner = asyncio.create_task(preloader.run())
+    try:
+        request = asyncio.create_task(client.fetch(AdapterKey("r", 1)))
+        await asyncio.wait_for(script.started.wait(), 10)
+        preloader.on_event(AdapterEvent(True, "p", 1, len(BODY)))
+        preloader.on_event(AdapterEvent(True, "q", 1, len(BODY)))
+        preloader.on_event(AdapterEvent(True, "q", 2, len(BODY)))  # replaces q's version 1
+        preloader.on_event(AdapterEvent(True, "gone", 1, len(BODY)))
+        preloader.on_event(AdapterEvent(False, "gone", 1, len(BODY)))  # deleted: not preloaded
+        await asyncio.sleep(0.3)
+        assert script.requested == ["r"] and preloader.pending == 2  # behind the request's
+        script.release.set()
+        await asyncio.wait_for(request, 10)
+        await _until(lambda: preloader.preloaded == 2, "p and q preloaded")
+        assert script.requested == ["r", "p", "q"] and preloader.pending == 0
+        assert set(cache.keys()) == {AdapterKey("r", 1), AdapterKey("p", 1), AdapterKey("q", 2)}
+        # Preloaded entries are the least recently used: a request's fetch evicts them first.
+        assert cache.keys()[-1] == AdapterKey("r", 1)
+        assert client.preloads == 2 and client.fetch_latency.summary().count == 1
+    finally:
+        runner.cancel()
+        await client.close()
+
+
+def _stats(stack) -> pb.GetStatsResponse:
+    return stack.stub.GetStats(pb.GetStatsRequest(), timeout=10)
+
+
+def test_store_adapters_are_preloaded_and_serve_without_a_fetch(
+    stack_factory, svc_models, reference
+):
+    stack = stack_factory()  # a, b and c are in the store before the service starts
+    wait_for(lambda: _stats(stack).host_cache.entries == 3, what="a, b and c preloaded")
+    for i, name in enumerate("abc"):
+        request = pb.GenerateRequest(prompt=PROMPTS[i], adapter_id=name)
+        assert_matches(collect(stack.stub, request), reference.expect(request, 1), request)
+    stats = _stats(stack)
+    assert stats.adapter_fetch.count == 0 and stats.adapter_copy.count == 3
+    # A version created while the service runs is preloaded as the watch names it.
+    assert upload(stack.store.address, "a", svc_models.adapters["a2"]).version == 2
+    wait_for(
+        lambda: "preloaded adapter 'a' version 2" in stack.inference.log(),
+        what="a's version 2 preloaded",
+    )  # fmt: skip
+    assert _stats(stack).host_cache.entries == 3  # version 1 was dropped: superseded and idle
+    request = pb.GenerateRequest(prompt=PROMPTS[3], adapter_id="a")
+    stream = collect(stack.stub, request)
+    assert stream.last.adapter_version == 2
+    assert_matches(stream, reference.expect(request, version=2), request)
+    assert _stats(stack).adapter_fetch.count == 0
+
+
+def test_without_preload_adapters_wait_in_the_store(stack_factory, reference):
+    stack = stack_factory(flags=("--preload-adapters", "off"))
+    request = pb.GenerateRequest(prompt=PROMPTS[0], adapter_id="b")
+    assert _stats(stack).host_cache.entries == 0  # the service was SERVING: its watch ran
+    assert_matches(collect(stack.stub, request), reference.expect(request, 1), request)
+    stats = _stats(stack)
+    assert stats.adapter_fetch.count == 1 and stats.host_cache.entries == 1
