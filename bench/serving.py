@@ -163,35 +163,44 @@ def wait_gateway(address: str, proc: subprocess.Popen, timeout: float) -> str:
             time.sleep(0.5)
 
 
-def preloads(flags: list[str]) -> bool:
-    """Whether the inference service preloads adapters under these --serve-flag values (its
-    default: on)."""
+def preload_mode(flags: list[str]) -> str:
+    """The inference service's --preload-adapters under these --serve-flag values (its default:
+    pool)."""
     words = " ".join(flags).replace("=", " ").split()
-    on = True
+    mode = "pool"
     for flag, value in zip(words, words[1:], strict=False):
         if flag == "--preload-adapters":
-            on = value == "on"
-    return on
+            mode = value
+    return mode
 
 
-def wait_preloaded(address: str, n: int, settle: float = 10.0, timeout: float = 1200.0) -> dict:
-    """Waits until the service's host cache holds ``n`` adapters, or holds no more for
-    ``settle`` seconds (its preloader found no more room); returns how many and how long."""
+def wait_preloaded(
+    address: str, n: int, pool: bool, settle: float = 10.0, timeout: float = 1200.0
+) -> dict:
+    """Waits until the service's host cache holds ``n`` adapters (and with ``pool`` its page
+    pool too), or nothing changed for ``settle`` seconds (its preloader found no more room);
+    returns how many and how long."""
     start = time.monotonic()
-    last, since = -1, start
+    last, since = None, start
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.InferenceStub(channel)
         while time.monotonic() - start < timeout:
-            entries = stub.GetStats(pb.GetStatsRequest(), timeout=10).host_cache.entries
-            now = time.monotonic()
-            if entries != last:
-                last, since = entries, now
-            if entries >= n or now - since >= settle:
+            s = stub.GetStats(pb.GetStatsRequest(), timeout=10)
+            now, seen = time.monotonic(), (s.host_cache.entries, s.resident_adapters)
+            if seen != last:
+                last, since = seen, now
+            if (seen[0] >= n and (not pool or seen[1] >= n)) or now - since >= settle:
                 break
             time.sleep(0.5)
     seconds = time.monotonic() - start
-    log.info("preload: %d of %d adapters in the host cache after %.1f s", last, n, seconds)
-    return {"adapters": n, "in_host_cache": last, "seconds": round(seconds, 1)}
+    log.info("preload: %d of %d adapters in the host cache, %d in the page pool, after %.1f s",
+             last[0], n, last[1], seconds)  # fmt: skip
+    return {
+        "adapters": n,
+        "in_host_cache": last[0],
+        "in_pool": last[1],
+        "seconds": round(seconds, 1),
+    }
 
 
 def wait_idle(address: str, timeout: float = 600.0) -> None:
@@ -345,8 +354,9 @@ def main() -> None:
         # Adapters are in the store before the service starts, as a deployment's are before
         # its traffic: with preload on, the traces start once the service has preloaded them.
         preload = None
-        if max(args.adapters) and preloads(args.serve_flag):
-            preload = wait_preloaded(address, max(args.adapters))
+        mode = preload_mode(args.serve_flag)
+        if max(args.adapters) and mode != "off":
+            preload = wait_preloaded(address, max(args.adapters), pool=mode == "pool")
         warm = [Request(0.0, 64, 8, None)] * 4
         for via in args.via:
             run_trace(args, address, warm, names, f"warmup-{via}", shape.vocab, work,

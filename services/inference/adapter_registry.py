@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from services.inference.engine.api import AdapterKey
 from services.inference.engine.engine import Engine
+from services.inference.engine.errors import PoolBusy
 from services.inference.errors import BadArgument, StoreUnavailable
 from services.inference.fetch_worker import AdapterCheck
 from services.inference.host_cache import HostCache
@@ -129,6 +130,22 @@ class AdapterRegistry:
         held = self._held[key]
         held.leases += 1
         return key
+
+    async def place(self, key: AdapterKey) -> bool:
+        """A preload into the page pool (preload.py): an adapter whose bytes are in the host
+        cache is added to the engine and copied into free pool pages, evicting nothing; True
+        once it is there (placed now or before), False when the pool has no such room now
+        (engine.PoolBusy). Raises as acquire does."""
+        if key in self._held and self.engine.adapter_in_pool(key):
+            return True
+        await self.acquire(key.adapter_id, key.version)
+        try:
+            await self.engine.load_adapter(key, if_free=True)
+        except PoolBusy:
+            return False
+        finally:
+            self.release(key)
+        return True
 
     def release(self, key: AdapterKey) -> None:
         held = self._held.get(key)

@@ -22,7 +22,7 @@ DEVICES = ("cpu", "cuda", "auto")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 ENGINE_MODES = ("process", "thread")
 SCHEDULING = ("fair", "fcfs")
-PRELOAD = ("on", "off")
+PRELOAD = ("pool", "host", "off")
 _FILES = (
     "auth_tokens", "tls_cert", "tls_key", "tls_client_ca",
     "adapter_store_token_file", "adapter_store_ca", "adapter_store_cert", "adapter_store_key",
@@ -52,8 +52,9 @@ class ServiceConfig:
     store_timeout_s: float = 10.0  # deadline of a store lookup (GetAdapter)
     fetch_timeout_s: float = 120.0  # deadline of one adapter fetch
     max_fetches: int = 8  # adapters streamed from the store at once; the rest wait in order
-    # on: the store's adapters are fetched into the host cache's free room ahead of requests
-    preload_adapters: str = "on"
+    # pool: the store's adapters are fetched into the host cache's free room ahead of requests,
+    # then copied into free pool pages; host: the host cache only; off: neither (preload.py)
+    preload_adapters: str = "pool"
     shutdown_grace_s: float = 5.0  # in-flight streams may finish within this after SIGTERM
     log_level: str = "INFO"
     engine: str = "process"  # where the step loop runs: its own process, or a thread here
@@ -279,9 +280,11 @@ _HELP = {
     "max_fetches": "adapters downloaded from the store at once (default 8); the others wait, "
     "first come first served, so a burst of cold adapters arrives one after another rather "
     "than all at the end",
-    "preload_adapters": "on (default): fetch the store's adapters (each one's latest version) "
-    "into the host cache's free room ahead of their first request, one at a time while no "
-    "request's fetch runs, evicting nothing; off: fetch an adapter when a request wants it",
+    "preload_adapters": "pool (default): fetch the store's adapters (each one's latest "
+    "version) into the host cache's free room ahead of their first request, one at a time while "
+    "no request's fetch runs, evicting nothing, and copy each into the page pool while half of "
+    "its pages stay free; host: the host cache only; off: fetch an adapter when a request wants "
+    "it",
     "shutdown_grace_s": "seconds in-flight streams may finish after SIGTERM (default 5)",
     "log_level": "DEBUG, INFO, WARNING or ERROR (also LORAFLEET_LOG_LEVEL)",
     "engine": "where the engine's step loop runs: 'process' (default: its own process, so no "

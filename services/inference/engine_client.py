@@ -197,7 +197,7 @@ class RemoteEngine:
             raise UnknownAdapter(f"adapter {key} is not loaded in this engine")
         self._intents[key] = _Intent(self._send("pin", key, pinned, named=key), True, pinned)
 
-    async def load_adapter(self, key: AdapterKey, pin: bool = False) -> None:
+    async def load_adapter(self, key: AdapterKey, pin: bool = False, if_free: bool = False) -> None:
         """As Engine.load_adapter: returns once the adapter is in the pool."""
         self._check_running()
         if pin:
@@ -205,7 +205,7 @@ class RemoteEngine:
         elif self.adapter_status(key) is None:
             raise UnknownAdapter(f"adapter {key} is not loaded in this engine")
         future = self._loop.create_future()
-        n = self._send("load", key, named=key)
+        n = self._send("load", key, if_free, named=key)
         self._loads[n] = (key, future)
         self._loading[key] += 1
         # Shielded: a caller that gives up leaves the load registered until the engine answers,

@@ -166,7 +166,7 @@ class ProcessEngine(Engine):
             elif kind == "pin":
                 self.pin_adapter(msg[2], msg[3])
             elif kind == "load":
-                super()._apply(Load(msg[2], lambda error: self._answer(n, error)))
+                super()._apply(Load(msg[2], lambda error: self._answer(n, error), msg[3]))
             elif kind == "stats":
                 self._stats_wanted = n
             else:

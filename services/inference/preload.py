@@ -1,11 +1,16 @@
-"""Preloader: the store's adapters into the host cache's free room before a request wants them.
+"""Preloader: the store's adapters into free host memory, and free pool pages, before a request
+wants them.
 
 A request whose adapter is only in the store waits for its fetch (tens of milliseconds for a
-rank-8 Llama-7B adapter alone, seconds in a burst of cold adapters), where one whose bytes are in
-the host cache waits only for the copy to the GPU. The service follows the store's watch anyway
+rank-8 Llama-7B adapter alone, seconds in a burst of cold adapters); one whose bytes are in the
+host cache waits for the copy into the page pool (a step or two of the engine's loop); one whose
+adapter is in the pool waits for nothing. The service follows the store's watch anyway
 (store_client.py), which names every adapter's latest version and size; the preloader fetches
-those versions, one at a time, into the cache while it has free room, as S-LoRA keeps every
-adapter in host memory. It never takes room from a request:
+those versions, one at a time, into the host cache while it has free room, as S-LoRA keeps
+every adapter in host memory, and (``place``, --preload-adapters pool) then copies each into the
+page pool while at least engine.PRELOAD_FREE_SHARE of its pages stay free, as S-LoRA's unified
+pool keeps adapters resident in pages the KV cache does not need (the engine evicts an idle one
+when KV needs its pages). It never takes room from a request:
 
 - it starts a preload only while no request's fetch is in flight, so it does not share the
   store's or the fetch worker's bandwidth with one (one it started may run beside a request's
@@ -13,18 +18,23 @@ adapter in host memory. It never takes room from a request:
 - a preload takes free room only, never evicts, and never takes room fetches wait for; the
   cache lists a preloaded adapter least recently used, so that room for a request's fetch is
   made from preloaded adapters first;
+- a pool placement takes free pages and a free index row only, never evicting (PoolBusy);
 - a store error skips that version (a request for it fetches it and reports the error).
 
 It preloads in the order the watch names adapters (the store's replay at connect, then new
 versions as they are created), skips versions no longer the latest, and stops at the first
-that does not fit, looking again when the watch names a new version or every IDLE_RECHECK_S.
+that does not fit, looking again when the watch names a new version or every IDLE_RECHECK_S;
+placements stop likewise when the pool has no free room, and are tried again after
+IDLE_RECHECK_S.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 
 from services.inference.engine.api import AdapterKey
 from services.inference.host_cache import HostCache
@@ -37,9 +47,21 @@ BUSY_RECHECK_S = 0.02  # how often it looks whether requests' fetches are still 
 
 
 class Preloader:
-    def __init__(self, store: StoreClient, cache: HostCache) -> None:
+    def __init__(
+        self,
+        store: StoreClient,
+        cache: HostCache,
+        place: Callable[[AdapterKey], Awaitable[bool]] | None = None,
+    ) -> None:
+        """``place``: copies an adapter whose bytes are in the host cache into free pool pages
+        (AdapterRegistry.place): True once it is there, False when the pool has no free room;
+        None: host cache only."""
         self._store = store
         self._cache = cache
+        self._place = place
+        self._unplaced: OrderedDict[AdapterKey, None] = OrderedDict()  # in the cache, not placed
+        self._pool_busy_until = 0.0  # no placement is tried before this (time.monotonic())
+        self.placed = 0  # copied into the page pool
         # adapter id -> (latest version, its bytes), in the order the watch named them
         self._pending: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._wake = asyncio.Event()
@@ -74,7 +96,8 @@ class Preloader:
                 pass
 
     async def _preload_pending(self) -> None:
-        """Preloads the queue's versions in order, until it is empty or one finds no room."""
+        """Preloads the queue's versions in order, until it is empty or one finds no room; then
+        places what waits for the pool."""
         while self._pending:
             while self._store.demand_fetches:  # requests' fetches first
                 await asyncio.sleep(BUSY_RECHECK_S)
@@ -82,6 +105,7 @@ class Preloader:
             key = AdapterKey(adapter_id, version)
             if key in self._cache:
                 del self._pending[adapter_id]
+                await self._to_pool(key)
                 continue
             try:
                 landed = await self._store.preload(key, nbytes)
@@ -93,6 +117,7 @@ class Preloader:
             if landed or key in self._cache:
                 self.preloaded += landed
                 self._drop(adapter_id, version)
+                await self._to_pool(key)
                 continue
             if self._store.demand_fetches:  # a request's fetch took it meanwhile: look again
                 continue
@@ -103,7 +128,40 @@ class Preloader:
                     "cache (%d adapters named by the store wait for room)",
                     key, nbytes, len(self._pending),
                 )  # fmt: skip
-            return
+            break
+        await self._place_unplaced()
+
+    async def _to_pool(self, key: AdapterKey) -> None:
+        if self._place is not None:
+            self._unplaced[key] = None
+            await self._place_unplaced()
+
+    async def _place_unplaced(self) -> None:
+        """Copies the host-preloaded adapters into the pool in order, until it has no free room
+        (then not again for IDLE_RECHECK_S) or a request's fetch is in flight."""
+        while self._unplaced and time.monotonic() >= self._pool_busy_until:
+            if self._store.demand_fetches:
+                return  # requests first; the next pass goes on
+            key = next(iter(self._unplaced))
+            if key not in self._cache:  # evicted meanwhile: a request will fetch it
+                del self._unplaced[key]
+                continue
+            try:
+                placed = await self._place(key)
+            except Exception as exc:  # its request will meet the same error and report it
+                log.warning("placing preloaded adapter %s in the page pool failed: %s", key, exc)
+                del self._unplaced[key]
+                continue
+            if not placed:
+                log.info(
+                    "preloading into the page pool pauses at adapter %s: the pool keeps its "
+                    "free pages for the KV cache (%d preloaded adapters wait)",
+                    key, len(self._unplaced),
+                )  # fmt: skip
+                self._pool_busy_until = time.monotonic() + IDLE_RECHECK_S
+                return
+            self.placed += 1
+            del self._unplaced[key]
 
     def _drop(self, adapter_id: str, version: int) -> None:
         """Done with ``version``: it leaves the queue unless a newer one replaced it."""

@@ -176,8 +176,9 @@ class InferenceServer:
         )
         if self._store is not None:
             on_event = registry.on_event
-            if cfg.preload_adapters == "on":
-                preloader = Preloader(self._store, cache)
+            if cfg.preload_adapters != "off":
+                place = registry.place if cfg.preload_adapters == "pool" else None
+                preloader = Preloader(self._store, cache, place)
                 self._store.on_preloaded = lambda s: metrics.observe_load("preload", s)
                 self._preloader = asyncio.create_task(preloader.run())
 

@@ -13,13 +13,14 @@ import pytest
 from services.inference.engine import adapter_copy
 from services.inference.engine.api import AdapterKey, FinishReason, GenerationRequest
 from services.inference.engine.config import EngineConfig
-from services.inference.engine.engine import Engine
+from services.inference.engine.engine import PRELOAD_FREE_SHARE, Engine
 from services.inference.engine.errors import (
     AdapterLoadFailed,
     DuplicateRequest,
     EngineOverloaded,
     EngineStopped,
     InvalidRequest,
+    PoolBusy,
     UnknownAdapter,
 )
 from services.inference.engine.sampling_params import SamplingParams
@@ -398,3 +399,38 @@ async def test_a_failed_adapter_copy_ends_its_requests_and_the_engine_keeps_serv
     outs = await collect(engine, greedy("y", [5, 6, 7], 4, adapter=R8))
     assert outs[-1].finish_reason is FinishReason.LENGTH and engine.adapter_in_pool(R8)
     assert engine.stats().adapter_loads == 2  # copies completed: r16's and this one
+
+
+async def test_a_preload_takes_free_pool_room_only(tiny_models):
+    """load_adapter(if_free=True) copies an adapter into free pages and a free index row only,
+    leaving PRELOAD_FREE_SHARE of the pool's pages free; without such room it raises PoolBusy
+    and evicts nothing, where a LoadAdapter (if_free=False) evicts the least recently used."""
+    eng = Engine(
+        EngineConfig(
+            model_dir=tiny_models.model("tiny-llama"), device="cpu", page_size=4,
+            num_pages=512, max_model_len=128, max_queue=8, max_loras=2,
+        )
+    )  # fmt: skip
+    keys = [AdapterKey(name, 1) for name in ("r4", "r8", "r16")]
+    for key in keys:
+        eng.add_adapter_dir(key, tiny_models.adapter("tiny-llama", key.adapter_id))
+    await eng.start()
+    try:
+        assert eng._preload_reserve == int(512 * PRELOAD_FREE_SHARE)
+        for key in keys[:2]:
+            await eng.load_adapter(key, if_free=True)
+            assert eng.adapter_in_pool(key)
+        with pytest.raises(PoolBusy, match="no free room in the page pool for adapter.*r16"):
+            await eng.load_adapter(keys[2], if_free=True)  # both index rows are taken
+        assert all(eng.adapter_in_pool(k) for k in keys[:2]) and eng.core.adapters.evictions == 0
+        await eng.load_adapter(keys[2])  # a LoadAdapter evicts the least recently used
+        assert eng.adapter_in_pool(keys[2]) and not eng.adapter_in_pool(keys[0])
+        eng._preload_reserve = eng.core.pool.num_free  # the free pages are the KV cache's
+        with pytest.raises(PoolBusy):
+            await eng.load_adapter(keys[0], if_free=True)
+        assert eng.core.adapters.evictions == 1 and not eng.adapter_in_pool(keys[0])
+        outs = await collect(eng, greedy("after", [5, 6, 7], 4, adapter=keys[1]))
+        assert outs[-1].finish_reason is FinishReason.LENGTH
+        eng.core.check_integrity()
+    finally:
+        await eng.stop()

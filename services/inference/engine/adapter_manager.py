@@ -124,6 +124,9 @@ class AdapterManager:
         self._failed: dict[Hashable, BaseException] = {}
         self._lock = threading.Lock()
         self._clock = 0
+        # evict_idle's order of the idle adapters, least recently used first, as of _clock
+        self._evict_order: deque | None = None
+        self._evict_clock = -1
         self.copier = AdapterCopier(pool.tensor, self.index)
         self.loads = self.evictions = 0
         self.copy_seconds: deque[float] = deque(maxlen=1024)  # recent host->pool copies
@@ -261,16 +264,18 @@ class AdapterManager:
         make room while either may still change what can run)."""
         return bool(self._loading or self._failed)
 
-    def begin_load(self, key: Hashable, reserve: int = 0) -> bool:
-        """Take pages and a row (evicting idle adapters if that suffices) and prepare the copy,
-        leaving at least ``reserve`` pages free; issue_loads() then queues it. False when there
-        is no room now; nothing is evicted then."""
+    def begin_load(self, key: Hashable, reserve: int = 0, evict: bool = True) -> bool:
+        """Take pages and a row (evicting idle adapters if that suffices, unless not ``evict``)
+        and prepare the copy, leaving at least ``reserve`` pages free; issue_loads() then queues
+        it. False when there is no room now; nothing is evicted then."""
         with self._lock:
             entry = self._entries[key]
             if entry.state is not AdapterState.HOST or key in self._failed:
                 return True  # loading or loaded; or failed, waiting for take_failed_loads()
             need = self.pages_of(entry.host)
             if not self._free_rows or self.pool.num_free < need + reserve:
+                if not evict:
+                    return False
                 # Idle adapters must make room: a pass over every entry, so only when needed
                 # (with thousands of index rows most loads find a free row and pages).
                 idle = self._idle()
@@ -347,14 +352,24 @@ class AdapterManager:
         return failed
 
     def evict_idle(self) -> bool:
-        """Evict the least recently used resident adapter that no request uses: one pass over
-        the entries, no sort (the scheduler calls this for each page a step lacks)."""
+        """Evict the least recently used resident adapter that no request uses. The scheduler
+        calls this for each page a step lacks, and a pool holding a thousand preloaded adapters
+        may give up most of them in one step: the idle adapters are sorted once per step (the
+        clock moves with each step's touch) and taken in that order, each checked to be idle
+        still; an exhausted order is built again once before this says there is none."""
         with self._lock:
-            oldest = min(self._idle_keys(), key=lambda k: self._entries[k].last_used, default=None)
-            if oldest is None:
-                return False
-            self._evict(oldest)
-            return True
+            for fresh in (False, True):
+                if fresh or self._evict_order is None or self._evict_clock != self._clock:
+                    self._evict_order = deque(self._idle())
+                    self._evict_clock = self._clock
+                while self._evict_order:
+                    key = self._evict_order.popleft()
+                    entry = self._entries.get(key)
+                    idle = entry is not None and entry.state is AdapterState.IN_POOL
+                    if idle and entry.refs == 0 and not entry.pinned:
+                        self._evict(key)
+                        return True
+            return False
 
     def evict_for_stall(self, keep: Hashable | None) -> bool:
         """Evict the least recently used resident adapter other than ``keep`` even though queued

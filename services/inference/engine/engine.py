@@ -39,7 +39,7 @@ from services.inference.engine.api import (
 )
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.core import EngineCore, LogitsHook, load_failed
-from services.inference.engine.errors import EngineStopped, UnknownAdapter
+from services.inference.engine.errors import EngineStopped, PoolBusy, UnknownAdapter
 from services.inference.engine.gc_pacing import collect_if_due, release
 from services.inference.engine.host_adapter import HostAdapter
 from services.inference.engine.output_router import OutputRouter
@@ -50,6 +50,9 @@ from store.peft import BaseModelShape
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5  # how long an idle loop blocks on the inbox before checking for stop
+# Preloads (Load.if_free) leave at least this share of the pool's pages free: the pool serves
+# KV first, and an adapter a preload placed is evicted, idle, when KV needs its pages.
+PRELOAD_FREE_SHARE = 0.5
 _STALLED_WAIT_S = 0.001  # pause when requests wait but nothing could run (an adapter copy)
 
 
@@ -108,6 +111,7 @@ class Abort(NamedTuple):
 class Load(NamedTuple):
     key: AdapterKey
     done: Callable[[BaseException | None], None]  # called once, on the step thread
+    if_free: bool = False  # a preload: free room only (PREFETCH_FREE_SHARE), or PoolBusy
     kind = CommandKind.PLACEMENT
 
     @property
@@ -138,6 +142,7 @@ class Engine:
         self._failure: BaseException | None = None
         self._loads: list[Load] = []  # LoadAdapter calls waiting for their copy (step thread)
         self._held: deque = deque()  # commands taken from the inbox, applied by a later drain
+        self._preload_reserve = int(self.core.pool.num_pages * PRELOAD_FREE_SHARE)
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -189,9 +194,12 @@ class Engine:
         self.core.remove_adapter(key)
         self._inbox.put(None)  # the loop frees its pages once no request uses it
 
-    async def load_adapter(self, key: AdapterKey, pin: bool = False) -> None:
+    async def load_adapter(self, key: AdapterKey, pin: bool = False, if_free: bool = False) -> None:
         """Place an added adapter in the pool now; returns once its copy completed. ``pin``
-        keeps it there (never evicted) until pin_adapter(key, False). UnknownAdapter if absent."""
+        keeps it there (never evicted) until pin_adapter(key, False). UnknownAdapter if absent.
+        ``if_free`` (a preload): only into free pages and a free index row, leaving
+        PRELOAD_FREE_SHARE of the pool's pages free, evicting nothing; PoolBusy when there is
+        no such room now."""
         if not self.running:
             raise EngineStopped("the engine is not running; call start() first")
         if pin:
@@ -200,7 +208,8 @@ class Engine:
             raise UnknownAdapter(f"adapter {key} is not loaded in this engine")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._inbox.put(Load(key, lambda error: loop.call_soon_threadsafe(resolve, future, error)))
+        done = lambda error: loop.call_soon_threadsafe(resolve, future, error)  # noqa: E731
+        self._inbox.put(Load(key, done, if_free))
         await future
 
     def pin_adapter(self, key: AdapterKey, pinned: bool) -> None:
@@ -392,7 +401,14 @@ class Engine:
                 job.done(None)
                 continue
             if status.state is AdapterState.HOST:
-                adapters.begin_load(job.key, reserve=len(self.core.scheduler.running))
+                running = len(self.core.scheduler.running)
+                if not job.if_free:
+                    adapters.begin_load(job.key, reserve=running)
+                elif not adapters.begin_load(
+                    job.key, reserve=max(running, self._preload_reserve), evict=False
+                ):
+                    job.done(PoolBusy(f"no free room in the page pool for adapter {job.key} now"))
+                    continue
             waiting.append(job)
         self._loads = waiting
 

@@ -35,6 +35,10 @@ class AdapterLoadFailed(EngineError):
     keeps serving, and a later request for the adapter tries the copy again)."""
 
 
+class PoolBusy(EngineError):
+    """A load asked only for free room (a preload) found none now: nothing was evicted."""
+
+
 class ModelLoadError(EngineError):
     """The model directory cannot be served: missing file, unsupported architecture, bad shape."""
 

@@ -216,7 +216,7 @@ def test_reports_count_only_commands_applied_in_full(svc_models):
     ours, theirs = Pipe()
     engine = ProcessEngine(_config(svc_models), theirs)
     a, b = (GenerationRequest(rid, prompt_token_ids=[3, 5], sampling=THREE) for rid in "ab")
-    for msg in (("generate", 1, a), ("load", 2, A), ("generate", 3, b)):
+    for msg in (("generate", 1, a), ("load", 2, A, False), ("generate", 3, b)):
         engine.post(msg)
     engine._drain(timeout=None, phase=Phase.BETWEEN)  # "load" waits; "b" passes it
     assert [s.request_id for s in engine.core.scheduler.waiting] == ["a", "b"]
@@ -256,7 +256,7 @@ def test_held_adapter_commands_keep_the_requests_that_depend_on_them_in_order(sv
         ("add", 1, A, 0, len(body), config, None),
         ("generate", 2, on_a),
         ("abort", 3, "ra"),
-        ("load", 4, B),
+        ("load", 4, B, False),
         ("generate", 5, on_b),
         ("stats", 6),
     ):
@@ -292,7 +292,7 @@ def test_every_command_the_service_sends_is_classified():
         ("abort", 3, "r"): (CommandKind.ABORT, ("r",)),
         ("add", 4, A, 0, 8, b"{}", None): (CommandKind.ADAPTER, (A,)),
         ("remove", 5, A): (CommandKind.ADAPTER, (A,)),
-        ("load", 6, A): (CommandKind.PLACEMENT, (A,)),
+        ("load", 6, A, False): (CommandKind.PLACEMENT, (A,)),
         ("pin", 7, A, True): (CommandKind.PLACEMENT, (A,)),
         ("stats", 8): (CommandKind.STATS, ()),
         ("rewind", 9, A): (CommandKind.ADAPTER, ()),

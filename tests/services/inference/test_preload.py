@@ -4,9 +4,10 @@ In process, against a scripted FetchAdapter server (test_fetch_worker.py's): the
 waits while a request's fetch streams, and follows the watch's versions. Through an adapter
 store process and an inference service process: adapters in the store when the service starts,
 and versions created while it serves, are preloaded, so their requests fetch nothing and match
-the engine alone; a host cache smaller than the store's adapters is filled and no more, and
-requests for the others still complete (test_host_cache_pressure.py); with --preload-adapters
-off nothing is preloaded.
+the engine alone, and (the default, --preload-adapters pool) are copied into the page pool
+before any request; with host, they stay in the host cache until a request wants them; a host
+cache smaller than the store's adapters is filled and no more, and requests for the others
+still complete (test_host_cache_pressure.py); with off nothing is preloaded.
 """
 
 from __future__ import annotations
@@ -67,16 +68,24 @@ def _stats(stack) -> pb.GetStatsResponse:
     return stack.stub.GetStats(pb.GetStatsRequest(), timeout=10)
 
 
+def _in_pool(stack) -> set[tuple[str, int]]:
+    listed = stack.stub.ListAdapters(pb.ListResidentAdaptersRequest(), timeout=10).adapters
+    return {(a.adapter_id, a.version) for a in listed if a.residency == pb.RESIDENCY_GPU}
+
+
 def test_store_adapters_are_preloaded_and_serve_without_a_fetch(
     stack_factory, svc_models, reference
 ):
     stack = stack_factory()  # a, b and c are in the store before the service starts
     wait_for(lambda: _stats(stack).host_cache.entries == 3, what="a, b and c preloaded")
+    # --preload-adapters pool (the default): copied into the page pool too, before any request.
+    wait_for(lambda: _in_pool(stack) == {("a", 1), ("b", 1), ("c", 1)}, what="a, b, c placed")
+    assert _stats(stack).adapter_copy.count == 3
     for i, name in enumerate("abc"):
         request = pb.GenerateRequest(prompt=PROMPTS[i], adapter_id=name)
         assert_matches(collect(stack.stub, request), reference.expect(request, 1), request)
     stats = _stats(stack)
-    assert stats.adapter_fetch.count == 0 and stats.adapter_copy.count == 3
+    assert stats.adapter_fetch.count == 0 and stats.adapter_copy.count == 3  # no more copies
     # A version created while the service runs is preloaded as the watch names it.
     assert upload(stack.store.address, "a", svc_models.adapters["a2"]).version == 2
     wait_for(
@@ -84,11 +93,23 @@ def test_store_adapters_are_preloaded_and_serve_without_a_fetch(
         what="a's version 2 preloaded",
     )  # fmt: skip
     assert _stats(stack).host_cache.entries == 3  # version 1 was dropped: superseded and idle
+    wait_for(lambda: ("a", 2) in _in_pool(stack), what="a's version 2 placed")
     request = pb.GenerateRequest(prompt=PROMPTS[3], adapter_id="a")
     stream = collect(stack.stub, request)
     assert stream.last.adapter_version == 2
     assert_matches(stream, reference.expect(request, version=2), request)
     assert _stats(stack).adapter_fetch.count == 0
+
+
+def test_host_preload_leaves_the_pool_to_requests(stack_factory, reference):
+    stack = stack_factory(flags=("--preload-adapters", "host"))
+    wait_for(lambda: _stats(stack).host_cache.entries == 3, what="a, b and c preloaded")
+    assert _in_pool(stack) == set() and _stats(stack).adapter_copy.count == 0
+    request = pb.GenerateRequest(prompt=PROMPTS[2], adapter_id="c")
+    assert_matches(collect(stack.stub, request), reference.expect(request, 1), request)
+    stats = _stats(stack)
+    assert stats.adapter_fetch.count == 0 and stats.adapter_copy.count == 1
+    assert _in_pool(stack) == {("c", 1)}
 
 
 def test_without_preload_adapters_wait_in_the_store(stack_factory, reference):

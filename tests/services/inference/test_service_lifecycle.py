@@ -63,7 +63,7 @@ def _listed(stack) -> dict[tuple[str, int], pb.ResidentAdapter]:
 
 
 def test_cold_adapter_loads_while_other_streams_flow(stack_factory, reference):
-    stack = stack_factory()
+    stack = stack_factory(flags=("--preload-adapters", "off"))  # "b" in the store only
     flowing = Recorder(stack.stub, pb.GenerateRequest(prompt="steady", sampling=sampling(**LONG)))
     wait_for(lambda: len(flowing.messages) >= 5, what="the base stream flowing")
     # A frozen store: the fetch is sent and waits for bytes that do not come yet.
@@ -90,7 +90,7 @@ def test_cold_adapter_loads_while_other_streams_flow(stack_factory, reference):
 
 
 def test_several_requests_for_one_cold_adapter_start_one_fetch(stack_factory, reference):
-    stack = stack_factory()
+    stack = stack_factory(flags=("--preload-adapters", "off"))  # "c" in the store only
     request = pb.GenerateRequest(prompt=PROMPTS[2], adapter_id="c")
     with ThreadPoolExecutor(8) as pool:
         streams = list(pool.map(lambda _: collect(stack.stub, request), range(8)))
@@ -105,6 +105,11 @@ def test_hot_reload_serves_new_version_and_finishes_old_requests_on_theirs(
     stack_factory, svc_models, reference
 ):
     stack = stack_factory()
+    # a, b and c preloaded into the pool (the default) first, so the pages counted below hold
+    # them all.
+    placed = {("a", 1), ("b", 1), ("c", 1)}
+    wait_for(lambda: {k for k, v in _listed(stack).items() if v.residency == pb.RESIDENCY_GPU}
+             == placed, what="a, b and c preloaded into the pool")  # fmt: skip
     params = sampling(max_new_tokens=500, ignore_eos=True)
     old_request = pb.GenerateRequest(prompt=PROMPTS[3], adapter_id="a", sampling=params)
     old = Recorder(stack.stub, old_request)
