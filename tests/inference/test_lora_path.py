@@ -43,6 +43,28 @@ def test_row_ranks_follow_loads_and_evictions(core):
     assert core.adapters.row_ranks == [0] * 4
 
 
+def test_idle_evictions_go_least_recently_used_first_and_skip_adapters_in_use(core, tiny_models):
+    """evict_idle sorts the idle adapters once per step (clock) and takes them in that order,
+    skipping one that a request took meanwhile; a touch (the next step) orders them again."""
+    core.add_adapter_dir(AdapterKey("r8", 1), tiny_models.adapter("tiny-llama", "r8"))
+    adapters = core.adapters
+    keys = {n: AdapterKey(n, 1) for n in ("r32", "r16", "r8")}
+    for name in keys:
+        _load(core, name)
+    adapters.touch([keys["r8"]])
+    adapters.touch([keys["r32"]])  # least recently used first: r16, r8, r32
+    assert adapters.evict_idle() and adapters.state(keys["r16"]) is AdapterState.HOST
+    adapters.acquire(keys["r8"])  # in use now: the order built above must skip it
+    assert adapters.evict_idle() and adapters.state(keys["r32"]) is AdapterState.HOST
+    assert not adapters.evict_idle() and adapters.state(keys["r8"]) is AdapterState.IN_POOL
+    adapters.release(keys["r8"])
+    _load(core, "r16")
+    adapters.touch([keys["r16"]])  # the next step: r8 is now the least recently used
+    assert adapters.evict_idle() and adapters.state(keys["r8"]) is AdapterState.HOST
+    assert adapters.state(keys["r16"]) is AdapterState.IN_POOL
+    assert adapters.evictions == 3
+
+
 def test_a_load_evicts_idle_adapters_until_its_reserve_is_free(core, tiny_models):
     """begin_load(reserve=R) leaves R pages free (a page per running sequence's next decode),
     evicting idle adapters for them too, not only for the adapter's own pages."""
