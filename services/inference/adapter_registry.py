@@ -145,6 +145,8 @@ class AdapterRegistry:
             return False
         finally:
             self.release(key)
+            if key in self.cache:  # no request used it: the host cache evicts it first
+                self.cache.demote(key)
         return True
 
     def release(self, key: AdapterKey) -> None:

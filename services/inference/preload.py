@@ -64,6 +64,7 @@ class Preloader:
         self.placed = 0  # copied into the page pool
         # adapter id -> (latest version, its bytes), in the order the watch named them
         self._pending: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self._latest: dict[str, int] = {}  # each adapter's latest version the watch named
         self._wake = asyncio.Event()
         self.preloaded = 0  # landed in the cache
         self.failed = 0  # skipped after a store error
@@ -79,11 +80,16 @@ class Preloader:
         queue; a deleted one leaves it."""
         old = self._pending.get(event.adapter_id)
         if event.created:
+            if event.version > self._latest.get(event.adapter_id, 0):
+                self._latest[event.adapter_id] = event.version
             if old is None or old[0] < event.version:
                 self._pending[event.adapter_id] = (event.version, event.size_bytes)
                 self._wake.set()
-        elif old is not None and old[0] == event.version:
-            del self._pending[event.adapter_id]
+        else:
+            if self._latest.get(event.adapter_id) == event.version:
+                del self._latest[event.adapter_id]
+            if old is not None and old[0] == event.version:
+                del self._pending[event.adapter_id]
 
     async def run(self) -> None:
         """Preloads until cancelled."""
@@ -143,7 +149,8 @@ class Preloader:
             if self._store.demand_fetches:
                 return  # requests first; the next pass goes on
             key = next(iter(self._unplaced))
-            if key not in self._cache:  # evicted meanwhile: a request will fetch it
+            latest = self._latest.get(key.adapter_id) == key.version
+            if not latest or key not in self._cache:  # superseded, deleted or evicted meanwhile
                 del self._unplaced[key]
                 continue
             try:

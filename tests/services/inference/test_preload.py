@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 
 from lorafleet.v1 import inference_pb2 as pb
+from services.inference import preload
 from services.inference.arena import ALIGN, HostArena
 from services.inference.engine.api import AdapterKey
 from services.inference.host_cache import HostCache
@@ -22,7 +23,7 @@ from services.inference.preload import Preloader
 from services.inference.store_client import AdapterEvent, StoreClient
 from tests.services.inference.reference import PROMPTS, assert_matches
 from tests.services.inference.stack import collect, upload, wait_for
-from tests.services.inference.test_fetch_worker import BODY, PAUSED, server  # noqa: F401
+from tests.services.inference.test_fetch_worker import BODY, PAUSED, WHOLE, server  # noqa: F401
 
 
 async def _until(predicate, what: str, timeout: float = 10.0) -> None:
@@ -119,3 +120,39 @@ def test_without_preload_adapters_wait_in_the_store(stack_factory, reference):
     assert_matches(collect(stack.stub, request), reference.expect(request, 1), request)
     stats = _stats(stack)
     assert stats.adapter_fetch.count == 1 and stats.host_cache.entries == 1
+
+
+async def test_placements_pause_when_the_pool_is_busy_and_skip_superseded_versions(
+    server,  # noqa: F811
+    monkeypatch,
+):
+    """``place`` answering False (the pool keeps its free pages for KV) pauses placements for
+    IDLE_RECHECK_S; a version superseded meanwhile is not placed, its successor is."""
+    monkeypatch.setattr(preload, "IDLE_RECHECK_S", 0.1)
+    script, address = server
+    script.steps = WHOLE
+    cache = HostCache(HostArena(200 * ALIGN, pin=False))
+    client = StoreClient(address, cache, lookup_timeout=5, fetch_timeout=10)
+    busy, placed = [True], []
+
+    async def place(key: AdapterKey) -> bool:
+        if busy[0]:
+            return False
+        placed.append(key)
+        return True
+
+    preloader = Preloader(client, cache, place)
+    runner = asyncio.create_task(preloader.run())
+    try:
+        preloader.on_event(AdapterEvent(True, "p", 1, len(BODY)))
+        await _until(lambda: AdapterKey("p", 1) in cache, "p's version 1 preloaded")
+        preloader.on_event(AdapterEvent(True, "p", 2, len(BODY)))  # supersedes version 1
+        await _until(lambda: AdapterKey("p", 2) in cache, "p's version 2 preloaded")
+        assert placed == []  # the pool was busy
+        busy[0] = False
+        await _until(lambda: placed, "a placement after the pause")
+        await asyncio.sleep(0.3)
+        assert placed == [AdapterKey("p", 2)] and preloader.placed == 1
+    finally:
+        runner.cancel()
+        await client.close()
