@@ -111,7 +111,7 @@ class Abort(NamedTuple):
 class Load(NamedTuple):
     key: AdapterKey
     done: Callable[[BaseException | None], None]  # called once, on the step thread
-    if_free: bool = False  # a preload: free room only (PREFETCH_FREE_SHARE), or PoolBusy
+    if_free: bool = False  # a preload: free room only (PRELOAD_FREE_SHARE), or PoolBusy
     kind = CommandKind.PLACEMENT
 
     @property
