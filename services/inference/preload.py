@@ -62,9 +62,10 @@ class Preloader:
         self._unplaced: OrderedDict[AdapterKey, None] = OrderedDict()  # in the cache, not placed
         self._pool_busy_until = 0.0  # no placement is tried before this (time.monotonic())
         self.placed = 0  # copied into the page pool
-        # adapter id -> (latest version, its bytes), in the order the watch named them
-        self._pending: OrderedDict[str, tuple[int, int]] = OrderedDict()
-        self._latest: dict[str, int] = {}  # each adapter's latest version the watch named
+        # adapter id -> its latest version the watch named and that version's bytes
+        self._latest: dict[str, tuple[int, int]] = {}
+        # adapters whose latest version is not preloaded yet, in the order the watch named them
+        self._pending: OrderedDict[str, None] = OrderedDict()
         self._wake = asyncio.Event()
         self.preloaded = 0  # landed in the cache
         self.failed = 0  # skipped after a store error
@@ -77,19 +78,16 @@ class Preloader:
 
     def on_event(self, event: AdapterEvent) -> None:
         """The store's watch: a created version replaces any older one of its adapter in the
-        queue; a deleted one leaves it."""
-        old = self._pending.get(event.adapter_id)
-        if event.created:
-            if event.version > self._latest.get(event.adapter_id, 0):
-                self._latest[event.adapter_id] = event.version
-            if old is None or old[0] < event.version:
-                self._pending[event.adapter_id] = (event.version, event.size_bytes)
-                self._wake.set()
-        else:
-            if self._latest.get(event.adapter_id) == event.version:
-                del self._latest[event.adapter_id]
-            if old is not None and old[0] == event.version:
-                del self._pending[event.adapter_id]
+        queue (one named again, as a reconnected watch's replay does, is looked at again); a
+        deleted one leaves it."""
+        latest = self._latest.get(event.adapter_id, (0, 0))[0]
+        if event.created and event.version >= latest:  # the watch's replay names it again
+            self._latest[event.adapter_id] = (event.version, event.size_bytes)
+            self._pending[event.adapter_id] = None
+            self._wake.set()
+        elif not event.created and event.version == latest:
+            del self._latest[event.adapter_id]
+            self._pending.pop(event.adapter_id, None)
 
     async def run(self) -> None:
         """Preloads until cancelled."""
@@ -107,7 +105,8 @@ class Preloader:
         while self._pending:
             while self._store.demand_fetches:  # requests' fetches first
                 await asyncio.sleep(BUSY_RECHECK_S)
-            adapter_id, (version, nbytes) = next(iter(self._pending.items()))
+            adapter_id = next(iter(self._pending))
+            version, nbytes = self._latest[adapter_id]
             key = AdapterKey(adapter_id, version)
             if key in self._cache:
                 del self._pending[adapter_id]
@@ -149,7 +148,7 @@ class Preloader:
             if self._store.demand_fetches:
                 return  # requests first; the next pass goes on
             key = next(iter(self._unplaced))
-            latest = self._latest.get(key.adapter_id) == key.version
+            latest = self._latest.get(key.adapter_id, (0, 0))[0] == key.version
             if not latest or key not in self._cache:  # superseded, deleted or evicted meanwhile
                 del self._unplaced[key]
                 continue
@@ -172,5 +171,5 @@ class Preloader:
 
     def _drop(self, adapter_id: str, version: int) -> None:
         """Done with ``version``: it leaves the queue unless a newer one replaced it."""
-        if self._pending.get(adapter_id, (None,))[0] == version:
-            del self._pending[adapter_id]
+        if self._latest.get(adapter_id, (0, 0))[0] == version:
+            self._pending.pop(adapter_id, None)
