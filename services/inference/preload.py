@@ -25,7 +25,9 @@ It preloads in the order the watch names adapters (the store's replay at connect
 versions as they are created), skips versions no longer the latest, and stops at the first
 that does not fit, looking again when the watch names a new version or every IDLE_RECHECK_S;
 placements stop likewise when the pool has no free room, and are tried again after
-IDLE_RECHECK_S.
+IDLE_RECHECK_S. A placed adapter whose pages the KV cache took back (a burst of long requests)
+is placed again, in the order they were first placed, once the pool has free room again: every
+IDLE_RECHECK_S the preloader looks which of them left the pool (``in_pool``).
 """
 
 from __future__ import annotations
@@ -52,16 +54,22 @@ class Preloader:
         store: StoreClient,
         cache: HostCache,
         place: Callable[[AdapterKey], Awaitable[bool]] | None = None,
+        in_pool: Callable[[AdapterKey], bool] | None = None,
     ) -> None:
         """``place``: copies an adapter whose bytes are in the host cache into free pool pages
         (AdapterRegistry.place): True once it is there, False when the pool has no free room;
-        None: host cache only."""
+        None: host cache only. ``in_pool``: whether an adapter is in the page pool now; with
+        it, placed adapters that left the pool are placed again."""
         self._store = store
         self._cache = cache
         self._place = place
         self._unplaced: OrderedDict[AdapterKey, None] = OrderedDict()  # in the cache, not placed
         self._pool_busy_until = 0.0  # no placement is tried before this (time.monotonic())
-        self.placed = 0  # copied into the page pool
+        self.placed = 0  # copied into the page pool (placed again included)
+        self._in_pool = in_pool
+        self._placed_keys: OrderedDict[AdapterKey, None] = OrderedDict()  # in the order placed
+        self._look_back_at = 0.0  # when to look next which placed adapters left the pool
+        self.returned = 0  # placed adapters found out of the pool and queued to be placed again
         # adapter id -> its latest version the watch named and that version's bytes
         self._latest: dict[str, tuple[int, int]] = {}
         # adapters whose latest version is not preloaded yet, in the order the watch named them
@@ -93,6 +101,7 @@ class Preloader:
         """Preloads until cancelled."""
         while True:
             self._wake.clear()  # set again by versions the watch names from here on
+            self._requeue_evicted()
             await self._preload_pending()
             try:
                 await asyncio.wait_for(self._wake.wait(), IDLE_RECHECK_S)
@@ -168,6 +177,24 @@ class Preloader:
                 return
             self.placed += 1
             del self._unplaced[key]
+            self._placed_keys[key] = None
+
+    def _requeue_evicted(self) -> None:
+        """At most every IDLE_RECHECK_S: the placed adapters no longer in the pool (the KV
+        cache took their pages) are queued to be placed again; those superseded, deleted or
+        evicted from the host cache are forgotten."""
+        now = time.monotonic()
+        if self._in_pool is None or not self._placed_keys or now < self._look_back_at:
+            return
+        self._look_back_at = now + IDLE_RECHECK_S
+        for key in list(self._placed_keys):
+            latest = self._latest.get(key.adapter_id, (0, 0))[0] == key.version
+            if not latest or key not in self._cache:
+                del self._placed_keys[key]
+            elif not self._in_pool(key):
+                del self._placed_keys[key]
+                self._unplaced[key] = None
+                self.returned += 1
 
     def _drop(self, adapter_id: str, version: int) -> None:
         """Done with ``version``: it leaves the queue unless a newer one replaced it."""

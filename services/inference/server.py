@@ -177,8 +177,11 @@ class InferenceServer:
         if self._store is not None:
             on_event = registry.on_event
             if cfg.preload_adapters != "off":
-                place = registry.place if cfg.preload_adapters == "pool" else None
-                preloader = Preloader(self._store, cache, place)
+                pool = cfg.preload_adapters == "pool"
+                preloader = Preloader(
+                    self._store, cache, registry.place if pool else None,
+                    self.engine.adapter_in_pool if pool else None,
+                )  # fmt: skip
                 self._store.on_preloaded = lambda s: metrics.observe_load("preload", s)
                 self._preloader = asyncio.create_task(preloader.run())
 

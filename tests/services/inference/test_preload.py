@@ -156,3 +156,72 @@ async def test_placements_pause_when_the_pool_is_busy_and_skip_superseded_versio
     finally:
         runner.cancel()
         await client.close()
+
+
+async def test_placed_adapters_that_left_the_pool_are_placed_again(
+    server,  # noqa: F811
+    monkeypatch,
+):
+    """Every IDLE_RECHECK_S the preloader looks which adapters it placed are no longer in the
+    pool (the KV cache took their pages) and places them again, in the order first placed;
+    one superseded meanwhile is forgotten, its successor placed."""
+    monkeypatch.setattr(preload, "IDLE_RECHECK_S", 0.1)
+    script, address = server
+    script.steps = WHOLE
+    cache = HostCache(HostArena(200 * ALIGN, pin=False))
+    client = StoreClient(address, cache, lookup_timeout=5, fetch_timeout=10)
+    pool: set[AdapterKey] = set()
+    placed: list[AdapterKey] = []
+
+    async def place(key: AdapterKey) -> bool:
+        placed.append(key)
+        pool.add(key)
+        return True
+
+    preloader = Preloader(client, cache, place, lambda key: key in pool)
+    runner = asyncio.create_task(preloader.run())
+    p1, q1, p2 = AdapterKey("p", 1), AdapterKey("q", 1), AdapterKey("p", 2)
+    try:
+        preloader.on_event(AdapterEvent(True, "p", 1, len(BODY)))
+        preloader.on_event(AdapterEvent(True, "q", 1, len(BODY)))
+        await _until(lambda: placed == [p1, q1], "p and q placed")
+        await asyncio.sleep(0.3)
+        assert placed == [p1, q1] and preloader.returned == 0  # in the pool: left alone
+        pool.clear()  # the KV cache took both adapters' pages
+        await _until(lambda: len(placed) == 4, "p and q placed again")
+        assert placed[2:] == [p1, q1] and preloader.returned == 2 and preloader.placed == 4
+        pool.discard(q1)
+        preloader.on_event(AdapterEvent(True, "p", 2, len(BODY)))  # supersedes p's version 1
+        pool.discard(p1)
+        await _until(lambda: len(placed) == 6, "q and p's version 2 placed")
+        assert set(placed[4:]) == {q1, p2}
+        await asyncio.sleep(0.3)
+        assert len(placed) == 6  # p's version 1 was not placed again
+    finally:
+        runner.cancel()
+        await client.close()
+
+
+def test_adapters_return_to_the_pool_once_the_kv_cache_gives_pages_back(stack_factory, reference):
+    """A pool of 64 pages: a, b and c are placed in its free half; a base-model request whose
+    KV needs more pages than are free makes the engine evict idle adapters; once it has ended the
+    preloader places them again, and their requests then copy nothing."""
+    stack = stack_factory(flags=("--num-pages", "64"))
+    everything = {("a", 1), ("b", 1), ("c", 1)}
+    wait_for(lambda: _in_pool(stack) == everything, what="a, b and c placed")
+    pool = _stats(stack).pool
+    tokens = (pool.free_pages + 2) * pool.page_size  # more KV than the free pages hold
+    long = pb.GenerateRequest(
+        prompt_token_ids=[3 + i % 250 for i in range(tokens)],
+        sampling=pb.SamplingParams(max_new_tokens=4),
+    )
+    assert collect(stack.stub, long).last.usage.completion_tokens == 4
+    evicted = _stats(stack).adapter_evictions_gpu
+    assert evicted >= 1
+    wait_for(lambda: _in_pool(stack) == everything, timeout=30, what="a, b and c placed again")
+    assert _stats(stack).adapter_copy.count == 3 + evicted
+    for i, name in enumerate("abc"):
+        request = pb.GenerateRequest(prompt=PROMPTS[i], adapter_id=name)
+        assert_matches(collect(stack.stub, request), reference.expect(request, 1), request)
+    stats = _stats(stack)
+    assert stats.adapter_copy.count == 3 + evicted and stats.adapter_fetch.count == 0
