@@ -352,7 +352,9 @@ def main() -> None:
             base_model = wait_gateway(f"127.0.0.1:{gateway_port}", gateway, 120)
             http = {"http": f"127.0.0.1:{gateway_port}", "base_model": base_model}
         # Adapters are in the store before the service starts, as a deployment's are before
-        # its traffic: with preload on, the traces start once the service has preloaded them.
+        # its traffic: with preload on, the traces start once the service has preloaded them
+        # (in pool mode each trace of n adapters waits until the pool holds n again: the last
+        # trace's KV cache may have taken their pages, and the preloader places them again).
         preload = None
         mode = preload_mode(args.serve_flag)
         if max(args.adapters) and mode != "off":
@@ -368,6 +370,9 @@ def main() -> None:
                 rate, count, duration = parse_run(run)
                 trace = with_adapters(make_trace(rate, count, duration, args.seed), n,
                                       args.alpha, args.seed)  # fmt: skip
+                in_pool = None
+                if n and mode == "pool":  # KV took adapters' pages in the last trace: back?
+                    in_pool = wait_preloaded(address, n, pool=True)["in_pool"]
                 for via in args.via:  # the same trace through each front, one after the other
                     log.info("run %s pass %d, %d adapters, via %s: %d requests", run, pas, n, via,
                              len(trace))  # fmt: skip
@@ -378,6 +383,8 @@ def main() -> None:
                     steps = step_reader.read()
                     row = {"run": run, "pass": pas, "adapters": n, "via": via,
                            **analyse(results, steps, roof)}  # fmt: skip
+                    if in_pool is not None:
+                        row["in_pool_at_start"] = in_pool
                     key = run, pas, via
                     if n == 0:
                         base_tps[key] = row["output_tokens_per_s"]
