@@ -7,7 +7,8 @@ run's steps. This splits the log into the runs (the steps before them are the se
 warm-up), then bins the decode steps (64 sequences and more) by batch and the mixed steps
 (over 512 tokens) by tokens, and prints for each bin the median GPU time of the base run's
 steps and of the LoRA run's, their difference, and the time the LoRA run's adapter bytes take
-at the copy bandwidth the serving run measured (the least the difference could be).
+at the copy bandwidth the serving run measured (the least the difference could be); then the
+whole runs' GPU time and the throughput ratio the adapter bytes alone would allow (totals).
 
     python bench/step_compare.py --serving bench/results/serving_s1_n1000.json \
         --steps bench/results/serving_s1_n1000_steps.jsonl.gz --base 0:2 --lora 1000:2
@@ -68,6 +69,23 @@ def compare(base: list[dict], lora: list[dict], bandwidth: float, mixed: bool) -
     return rows
 
 
+def totals(base: list[dict], lora: list[dict], bandwidth: float) -> dict:
+    """Whole runs: GPU time of the base run's steps and of the LoRA run's (the same trace, so
+    the same tokens), and the time the LoRA run's adapter bytes take at the copy bandwidth. A
+    LoRA run whose steps each took the base model's time plus its adapters' bytes would run at
+    ``bytes_bound_ratio`` of the base model's speed (steps bound by their bytes, as decode steps
+    are): the most its kernels' bytes allow."""
+    base_s = sum(s["gpu_ms"] for s in base) / 1e3
+    lora_s = sum(s["gpu_ms"] for s in lora) / 1e3
+    bytes_s = sum(s["adapter_bytes"] for s in lora) / bandwidth
+    return {
+        "base_s": round(base_s, 3), "lora_s": round(lora_s, 3),
+        "gpu_ratio": round(base_s / lora_s, 4), "adapter_bytes_s": round(bytes_s, 3),
+        "bytes_bound_ratio": round(base_s / (base_s + bytes_s), 4),
+        "extra_over_bytes": round((lora_s - base_s) / bytes_s, 2) if bytes_s else None,
+    }  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--serving", type=Path, required=True, help="bench/serving.py's JSON")
@@ -96,6 +114,11 @@ def main() -> None:
             print(f"{r['tokens' if mixed else 'batch']:>6} {r['steps']:>5} {r['base_ms']:>7.2f} "
                   f"{r['lora_ms']:>7.2f} {r['extra_ms']:>6.2f} {r['adapters']:>8.0f} "
                   f"{r['adapter_bytes_ms']:>6.2f}")  # fmt: skip
+    report["totals"] = t = totals(base, lora, bandwidth)
+    print(f"all steps: base {t['base_s']:.2f} s, lora {t['lora_s']:.2f} s of GPU time "
+          f"({t['gpu_ratio']:.3f}), the LoRA run's adapter bytes {t['adapter_bytes_s']:.2f} s: "
+          f"the ratio they alone would allow {t['bytes_bound_ratio']:.3f}; the LoRA run's extra "
+          f"time is {t['extra_over_bytes']:.1f}x its adapter bytes' time")  # fmt: skip
     if args.out:
         write_result(args.out, "step_compare.py", {"serving_commit": serving.get("commit"),
                                                    **report})  # fmt: skip

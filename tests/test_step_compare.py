@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.step_compare import compare, split_runs
+from bench.step_compare import compare, split_runs, totals
 
 
 def _step(seqs, gpu_ms, prefill=0, tokens=None, adapters=0, nbytes=0):
@@ -35,3 +35,13 @@ def test_bins_compare_medians_and_the_bytes_bound():
     (mixed,) = compare(base, lora, bandwidth=1e12, mixed=True)
     assert mixed["tokens"] == 768 and mixed["extra_ms"] == 3.0
     assert mixed["adapter_bytes_ms"] == 1.0
+
+
+def test_totals_say_what_the_adapter_bytes_alone_would_allow():
+    base = [_step(64, 10.0)] * 4  # 40 ms
+    lora = [_step(64, 12.5, adapters=70, nbytes=10**9)] * 4  # 50 ms, 1 ms of bytes a step
+    t = totals(base, lora, bandwidth=1e12)
+    assert (t["base_s"], t["lora_s"], t["adapter_bytes_s"]) == (0.04, 0.05, 0.004)
+    assert t["gpu_ratio"] == 0.8 and t["bytes_bound_ratio"] == round(40 / 44, 4)
+    assert t["extra_over_bytes"] == 2.5
+    assert totals(base, base, 1e12)["extra_over_bytes"] is None  # no adapters, no bytes
