@@ -40,6 +40,15 @@ def split_runs(steps: list[dict], results: list[dict]) -> dict[tuple[int, int], 
     return runs
 
 
+def load_runs(serving_path: Path, steps_path: Path) -> tuple[dict, dict[tuple[int, int], list]]:
+    """A serving run's JSON and its step log (.gz or not), split into its runs (split_runs)."""
+    serving = json.loads(serving_path.read_text())
+    opener = gzip.open if steps_path.suffix == ".gz" else open
+    with opener(steps_path, "rt") as f:
+        steps = [json.loads(line) for line in f if line.strip()]
+    return serving, split_runs(steps, serving["results"])
+
+
 def bins(steps: list[dict], mixed: bool) -> dict[int, list[dict]]:
     out: dict[int, list[dict]] = {}
     for s in steps:
@@ -94,11 +103,7 @@ def main() -> None:
     ap.add_argument("--lora", required=True, help="ADAPTERS:PASS of the LoRA run")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args()
-    serving = json.loads(args.serving.read_text())
-    opener = gzip.open if args.steps.suffix == ".gz" else open
-    with opener(args.steps, "rt") as f:
-        steps = [json.loads(line) for line in f if line.strip()]
-    runs = split_runs(steps, serving["results"])
+    serving, runs = load_runs(args.serving, args.steps)
     base = runs[tuple(int(x) for x in args.base.split(":"))]
     lora = runs[tuple(int(x) for x in args.lora.split(":"))]
     bandwidth = serving["ceilings"]["copy_bytes_per_s"]

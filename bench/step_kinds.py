@@ -18,8 +18,6 @@ between the two floors is what overlapping them could win.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import sys
 from pathlib import Path
 
@@ -28,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_models import SHAPES  # noqa: E402
 from bench.provenance import write_result  # noqa: E402
 from bench.roofline import Ceilings, Roofline  # noqa: E402
-from bench.step_compare import split_runs  # noqa: E402
+from bench.step_compare import load_runs  # noqa: E402
 
 
 def kind(step: dict) -> str:
@@ -61,15 +59,12 @@ def main() -> None:
     ap.add_argument("--steps", type=Path, required=True, help="that run's step log (.gz or not)")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args()
-    serving = json.loads(args.serving.read_text())
-    opener = gzip.open if args.steps.suffix == ".gz" else open
-    with opener(args.steps, "rt") as f:
-        steps = [json.loads(line) for line in f if line.strip()]
+    serving, runs = load_runs(args.serving, args.steps)
     roof = Roofline.for_shape(SHAPES[serving["shape"]], Ceilings(**serving["ceilings"]))
     report = {}
     print(f"{'run':>12} {'kind':>10} {'steps':>5} {'GPU s':>7} {'roofline s':>10} {'share':>5} "
           f"{'phase s':>7} {'share':>5}")  # fmt: skip
-    for (n, pas), run in split_runs(steps, serving["results"]).items():
+    for (n, pas), run in runs.items():
         rows = report[f"{n}:{pas}"] = group(run, roof)
         for r in rows:
             print(f"{f'{n}:{pas}':>12} {r['kind']:>10} {r['steps']:>5} {r['gpu_s']:>7.2f} "
