@@ -17,13 +17,18 @@ beside a few prompts' prefill chunks, and the decode steps of 10 requests/s; eac
 max_rank, and with the MLP calls (gate/up, down) an S1 step also launches, masked: its adapters
 have no MLP modules, so those launches find nothing to do.
 
+With ``--small`` the cases are the decode steps of 10 requests/s (8-32 tokens on adapters drawn
+from 100, each drawn three times), by the two launches the engine makes there against fused
+launches whose small tiles take the GEMV body (SMALL_POINTS), at 16 and 8 rank rows.
+
 With ``--gemv`` the cases are both sets, decode-only and the trace's steps, and the variants the
 fused kernel's GEMV body (kernels/lora_fused.py) by rank rows, tiles it takes (gemv_max), weight
 block and warps (GEMV_POINTS), every call on the fused kernel, against the engine's fused-step
 rule (q/k/v fused, o fused from 256 tokens; prefill-sized steps all fused) and all two
 launches.
 
-    python bench/lora_engine_calls.py [--splits] [--profile] [--steps] [--gemv [--points N]] \
+    python bench/lora_engine_calls.py [--splits] [--profile] [--steps] [--small] \
+        [--gemv [--points N]] \
         [--out bench/results/lora_engine_calls.json]
 """
 
@@ -86,6 +91,20 @@ GEMV_POINTS = (
     (8, 1, 1024, 2),
     (8, 2, 2048, 4),
     (16, 2, 1024, 4),
+)
+# --small: the decode steps of 10 requests/s (8-32 sequences on adapters drawn uniformly from
+# n = 100, so a few tiles of two or three tokens), each composition drawn SMALL_DRAWS times, by
+# the two launches the engine makes there and fused launches whose tiles of up to 1, 2 or 4
+# tokens take the GEMV body, at 16 and at 8 rank rows (rows, tiles it takes, block, warps).
+SMALL_CASES = ((8, 100), (12, 100), (16, 100), (24, 100), (32, 100))
+SMALL_DRAWS = 3
+SMALL_POINTS = (
+    (16, 1, 1024, 4),
+    (16, 2, 1024, 4),
+    (8, 1, 2048, 4),
+    (8, 2, 2048, 4),
+    (8, 4, 2048, 4),
+    (8, 4, 1024, 4),
 )
 S1_MODULES = (Q, K, V, O)
 LAYERS = 4  # each with its own weights, so one layer's adapters do not stay in L2
@@ -181,6 +200,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="kernel times of the engine default")
     ap.add_argument("--steps", action="store_true", help="the serving trace's step compositions")
     ap.add_argument("--gemv", action="store_true", help="the fused kernel's GEMV body, both sets")
+    ap.add_argument("--small", action="store_true",
+                    help="the decode steps of 10 requests/s, by GEMV body")  # fmt: skip
     ap.add_argument("--points", type=int, default=len(GEMV_POINTS),
                     help="--gemv: the first this many of GEMV_POINTS")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/lora_engine_calls.json")
@@ -194,6 +215,11 @@ def main() -> None:
             for rows, gmax, block, warps in GEMV_POINTS[: args.points]:
                 variants.append(dict(max_rank=rows, segments=514, gemv_max=gmax, gemv_r=rows,
                                      gemv_block=block, warps=warps, mlp=mlp))  # fmt: skip
+    elif args.small:
+        variants += [dict(max_rank=16, segments=514, fused=False)]
+        for rows, gmax, block, warps in SMALL_POINTS:
+            variants.append(dict(max_rank=rows, segments=514, gemv_max=gmax, gemv_r=rows,
+                                 gemv_block=block, warps=warps))  # fmt: skip
     elif args.steps:
         for mlp in (False, True):
             for max_rank, fused in ((128, None), (16, None), (16, True), (16, False)):
@@ -218,6 +244,9 @@ def main() -> None:
         steps = [v for v in variants if v.get("mlp")]
         rows = [r for t, n in CASES for r in time_case(t, n, gen, decode)]
         rows += [r for t, n, p in STEP_CASES for r in time_case(t, n, gen, steps, p)]
+    elif args.small:
+        rows = [r for t, n in SMALL_CASES for _ in range(SMALL_DRAWS)
+                for r in time_case(t, n, gen, variants)]  # fmt: skip
     elif args.steps:
         rows = [r for t, n, p in STEP_CASES for r in time_case(t, n, gen, variants, p)]
     else:
