@@ -157,8 +157,7 @@ class Preloader:
             if self._store.demand_fetches:
                 return  # requests first; the next pass goes on
             key = next(iter(self._unplaced))
-            latest = self._latest.get(key.adapter_id, (0, 0))[0] == key.version
-            if not latest or key not in self._cache:  # superseded, deleted or evicted meanwhile
+            if not self._is_latest(key) or key not in self._cache:  # superseded, deleted, evicted
                 del self._unplaced[key]
                 continue
             try:
@@ -188,15 +187,19 @@ class Preloader:
             return
         self._look_back_at = now + IDLE_RECHECK_S
         for key in list(self._placed_keys):
-            latest = self._latest.get(key.adapter_id, (0, 0))[0] == key.version
-            if not latest or key not in self._cache:
+            if not self._is_latest(key) or key not in self._cache:
                 del self._placed_keys[key]
             elif not self._in_pool(key):
                 del self._placed_keys[key]
                 self._unplaced[key] = None
                 self.returned += 1
 
+    def _is_latest(self, key: AdapterKey) -> bool:
+        """Whether ``key`` is its adapter's latest version the watch named (not superseded or
+        deleted)."""
+        return self._latest.get(key.adapter_id, (0, 0))[0] == key.version
+
     def _drop(self, adapter_id: str, version: int) -> None:
         """Done with ``version``: it leaves the queue unless a newer one replaced it."""
-        if self._latest.get(adapter_id, (0, 0))[0] == version:
+        if self._is_latest(AdapterKey(adapter_id, version)):
             self._pending.pop(adapter_id, None)
