@@ -194,6 +194,14 @@ def kernel_times(fn, reps: int = 5) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def gemv_variant(point: tuple[int, int, int, int], mlp: bool = False) -> dict:
+    """A variant from a (GEMV rows, tiles it takes, weight block, warps) point: calls of 8 rows
+    carry max_rank 8."""
+    rows, gmax, block, warps = point
+    return dict(max_rank=rows, segments=514, gemv_max=gmax, gemv_r=rows, gemv_block=block,
+                warps=warps, mlp=mlp)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--splits", action="store_true", help="two launches by split_k, expand_n")
@@ -211,15 +219,10 @@ def main() -> None:
         for mlp in (False, True):
             variants += [dict(max_rank=16, segments=514, engine=True, mlp=mlp),
                          dict(max_rank=16, segments=514, fused=False, mlp=mlp)]  # fmt: skip
-            # (GEMV rows, tiles it takes, weight block, warps); rows 8 calls carry max_rank 8
-            for rows, gmax, block, warps in GEMV_POINTS[: args.points]:
-                variants.append(dict(max_rank=rows, segments=514, gemv_max=gmax, gemv_r=rows,
-                                     gemv_block=block, warps=warps, mlp=mlp))  # fmt: skip
+            variants += [gemv_variant(p, mlp) for p in GEMV_POINTS[: args.points]]
     elif args.small:
         variants += [dict(max_rank=16, segments=514, fused=False)]
-        for rows, gmax, block, warps in SMALL_POINTS:
-            variants.append(dict(max_rank=rows, segments=514, gemv_max=gmax, gemv_r=rows,
-                                 gemv_block=block, warps=warps))  # fmt: skip
+        variants += [gemv_variant(p) for p in SMALL_POINTS]
     elif args.steps:
         for mlp in (False, True):
             for max_rank, fused in ((128, None), (16, None), (16, True), (16, False)):
