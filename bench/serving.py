@@ -353,8 +353,9 @@ def main() -> None:
             http = {"http": f"127.0.0.1:{gateway_port}", "base_model": base_model}
         # Adapters are in the store before the service starts, as a deployment's are before
         # its traffic: with preload on, the traces start once the service has preloaded them
-        # (in pool mode each trace of n adapters waits until the pool holds n again: the last
-        # trace's KV cache may have taken their pages, and the preloader places them again).
+        # (in pool mode each trace of n adapters waits until at least n adapters are in the pool
+        # again: the last trace's KV cache may have taken their pages, and the preloader places
+        # them again).
         preload = None
         mode = preload_mode(args.serve_flag)
         if max(args.adapters) and mode != "off":
