@@ -43,6 +43,9 @@ class DecodeLaunch(NamedTuple):
     splits: int = 0  # context splits; 0 = choose from the grid size
     warps: int = 4
     stages: int = 3
+    # 0: a program per (row, kv head, split); N: N programs striding over those (the decode
+    # rows held to a share of the GPU, beside other work)
+    programs: int = 0
 
 
 class PrefillLaunch(NamedTuple):
@@ -62,24 +65,57 @@ def _decode_kernel(
     # pool layer [2, slots, W]
     pool_ptr, stride_half, stride_slot,
     # sequences: block tables [B, pages], context lengths [B], query row starts [B + 1]
-    bt_ptr, stride_bt, seq_lens_ptr, qs_ptr, num_seqs, num_rows, scale_log2,
+    bt_ptr, stride_bt, seq_lens_ptr, qs_ptr, num_seqs, num_rows, scale_log2, n_kv,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SEQ_POW2: tl.constexpr, SPLITS: tl.constexpr,
+    DOT_F32: tl.constexpr, BY_SEQ: tl.constexpr, PERSIST: tl.constexpr,
+):  # fmt: skip
+    """One (row or sequence, kv head, split) a program (grid (B, n_kv, SPLITS)), or, PERSIST,
+    a grid of fewer programs that stride over those items in that order (DecodeLaunch.programs:
+    the attention of a step held to a share of the GPU)."""
+    if PERSIST:
+        items = num_seqs * n_kv * SPLITS
+        for item in range(tl.program_id(0), items, tl.num_programs(0)):
+            _decode_item(
+                item // (n_kv * SPLITS), item // SPLITS % n_kv, item % SPLITS,
+                q_ptr, stride_qt, stride_qh, out_ptr, stride_ot, stride_oh, ml_ptr, acc_ptr,
+                pool_ptr, stride_half, stride_slot, bt_ptr, stride_bt, seq_lens_ptr, qs_ptr,
+                num_seqs, num_rows, scale_log2, n_kv,
+                HEAD_DIM, BLOCK_D, GROUP, GROUP_PAD, PAGE, BLOCK_N, SEQ_POW2, SPLITS, DOT_F32,
+                BY_SEQ,
+            )  # fmt: skip
+    else:
+        _decode_item(
+            tl.program_id(0), tl.program_id(1), tl.program_id(2),
+            q_ptr, stride_qt, stride_qh, out_ptr, stride_ot, stride_oh, ml_ptr, acc_ptr,
+            pool_ptr, stride_half, stride_slot, bt_ptr, stride_bt, seq_lens_ptr, qs_ptr,
+            num_seqs, num_rows, scale_log2, n_kv,
+            HEAD_DIM, BLOCK_D, GROUP, GROUP_PAD, PAGE, BLOCK_N, SEQ_POW2, SPLITS, DOT_F32, BY_SEQ,
+        )  # fmt: skip
+
+
+@triton.jit
+def _decode_item(
+    first, kvh, sp,
+    q_ptr, stride_qt, stride_qh, out_ptr, stride_ot, stride_oh, ml_ptr, acc_ptr,
+    pool_ptr, stride_half, stride_slot, bt_ptr, stride_bt, seq_lens_ptr, qs_ptr,
+    num_seqs, num_rows, scale_log2, n_kv,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SEQ_POW2: tl.constexpr, SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr, BY_SEQ: tl.constexpr,
 ):  # fmt: skip
-    kvh = tl.program_id(1)
-    sp = tl.program_id(2)
+    """The decode kernel's work on one item: ``first`` is a query row, or with BY_SEQ a
+    sequence, served only if it has exactly one query row (the prefill kernel takes the longer
+    ones: paged_attention's mixed steps); kv head ``kvh``; context split ``sp``."""
+    serve = True
     if BY_SEQ:
-        # Program 0 is sequence b, which it serves only if it has exactly one query row: the
-        # prefill kernel takes the longer ones (paged_attention's mixed steps).
-        b = tl.program_id(0)
+        b = first
         t = tl.load(qs_ptr + b)
-        if tl.load(qs_ptr + b + 1) - t != 1:
-            return
-        n_keys = tl.load(seq_lens_ptr + b)
+        serve = tl.load(qs_ptr + b + 1) - t == 1
+        n_keys = tl.where(serve, tl.load(seq_lens_ptr + b), 0)
         part_row = b  # split partials are kept per sequence
     else:
-        t = tl.program_id(0)
+        t = first
         # the sequence owning row t: the last b with query_starts[b] <= t (empty ones come
         # before)
         offs_b = tl.arange(0, SEQ_POW2)
@@ -133,6 +169,8 @@ def _decode_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    if BY_SEQ:
+        g_ok = g_ok & serve
     if SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
@@ -141,7 +179,7 @@ def _decode_kernel(
             mask=g_ok[:, None] & d_ok[None, :],
         )
     else:
-        part = (part_row.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * SPLITS + sp  # [G]
+        part = (part_row.to(tl.int64) * n_kv * GROUP + heads) * SPLITS + sp  # [G]
         tl.store(ml_ptr + part * 2, m_i, mask=g_ok)
         tl.store(ml_ptr + part * 2 + 1, l_i, mask=g_ok)
         tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=g_ok[:, None])
@@ -468,13 +506,16 @@ def paged_attention(
                 BLOCK_Q=pcfg.block_q, BLOCK_N=pcfg.block_n, DOT_F32=dot_f32(q.dtype),
                 num_warps=pcfg.warps, num_stages=pcfg.stages,
             )  # fmt: skip
-    _decode_kernel[(b, n_kv, splits)](
+    if cfg.programs < 0:
+        raise ValueError(f"decode programs must be 0 or positive, got {cfg.programs}")
+    grid = (cfg.programs,) if cfg.programs else (b, n_kv, splits)
+    _decode_kernel[grid](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), ml, acc, *common, t,
-        scale_log2,
+        scale_log2, n_kv,
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), PAGE=page_size,
         BLOCK_N=cfg.block_n, SEQ_POW2=seq_pow2, SPLITS=splits, DOT_F32=dot_f32(q.dtype),
-        BY_SEQ=by_seq, num_warps=cfg.warps, num_stages=cfg.stages,
+        BY_SEQ=by_seq, PERSIST=cfg.programs > 0, num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     if splits > 1:
         _combine_kernel[(b, n_heads)](

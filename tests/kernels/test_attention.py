@@ -60,6 +60,19 @@ def test_decode(shape, splits):
     _attend(shape, lens, [1] * len(lens), DTYPES[i % len(DTYPES)], gen, decode=cfg)
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("programs", [1, 5])
+def test_decode_on_fewer_programs(splits, programs):
+    """DecodeLaunch.programs: a few programs stride over every (row, kv head, split), decode
+    steps and mixed ones alike, with the same results as a program per item (GQA shape)."""
+    gen = torch.Generator().manual_seed(70 + splits + programs)
+    shape = ATTN_SHAPES[1]
+    cfg = attention.DecodeLaunch(splits=splits, programs=programs, **SMALL_DECODE)
+    lens = [DECODE_LENS[b % len(DECODE_LENS)] for b in range(DECODE_BATCH)]
+    _attend(shape, lens, [1] * len(lens), DTYPES[0], gen, decode=cfg)
+    _attend(shape, [9, 1, 23, 6, 14], [1, 1, 5, 1, 14], DTYPES[0], gen, decode=cfg)
+
+
 def test_decode_kernel_serves_any_mix():
     """As many query rows as sequences, but one sequence has two and another none: the decode
     kernel (chosen from shapes alone) still attends each row over its own causal prefix."""
