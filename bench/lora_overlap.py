@@ -17,9 +17,17 @@ for decode batches of rank-8 adapters on distinct rows:
 - side, no add: the same without the add (what fusing the add into the next kernel could
   reach);
 - shrink aside: only the shrink on the second stream; the expand adds into the GEMM's output
-  after the join (no buffer, no add: one launch a call off the critical path).
+  after the join (no buffer, no add: one launch a call off the critical path);
+- side fused, no add: the side stream's calls on the fused kernel (one launch a call, 16 rank
+  rows, as the engine sizes fused steps), without the add.
 
-    python bench/lora_overlap.py [--batches 1 8 16 32 64] [--out bench/results/lora_overlap.json]
+With ``--carveouts`` each row is timed again with the base GEMMs told to leave that many SMs to
+other work (cuBLASLt's SM count target, torch's experimental carve-out; the GEMMs go through
+cuBLASLt for every row then, carve-out 0 included): whether a side stream can run beside GEMMs
+that no longer hold every SM, and what the carve-out costs the GEMMs themselves.
+
+    python bench/lora_overlap.py [--batches 1 8 16 32 64] [--carveouts 0 8 16 32] \
+        [--out bench/results/lora_overlap.json]
 
 Measured (H200, bench/results/lora_overlap.json at c7d24b0), µs a layer, base / serial / side /
 side without the add / shrink aside: batch 1 43.2 / 58.7 / 49.8 / 47.8 / 56.2; batch 16 43.9 /
@@ -51,6 +59,7 @@ CALLS = (((Q, K, V), (H, H, H)), ((O,), (H,)))  # (modules, output widths), inpu
 LAYERS = 4
 MAX_RANK = 128  # the engine's default max_lora_rank: its two-launch calls are sized for it
 SEGMENTS = 514  # the engine's segment capacity at 512 sequences
+FUSED_ROWS = 16  # the rank rows of the engine's fused steps (kernels.lora_paths)
 
 
 def case(batch: int, gen: torch.Generator):
@@ -89,7 +98,7 @@ def variants(batch: int, gen: torch.Generator) -> dict:
                 torch.mm(xs[layer][c], weights[layer][c].t(), out=ys[layer][c])
                 apply(ys[layer][c], xs[layer][c], layer, c, ws)
 
-    def overlapped(add: bool):
+    def overlapped(add: bool, fused: bool = False):
         def fn():
             main = torch.cuda.current_stream()
             for layer in range(LAYERS):
@@ -97,7 +106,13 @@ def variants(batch: int, gen: torch.Generator) -> dict:
                     side.wait_stream(main)  # x is ready
                     with torch.cuda.stream(side):
                         zs[layer][c].zero_()
-                        apply(zs[layer][c], xs[layer][c], layer, c, ws2)
+                        if fused:
+                            mods, widths = CALLS[c]
+                            z, x = zs[layer][c], xs[layer][c]
+                            lora.lora_apply(z, x, lc.pool[layer], lc.index, tokens, mods,
+                                            widths, FUSED_ROWS, fused=True)  # fmt: skip
+                        else:
+                            apply(zs[layer][c], xs[layer][c], layer, c, ws2)
                     torch.mm(xs[layer][c], weights[layer][c].t(), out=ys[layer][c])
                     main.wait_stream(side)
                     if add:
@@ -127,7 +142,8 @@ def variants(batch: int, gen: torch.Generator) -> dict:
                              cfg, call, False)  # fmt: skip
 
     fns = {"base": base, "serial": serial, "side": overlapped(True),
-           "side, no add": overlapped(False), "shrink aside": shrink_aside}  # fmt: skip
+           "side, no add": overlapped(False), "shrink aside": shrink_aside,
+           "side fused, no add": overlapped(False, fused=True)}  # fmt: skip
     # The overlapped result equals the serial one (up to the rounding of one add).
     serial()
     want = [y.clone() for layer in ys for y in layer]
@@ -142,20 +158,36 @@ def variants(batch: int, gen: torch.Generator) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32, 64])
+    ap.add_argument(
+        "--carveouts",
+        type=int,
+        nargs="*",
+        default=[],
+        help="SMs the GEMMs leave free (cuBLASLt for every row then)",
+    )
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/lora_overlap.json")
     args = ap.parse_args()
-    gen = torch.Generator().manual_seed(0)
     rows = []
-    print(f"{'batch':>5} {'base':>7} {'serial':>7} {'side':>7} {'no add':>7} {'shrink':>7}"
-          "  (µs a layer)")  # fmt: skip
-    for batch in args.batches:
-        t = variants(batch, gen)
-        rows.append({"batch": batch, **{k: round(v, 2) for k, v in t.items()}})
-        print(f"{batch:>5} {t['base']:>7.1f} {t['serial']:>7.1f} {t['side']:>7.1f} "
-              f"{t['side, no add']:>7.1f} {t['shrink aside']:>7.1f}", flush=True)  # fmt: skip
+    print(f"{'SMs out':>7} {'batch':>5} {'base':>7} {'serial':>7} {'side':>7} {'no add':>7} "
+          f"{'shrink':>7} {'fused':>7}  (µs a layer)")  # fmt: skip
+    if args.carveouts:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+    for carveout in args.carveouts or [None]:
+        torch._C._set_sm_carveout_experimental(carveout or None)
+        gen = torch.Generator().manual_seed(0)
+        for batch in args.batches:
+            t = variants(batch, gen)
+            rows.append({"carveout": carveout, "batch": batch,
+                         **{k: round(v, 2) for k, v in t.items()}})  # fmt: skip
+            out = "-" if carveout is None else carveout
+            print(f"{out:>7} {batch:>5} {t['base']:>7.1f} {t['serial']:>7.1f} {t['side']:>7.1f} "
+                  f"{t['side, no add']:>7.1f} {t['shrink aside']:>7.1f} "
+                  f"{t['side fused, no add']:>7.1f}", flush=True)  # fmt: skip
+    torch._C._set_sm_carveout_experimental(None)
     write_result(args.out, "lora_overlap.py", {
         "benchmark": "one layer's q/k/v and o GEMMs with S1 LoRA calls: serial or on a side stream",
-        "gpu": torch.cuda.get_device_name(), "rows": rows,
+        "gpu": torch.cuda.get_device_name(),
+        "blas": "cublaslt" if args.carveouts else "default", "rows": rows,
     })  # fmt: skip
 
 
