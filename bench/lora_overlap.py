@@ -29,12 +29,14 @@ that no longer hold every SM, and what the carve-out costs the GEMMs themselves.
     python bench/lora_overlap.py [--batches 1 8 16 32 64] [--carveouts 0 8 16 32] \
         [--out bench/results/lora_overlap.json]
 
-Measured (H200, bench/results/lora_overlap.json at c7d24b0), µs a layer, base / serial / side /
-side without the add / shrink aside: batch 1 43.2 / 58.7 / 49.8 / 47.8 / 56.2; batch 16 43.9 /
-69.1 / 63.9 / 61.7 / 70.1; batch 64 42.9 / 91.2 / 95.1 / 90.5 / 90.0. The GEMM keeps every SM
-busy from a few tokens on, so the side stream hides at most 7.5 of the 25 µs LoRA adds at batch
-16 even with the add fused away, and the shrink alone aside hides nothing: the engine keeps its
-calls serial.
+Measured (H200, 2026-12-03, bench/results/lora_overlap.json and lora_overlap_carveout.json), µs
+a layer, base / serial / side / side without the add / shrink aside / side fused without the
+add: batch 16 44.1 / 69.1 / 66.0 / 63.2 / 70.3 / 60.0; batch 64 43.0 / 91.5 / 94.2 / 90.0 / 90.1
+/ 80.6 (the run of c7d24b0 gave the first five within 2 µs). The GEMM keeps every SM busy from a
+few tokens on, so a side stream hides at most 6 of the 25 µs LoRA adds at batch 16, and the
+shrink alone aside hides nothing. Leaving the GEMMs 8 to 32 SMs fewer (cuBLASLt) hides 1-4 µs
+more at batch 16 and nothing from 64 on, while the base GEMMs alone slow by up to 12% at 256:
+the engine keeps its calls serial.
 """
 
 from __future__ import annotations
