@@ -122,16 +122,28 @@ class LoraCase(NamedTuple):
     rows: torch.Tensor  # [T] int32 (cuda)
 
 
-def build_lora(n_adapters: int, rank: int, layers: int, rows: torch.Tensor) -> LoraCase:
-    """n adapters of one rank on all seven modules at shuffled slots; random weights."""
-    plan = plan_adapter(dict.fromkeys(range(NUM_MODULES), rank), DIMS, POOL_W)
-    total = n_adapters * plan.num_slots
+def build_lora(
+    n_adapters: int, rank: int | tuple[int, ...], layers: int, rows: torch.Tensor
+) -> LoraCase:
+    """n adapters on all seven modules at shuffled slots, random weights; of one rank, or of
+    ranks cycled over the adapters (a tuple: adapter i has rank[i % len(rank)])."""
+    ranks = rank if isinstance(rank, tuple) else (rank,)
+    plans = [plan_adapter(dict.fromkeys(range(NUM_MODULES), r), DIMS, POOL_W) for r in ranks]
+    plan_of = [plans[i % len(plans)] for i in range(n_adapters)]
+    total = sum(p.num_slots for p in plan_of)
+    width = max(p.num_slots for p in plans)
     pool = torch.empty(layers, 2, total, POOL_W, dtype=DT, device=DEV).normal_(0, 0.02)
-    table = torch.randperm(total, device=DEV).to(torch.int32).view(n_adapters, plan.num_slots)
+    perm = torch.randperm(total).to(torch.int32)
+    table = torch.zeros(n_adapters, width, dtype=torch.int32)
+    used = 0
+    for i, p in enumerate(plan_of):
+        table[i, : p.num_slots] = perm[used : used + p.num_slots]
+        used += p.num_slots
+    table = table.to(DEV)
 
     def col(f):
         return torch.tensor(
-            [[f(p) for p in plan.placements]] * n_adapters, dtype=torch.int32, device=DEV
+            [[f(p) for p in plan.placements] for plan in plan_of], dtype=torch.int32, device=DEV
         )
 
     index = LoraIndex(

@@ -21,13 +21,16 @@ With ``--small`` the cases are the decode steps of 10 requests/s (8-32 tokens on
 from 100, each drawn three times), by the two launches the engine makes there against fused
 launches whose small tiles take the GEMV body (SMALL_POINTS), at 16 and 8 rank rows.
 
+With ``--s2`` the cases are S2's steps (ranks 8-64, which take the two launches) by the two
+launches' blocks (S2_POINTS).
+
 With ``--gemv`` the cases are both sets, decode-only and the trace's steps, and the variants the
 fused kernel's GEMV body (kernels/lora_fused.py) by rank rows, tiles it takes (gemv_max), weight
 block and warps (GEMV_POINTS), every call on the fused kernel, against the engine's fused-step
 rule (q/k/v fused, o fused from 256 tokens; prefill-sized steps all fused) and all two
 launches.
 
-    python bench/lora_engine_calls.py [--splits] [--profile] [--steps] [--small] \
+    python bench/lora_engine_calls.py [--splits] [--profile] [--steps] [--small] [--s2] \
         [--gemv [--points N]] \
         [--out bench/results/lora_engine_calls.json]
 """
@@ -106,24 +109,58 @@ SMALL_POINTS = (
     (8, 4, 2048, 4),
     (8, 4, 1024, 4),
 )
+# --s2: S2's steps (ranks 8, 16, 32 and 64 cycled over n = 100 adapters, q/k/v/o), which take
+# the two launches at the engine's max_lora_rank (a fused step needs every rank <= 16): decode
+# steps at the saturating trace's batch and a mixed step; by the two launches' blocks (rank rows
+# a shrink and an expand program hold, split of d_in, expand columns, tile tokens).
+S2_RANKS = (8, 16, 32, 64)
+S2_CASES = ((400, 100, ()), (256, 100, ()), (64, 100, ()), (300, 100, (512, 512, 512)))
+S2_POINTS = (  # (rank rows, split_k, expand_n, block_m); None: launch_config's own choice
+    None,
+    (32, 2, 256, 16),
+    (64, 2, 256, 16),
+    (16, 1, 256, 16),
+    (16, 4, 256, 16),
+    (16, 2, 128, 16),
+    (32, 1, 128, 16),
+    (64, 1, 128, 16),
+    (16, 2, 256, 32),
+    (32, 2, 256, 32),
+)
 S1_MODULES = (Q, K, V, O)
 LAYERS = 4  # each with its own weights, so one layer's adapters do not stay in L2
 
 
+def case_bytes(rows: torch.Tensor, ranks: tuple[int, ...], t: int) -> int:
+    """Fewest bytes of one layer's calls (bench/kernels.py's lora_bytes), each used adapter's
+    A and Bᵀ at its own rank (adapter a has rank ranks[a % len(ranks)])."""
+    used = torch.unique(rows).tolist()
+    per_rank_row = sum(len(m) * d_in + sum(w) for m, d_in, w in CALLS)
+    weights = sum(ranks[a % len(ranks)] for a in used) * per_rank_row
+    acts = sum(t * d_in + 2 * t * sum(w) for _, d_in, w in CALLS)
+    return (weights + acts) * kb.EL
+
+
 def time_case(
-    t: int, n: int, gen: torch.Generator, variants: list[dict], prefill: tuple[int, ...] = ()
+    t: int,
+    n: int,
+    gen: torch.Generator,
+    variants: list[dict],
+    prefill: tuple[int, ...] = (),
+    ranks: tuple[int, ...] = (8,),
 ) -> list[dict]:
     """t tokens on adapters drawn uniformly from n; with ``prefill``, that many more chunks of
-    those lengths, each on an adapter of its own (a prompt's), after the decode tokens."""
+    those lengths, each on an adapter of its own (a prompt's), after the decode tokens; the
+    adapters' ranks cycled from ``ranks``."""
     rows = torch.randint(0, n, (t,), generator=gen)
     prompts = torch.randperm(n, generator=gen)[: len(prefill)]
     rows = torch.cat([rows, *[p.repeat(k) for p, k in zip(prompts, prefill, strict=True)]])
     rows = rows.sort().values.int()  # the engine's steps group tokens by adapter
     decode, t = t, rows.numel()
-    case = kb.build_lora(n, 8, LAYERS, rows)
+    case = kb.build_lora(n, ranks, LAYERS, rows)
     used = int(torch.unique(rows).numel())
     all_calls = kb.CALLS if any(v.get("mlp") for v in variants) else CALLS
-    nbytes = kb.lora_bytes(case.rows.cpu(), 8, t, CALLS)
+    nbytes = case_bytes(rows, ranks, t)
     xs = [[torch.randn(t, d, dtype=kb.DT, device=kb.DEV) for _, d, _ in all_calls]
           for _ in range(LAYERS)]  # fmt: skip
     ys = [[torch.zeros(t, sum(w), dtype=kb.DT, device=kb.DEV) for _, _, w in all_calls]
@@ -151,10 +188,11 @@ def time_case(
         if v.get("split_k"):
             cfgs = [
                 lora.launch_config(t, d, kb.POOL_W, max_rank, len(m))._replace(
-                    split_k=v["split_k"], expand_n=v["expand_n"]
+                    split_k=v["split_k"], expand_n=v["expand_n"],
+                    **{k: v[k] for k in ("shrink_r", "expand_r", "block_m") if k in v},
                 )
                 for m, d, _ in calls
-            ]
+            ]  # fmt: skip
         split = max(c.split_k for c in cfgs) if cfgs[0] else 16
         ws = torch.empty(lora.workspace_size(t, 3, max_rank) * split, device=kb.DEV)
 
@@ -210,6 +248,7 @@ def main() -> None:
     ap.add_argument("--gemv", action="store_true", help="the fused kernel's GEMV body, both sets")
     ap.add_argument("--small", action="store_true",
                     help="the decode steps of 10 requests/s, by GEMV body")  # fmt: skip
+    ap.add_argument("--s2", action="store_true", help="S2's steps by two-launch blocks")
     ap.add_argument("--points", type=int, default=len(GEMV_POINTS),
                     help="--gemv: the first this many of GEMV_POINTS")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/lora_engine_calls.json")
@@ -223,6 +262,13 @@ def main() -> None:
     elif args.small:
         variants += [dict(max_rank=16, segments=514, fused=False)]
         variants += [gemv_variant(p) for p in SMALL_POINTS]
+    elif args.s2:
+        for point in S2_POINTS:
+            v = dict(max_rank=128, segments=514, fused=False)
+            if point:
+                r, split, en, bm = point
+                v.update(split_k=split, expand_n=en, shrink_r=r, expand_r=r, block_m=bm)
+            variants.append(v)
     elif args.steps:
         for mlp in (False, True):
             for max_rank, fused in ((128, None), (16, None), (16, True), (16, False)):
@@ -250,6 +296,8 @@ def main() -> None:
     elif args.small:
         rows = [r for t, n in SMALL_CASES for _ in range(SMALL_DRAWS)
                 for r in time_case(t, n, gen, variants)]  # fmt: skip
+    elif args.s2:
+        rows = [r for t, n, p in S2_CASES for r in time_case(t, n, gen, variants, p, S2_RANKS)]
     elif args.steps:
         rows = [r for t, n, p in STEP_CASES for r in time_case(t, n, gen, variants, p)]
     else:
