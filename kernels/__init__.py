@@ -78,13 +78,15 @@ def lora_apply(
     *,
     workspace: torch.Tensor | None = None,
     fused: bool | None = None,
+    rank_block: int = 16,
 ) -> None:
-    """The model's LoRA hook: y[:, slices] += scale · x · Aᵀ · Bᵀ in place. ``fused`` picks
-    the Triton path (kernels/lora.py, lora_apply); the result is the same either way."""
+    """The model's LoRA hook: y[:, slices] += scale · x · Aᵀ · Bᵀ in place. ``fused`` and
+    ``rank_block`` pick the Triton path and its blocks (kernels/lora.py, lora_apply); the result
+    is the same either way."""
     if y.is_cuda:
         _triton_lora().lora_apply(
             y, x, pool_layer, index, tokens, modules, out_widths, max_rank,
-            workspace=workspace, fused=fused,
+            workspace=workspace, fused=fused, rank_block=rank_block,
         )  # fmt: skip
     else:
         lora_ref.lora_apply(y, x, pool_layer, index, tokens, modules, out_widths, max_rank)

@@ -154,29 +154,34 @@ def launch_config(
     max_rank: int,
     num_slices: int = 1,
     out_width: int = 0,
+    rank_block: int = 16,
 ) -> LoraLaunch:
     """16-token tiles (a decode token wastes little of a 16-row dot), 32 for big batches where
     tiles are full; K and N blocks inside one pool chunk when the width allows (each row of a
     block is one contiguous run); d_in split when too few programs would stream the weights.
     With ``out_width`` (the widest slice; lora_apply passes it) prefill-sized calls of several
-    slices get the fused one-launch kernel instead (kernels/lora_paths.py)."""
+    slices get the fused one-launch kernel instead (kernels/lora_paths.py). ``rank_block``: the
+    two launches' rank rows a program, 16 unless the caller's adapters are wider
+    (lora_paths.step_is_wide: 32, in 16-token tiles)."""
+    if rank_block < 16 or rank_block & (rank_block - 1):
+        raise ValueError(f"rank_block must be a power of two >= 16, got {rank_block}")
     if out_width and shapes_prefer_fused(num_tokens, max_rank, num_slices):
         return fused_config(num_tokens, width, max_rank, num_slices, out_width, d_in=d_in)
     big = num_tokens > 1024
     shrink_k = _fit_block(256, width)
-    # 16 rank rows a program whatever max_rank: an engine is sized for its largest adapter
+    # 16 rank rows a program whatever max_rank (unless rank_block says more): an engine is sized
+    # for its largest adapter
     # (max_lora_rank 128 by default) but serves mostly small ones; wider blocks would compute
     # masked rows for them (H200, 292 decode tokens on 96 rank-8 adapters, one layer's q/k/v and
     # o calls: 69 µs at max_rank 16 with 16-row blocks, against 80 at 32 and 89 at 128 with
     # 32-row blocks; bench/results/lora_engine_calls_before_tiles.json).
-    rank_block = 16
     programs = max(1, min(num_tokens, 1024)) * num_slices  # decode worst case: a tile a token
     want = _SHRINK_PROGRAMS_PER_SM * num_sms() // programs
     split = _decode_split(num_tokens, d_in, shrink_k)
     while split * 2 <= want and d_in >= 4 * split * shrink_k:
         split *= 2
     return LoraLaunch(
-        block_m=32 if big else 16,
+        block_m=32 if big and rank_block == 16 else 16,
         shrink_k=shrink_k,
         shrink_r=rank_block,
         expand_n=_fit_block(256, width),
@@ -695,6 +700,7 @@ def lora_apply(
     workspace=None,
     config=None,
     fused: bool | None = None,
+    rank_block: int = 16,
 ):
     """The model's LoRA hook: y[:, slices] += scale · x · Aᵀ · Bᵀ, two launches or one.
 
@@ -702,7 +708,8 @@ def lora_apply(
     ``workspace_size(T, len(modules), max_rank)`` elements; without it one is allocated
     (from the graph's pool when capturing). ``config`` fixes the launch; otherwise ``fused``
     picks the path (True: the fused kernel, if it can hold max_rank rows; False: two
-    launches) or, None, launch_config picks it from the shapes.
+    launches) or, None, launch_config picks it from the shapes. ``rank_block``: the two
+    launches' rank rows a program (launch_config).
     """
     check_modules(modules, max_rank)
     check_float("x", x)
@@ -712,10 +719,12 @@ def lora_apply(
     if y.shape[0] != t:
         raise ValueError(f"x has {t} tokens, y has {y.shape[0]}")
     call = check_call(x, pool_layer, index, tokens, modules, max_rank, d_in)
-    cfg = config or _path_config(t, d_in, call.width, max_rank, len(modules), out_widths, fused)
+    cfg = config or _path_config(
+        t, d_in, call.width, max_rank, len(modules), out_widths, fused, rank_block
+    )
     if config is None and fused is None and cfg.fused:  # the shapes' choice: never one that fails
         if max_tiles(call.num_tokens, cfg.block_m, call.num_segs) > _MAX_GRID_Y:
-            cfg = launch_config(t, d_in, call.width, max_rank, len(modules))
+            cfg = launch_config(t, d_in, call.width, max_rank, len(modules), 0, rank_block)
     need = 0 if cfg.fused else cfg.split_k * t * len(modules) * max_rank
     if workspace is not None and (
         workspace.dtype != torch.float32
@@ -740,9 +749,12 @@ def lora_apply(
     _expand(y, h, pool_layer, index, tokens, modules, tuple(out_widths), max_rank, cfg, call, pdl)
 
 
-def _path_config(t, d_in, width, max_rank, num_slices, out_widths, fused) -> LoraLaunch:
+def _path_config(
+    t, d_in, width, max_rank, num_slices, out_widths, fused, rank_block=16
+) -> LoraLaunch:
     if fused is None:
-        return launch_config(t, d_in, width, max_rank, num_slices, max(out_widths))
+        return launch_config(t, d_in, width, max_rank, num_slices, max(out_widths), rank_block)
     if fused and max_rank <= FUSED_MAX_RANK:
         return fused_config(t, width, max_rank, num_slices, max(out_widths), d_in=d_in)
-    return launch_config(t, d_in, width, max_rank, num_slices)  # no out_width: never fused
+    # no out_width: never fused
+    return launch_config(t, d_in, width, max_rank, num_slices, 0, rank_block)

@@ -52,6 +52,9 @@ FUSED_DECODE_ROWS = 16
 FUSED_DECODE_MIN_ROWS = 1024
 # ... and their single-slice calls (o, down) from this many tokens x rank rows (decode_call_fused).
 FUSED_SINGLE_SLICE_MIN_ROWS = 4096
+# Two-launch steps with an adapter above FUSED_DECODE_ROWS rank rows (S2's ranks 8-64) run
+# programs of this many rank rows, in 16-token tiles (step_is_wide).
+WIDE_RANK_ROWS = 32
 
 
 def fused_rank_rows(max_rank: int) -> int:
@@ -100,6 +103,22 @@ def prefill_step_narrows(step_rank: int) -> bool:
     prompts of 2 adapters 122.5 / 103.5 / 103.9; 400 decode tokens beside three 200-token
     prompts (1000 tokens, 326 adapters) 195.6 / 196.7 / 195.6."""
     return fused_rank_rows(step_rank) <= FUSED_PREFILL_MAX_ROWS
+
+
+def step_is_wide(step_rank: int) -> bool:
+    """Whether a step on the two launches holds WIDE_RANK_ROWS rank rows a program (and 16-token
+    tiles) rather than 16: when an adapter of it is above FUSED_DECODE_ROWS. A two-launch
+    program loops over its adapter's rank in blocks of its rows, so a rank-64 adapter takes four
+    trips at 16 rows, two at 32, while rank-8 adapters would compute masked rows at 32.
+
+    H200, one layer's q/k/v and o calls of S2 steps (ranks 8, 16, 32 and 64 cycled over 100
+    adapters) in a CUDA graph, 16 rows (the default: 16-token tiles, 32 from 1024 tokens) against
+    32 rows in 16-token tiles (bench/results/lora_engine_calls_s2.json, --s2): 400 decode tokens
+    on 98 adapters 133.6 against 116.2 µs, 256 on 94 133.9 against 111.6, 64 on 46 84.9 against
+    69.5, 300 beside three 512-token prompts 304.4 against 220.8; 64 rows 125.6-146.6 for the
+    first; and S1's rank-8 steps at 16 rows (69 µs for 292 tokens on 96 adapters) against 80 at
+    32 (docs/kernels.md)."""
+    return fused_rank_rows(step_rank) > FUSED_DECODE_ROWS
 
 
 def decode_call_fused(

@@ -47,6 +47,8 @@ def _mixed_run(tiny_models, preset: str, dtype: str, overlap: bool = False, **ov
 )
 def test_cuda_float32_mixed_batch_matches_hf_peft(tiny_models, preset, overlap):
     run = _mixed_run(tiny_models, preset, "float32", overlap=overlap)
+    # the rank-32 adapter's steps replayed the graphs of two launches of 32-row programs
+    assert any(r.graph and r.lora == "two launches, wide" for r in run[3].step_log.recent)
     assert_matches_hf(tiny_models, preset, *run[:3])
 
 
@@ -91,14 +93,15 @@ def test_cuda_narrow_mixed_steps_match_hf_peft(tiny_models, monkeypatch):
     fits them; every call fused), with the prefill-sized threshold lowered so that the parity
     run's mixed steps count as prefill-sized and the single-slice threshold so that their o and
     down calls fuse at these sizes too, in an engine sized for rank 64; steps of the rank-32
-    adapter keep the engine's rows. Every step against HF + PEFT."""
+    adapter keep the engine's rows, on two launches of 32-row programs (WIDE). Every step
+    against HF + PEFT."""
     monkeypatch.setattr(lora_paths, "FUSED_MAX_TOKENS", 16)
     monkeypatch.setattr(lora_paths, "FUSED_SINGLE_SLICE_MIN_ROWS", 16)
     run = _mixed_run(tiny_models, "tiny-llama", "float32", max_lora_rank=64)
     core = run[3]
     assert core.runner.narrow_graph_sizes
     paths = {(r.graph, r.lora) for r in core.step_log.recent}
-    assert (True, "fused, narrow") in paths and (True, "by shapes") in paths
+    assert (True, "fused, narrow") in paths and (True, "two launches, wide") in paths
     assert_matches_hf(tiny_models, "tiny-llama", *run[:3])
 
 

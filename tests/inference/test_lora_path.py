@@ -133,14 +133,15 @@ def test_runner_prefers_fused_for_many_distinct_adapters(core, monkeypatch):
     prefill = [BatchEntry(tuple(range(600)), 0, tuple(range(150)), r16, True)]
     assert prefers(prefill) is True  # prefill-sized, every adapter within 16 rows: NARROW
     prefill.append(BatchEntry((1,), 4, (8,), r32, True))
-    assert prefers(prefill) is None  # prefill-sized with a rank-32 adapter: the shapes decide
+    assert prefers(prefill) is False  # prefill-sized with a rank-32 adapter: two launches, wide
 
 
 def test_prefill_sized_steps_are_sized_for_their_adapters_ranks(core):
     """A prefill-sized step whose adapters all fit FUSED_PREFILL_MAX_ROWS (16) rank rows makes
     its calls with that many (NARROW: every call fused), whatever the engine's
-    max_lora_rank (32 here); one with a larger adapter keeps the engine's. A step's modules are
-    those of its adapters."""
+    max_lora_rank (32 here); one with a larger adapter keeps the engine's, on two launches of
+    WIDE_RANK_ROWS-row programs (WIDE), decode-sized or not. A step's modules are those of its
+    adapters."""
     r32, r16 = _load(core, "r32"), _load(core, "r16")
     modules = core.adapters.row_modules
 
@@ -149,10 +150,12 @@ def test_prefill_sized_steps_are_sized_for_their_adapters_ranks(core):
 
     step, lora_for = core.runner.step_lora, core.runner._lora_for
     assert step([prefill(r16)]) == StepLora(LoraMode.NARROW, modules[r16])
+    # an adapter above 16 rank rows: two launches of 32-row programs, prefill- or decode-sized
     assert step([prefill(r16), *_decode([r32])]) == StepLora(
-        LoraMode.SHAPES, modules[r16] | modules[r32]
+        LoraMode.WIDE, modules[r16] | modules[r32]
     )
-    assert step([prefill(r16, 100), *_decode([r32])]).mode is LoraMode.TWO  # decode-sized
+    assert step([prefill(r16, 100), *_decode([r32])]).mode is LoraMode.WIDE
+    assert step([prefill(r16, 100), *_decode([r16])]).mode is LoraMode.TWO  # decode-sized
     assert step([prefill(None), *_decode([None])]) == StepLora(LoraMode.NONE, None)
     # The context each path's calls are made with.
     assert lora_for(LoraMode.NONE, None) is None
@@ -162,6 +165,10 @@ def test_prefill_sized_steps_are_sized_for_their_adapters_ranks(core):
     assert lora_for(LoraMode.FUSED, None).rows == lora_paths.FUSED_DECODE_ROWS
     assert core.runner.lora.fused is True
     assert lora_for(LoraMode.TWO, None).rows == 32 and core.runner.lora.fused is False
+    assert core.runner.lora.rank_block == 16
+    assert lora_for(LoraMode.WIDE, None).rows == 32 and core.runner.lora.fused is False
+    assert core.runner.lora.rank_block == lora_paths.WIDE_RANK_ROWS
+    assert lora_for(LoraMode.NARROW, None).rank_block == 16  # back to 16 for the next step
 
 
 @pytest.mark.parametrize(

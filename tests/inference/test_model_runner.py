@@ -62,7 +62,9 @@ def test_each_step_finds_its_graph(tiny_models):
                GraphKey(8, 8, LoraMode.FUSED, ATTENTION)]  # fmt: skip
     graphs += [GraphKey(n, min(8, n - 1), mode) for n in (16, 32)
                for mode in (LoraMode.NONE, LoraMode.SHAPES)]  # fmt: skip
-    graphs += [GraphKey(32, 8, LoraMode.NARROW)]
+    wide = LoraMode.WIDE
+    graphs += [GraphKey(32, 8, LoraMode.NARROW), GraphKey(8, 8, wide),
+               GraphKey(8, 8, wide, ATTENTION), GraphKey(32, 8, wide)]  # fmt: skip
     runner._graphs = dict.fromkeys(graphs, (None, None))
     runner._decode_sizes, runner._mixed_sizes = (4, 8), (16, 32)
 
@@ -97,3 +99,10 @@ def test_each_step_finds_its_graph(tiny_models):
     assert pick([*decode(3), chunk(20)], none) == GraphKey(32, 8, none)
     assert pick([chunk(1, sample=False), *decode(2)], none) == GraphKey(16, 8, none)
     assert pick([*decode(5), chunk(28)], shapes) is None  # 33 tokens: more than any graph
+    # steps with an adapter above 16 rank rows: the wide graphs, decode (attention-only too)
+    # and mixed; none of 4 sequences or 16 tokens, so those run eagerly
+    assert pick(decode(6, row=0), wide) == GraphKey(8, 8, wide)
+    assert pick(decode(6, row=0), wide, q_v | o) == GraphKey(8, 8, wide, ATTENTION)
+    assert pick(decode(3, row=0), wide) is None
+    assert pick([*decode(2, row=1), chunk(20)], wide) == GraphKey(32, 8, wide)
+    assert pick([*decode(2, row=1), chunk(9)], wide) is None

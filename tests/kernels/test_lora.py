@@ -173,6 +173,21 @@ def test_apply_split_k(split_k):
     )
 
 
+@pytest.mark.parametrize("rank_block", [32, 64])
+def test_apply_wide_rank_blocks(rank_block):
+    """Two launches whose programs hold 32 or 64 rank rows (lora_paths.step_is_wide), adapters
+    of every rank from 1 to 64 beside the base model: ranks below, at and above the block."""
+    gen = torch.Generator().manual_seed(80 + rank_block)
+    shape = LORA_SHAPES[1]
+    ranks = _ranks(ADAPTERS, shape.modules, (1, 7, 16, 33, 64), gen)
+    rows = token_rows("base_mix", POP_BATCH, ADAPTERS, gen, grouped=True)
+    cfg = lora.launch_config(POP_BATCH, shape.d_in, shape.width, 64, rank_block=rank_block)
+    assert (cfg.shrink_r, cfg.expand_r, cfg.block_m) == (rank_block, rank_block, 16)
+    if SMALL:
+        cfg = SMALL._replace(shrink_r=rank_block, expand_r=rank_block)
+    _check_apply(shape, ranks, rows, DTYPES[rank_block // 32], gen, config=cfg)
+
+
 @pytest.mark.parametrize("tile_programs", [1, 3])
 @pytest.mark.parametrize("popularity", ["distinct", "base_mix"])
 def test_apply_programs_stride_over_tiles(tile_programs, popularity):
@@ -270,6 +285,12 @@ def test_launch_config_chooses_paths():
     assert {
         lora.launch_config(t, 4096, 4096, r, 3).shrink_r for t in (1, 4096) for r in (8, 128)
     } == {16}
+    # wider programs where the caller asks (lora_paths.step_is_wide), in 16-token tiles always
+    wide = lora.launch_config(4096, 4096, 4096, 128, 3, rank_block=32)
+    assert (wide.shrink_r, wide.expand_r, wide.block_m) == (32, 32, 16)
+    assert lora.launch_config(4096, 4096, 4096, 128, 3).block_m == 32
+    with pytest.raises(ValueError, match="rank_block"):
+        lora.launch_config(64, 4096, 4096, 128, 3, rank_block=24)
     assert not lora.launch_config(512, 4096, 4096, 16, 3).fused  # shrink / expand alone
     cfg = lora.fused_config(1, 4096, 64, 3, 4096, d_in=4096)
     assert cfg.fused and cfg.shrink_r >= 64 and cfg.parts > 1 and cfg.block_m == 16
@@ -367,6 +388,23 @@ def test_apply_fused_flag_picks_the_path(monkeypatch, fused):
     args = (setup.pool[0], setup.index, tokens, (Q, K, V), (32, 16, 16), 16)
     lora.lora_apply(y, x, *args, fused=fused)
     assert ran == (["_fused"] if fused else ["_shrink"])
+    want = torch.zeros(3, 64, dtype=torch.float64)
+    pool = setup.pool[0].cpu().double()
+    lora_ref.lora_apply(want, x.cpu().double(), pool, *_cpu(args[1:3]), *args[3:])
+    torch.testing.assert_close(y.cpu().double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [False, None])
+def test_apply_rank_block_reaches_the_two_launches(monkeypatch, fused):
+    """lora_apply(rank_block=32) runs two launches whose programs hold 32 rank rows (asked for,
+    or the shapes' choice), and matches the reference."""
+    setup, tokens, x, y = _small_call()
+    seen = []
+    real = lora._shrink
+    monkeypatch.setattr(lora, "_shrink", lambda *a: (seen.append(a[7]), real(*a)))
+    args = (setup.pool[0], setup.index, tokens, (Q, K, V), (32, 16, 16), 16)
+    lora.lora_apply(y, x, *args, fused=fused, rank_block=32)
+    assert [(c.shrink_r, c.expand_r, c.block_m) for c in seen] == [(32, 32, 16)]
     want = torch.zeros(3, 64, dtype=torch.float64)
     pool = setup.pool[0].cpu().double()
     lora_ref.lora_apply(want, x.cpu().double(), pool, *_cpu(args[1:3]), *args[3:])

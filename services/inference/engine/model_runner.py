@@ -18,7 +18,10 @@ distinct adapters, of which rank and on which modules (kernels/lora_paths.py). A
 path it was captured with, so decode sizes where the fused path can win get a third graph;
 mixed steps let each call's shapes decide, sized for the engine's max_lora_rank, or, when every
 adapter of the step fits FUSED_PREFILL_MAX_ROWS rank rows, run every call fused, sized for
-those (prefill-sized mixed steps get that graph too). A step makes no call for modules none of
+those (prefill-sized mixed steps get that graph too). Steps with an adapter above
+FUSED_DECODE_ROWS rank rows (S2's ranks up to 64) take two launches whose programs hold
+WIDE_RANK_ROWS rank rows (kernels.lora_paths.step_is_wide), one more graph per size in an
+engine whose max_lora_rank allows such adapters. A step makes no call for modules none of
 its adapters has: eagerly for any module; every decode graph with LoRA calls also comes without
 the MLP calls, for steps whose adapters adapt attention only (H200, 16 decode tokens on 13
 adapters, one layer's S1 calls: 19.6 µs, 26.3 with the masked MLP launches;
@@ -54,10 +57,16 @@ class LoraMode(enum.Enum):
     # prefill-sized steps whose adapters all fit FUSED_PREFILL_MAX_ROWS rank rows: every call
     # on the fused kernel, sized for those rows (kernels.lora_paths.prefill_step_narrows)
     NARROW = "fused, narrow"
+    # steps of any size with an adapter above FUSED_DECODE_ROWS: two launches whose programs
+    # hold WIDE_RANK_ROWS rank rows (kernels.lora_paths.step_is_wide)
+    WIDE = "two launches, wide"
 
     @property
     def fused(self) -> bool | None:
-        return {LoraMode.TWO: False, LoraMode.FUSED: True, LoraMode.NARROW: True}.get(self)
+        return {
+            LoraMode.TWO: False, LoraMode.FUSED: True, LoraMode.NARROW: True,
+            LoraMode.WIDE: False,
+        }.get(self)  # fmt: skip
 
 
 # The attention projections' modules as bits (LoraContext.modules): the module set of the
@@ -167,6 +176,10 @@ class ModelRunner:
         rows = lora_paths.FUSED_PREFILL_MAX_ROWS
         return tokens > lora_paths.FUSED_MAX_TOKENS and self.max_lora_rank > rows
 
+    def _wides(self) -> bool:
+        """Whether steps may hold adapters above FUSED_DECODE_ROWS (WIDE graphs are captured)."""
+        return lora_paths.step_is_wide(self.max_lora_rank)
+
     def _fusable(self, size: int) -> bool:
         """Whether a decode step of ``size`` sequences could prefer the fused path."""
         return lora_paths.decode_prefers_fused(size, size, lora_paths.FUSED_DECODE_ROWS)
@@ -194,11 +207,14 @@ class ModelRunner:
                 modules |= self.row_modules[r]
         rank = max(self.row_ranks[r] for r in rows)
         if tokens <= lora_paths.FUSED_MAX_TOKENS:
-            fused = lora_paths.decode_prefers_fused(adapter_tokens, len(rows), rank)
-            return StepLora(LoraMode.FUSED if fused else LoraMode.TWO, modules)
-        if self._narrows(tokens) and lora_paths.prefill_step_narrows(rank):
+            if lora_paths.decode_prefers_fused(adapter_tokens, len(rows), rank):
+                return StepLora(LoraMode.FUSED, modules)
+        elif self._narrows(tokens) and lora_paths.prefill_step_narrows(rank):
             return StepLora(LoraMode.NARROW, modules)
-        return StepLora(LoraMode.SHAPES, modules)
+        if lora_paths.step_is_wide(rank):
+            return StepLora(LoraMode.WIDE, modules)
+        small = tokens <= lora_paths.FUSED_MAX_TOKENS
+        return StepLora(LoraMode.TWO if small else LoraMode.SHAPES, modules)
 
     def _lora_for(self, mode: LoraMode, modules: int | None) -> LoraContext | None:
         """The LoRA context set up for a step (or a graph) of ``mode`` covering ``modules``."""
@@ -210,6 +226,7 @@ class ModelRunner:
         elif mode is LoraMode.NARROW:  # they all fit FUSED_PREFILL_MAX_ROWS (step_lora)
             rows = min(lora_paths.FUSED_PREFILL_MAX_ROWS, rows)
         self.lora.fused, self.lora.rows, self.lora.modules = mode.fused, rows, modules
+        self.lora.rank_block = lora_paths.WIDE_RANK_ROWS if mode is LoraMode.WIDE else 16
         return self.lora
 
     def mixed_seqs(self, tokens: int) -> int:
@@ -232,7 +249,9 @@ class ModelRunner:
         keys = []
         for size in decode_sizes:
             keys.append(GraphKey(size, size, LoraMode.NONE))
-            modes = (LoraMode.TWO, LoraMode.FUSED) if self._fusable(size) else (LoraMode.TWO,)
+            modes = [LoraMode.TWO]
+            modes += [LoraMode.FUSED] if self._fusable(size) else []
+            modes += [LoraMode.WIDE] if self._wides() else []
             for mode in modes:  # each also without the MLP calls
                 keys += [GraphKey(size, size, mode), GraphKey(size, size, mode, ATTENTION)]
         for tokens in mixed_sizes:
@@ -240,6 +259,8 @@ class ModelRunner:
             keys += [GraphKey(tokens, seqs, LoraMode.NONE), GraphKey(tokens, seqs, LoraMode.SHAPES)]
             if self._narrows(tokens):
                 keys.append(GraphKey(tokens, seqs, LoraMode.NARROW))
+            if self._wides():
+                keys.append(GraphKey(tokens, seqs, LoraMode.WIDE))
         warmed: set[tuple] = set()
         for key in sorted(keys, key=lambda k: (k.tokens, k.seqs), reverse=True):
             self._fill_for(key, [self._pad])
@@ -263,10 +284,12 @@ class ModelRunner:
         log.info(
             "captured %d CUDA graphs in %.1f s: decode steps of %s sequences (with fused LoRA "
             "kernels from %s; each LoRA graph also without MLP LoRA calls), mixed steps of %s "
-            "tokens (sized for %d rank rows from %s)",
+            "tokens (sized for %d rank rows from %s); two launches of %d rank rows for "
+            "adapters above %d: %s",
             len(self._graphs), time.perf_counter() - start, list(self._decode_sizes),
             min(self.fused_graph_sizes, default=None), list(self._mixed_sizes),
             lora_paths.FUSED_PREFILL_MAX_ROWS, min(self.narrow_graph_sizes, default=None),
+            lora_paths.WIDE_RANK_ROWS, lora_paths.FUSED_DECODE_ROWS, self._wides(),
         )  # fmt: skip
 
     def _fill_for(self, key: GraphKey, entries: Sequence[BatchEntry]) -> None:

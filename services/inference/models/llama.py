@@ -67,7 +67,8 @@ class LoraContext:
     step (ModelRunner): the kernel path (``fused``: None leaves it to the shapes; each call's
     own path is kernels.lora_paths.decode_call_fused), the rank rows the step's calls are sized
     for (``rows``: the engine's max_lora_rank, or fewer when every adapter of the step fits
-    fewer), and the modules they cover (``modules``: bits, module m = bit m; None: all). A call
+    fewer), the modules they cover (``modules``: bits, module m = bit m; None: all), and the
+    two launches' rank rows a program (``rank_block``: kernels.lora_paths.step_is_wide). A call
     none of whose modules is covered is not made: no adapter of the step has them."""
 
     def __init__(self, index: LoraIndex, max_rank: int) -> None:
@@ -75,6 +76,7 @@ class LoraContext:
         self.fused: bool | None = None
         self.rows = max_rank
         self.modules: int | None = None
+        self.rank_block = 16
 
     def covers(self, modules: tuple[int, ...]) -> bool:
         return self.modules is None or any(self.modules >> m & 1 for m in modules)
@@ -97,6 +99,7 @@ def linear_lora(
         kernels.lora_apply(
             y, x, pool_layer, lora.index, batch.lora_tokens, modules, widths, lora.rows,
             fused=lora_paths.decode_call_fused(lora.fused, x.shape[0], len(modules), lora.rows),
+            rank_block=lora.rank_block,
         )  # fmt: skip
     return y
 
