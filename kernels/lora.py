@@ -169,12 +169,13 @@ def launch_config(
         return fused_config(num_tokens, width, max_rank, num_slices, out_width, d_in=d_in)
     big = num_tokens > 1024
     shrink_k = _fit_block(256, width)
-    # 16 rank rows a program whatever max_rank (unless rank_block says more): an engine is sized
-    # for its largest adapter
-    # (max_lora_rank 128 by default) but serves mostly small ones; wider blocks would compute
-    # masked rows for them (H200, 292 decode tokens on 96 rank-8 adapters, one layer's q/k/v and
-    # o calls: 69 µs at max_rank 16 with 16-row blocks, against 80 at 32 and 89 at 128 with
-    # 32-row blocks; bench/results/lora_engine_calls_before_tiles.json).
+    # rank_block (16 unless the caller says more) rank rows a program whatever max_rank: an
+    # engine is sized for its largest adapter (max_lora_rank 128 by default) but serves mostly
+    # small ones; wider blocks would compute masked rows for them (H200, 292 decode tokens on
+    # 96 rank-8 adapters, one layer's q/k/v and o calls: 69 µs at max_rank 16 with 16-row
+    # blocks, against 80 at 32 and 89 at 128 with 32-row blocks;
+    # bench/results/lora_engine_calls_before_tiles.json). Wider blocks take 16-token tiles
+    # (lora_paths.step_is_wide).
     programs = max(1, min(num_tokens, 1024)) * num_slices  # decode worst case: a tile a token
     want = _SHRINK_PROGRAMS_PER_SM * num_sms() // programs
     split = _decode_split(num_tokens, d_in, shrink_k)

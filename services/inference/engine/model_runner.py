@@ -189,7 +189,10 @@ class ModelRunner:
         step (up to FUSED_MAX_TOKENS tokens) fused or two launches by
         lora_paths.decode_prefers_fused over its adapter tokens; for a prefill-sized one NARROW
         when every adapter of it fits FUSED_PREFILL_MAX_ROWS (lora_paths.prefill_step_narrows:
-        every call fused, sized for those rows), else the shapes' choice at max_lora_rank."""
+        every call fused, sized for those rows). Otherwise, with an adapter above
+        FUSED_DECODE_ROWS, two launches of WIDE_RANK_ROWS-row programs (WIDE,
+        lora_paths.step_is_wide); else two launches (decode-sized) or the shapes' choice, at
+        max_lora_rank."""
         tokens = adapter_tokens = 0
         rows = set()
         for e in entries:
