@@ -32,7 +32,7 @@ that no longer hold every SM, and what the carve-out costs the GEMMs themselves.
 Measured (H200, 2026-12-03, bench/results/lora_overlap.json and lora_overlap_carveout.json), µs
 a layer, base / serial / side / side without the add / shrink aside / side fused without the
 add: batch 16 44.1 / 69.1 / 66.0 / 63.2 / 70.3 / 60.0; batch 64 43.0 / 91.5 / 94.2 / 90.0 / 90.1
-/ 80.6 (the run of c7d24b0 gave the first five within 2 µs). The GEMM keeps every SM busy from a
+/ 80.6 (the run of c7d24b0 gave the first five within 2.1 µs). The GEMM keeps every SM busy from a
 few tokens on, so a side stream hides at most 6 of the 25 µs LoRA adds at batch 16, and the
 shrink alone aside hides nothing. Leaving the GEMMs 8 to 32 SMs fewer (cuBLASLt) hides 1-4 µs
 more at batch 16 and nothing from 64 on, while the base GEMMs alone slow by up to 12% at 256:
