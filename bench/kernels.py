@@ -15,6 +15,7 @@ the time is per layer.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -77,6 +78,20 @@ GRIDS = {  # full, and --quick
 class Timing(NamedTuple):
     graph_us: float
     eager_us: float
+
+
+@contextlib.contextmanager
+def gemm_carveout(sms: int | None):
+    """Inside: torch's GEMMs on cuBLASLt, told to leave ``sms`` SMs to other work (its SM count
+    target, torch's experimental carve-out; None or 0: every SM, still on cuBLASLt)."""
+    blas = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch._C._set_sm_carveout_experimental(sms or None)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(None)
+        torch.backends.cuda.preferred_blas_library(blas)
 
 
 def median_us(fn: Callable[[], None]) -> float:
@@ -172,12 +187,14 @@ def popularity(kind: str, batch: int, gen: torch.Generator) -> tuple[torch.Tenso
     return torch.zeros(batch, dtype=torch.int32), 1
 
 
-def lora_bytes(rows: torch.Tensor, rank: int, t: int, calls=None) -> int:
+def lora_bytes(rows: torch.Tensor, rank: int | tuple[int, ...], t: int, calls=None) -> int:
     """Fewest bytes of one layer's LoRA work: each used adapter's A (one per module: q, k and v
-    each have their own) and Bᵀ once, x once, y read + written."""
+    each have their own) and Bᵀ once, at its rank (of one rank, or ranks cycled over the
+    adapters as build_lora cycles them), x once, y read + written."""
     calls = calls or CALLS
-    n_used = int(torch.unique(rows).numel())
-    weights = sum(rank * (len(mods) * d_in + sum(w)) for mods, d_in, w in calls) * n_used
+    ranks = rank if isinstance(rank, tuple) else (rank,)
+    rank_rows = sum(ranks[a % len(ranks)] for a in torch.unique(rows).tolist())
+    weights = sum(len(mods) * d_in + sum(w) for mods, d_in, w in calls) * rank_rows
     acts = sum(t * d_in + 2 * t * sum(w) for _, d_in, w in calls)
     return (weights + acts) * EL
 

@@ -131,16 +131,6 @@ S1_MODULES = (Q, K, V, O)
 LAYERS = 4  # each with its own weights, so one layer's adapters do not stay in L2
 
 
-def case_bytes(rows: torch.Tensor, ranks: tuple[int, ...], t: int) -> int:
-    """Fewest bytes of one layer's calls (bench/kernels.py's lora_bytes), each used adapter's
-    A and Bᵀ at its own rank (adapter a has rank ranks[a % len(ranks)])."""
-    used = torch.unique(rows).tolist()
-    per_rank_row = sum(len(m) * d_in + sum(w) for m, d_in, w in CALLS)
-    weights = sum(ranks[a % len(ranks)] for a in used) * per_rank_row
-    acts = sum(t * d_in + 2 * t * sum(w) for _, d_in, w in CALLS)
-    return (weights + acts) * kb.EL
-
-
 def time_case(
     t: int,
     n: int,
@@ -160,7 +150,7 @@ def time_case(
     case = kb.build_lora(n, ranks, LAYERS, rows)
     used = int(torch.unique(rows).numel())
     all_calls = kb.CALLS if any(v.get("mlp") for v in variants) else CALLS
-    nbytes = case_bytes(rows, ranks, t)
+    nbytes = kb.lora_bytes(rows, ranks, t, CALLS)
     xs = [[torch.randn(t, d, dtype=kb.DT, device=kb.DEV) for _, d, _ in all_calls]
           for _ in range(LAYERS)]  # fmt: skip
     ys = [[torch.zeros(t, sum(w), dtype=kb.DT, device=kb.DEV) for _, _, w in all_calls]
@@ -303,7 +293,8 @@ def main() -> None:
     else:
         rows = [r for t, n in CASES for r in time_case(t, n, gen, variants)]
     write_result(args.out, "lora_engine_calls.py", {
-        "benchmark": "one layer's S1 LoRA calls (q/k/v, o; rank 8) as the engine makes them",
+        "benchmark": "one layer's LoRA calls (q/k/v, o) as the engine makes them, "
+        + ("S2 (ranks 8-64)" if args.s2 else "S1 (rank 8)"),
         "gpu": torch.cuda.get_device_name(), "rows": rows,
     })  # fmt: skip
 

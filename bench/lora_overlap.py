@@ -34,14 +34,16 @@ a layer, base / serial / side / side without the add / shrink aside / side fused
 add: batch 16 44.1 / 69.1 / 66.0 / 63.2 / 70.3 / 60.0; batch 64 43.0 / 91.5 / 94.2 / 90.0 / 90.1
 / 80.6 (the run of c7d24b0 gave the first five within 2.1 µs). The GEMM keeps every SM busy from a
 few tokens on, so a side stream hides at most 6 of the 25 µs LoRA adds at batch 16, and the
-shrink alone aside hides nothing. Leaving the GEMMs 8 to 32 SMs fewer (cuBLASLt) hides 1-4 µs
-more at batch 16 and nothing from 64 on, while the base GEMMs alone slow by up to 12% at 256:
-the engine keeps its calls serial.
+shrink alone aside hides nothing. Leaving the GEMMs 8 to 32 SMs fewer (cuBLASLt) hides 3-4 µs
+more at batch 16 and 32 (the side stream without the add), nothing at 64, and at 256 the side
+runs gain 4-8 µs as the serial one does (192-197 against 205), while the base GEMMs alone slow
+by up to 12% there: the engine keeps its calls serial.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -172,20 +174,17 @@ def main() -> None:
     rows = []
     print(f"{'SMs out':>7} {'batch':>5} {'base':>7} {'serial':>7} {'side':>7} {'no add':>7} "
           f"{'shrink':>7} {'fused':>7}  (µs a layer)")  # fmt: skip
-    if args.carveouts:
-        torch.backends.cuda.preferred_blas_library("cublaslt")
     for carveout in args.carveouts or [None]:
-        torch._C._set_sm_carveout_experimental(carveout or None)
         gen = torch.Generator().manual_seed(0)
         for batch in args.batches:
-            t = variants(batch, gen)
+            with kb.gemm_carveout(carveout) if carveout is not None else contextlib.nullcontext():
+                t = variants(batch, gen)
             rows.append({"carveout": carveout, "batch": batch,
                          **{k: round(v, 2) for k, v in t.items()}})  # fmt: skip
             out = "-" if carveout is None else carveout
             print(f"{out:>7} {batch:>5} {t['base']:>7.1f} {t['serial']:>7.1f} {t['side']:>7.1f} "
                   f"{t['side, no add']:>7.1f} {t['shrink aside']:>7.1f} "
                   f"{t['side fused, no add']:>7.1f}", flush=True)  # fmt: skip
-    torch._C._set_sm_carveout_experimental(None)
     write_result(args.out, "lora_overlap.py", {
         "benchmark": "one layer's q/k/v and o GEMMs with S1 LoRA calls: serial or on a side stream",
         "gpu": torch.cuda.get_device_name(),

@@ -46,6 +46,7 @@ import argparse
 import contextlib
 import random
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,14 +56,16 @@ import torch  # noqa: E402
 
 import kernels  # noqa: E402
 from bench import kernels as kb  # noqa: E402
+from bench.bench_models import SHAPES, Shape  # noqa: E402
 from bench.provenance import write_result  # noqa: E402
 from kernels import attention  # noqa: E402
 from services.inference.engine.batch import BatchEntry, StepBatch  # noqa: E402
-from services.inference.models.config import ModelConfig, RopeConfig  # noqa: E402
+from services.inference.models.config import ModelConfig  # noqa: E402
 from services.inference.models.llama import Transformer  # noqa: E402
+from services.inference.tiny_model import BOS_TOKEN, EOS_TOKEN  # noqa: E402
 
 PAGE = 16
-MAX_LEN = 4096
+MAX_LEN = SHAPES["llama-7b"].max_positions
 # name: (decode sequences, their context), [(prompt chunk's start, its tokens)]
 SCENARIOS = {
     "450 decodes at 400 + six 256-token prompts": ((450, 400), [(0, 256)] * 6),
@@ -73,14 +76,10 @@ SCENARIOS = {
 }
 
 
-def llama7b(layers: int) -> ModelConfig:
-    return ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=32000, hidden_size=4096,
-        intermediate_size=11008, num_layers=layers, num_heads=32, num_kv_heads=32, head_dim=128,
-        rms_norm_eps=1e-5, max_position_embeddings=MAX_LEN, rope=RopeConfig("default", 10000.0),
-        tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False,
-        sliding_window=None,
-    )  # fmt: skip
+def model_config(shape: Shape) -> ModelConfig:
+    """The engine's config of a benchmark shape (bench/bench_models.py), as its model dir's
+    config.json would give it."""
+    return ModelConfig.from_dict(shape.config({BOS_TOKEN: 0, EOS_TOKEN: 1}))
 
 
 def build_model(cfg: ModelConfig, device: torch.device) -> Transformer:
@@ -155,12 +154,15 @@ def scenario(model, pool, decode, prompts, max_pages: int, device, carveouts, pa
         model(bd, pool, None)
         model(bp, pool, None)
 
-    def streams():
+    def streams(decode_cap: int = 0):
+        """The prompts' pass on the side stream, the decode pass on this one; with
+        ``decode_cap``, its attention on that many striding programs."""
         main = torch.cuda.current_stream(device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             model(bp, pool, None)
-        model(bd, pool, None)
+        with decode_programs(decode_cap) if decode_cap else contextlib.nullcontext():
+            model(bd, pool, None)
         main.wait_stream(side)
 
     fns = {
@@ -173,36 +175,22 @@ def scenario(model, pool, decode, prompts, max_pages: int, device, carveouts, pa
     layers = len(model.layers)
     with torch.inference_mode():
         out = {name: kb.timed(fn, layers, eager=False).graph_us for name, fn in fns.items()}
-        default_blas = torch.backends.cuda.preferred_blas_library()
         for carveout in carveouts:
-            torch.backends.cuda.preferred_blas_library("cublaslt")
-            torch._C._set_sm_carveout_experimental(carveout or None)
-            for name in ("one pass", "two passes, two streams"):
-                out[f"{name}, {carveout} SMs out"] = kb.timed(
-                    fns[name], layers, eager=False
-                ).graph_us
-            torch._C._set_sm_carveout_experimental(None)
-            torch.backends.cuda.preferred_blas_library(default_blas)
+            with kb.gemm_carveout(carveout):
+                for name in ("one pass", "two passes, two streams"):
+                    out[f"{name}, {carveout} SMs out"] = kb.timed(
+                        fns[name], layers, eager=False
+                    ).graph_us
         for sms, per_sm in partitions:
-
-            def partitioned(sms=sms, per_sm=per_sm):
-                main = torch.cuda.current_stream(device)
-                side.wait_stream(main)
-                with torch.cuda.stream(side):
-                    model(bp, pool, None)
-                with decode_programs(sms * per_sm):
-                    model(bd, pool, None)
-                main.wait_stream(side)
-
-            torch.backends.cuda.preferred_blas_library("cublaslt")
-            torch._C._set_sm_carveout_experimental(sms)
-            out[f"partitioned {sms}:{per_sm}"] = kb.timed(partitioned, layers, eager=False).graph_us
-            with decode_programs(sms * per_sm):
-                out[f"decode pass alone on {sms}:{per_sm}"] = kb.timed(
-                    lambda: model(bd, pool, None), layers, eager=False
+            cap = sms * per_sm
+            with kb.gemm_carveout(sms):
+                out[f"partitioned {sms}:{per_sm}"] = kb.timed(
+                    lambda cap=cap: streams(cap), layers, eager=False
                 ).graph_us
-            torch._C._set_sm_carveout_experimental(None)
-            torch.backends.cuda.preferred_blas_library(default_blas)
+                with decode_programs(cap):
+                    out[f"decode pass alone on {sms}:{per_sm}"] = kb.timed(
+                        fns["decode pass alone"], layers, eager=False
+                    ).graph_us
     out["tokens"] = both.num_tokens
     return out
 
@@ -216,7 +204,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/mixed_split.json")
     args = ap.parse_args()
     device = torch.device("cuda")
-    cfg = llama7b(args.layers)
+    cfg = model_config(replace(SHAPES["llama-7b"], layers=args.layers))
     model = build_model(cfg, device)
     need = max(
         sum(-(-(s + n) // PAGE) for s, n in prompts) + decode[0] * (decode[1] // PAGE + 1)

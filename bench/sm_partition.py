@@ -43,6 +43,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from bench import kernels as kb  # noqa: E402
 from bench.provenance import write_result  # noqa: E402
 
 READ_BYTES = 450 * 400 * 2 * 4096 * 2  # K and V of 450 rows at 400 tokens, one layer, bf16
@@ -104,8 +105,8 @@ def main() -> None:
     copy_dst = torch.empty_like(src)
     copy_us = median_us(lambda: copy_dst.copy_(src))
     copy_tbs = 2 * src.numel() * 2 / copy_us / 1e6
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    gemm_all = median_us(gemm)
+    with kb.gemm_carveout(None):  # cuBLASLt for every GEMM here, on every SM
+        gemm_all = median_us(gemm)
     flops = 2 * m * nn * k * args.gemms
     rows = []
     print(f"copy bandwidth {copy_tbs:.2f} TB/s; GEMM on every SM {gemm_all:.1f} µs "
@@ -115,10 +116,9 @@ def main() -> None:
     for k_sms in [*args.sms, sms]:
         read(k_sms)
         r = median_us(lambda k_sms=k_sms: read(k_sms))
-        torch._C._set_sm_carveout_experimental(k_sms if k_sms < sms else None)
-        g = median_us(gemm)
-        b = median_us(lambda k_sms=k_sms: both(k_sms))
-        torch._C._set_sm_carveout_experimental(None)
+        with kb.gemm_carveout(k_sms if k_sms < sms else None):
+            g = median_us(gemm)
+            b = median_us(lambda k_sms=k_sms: both(k_sms))
         tbs = READ_BYTES / r / 1e6
         rows.append({"sms": k_sms, "read_us": round(r, 1), "read_tb_per_s": round(tbs, 2),
                      "gemm_us": round(g, 1), "both_us": round(b, 1)})  # fmt: skip

@@ -4,19 +4,18 @@ weights, so two passes over them give the logits of one pass (the model's CPU pa
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 import torch
 
 from bench import mixed_split
+from bench.bench_models import Shape
 from services.inference.engine.batch import StepBatch
 
 
 def test_two_passes_give_the_one_pass_logits():
-    cfg = replace(
-        mixed_split.llama7b(2), hidden_size=64, intermediate_size=96, num_heads=4,
-        num_kv_heads=2, head_dim=16, vocab_size=128,
-    )  # fmt: skip
+    cfg = mixed_split.model_config(
+        Shape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96, vocab=128)
+    )
     torch.manual_seed(0)
     model = mixed_split.build_model(cfg, torch.device("cpu")).float()
     model.init_rope(torch.device("cpu"))

@@ -209,14 +209,13 @@ class ModelRunner:
             for r in rows:
                 modules |= self.row_modules[r]
         rank = max(self.row_ranks[r] for r in rows)
-        if tokens <= lora_paths.FUSED_MAX_TOKENS:
-            if lora_paths.decode_prefers_fused(adapter_tokens, len(rows), rank):
-                return StepLora(LoraMode.FUSED, modules)
-        elif self._narrows(tokens) and lora_paths.prefill_step_narrows(rank):
+        small = tokens <= lora_paths.FUSED_MAX_TOKENS
+        if small and lora_paths.decode_prefers_fused(adapter_tokens, len(rows), rank):
+            return StepLora(LoraMode.FUSED, modules)
+        if self._narrows(tokens) and lora_paths.prefill_step_narrows(rank):  # prefill-sized
             return StepLora(LoraMode.NARROW, modules)
         if lora_paths.step_is_wide(rank):
             return StepLora(LoraMode.WIDE, modules)
-        small = tokens <= lora_paths.FUSED_MAX_TOKENS
         return StepLora(LoraMode.TWO if small else LoraMode.SHAPES, modules)
 
     def _lora_for(self, mode: LoraMode, modules: int | None) -> LoraContext | None:
