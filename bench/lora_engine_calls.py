@@ -21,6 +21,11 @@ With ``--small`` the cases are the decode steps of 10 requests/s (8-32 tokens on
 from 100, each drawn three times), by the two launches the engine makes there against fused
 launches whose small tiles take the GEMV body (SMALL_POINTS), at 16 and 8 rank rows.
 
+With ``--one-token`` the cases are ``--small``'s and the variants fused launches whose tiles are
+all of one token (ONE_TOKEN_POINTS): the block-16 tile table holds every token as its own tile, so
+a token whose adapter another token shares also takes the GEMV body (its second read of the
+adapter mostly from L2) instead of putting its tile's one program on the dot body.
+
 With ``--s2`` the cases are S2's steps (ranks 8-64, which take the two launches) by the two
 launches' blocks (S2_POINTS).
 
@@ -30,7 +35,8 @@ block and warps (GEMV_POINTS), every call on the fused kernel, against the engin
 rule (q/k/v fused, o fused from 256 tokens; prefill-sized steps all fused) and all two
 launches.
 
-    python bench/lora_engine_calls.py [--splits] [--profile] [--steps] [--small] [--s2] \
+    python bench/lora_engine_calls.py [--splits] [--profile] [--steps] [--small] [--one-token] \
+        [--s2] \
         [--gemv [--points N]] \
         [--out bench/results/lora_engine_calls.json]
 """
@@ -109,6 +115,16 @@ SMALL_POINTS = (
     (8, 4, 2048, 4),
     (8, 4, 1024, 4),
 )
+# --one-token: (GEMV rank rows, weight block, warps, o fused), every tile one token.
+ONE_TOKEN_CASES = (*SMALL_CASES, (48, 100), (63, 1000))
+ONE_TOKEN_POINTS = (
+    (8, 2048, 4, True),
+    (8, 2048, 4, False),
+    (16, 1024, 4, True),
+    (16, 2048, 8, True),
+    (8, 2048, 8, True),
+    (8, 4096, 8, True),
+)
 # --s2: S2's steps (ranks 8, 16, 32 and 64 cycled over n = 100 adapters, q/k/v/o), which take
 # the two launches at the engine's max_lora_rank (a fused step needs every rank <= 16): decode
 # steps at the saturating trace's batch and a mixed step; by the two launches' blocks (rank rows
@@ -161,12 +177,15 @@ def time_case(
         # With the MLP calls the step's module mask is S1's (q, k, v, o): they find no work.
         calls = all_calls if v.get("mlp") else CALLS
         modules = S1_MODULES if v.get("mlp") else None
-        tokens = make_lora_tokens(case.rows, capacity=cap, modules=modules)
+        tokens = make_lora_tokens(case.rows, capacity=cap, modules=modules,
+                                  one_token_tiles=bool(v.get("one_token")))  # fmt: skip
         cfgs = [None] * len(calls)
         fused = [v.get("fused")] * len(calls)
         if v.get("engine"):  # the engine's per-call choice in a fused step (kernels/lora_paths)
             fused = [lora_paths.decode_call_fused(True, t, len(m), max_rank) or t > 512
                      for m, _, _ in calls]  # fmt: skip
+        if v.get("o_two"):  # o (the last call) on the two launches
+            fused[-1] = False
         if v.get("gemv_max"):
             cfgs = [
                 lora.fused_config(t, kb.POOL_W, max_rank, len(m), max(w), d_in=d)._replace(
@@ -175,6 +194,8 @@ def time_case(
                 )
                 for m, d, w in calls
             ]  # fmt: skip
+            if v.get("o_two"):
+                cfgs[-1] = None
         if v.get("split_k"):
             cfgs = [
                 lora.launch_config(t, d, kb.POOL_W, max_rank, len(m))._replace(
@@ -183,7 +204,7 @@ def time_case(
                 )
                 for m, d, _ in calls
             ]  # fmt: skip
-        split = max(c.split_k for c in cfgs) if cfgs[0] else 16
+        split = max((c.split_k for c in cfgs if c), default=16) if cfgs[0] else 16
         ws = torch.empty(lora.workspace_size(t, 3, max_rank) * split, device=kb.DEV)
 
         def fn(tokens=tokens, cfgs=cfgs, ws=ws, fused=fused, max_rank=max_rank, calls=calls):
@@ -238,6 +259,8 @@ def main() -> None:
     ap.add_argument("--gemv", action="store_true", help="the fused kernel's GEMV body, both sets")
     ap.add_argument("--small", action="store_true",
                     help="the decode steps of 10 requests/s, by GEMV body")  # fmt: skip
+    ap.add_argument("--one-token", action="store_true",
+                    help="--small's steps with every tile one token")  # fmt: skip
     ap.add_argument("--s2", action="store_true", help="S2's steps by two-launch blocks")
     ap.add_argument("--points", type=int, default=len(GEMV_POINTS),
                     help="--gemv: the first this many of GEMV_POINTS")  # fmt: skip
@@ -252,6 +275,11 @@ def main() -> None:
     elif args.small:
         variants += [dict(max_rank=16, segments=514, fused=False)]
         variants += [gemv_variant(p) for p in SMALL_POINTS]
+    elif args.one_token:
+        variants += [dict(max_rank=16, segments=514, fused=False)]
+        for rows, block, warps, o_fused in ONE_TOKEN_POINTS:
+            v = gemv_variant((rows, 1, block, warps))
+            variants.append(dict(v, one_token=True, **({} if o_fused else {"o_two": True})))
     elif args.s2:
         for point in S2_POINTS:
             v = dict(max_rank=128, segments=514, fused=False)
@@ -285,6 +313,9 @@ def main() -> None:
         rows += [r for t, n, p in STEP_CASES for r in time_case(t, n, gen, steps, p)]
     elif args.small:
         rows = [r for t, n in SMALL_CASES for _ in range(SMALL_DRAWS)
+                for r in time_case(t, n, gen, variants)]  # fmt: skip
+    elif args.one_token:
+        rows = [r for t, n in ONE_TOKEN_CASES for _ in range(SMALL_DRAWS)
                 for r in time_case(t, n, gen, variants)]  # fmt: skip
     elif args.s2:
         rows = [r for t, n, p in S2_CASES for r in time_case(t, n, gen, variants, p, S2_RANKS)]

@@ -41,6 +41,7 @@ from kernels.lora_paths import (
     FUSED_DECODE_ROWS,
     FUSED_MAX_RANK,
     FUSED_MAX_TOKENS,
+    SMALL_STEP_ROWS,
     fused_rank_rows,
     shapes_prefer_fused,
 )
@@ -248,7 +249,9 @@ def fused_config(
         block_k = _fit_block(narrow.block_k, width)
         block_n = _fit_block(narrow.block_n, width)
         warps = narrow.warps
-    gemv = _fit_block(_GEMV_BLOCK, width)
+    # the GEMV body's rows: SMALL_STEP_ROWS for adapters that fit them, in wider blocks
+    gemv_rows = SMALL_STEP_ROWS if max_rank <= SMALL_STEP_ROWS else rows
+    gemv = _fit_block(_GEMV_BLOCK * FUSED_DECODE_ROWS // gemv_rows, width)
     return LoraLaunch(
         block_m=16 if decode else 32,
         shrink_k=block_k,
@@ -262,6 +265,7 @@ def fused_config(
         gemv_max=_GEMV_MAX if rows <= FUSED_DECODE_ROWS else 0,
         gemv_k=gemv,
         gemv_n=gemv,
+        gemv_r=gemv_rows,
     )
 
 

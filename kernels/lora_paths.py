@@ -52,6 +52,10 @@ FUSED_DECODE_ROWS = 16
 FUSED_DECODE_MIN_ROWS = 1024
 # ... and their single-slice calls (o, down) from this many tokens x rank rows (decode_call_fused).
 FUSED_SINGLE_SLICE_MIN_ROWS = 4096
+# Decode steps below the fused rule's size (adapter tokens x FUSED_DECODE_ROWS under
+# FUSED_DECODE_MIN_ROWS) whose adapters all fit this many rank rows run every call fused, each
+# token its own tile on the GEMV body, with programs of these rows (small_step_fuses).
+SMALL_STEP_ROWS = 8
 # Two-launch steps with an adapter above FUSED_DECODE_ROWS rank rows (S2's ranks 8-64) run
 # programs of this many rank rows, in 16-token tiles (step_is_wide).
 WIDE_RANK_ROWS = 32
@@ -85,6 +89,26 @@ def decode_prefers_fused(adapter_tokens: int, distinct: int, step_rank: int) -> 
         return False
     mostly_distinct = 2 * distinct >= adapter_tokens
     return mostly_distinct and adapter_tokens * FUSED_DECODE_ROWS >= FUSED_DECODE_MIN_ROWS
+
+
+def small_step_fuses(adapter_tokens: int, step_rank: int) -> bool:
+    """Whether a decode step too small for the fused rule (decode_prefers_fused: fewer than
+    FUSED_DECODE_MIN_ROWS // FUSED_DECODE_ROWS adapter tokens) runs every LoRA call fused,
+    each token its own one-token tile on the GEMV body, in programs of SMALL_STEP_ROWS rank
+    rows: when its adapters all fit those rows. Such a step's calls are latency-bound (a few
+    programs each, each a chain of dependent loads), so one launch a call beats two; and with
+    every tile one token, a token whose adapter another token shares takes the GEMV body too
+    (reading the adapter again, mostly from L2) rather than a dot-body program that sets the
+    call's time.
+
+    H200, one layer's S1 q/k/v and o calls in a CUDA graph, the decode steps of 10 requests/s
+    (8-32 tokens on adapters drawn from 100; bench/results/lora_engine_calls_small.json):
+    16 tokens on 16 distinct adapters 16.2 µs fused against 22.6 in two launches, but 16 on 15
+    36.2 with the shared adapter's two-token tile on the dot body, 21.9 with it on the GEMV
+    body; one-token tiles: bench/results/lora_engine_calls_one_token.json."""
+    if adapter_tokens <= 0 or adapter_tokens * FUSED_DECODE_ROWS >= FUSED_DECODE_MIN_ROWS:
+        return False
+    return step_rank <= SMALL_STEP_ROWS
 
 
 def prefill_step_narrows(step_rank: int) -> bool:
@@ -127,7 +151,10 @@ def decode_call_fused(
     """One call's path in a step whose rule said ``step_fused`` (None: the shapes decide, False:
     two launches): in a fused step, calls of several slices fuse and a call of one slice fuses
     from FUSED_SINGLE_SLICE_MIN_ROWS tokens x the launch's rank ``rows`` (``num_tokens``: the
-    call's, padding included, so a CUDA graph's choice is fixed by its batch size)."""
+    call's, padding included, so a CUDA graph's choice is fixed by its batch size), and in a
+    step below the fused rule's size (small_step_fuses: one launch beats two where a call's
+    time is its latency)."""
     if not step_fused or num_slices > 1:
         return step_fused
-    return num_tokens * fused_rank_rows(rows) >= FUSED_SINGLE_SLICE_MIN_ROWS
+    rows = fused_rank_rows(rows) * num_tokens
+    return rows >= FUSED_SINGLE_SLICE_MIN_ROWS or rows < FUSED_DECODE_MIN_ROWS

@@ -56,9 +56,12 @@ def make_lora_tokens(
     token_lora: torch.Tensor,
     capacity: int | None = None,
     modules: Sequence[int] | None = None,
+    one_token_tiles: bool = False,
 ) -> LoraTokens:
     """Build LoraTokens from per-token rows; pads to ``capacity`` segments with empty ones.
-    ``modules``: the module ids some adapter of these rows has (None: every module)."""
+    ``modules``: the module ids some adapter of these rows has (None: every module).
+    ``one_token_tiles``: the smallest block's table lists every adapter token as a tile of its
+    own, as the engine writes it for a small decode step (StepBatch.fill)."""
     t = token_lora.numel()
     tl = token_lora.to(torch.int32)
     if t == 0:
@@ -81,7 +84,7 @@ def make_lora_tokens(
         len(tile_table.TILE_BLOCKS), k, 1
     )
     for b, block in enumerate(tile_table.TILE_BLOCKS):
-        flat = tile_table.block_tiles(starts, rows, block)
+        flat = tile_table.block_tiles(starts, rows, 1 if one_token_tiles and b == 0 else block)
         if flat:
             tiles[b, : len(flat) // 3] = torch.tensor(flat, dtype=torch.int32).view(-1, 3)
     mask = None

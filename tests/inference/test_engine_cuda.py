@@ -105,12 +105,16 @@ def test_cuda_narrow_mixed_steps_match_hf_peft(tiny_models, monkeypatch):
     assert_matches_hf(tiny_models, "tiny-llama", *run[:3])
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["two-launches", "fused"])
-def test_cuda_attention_only_decode_graphs_match_hf_peft(tiny_models, monkeypatch, fused):
+@pytest.mark.parametrize("path", ["two launches", "fused", "fused, one-token tiles"])
+def test_cuda_attention_only_decode_graphs_match_hf_peft(tiny_models, monkeypatch, path):
     """Decode steps whose adapters adapt attention only (r4: q and v; r8: q/k/v/o), beside the
-    base model, replay the graphs without MLP LoRA calls, of two launches or ("fused", the
-    threshold lowered so that the parity run's distinct adapters take it) of the fused kernel;
-    every token against HF + PEFT."""
+    base model, replay the graphs without MLP LoRA calls, of two launches (the small steps'
+    path switched off), of the fused kernel ("fused", the threshold lowered so that the parity
+    run's distinct adapters take it), or, the default for these small steps of rank <= 8
+    adapters, of the fused kernel on one-token tiles (SMALL); every token against HF + PEFT."""
+    fused = path == "fused"
+    if path != "fused, one-token tiles":
+        monkeypatch.setattr(lora_paths, "SMALL_STEP_ROWS", 0)  # no adapter fits: not SMALL
     if fused:
         monkeypatch.setattr(lora_paths, "FUSED_DECODE_MIN_ROWS", 16)  # one adapter token
     model_dir = tiny_models.model("tiny-llama")
@@ -124,6 +128,10 @@ def test_cuda_attention_only_decode_graphs_match_hf_peft(tiny_models, monkeypatc
     results = run(core, {0: [r for r, _ in requests]}, recorder)
     assert core.runner.attention_graph_sizes and core.runner.attention_steps > 0
     assert (core.runner.fused_steps > 0) == fused
+    graph_paths = {r.lora for r in core.step_log.recent if r.graph and r.prefill_tokens == 0}
+    assert path in graph_paths
+    if path == "fused, one-token tiles":
+        assert core.runner.small_graph_sizes
     core.check_integrity()
     assert_matches_hf(tiny_models, "tiny-llama", model_dir, requests, results)
 

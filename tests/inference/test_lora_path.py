@@ -136,6 +136,31 @@ def test_runner_prefers_fused_for_many_distinct_adapters(core, monkeypatch):
     assert prefers(prefill) is False  # prefill-sized with a rank-32 adapter: two launches, wide
 
 
+def test_small_decode_steps_fuse_on_one_token_tiles(core):
+    """Decode steps too small for the fused rule whose adapters all fit SMALL_STEP_ROWS (8) rank
+    rows are SMALL (every call fused, a tile a token), shared adapters included, while their
+    tokens fit the batch's segment capacity (6 here: max_loras 4 + 2); a prefill chunk, a
+    wider adapter or more tokens than that keep the two launches. Their calls are sized for 8
+    rows whatever the engine's max_lora_rank (32 here)."""
+    r32, r16 = _load(core, "r32"), _load(core, "r16")
+    free = [r for r in range(4) if r not in (r32, r16)]
+    core.adapters.row_ranks[free[0]] = 8
+    core.adapters.row_ranks[free[1]] = 4
+    r8, r4 = free
+    step = core.runner.step_lora
+    assert core.runner.batch.max_segments == 6
+    assert step(_decode([r8])).mode is LoraMode.SMALL
+    assert step(_decode([r8, r8, r4, None])).mode is LoraMode.SMALL  # shared, base beside
+    assert step(_decode([r8] * 6)).mode is LoraMode.SMALL
+    assert step(_decode([r8] * 7)).mode is LoraMode.TWO  # more tiles than the table holds
+    assert step(_decode([r8, r16])).mode is LoraMode.TWO  # rank 16: above 8 rows
+    assert step(_decode([r8, r32])).mode is LoraMode.WIDE
+    chunk = BatchEntry((1, 2), 0, (0,), r8, False)
+    assert step([*_decode([r4]), chunk]).mode is LoraMode.TWO  # not every entry one token
+    ctx = core.runner._lora_for(LoraMode.SMALL, None)
+    assert ctx.rows == lora_paths.SMALL_STEP_ROWS and ctx.fused is True and ctx.rank_block == 16
+
+
 def test_prefill_sized_steps_are_sized_for_their_adapters_ranks(core):
     """A prefill-sized step whose adapters all fit FUSED_PREFILL_MAX_ROWS (16) rank rows makes
     its calls with that many (NARROW: every call fused), whatever the engine's

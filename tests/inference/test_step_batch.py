@@ -65,6 +65,31 @@ def test_tiles_match_the_reference_and_forget_the_previous_step():
         assert tiles[k, used:, 0].eq(-1).all()  # the first step's tiles are gone
 
 
+def test_one_token_tiles_fill_the_smallest_block_table_only():
+    """fill(one_token_tiles=True) (a small decode step's fused calls): the 16-token table lists
+    every adapter token as its own tile, shared adapters included; the other tables keep their
+    segments' tiles; the next step without it writes the 16-token tiles again, the stale rows
+    empty."""
+    from kernels.tile_table import TILE_BLOCKS
+
+    b = StepBatch(
+        max_tokens=16, max_seqs=6, max_pages_per_seq=2, max_segments=8, page_size=4,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    rows = [None, 1, 1, 1, 3, 3]
+    entries = [BatchEntry([7], 2, [k], r, True) for k, r in enumerate(rows)]
+    b.fill(entries, one_token_tiles=True)
+    tiles = b.lora_tokens.tiles
+    assert tiles[0, :6].tolist() == [
+        [1, 1, 2], [1, 2, 3], [1, 3, 4], [3, 4, 5], [3, 5, 6], [-1, 0, 0]
+    ]  # fmt: skip
+    for k in range(1, len(TILE_BLOCKS)):
+        assert tiles[k, :3].tolist() == [[1, 1, 4], [3, 4, 6], [-1, 0, 0]]
+    b.fill(entries)
+    assert b.lora_tokens.tiles[0, :3].tolist() == [[1, 1, 4], [3, 4, 6], [-1, 0, 0]]
+    assert b.lora_tokens.tiles[0, 2:, 0].eq(-1).all()
+
+
 def test_attention_tiles_list_the_prompts_and_forget_the_previous_step():
     """The prefill attention kernel's table (kernels/tile_table.query_tiles): the query rows
     of every sequence of two tokens or more, in 64-row tiles; a shorter step empties the rows

@@ -90,16 +90,18 @@ def _ranks(
 
 
 def _check_apply(
-    shape, ranks, rows, dtype, gen, config=SMALL, workspace=None, path=None, masked=False
-):
+    shape, ranks, rows, dtype, gen, config=SMALL, workspace=None, path=None, masked=False,
+    one_token=False,
+):  # fmt: skip
     """lora_apply against the reference; ``masked``: the tokens list the modules the rows'
-    adapters have, as the engine's steps do (LoraTokens.modules)."""
+    adapters have, as the engine's steps do (LoraTokens.modules); ``one_token``: the 16-token
+    tile table lists every token as its own tile (a small decode step's)."""
     max_rank = max(max(r.values()) for r in ranks)
     if path is not None:
         config = _config(path, shape, rows.numel(), max_rank, parts=1 + rows.numel() % 3)
     dims = {m: (shape.d_in, w) for m, w in zip(shape.modules, shape.widths, strict=True)}
     setup = build_adapters(ranks, dims, shape.width, dtype, DEVICE, gen)
-    tokens = lora_tokens(rows, DEVICE, SEG_CAPACITY)
+    tokens = lora_tokens(rows, DEVICE, SEG_CAPACITY, one_token=one_token)
     if masked:
         used = {m for row in rows.tolist() if row >= 0 for m, r in ranks[row].items() if r}
         tokens = tokens._replace(modules=_module_mask(used))
@@ -200,6 +202,33 @@ def test_apply_programs_stride_over_tiles(tile_programs, popularity):
     rows = token_rows(popularity, POP_BATCH, ADAPTERS, gen, grouped=True)
     cfg = cfg._replace(tile_programs=tile_programs, split_k=1 + tile_programs // 3)
     _check_apply(shape, ranks, rows, DTYPES[tile_programs % len(DTYPES)], gen, config=cfg)
+
+
+@pytest.mark.parametrize("popularity", ["uniform", "zipf", "identical", "base_mix"])
+def test_apply_one_token_tiles_of_shared_adapters(popularity):
+    """A small decode step's fused calls (kernels/lora_paths.small_step_fuses): every token its
+    own tile on the GEMV body with 8 rank rows, tokens sharing adapters included (each tile
+    reads its adapter again), every call fused."""
+    i = POPULARITY.index(popularity)
+    gen = torch.Generator().manual_seed(300 + i)
+    shape = LORA_SHAPES[i % len(LORA_SHAPES)]
+    ranks = _ranks(ADAPTERS, shape.modules, (8, 4, 1), gen)
+    rows = token_rows(popularity, POP_BATCH, ADAPTERS, gen, grouped=True)
+    t = rows.numel()
+    tiles = lora_tokens(rows, DEVICE, SEG_CAPACITY, one_token=True).tiles[0].cpu()
+    tiles = tiles[tiles[:, 0] >= 0]
+    assert len(tiles) == int((rows >= 0).sum()) and (tiles[:, 2] - tiles[:, 1]).eq(1).all()
+    if ON_GPU:
+        cfg = lora.fused_config(t, shape.width, 8, len(shape.modules), max(shape.widths),
+                                d_in=shape.d_in)  # fmt: skip
+        assert (cfg.gemv_max, cfg.gemv_r) == (1, 8)
+    else:
+        cfg = lora.LoraLaunch(
+            block_m=16, shrink_k=16, shrink_r=16, expand_n=16, fused=True, parts=1 + i % 2,
+            gemv_max=1, gemv_k=32, gemv_n=32, gemv_r=8,
+        )  # fmt: skip
+    dtype = DTYPES[i % len(DTYPES)]
+    _check_apply(shape, ranks, rows, dtype, gen, config=cfg, masked=True, one_token=True)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -374,6 +403,32 @@ def test_decode_call_rule():
     assert not call(True, 64, 1, 16) and not call(True, 255, 1, 16)  # o, down: too few rows
     assert call(True, 256, 1, 16) and call(True, 64, 1, 64) and call(True, 64, 1, 40)
     assert call(False, 512, 3, 16) is False and call(None, 512, 1, 16) is None
+    # below the fused rule's 1024 rows (a small step: small_step_fuses) every call fuses
+    assert call(True, 63, 1, 8) and call(True, 1, 1, 16) and call(True, 32, 1, 16)
+    assert not call(False, 16, 1, 8) and call(None, 16, 1, 8) is None
+
+
+def test_small_step_rule():
+    """Decode steps too small for the fused rule (fewer than 1024 // 16 = 64 adapter tokens)
+    whose adapters all fit SMALL_STEP_ROWS (8) rank rows fuse every call on one-token tiles."""
+    rule = lora_paths.small_step_fuses
+    assert lora_paths.SMALL_STEP_ROWS == 8
+    assert rule(1, 8) and rule(15, 4) and rule(63, 8)
+    assert not rule(64, 8)  # the fused rule's size: decode_prefers_fused decides
+    assert not rule(16, 16) and not rule(16, 9)  # wider than the small step's programs
+    assert not rule(0, 0)
+
+
+def test_fused_config_gemv_rows_fit_the_call():
+    """The GEMV body holds SMALL_STEP_ROWS rank rows in 2048-wide weight blocks when the call's
+    adapters fit them (max_rank <= 8), else the launch's rows (16 and up) in 1024-wide ones;
+    the dot body's rows stay a power of two >= 16."""
+    small = lora.fused_config(16, 4096, 8, 3, 4096, d_in=4096)
+    assert (small.gemv_r, small.gemv_k, small.gemv_n, small.shrink_r) == (8, 2048, 2048, 16)
+    assert lora.fused_config(16, 4096, 4, 1, 4096, d_in=4096).gemv_r == 8
+    wide = lora.fused_config(16, 4096, 16, 3, 4096, d_in=4096)
+    assert (wide.gemv_r, wide.gemv_k, wide.gemv_n, wide.shrink_r) == (16, 1024, 1024, 16)
+    assert lora.fused_config(16, 1536, 8, 3, 1536, d_in=1536).gemv_k == 512  # fits the width
 
 
 @pytest.mark.parametrize("fused", [True, False, None])

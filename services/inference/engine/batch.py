@@ -120,13 +120,16 @@ class StepBatch:
         entries: Sequence[BatchEntry],
         pad_tokens: int | None = None,
         pad_seqs: int | None = None,
+        one_token_tiles: bool = False,
     ) -> None:
         """Write one step's metadata. Entries must be sorted by LoRA row (segments contiguous).
 
         ``pad_tokens``/``pad_seqs`` (a mixed step's CUDA graph) pad the step to that many
         tokens and sequences: padding tokens belong to no sequence (no K/V slot, no adapter;
         attention leaves their rows unwritten), padding sequences have no tokens and no context,
-        and every padding sequence's logits row reads token 0 (dropped)."""
+        and every padding sequence's logits row reads token 0 (dropped). ``one_token_tiles``:
+        the LoRA tile table of the smallest block lists every adapter token as a tile of its own
+        (a small decode step's fused calls: kernels.lora_paths.small_step_fuses)."""
         if not entries:
             raise ValueError("a step needs at least one sequence")
         seqs = len(entries) if pad_seqs is None else pad_seqs
@@ -192,7 +195,7 @@ class StepBatch:
         seg_starts, seg_rows = _segments(rows)
         if len(seg_rows) > self.max_segments:
             raise ValueError(f"{len(seg_rows)} LoRA segments exceed {self.max_segments}")
-        self._write_tiles(seg_starts, seg_rows, starts)
+        self._write_tiles(seg_starts, seg_rows, starts, one_token_tiles)
         _write(h["lora_modules"], self._modules(seg_rows))
         # Unused segments are empty (start = end = t) and base-only, like make_lora_tokens pads.
         seg_starts += [t] * (self.max_segments + 1 - len(seg_starts))
@@ -304,13 +307,17 @@ class StepBatch:
     def attention_tiles(self) -> torch.Tensor:  # [K, 3]: the prefill attention kernel's tiles
         return self._dev["attn_tiles"]
 
-    def _write_tiles(self, seg_starts: list[int], seg_rows: list[int], starts: list[int]) -> None:
-        """Each block size's tiles of the step's adapter segments, and the prefill attention
-        tiles of its sequences (query ``starts``), into their host tables; the rows the previous
-        step wrote past them go back to empty (row -1)."""
+    def _write_tiles(
+        self, seg_starts: list[int], seg_rows: list[int], starts: list[int], one_token: bool
+    ) -> None:
+        """Each block size's tiles of the step's adapter segments (with ``one_token``, tiles of
+        one token in the smallest block's table), and the prefill attention tiles of its
+        sequences (query ``starts``), into their host tables; the rows the previous step wrote
+        past them go back to empty (row -1)."""
         lora = self._host["lora_tiles"]
+        blocks = [1 if one_token and b == 0 else block for b, block in enumerate(TILE_BLOCKS)]
         tables = [(lora[b], block_tiles(seg_starts, seg_rows, block))
-                  for b, block in enumerate(TILE_BLOCKS)]  # fmt: skip
+                  for b, block in enumerate(blocks)]  # fmt: skip
         tables.append((self._host["attn_tiles"], query_tiles(starts, ATTENTION_BLOCK)))
         for i, (table, flat) in enumerate(tables):
             n = len(flat) // FIELDS

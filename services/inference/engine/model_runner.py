@@ -60,12 +60,15 @@ class LoraMode(enum.Enum):
     # steps of any size with an adapter above FUSED_DECODE_ROWS: two launches whose programs
     # hold WIDE_RANK_ROWS rank rows (kernels.lora_paths.step_is_wide)
     WIDE = "two launches, wide"
+    # decode steps too small for FUSED whose adapters all fit SMALL_STEP_ROWS rank rows: every
+    # call fused, each token its own tile (kernels.lora_paths.small_step_fuses)
+    SMALL = "fused, one-token tiles"
 
     @property
     def fused(self) -> bool | None:
         return {
             LoraMode.TWO: False, LoraMode.FUSED: True, LoraMode.NARROW: True,
-            LoraMode.WIDE: False,
+            LoraMode.WIDE: False, LoraMode.SMALL: True,
         }.get(self)  # fmt: skip
 
 
@@ -161,6 +164,11 @@ class ModelRunner:
         return tuple(sorted(k.tokens for k in self._graphs if k.lora is LoraMode.FUSED))
 
     @property
+    def small_graph_sizes(self) -> tuple[int, ...]:
+        """Decode batch sizes with a graph of SMALL steps (every call fused, one-token tiles)."""
+        return tuple(sorted({k.tokens for k in self._graphs if k.lora is LoraMode.SMALL}))
+
+    @property
     def narrow_graph_sizes(self) -> tuple[int, ...]:
         """Token counts of the mixed graphs sized for FUSED_PREFILL_MAX_ROWS rank rows."""
         return tuple(sorted(k.tokens for k in self._graphs if k.lora is LoraMode.NARROW))
@@ -184,10 +192,20 @@ class ModelRunner:
         """Whether a decode step of ``size`` sequences could prefer the fused path."""
         return lora_paths.decode_prefers_fused(size, size, lora_paths.FUSED_DECODE_ROWS)
 
+    def _small(self, tokens: int) -> bool:
+        """Whether a decode step (or graph) of ``tokens`` tokens may take SMALL: below the fused
+        rule's size, and at most one token a segment of the batch's capacity, so that its
+        one-token tiles fit the tile table and the fused grid (both sized for tokens / 16 +
+        that capacity: kernels/tile_table.max_tiles)."""
+        if tokens > self.batch.max_segments:
+            return False
+        return lora_paths.small_step_fuses(tokens, lora_paths.SMALL_STEP_ROWS)
+
     def step_lora(self, entries: Sequence[BatchEntry]) -> StepLora:
         """The step's LoRA path and modules, from one pass over its entries: for a decode-sized
         step (up to FUSED_MAX_TOKENS tokens) fused or two launches by
-        lora_paths.decode_prefers_fused over its adapter tokens; for a prefill-sized one NARROW
+        lora_paths.decode_prefers_fused over its adapter tokens, or for a decode step too small
+        for that rule SMALL (lora_paths.small_step_fuses); for a prefill-sized one NARROW
         when every adapter of it fits FUSED_PREFILL_MAX_ROWS (lora_paths.prefill_step_narrows:
         every call fused, sized for those rows). Otherwise, with an adapter above
         FUSED_DECODE_ROWS, two launches of WIDE_RANK_ROWS-row programs (WIDE,
@@ -212,6 +230,9 @@ class ModelRunner:
         small = tokens <= lora_paths.FUSED_MAX_TOKENS
         if small and lora_paths.decode_prefers_fused(adapter_tokens, len(rows), rank):
             return StepLora(LoraMode.FUSED, modules)
+        if tokens == len(entries) and self._small(tokens):  # one token each: decode
+            if lora_paths.small_step_fuses(adapter_tokens, rank):
+                return StepLora(LoraMode.SMALL, modules)
         if self._narrows(tokens) and lora_paths.prefill_step_narrows(rank):  # prefill-sized
             return StepLora(LoraMode.NARROW, modules)
         if lora_paths.step_is_wide(rank):
@@ -225,6 +246,8 @@ class ModelRunner:
         rows = self.max_lora_rank
         if mode is LoraMode.FUSED:  # its adapters all fit FUSED_DECODE_ROWS (step_lora)
             rows = min(lora_paths.FUSED_DECODE_ROWS, rows)
+        elif mode is LoraMode.SMALL:  # they all fit SMALL_STEP_ROWS (step_lora)
+            rows = min(lora_paths.SMALL_STEP_ROWS, rows)
         elif mode is LoraMode.NARROW:  # they all fit FUSED_PREFILL_MAX_ROWS (step_lora)
             rows = min(lora_paths.FUSED_PREFILL_MAX_ROWS, rows)
         self.lora.fused, self.lora.rows, self.lora.modules = mode.fused, rows, modules
@@ -253,6 +276,7 @@ class ModelRunner:
             keys.append(GraphKey(size, size, LoraMode.NONE))
             modes = [LoraMode.TWO]
             modes += [LoraMode.FUSED] if self._fusable(size) else []
+            modes += [LoraMode.SMALL] if self._small(size) else []
             modes += [LoraMode.WIDE] if self._wides() else []
             for mode in modes:  # each also without the MLP calls
                 keys += [GraphKey(size, size, mode), GraphKey(size, size, mode, ATTENTION)]
@@ -285,11 +309,12 @@ class ModelRunner:
         torch.cuda.synchronize()
         log.info(
             "captured %d CUDA graphs in %.1f s: decode steps of %s sequences (with fused LoRA "
-            "kernels from %s; each LoRA graph also without MLP LoRA calls), mixed steps of %s "
-            "tokens (sized for %d rank rows from %s); two launches of %d rank rows for "
-            "adapters above %d: %s",
+            "kernels from %s, on one-token tiles up to %s; each LoRA graph also without MLP "
+            "LoRA calls), mixed steps of %s tokens (sized for %d rank rows from %s); two "
+            "launches of %d rank rows for adapters above %d: %s",
             len(self._graphs), time.perf_counter() - start, list(self._decode_sizes),
-            min(self.fused_graph_sizes, default=None), list(self._mixed_sizes),
+            min(self.fused_graph_sizes, default=None), max(self.small_graph_sizes, default=None),
+            list(self._mixed_sizes),
             lora_paths.FUSED_PREFILL_MAX_ROWS, min(self.narrow_graph_sizes, default=None),
             lora_paths.WIDE_RANK_ROWS, lora_paths.FUSED_DECODE_ROWS, self._wides(),
         )  # fmt: skip
@@ -298,7 +323,10 @@ class ModelRunner:
         """Fill the batch for a replay of the graph ``key``: decode graphs pad with rows that
         decode into the reserved page, mixed graphs with tokens and sequences of nothing."""
         if key.tokens == key.seqs:  # a decode graph (a mixed one has fewer sequences than tokens)
-            self.batch.fill([*entries, *[self._pad] * (key.seqs - len(entries))])
+            self.batch.fill(
+                [*entries, *[self._pad] * (key.seqs - len(entries))],
+                one_token_tiles=key.lora is LoraMode.SMALL,
+            )
         else:
             self.batch.fill(entries, pad_tokens=key.tokens, pad_seqs=key.seqs)
 
@@ -314,7 +342,7 @@ class ModelRunner:
             if size is None:
                 return None
             key = GraphKey(size, size, lora)
-            if key not in self._graphs and lora is LoraMode.FUSED:
+            if key not in self._graphs and lora in (LoraMode.FUSED, LoraMode.SMALL):
                 key = key._replace(lora=LoraMode.TWO)  # no fused graph at this size
             attention = key._replace(modules=ATTENTION)
             if step.modules is not None and not step.modules & ~ATTENTION:
@@ -326,7 +354,7 @@ class ModelRunner:
         if size is None or len(entries) > self.mixed_seqs(size):
             return None
         key = GraphKey(size, self.mixed_seqs(size), lora)
-        if lora in (LoraMode.TWO, LoraMode.FUSED):  # a mixed step small enough to pick a path
+        if lora in (LoraMode.TWO, LoraMode.FUSED, LoraMode.SMALL):  # small enough to pick a path
             key = key._replace(lora=LoraMode.SHAPES)
         return key if key in self._graphs else None
 
@@ -363,7 +391,7 @@ class ModelRunner:
             return logits[: sum(e.sample for e in entries)]
         self.last_graph, self.last_lora = False, step.mode
         self.fused_steps += step.mode is LoraMode.FUSED
-        self.batch.fill(entries)
+        self.batch.fill(entries, one_token_tiles=step.mode is LoraMode.SMALL)
         if self.tp is not None:
             self.tp.send_step(self.batch, step)
         return self._forward(self._lora_for(step.mode, step.modules))
