@@ -90,6 +90,10 @@ _EXPAND_MAX_REGISTERS = 96
 # leave aside. Launches of more rank rows have no GEMV body (fused_config).
 _GEMV_MAX = 1
 _GEMV_BLOCK = 1024
+# A GEMV body of twice these rank rows (16) takes the tiles of adapters that fit them in blocks
+# of these rows, twice as wide (kernels/lora_fused.py); fused_config gives calls whose adapters
+# all fit them such a body alone.
+_GEMV_NARROW_ROWS = SMALL_STEP_ROWS
 # The fused grid's tiles lie along its y axis (the slices first: kernels/lora_fused.py), whose
 # size CUDA caps.
 _MAX_GRID_Y = 65535
@@ -250,7 +254,7 @@ def fused_config(
         block_n = _fit_block(narrow.block_n, width)
         warps = narrow.warps
     # the GEMV body's rows: SMALL_STEP_ROWS for adapters that fit them, in wider blocks
-    gemv_rows = SMALL_STEP_ROWS if max_rank <= SMALL_STEP_ROWS else rows
+    gemv_rows = _GEMV_NARROW_ROWS if max_rank <= _GEMV_NARROW_ROWS else rows
     gemv = _fit_block(_GEMV_BLOCK * FUSED_DECODE_ROWS // gemv_rows, width)
     return LoraLaunch(
         block_m=16 if decode else 32,
@@ -618,12 +622,18 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
         D_IN=call.d_in, W=call.width, IN_CHUNKS=call.in_chunks,
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.shrink_k, BLOCK_N=cfg.expand_n, BLOCK_R=cfg.shrink_r,
         DOT_F32=dot_f32(y.dtype), MASKED=tokens.modules is not None,
-        PART_N=max(cfg.expand_n, cfg.gemv_n) if cfg.gemv_max else cfg.expand_n,
+        PART_N=max(cfg.expand_n, _gemv_blocks(cfg, gemv_rows)) if cfg.gemv_max else cfg.expand_n,
         GEMV_MAX=cfg.gemv_max, GEMV_K=cfg.gemv_k, GEMV_N=cfg.gemv_n,
-        GEMV_R=gemv_rows,
+        GEMV_R=gemv_rows, GEMV_NARROW_R=_GEMV_NARROW_ROWS,
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules, out_widths),
     )  # fmt: skip
+
+
+def _gemv_blocks(cfg: LoraLaunch, gemv_rows: int) -> int:
+    """The widest column block of a fused launch's GEMV body: gemv_n, or twice that for its
+    tiles of small-rank adapters where it holds 16 rows (kernels/lora_fused.py)."""
+    return cfg.gemv_n * (2 if gemv_rows == 2 * _GEMV_NARROW_ROWS else 1)
 
 
 def workspace_size(

@@ -22,8 +22,12 @@ the weights staged through shared memory. Tiles of at most GEMV_MAX tokens (GEMV
 a decode token's tile of one, would pad that block to 16 rows for one, so they keep each weight
 block in registers instead and form each token's products and sums on the CUDA cores
 (_tile_gemv): h[t] = Σ_k A[:, k] x[t, k], then y[t, cols] += scale · Σ_r h[t, r] Bᵀ[r, cols],
-one token after the other against the block loaded once. Both round alike: products and sums in
-fp32, h rounded once to the output dtype before the expand (for bf16 and fp16 outputs), y once.
+one token after the other against the block loaded once. A GEMV block holds GEMV_R rank rows;
+where GEMV_R is twice GEMV_NARROW_R (16 and 8), a tile whose adapter has at most GEMV_NARROW_R
+takes blocks of those rows, twice as wide (the same registers): the rows past its rank would be
+masked loads and wasted lanes, and each streaming step a trip of load latency. Both bodies round
+alike: products and sums in fp32, h rounded once to the output dtype before the expand (for bf16
+and fp16 outputs), y once.
 
 Slot lookups are hoisted out of both streaming loops (one per rank row and pool chunk), as in
 the two-launch kernels, so the loops are plain strided streams that software-pipeline.
@@ -63,6 +67,7 @@ def lora_fused_kernel(
     GEMV_MAX: tl.constexpr = 0,
     GEMV_K: tl.constexpr = 256, GEMV_N: tl.constexpr = 256,  # the GEMV body's weight blocks
     GEMV_R: tl.constexpr = 16,  # the GEMV body's rank rows (>= MAX_RANK; no dot: 8 is allowed)
+    GEMV_NARROW_R: tl.constexpr = 8,  # with GEMV_R twice this: the rows of small-rank tiles
 ):  # fmt: skip
     q = tl.program_id(0)
     s = q // PARTS
@@ -92,11 +97,18 @@ def lora_fused_kernel(
     y_base = y_ptr + _pick3(s, 0, N0, N0 + N1)
     if GEMV_MAX > 0:
         if m_end - m_start <= GEMV_MAX:
-            _tile_gemv(
-                x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
-                a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
-                D_IN, W, IN_CHUNKS, GEMV_MAX, GEMV_K, GEMV_N, GEMV_R,
-            )  # fmt: skip
+            if GEMV_R == 2 * GEMV_NARROW_R and rank <= GEMV_NARROW_R:  # half the rows, 2x blocks
+                _tile_gemv(
+                    x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
+                    a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
+                    D_IN, W, IN_CHUNKS, GEMV_MAX, 2 * GEMV_K, 2 * GEMV_N, GEMV_NARROW_R,
+                )  # fmt: skip
+            else:
+                _tile_gemv(
+                    x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
+                    a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
+                    D_IN, W, IN_CHUNKS, GEMV_MAX, GEMV_K, GEMV_N, GEMV_R,
+                )  # fmt: skip
         else:
             _tile_dot(
                 x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,

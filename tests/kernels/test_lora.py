@@ -231,6 +231,30 @@ def test_apply_one_token_tiles_of_shared_adapters(popularity):
     _check_apply(shape, ranks, rows, dtype, gen, config=cfg, masked=True, one_token=True)
 
 
+@pytest.mark.parametrize("grouped", [True, False])
+def test_gemv_body_takes_small_rank_tiles_in_narrow_blocks(grouped):
+    """A GEMV body of 16 rank rows takes the one-token tiles of adapters of rank <= 8 in blocks
+    of 8 rows, twice as wide, and the others in its 16 rows: both against the reference, beside
+    the dot body's longer tiles (grouped: adapters shared by runs of tokens)."""
+    gen = torch.Generator().manual_seed(400 + grouped)
+    shape = LORA_SHAPES[0]
+    ranks = _ranks(ADAPTERS, shape.modules, (16, 8, 3, 12), gen)
+    assert {r for a in ranks for r in a.values()} & {3, 8}
+    rows = token_rows("uniform", POP_BATCH, ADAPTERS, gen, grouped)
+    t = rows.numel()
+    if ON_GPU:
+        cfg = lora.fused_config(t, shape.width, 16, len(shape.modules), max(shape.widths),
+                                d_in=shape.d_in)  # fmt: skip
+    else:
+        cfg = lora.LoraLaunch(
+            block_m=16, shrink_k=16, shrink_r=16, expand_n=16, fused=True, parts=2,
+            gemv_max=1, gemv_k=16, gemv_n=16,
+        )  # fmt: skip
+    assert (cfg.gemv_max, cfg.gemv_r or cfg.shrink_r) == (1, 16)
+    _check_apply(shape, ranks, rows, DTYPES[grouped % len(DTYPES)], gen, config=cfg,
+                 one_token=not grouped)  # fmt: skip
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_apply_prefill_segments(dtype, path):
