@@ -109,13 +109,15 @@ def compile_resources(kernel, constexprs: dict, ints: dict, options: dict) -> Re
 def fused_resources(launch: lora.LoraLaunch, call) -> Resources:
     """Compile the fused kernel for one launch of one call (sm_90); read its resource usage."""
     mods, d_in, widths = call
+    gemv_rows = launch.gemv_r or launch.shrink_r
     constexprs = dict(
         D_IN=d_in, W=W, IN_CHUNKS=chunks(d_in, W), **lora._slice_args(mods, widths),
         BLOCK_M=launch.block_m, BLOCK_K=launch.shrink_k, BLOCK_N=launch.expand_n,
         BLOCK_R=launch.shrink_r, DOT_F32=dot_f32(torch.bfloat16), MASKED=True,
-        PART_N=max(launch.expand_n, launch.gemv_n) if launch.gemv_max else launch.expand_n,
+        PART_N=max(launch.expand_n, lora._gemv_blocks(launch, gemv_rows))
+        if launch.gemv_max else launch.expand_n,
         GEMV_MAX=launch.gemv_max, GEMV_K=launch.gemv_k, GEMV_N=launch.gemv_n,
-        GEMV_R=launch.gemv_r or launch.shrink_r,
+        GEMV_R=gemv_rows, GEMV_NARROW_R=launch.gemv_narrow,
     )  # fmt: skip
     ints = dict(INTS, stride_xt=d_in, stride_yt=sum(widths), MAX_RANK=launch.shrink_r)
     options = dict(num_warps=launch.shrink_warps, num_stages=launch.stages)

@@ -191,6 +191,7 @@ def time_case(
                 lora.fused_config(t, kb.POOL_W, max_rank, len(m), max(w), d_in=d)._replace(
                     gemv_max=v["gemv_max"], gemv_k=v["gemv_block"], gemv_n=v["gemv_block"],
                     shrink_warps=v["warps"], gemv_r=v.get("gemv_r", 0),
+                    **({"gemv_narrow": v["gemv_narrow"]} if "gemv_narrow" in v else {}),
                 )
                 for m, d, w in calls
             ]  # fmt: skip
@@ -272,6 +273,8 @@ def main() -> None:
             variants += [dict(max_rank=16, segments=514, engine=True, mlp=mlp),
                          dict(max_rank=16, segments=514, fused=False, mlp=mlp)]  # fmt: skip
             variants += [gemv_variant(p, mlp) for p in GEMV_POINTS[: args.points]]
+            # the first point without the narrow blocks for rank-8 tiles (as before them)
+            variants.append(dict(gemv_variant(GEMV_POINTS[0], mlp), gemv_narrow=0))
     elif args.small:
         variants += [dict(max_rank=16, segments=514, fused=False)]
         variants += [gemv_variant(p) for p in SMALL_POINTS]

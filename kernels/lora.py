@@ -150,6 +150,9 @@ class LoraLaunch(NamedTuple):
     gemv_k: int = 256  # fused: the GEMV body's d_in block
     gemv_n: int = 256  # fused: the GEMV body's column block
     gemv_r: int = 0  # fused: the GEMV body's rank rows (0: shrink_r's; any power of two)
+    # fused: where the GEMV body holds twice these rows, the tiles of adapters that fit them take
+    # blocks of these rows, twice as wide (0: none)
+    gemv_narrow: int = 0
 
 
 def launch_config(
@@ -270,6 +273,7 @@ def fused_config(
         gemv_k=gemv,
         gemv_n=gemv,
         gemv_r=gemv_rows,
+        gemv_narrow=_GEMV_NARROW_ROWS,
     )
 
 
@@ -624,7 +628,7 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
         DOT_F32=dot_f32(y.dtype), MASKED=tokens.modules is not None,
         PART_N=max(cfg.expand_n, _gemv_blocks(cfg, gemv_rows)) if cfg.gemv_max else cfg.expand_n,
         GEMV_MAX=cfg.gemv_max, GEMV_K=cfg.gemv_k, GEMV_N=cfg.gemv_n,
-        GEMV_R=gemv_rows, GEMV_NARROW_R=_GEMV_NARROW_ROWS,
+        GEMV_R=gemv_rows, GEMV_NARROW_R=cfg.gemv_narrow,
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules, out_widths),
     )  # fmt: skip
@@ -632,8 +636,8 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
 
 def _gemv_blocks(cfg: LoraLaunch, gemv_rows: int) -> int:
     """The widest column block of a fused launch's GEMV body: gemv_n, or twice that for its
-    tiles of small-rank adapters where it holds 16 rows (kernels/lora_fused.py)."""
-    return cfg.gemv_n * (2 if gemv_rows == 2 * _GEMV_NARROW_ROWS else 1)
+    tiles of small-rank adapters (gemv_narrow: kernels/lora_fused.py)."""
+    return cfg.gemv_n * (2 if cfg.gemv_narrow and gemv_rows == 2 * cfg.gemv_narrow else 1)
 
 
 def workspace_size(

@@ -67,7 +67,7 @@ def lora_fused_kernel(
     GEMV_MAX: tl.constexpr = 0,
     GEMV_K: tl.constexpr = 256, GEMV_N: tl.constexpr = 256,  # the GEMV body's weight blocks
     GEMV_R: tl.constexpr = 16,  # the GEMV body's rank rows (>= MAX_RANK; no dot: 8 is allowed)
-    GEMV_NARROW_R: tl.constexpr = 8,  # with GEMV_R twice this: the rows of small-rank tiles
+    GEMV_NARROW_R: tl.constexpr = 0,  # with GEMV_R twice this: the rows of small-rank tiles
 ):  # fmt: skip
     q = tl.program_id(0)
     s = q // PARTS
@@ -97,7 +97,11 @@ def lora_fused_kernel(
     y_base = y_ptr + _pick3(s, 0, N0, N0 + N1)
     if GEMV_MAX > 0:
         if m_end - m_start <= GEMV_MAX:
-            if GEMV_R == 2 * GEMV_NARROW_R and rank <= GEMV_NARROW_R:  # half the rows, 2x blocks
+            # half the rows in blocks twice as wide where the adapter fits them
+            narrow = rank <= GEMV_NARROW_R
+            if GEMV_R != 2 * GEMV_NARROW_R:
+                narrow = False
+            if narrow:
                 _tile_gemv(
                     x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
                     a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,

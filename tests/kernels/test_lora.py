@@ -248,9 +248,9 @@ def test_gemv_body_takes_small_rank_tiles_in_narrow_blocks(grouped):
     else:
         cfg = lora.LoraLaunch(
             block_m=16, shrink_k=16, shrink_r=16, expand_n=16, fused=True, parts=2,
-            gemv_max=1, gemv_k=16, gemv_n=16,
+            gemv_max=1, gemv_k=16, gemv_n=16, gemv_narrow=8,
         )  # fmt: skip
-    assert (cfg.gemv_max, cfg.gemv_r or cfg.shrink_r) == (1, 16)
+    assert (cfg.gemv_max, cfg.gemv_r or cfg.shrink_r, cfg.gemv_narrow) == (1, 16, 8)
     _check_apply(shape, ranks, rows, DTYPES[grouped % len(DTYPES)], gen, config=cfg,
                  one_token=not grouped)  # fmt: skip
 
@@ -445,10 +445,12 @@ def test_small_step_rule():
 
 def test_fused_config_gemv_rows_fit_the_call():
     """The GEMV body holds SMALL_STEP_ROWS rank rows in 2048-wide weight blocks when the call's
-    adapters fit them (max_rank <= 8), else the launch's rows (16 and up) in 1024-wide ones;
-    the dot body's rows stay a power of two >= 16."""
+    adapters fit them (max_rank <= 8), else the launch's rows (16 and up) in 1024-wide ones,
+    where a 16-row body takes rank-8 tiles in the 8-row blocks (gemv_narrow); the dot body's
+    rows stay a power of two >= 16."""
     small = lora.fused_config(16, 4096, 8, 3, 4096, d_in=4096)
     assert (small.gemv_r, small.gemv_k, small.gemv_n, small.shrink_r) == (8, 2048, 2048, 16)
+    assert lora.fused_config(16, 4096, 16, 3, 4096, d_in=4096).gemv_narrow == 8  # rank-8 tiles
     assert lora.fused_config(16, 4096, 4, 1, 4096, d_in=4096).gemv_r == 8
     wide = lora.fused_config(16, 4096, 16, 3, 4096, d_in=4096)
     assert (wide.gemv_r, wide.gemv_k, wide.gemv_n, wide.shrink_r) == (16, 1024, 1024, 16)
