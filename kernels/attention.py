@@ -113,6 +113,11 @@ def _decode_item(
         t = tl.load(qs_ptr + b)
         serve = tl.load(qs_ptr + b + 1) - t == 1
         n_keys = tl.where(serve, tl.load(seq_lens_ptr + b), 0)
+        # A sequence not served reads row 0's q, never its own start: a padding sequence of a
+        # mixed step's graph starts at the step's real token count, one row past q's end when
+        # the step fills the graph exactly (an illegal address on the H200 where that row lay
+        # past q's allocation).
+        t = tl.where(serve, t, 0)
         part_row = b  # split partials are kept per sequence
     else:
         t = first

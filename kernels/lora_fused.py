@@ -97,16 +97,19 @@ def lora_fused_kernel(
     y_base = y_ptr + _pick3(s, 0, N0, N0 + N1)
     if GEMV_MAX > 0:
         if m_end - m_start <= GEMV_MAX:
-            # half the rows in blocks twice as wide where the adapter fits them
-            narrow = rank <= GEMV_NARROW_R
-            if GEMV_R != 2 * GEMV_NARROW_R:
-                narrow = False
-            if narrow:
-                _tile_gemv(
-                    x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
-                    a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
-                    D_IN, W, IN_CHUNKS, GEMV_MAX, 2 * GEMV_K, 2 * GEMV_N, GEMV_NARROW_R,
-                )  # fmt: skip
+            if GEMV_NARROW_R > 0 and GEMV_R == 2 * GEMV_NARROW_R:
+                if rank <= GEMV_NARROW_R:  # half the rows, in blocks twice as wide
+                    _tile_gemv(
+                        x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
+                        a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
+                        D_IN, W, IN_CHUNKS, GEMV_MAX, 2 * GEMV_K, 2 * GEMV_N, GEMV_NARROW_R,
+                    )  # fmt: skip
+                else:
+                    _tile_gemv(
+                        x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
+                        a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
+                        D_IN, W, IN_CHUNKS, GEMV_MAX, GEMV_K, GEMV_N, GEMV_R,
+                    )  # fmt: skip
             else:
                 _tile_gemv(
                     x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
