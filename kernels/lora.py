@@ -256,9 +256,17 @@ def fused_config(
         block_k = _fit_block(narrow.block_k, width)
         block_n = _fit_block(narrow.block_n, width)
         warps = narrow.warps
-    # the GEMV body's rows: SMALL_STEP_ROWS for adapters that fit them, in wider blocks
-    gemv_rows = _GEMV_NARROW_ROWS if max_rank <= _GEMV_NARROW_ROWS else rows
-    gemv = _fit_block(_GEMV_BLOCK * FUSED_DECODE_ROWS // gemv_rows, width)
+    # The GEMV body's rows: _GEMV_NARROW_ROWS (8) where every adapter fits them (a small decode
+    # step's calls: kernels/lora_paths.small_step_fuses), in 4096-wide blocks streamed by 8 warps
+    # in decode (H200, one layer's S1 q/k/v and o calls, 8-63 tokens on one-token tiles:
+    # 12.9-20.3 µs against 14.9-21.6 with 2048-wide blocks and 4 warps;
+    # bench/results/lora_engine_calls_one_token.json); else the launch's rows, in 1024-wide ones.
+    gemv_rows = rows
+    gemv = _fit_block(_GEMV_BLOCK, width)
+    if max_rank <= _GEMV_NARROW_ROWS:
+        gemv_rows = _GEMV_NARROW_ROWS
+        gemv = _fit_block(_GEMV_BLOCK * (4 if decode else 2), width)
+        warps = 8 if decode else warps
     return LoraLaunch(
         block_m=16 if decode else 32,
         shrink_k=block_k,

@@ -444,12 +444,15 @@ def test_small_step_rule():
 
 
 def test_fused_config_gemv_rows_fit_the_call():
-    """The GEMV body holds SMALL_STEP_ROWS rank rows in 2048-wide weight blocks when the call's
-    adapters fit them (max_rank <= 8), else the launch's rows (16 and up) in 1024-wide ones,
-    where a 16-row body takes rank-8 tiles in the 8-row blocks (gemv_narrow); the dot body's
-    rows stay a power of two >= 16."""
+    """The GEMV body holds SMALL_STEP_ROWS rank rows in 4096-wide weight blocks (decode, 8 warps;
+    2048 for prefill) when the call's adapters fit them (max_rank <= 8), else the launch's rows
+    (16 and up) in 1024-wide ones, where a 16-row body takes rank-8 tiles in the 8-row blocks
+    (gemv_narrow); the dot body's rows stay a power of two >= 16."""
     small = lora.fused_config(16, 4096, 8, 3, 4096, d_in=4096)
-    assert (small.gemv_r, small.gemv_k, small.gemv_n, small.shrink_r) == (8, 2048, 2048, 16)
+    assert (small.gemv_r, small.gemv_k, small.gemv_n, small.shrink_r) == (8, 4096, 4096, 16)
+    assert small.shrink_warps == 8  # decode: 8 warps stream the 8 x 4096 blocks
+    prefill = lora.fused_config(1024, 4096, 8, 3, 4096, d_in=4096)
+    assert (prefill.gemv_r, prefill.gemv_k, prefill.shrink_warps) == (8, 2048, 4)
     assert lora.fused_config(16, 4096, 16, 3, 4096, d_in=4096).gemv_narrow == 8  # rank-8 tiles
     assert lora.fused_config(16, 4096, 4, 1, 4096, d_in=4096).gemv_r == 8
     wide = lora.fused_config(16, 4096, 16, 3, 4096, d_in=4096)
