@@ -102,10 +102,12 @@ def small_step_fuses(adapter_tokens: int, step_rank: int) -> bool:
     call's time.
 
     H200, one layer's S1 q/k/v and o calls in a CUDA graph, the decode steps of 10 requests/s
-    (8-32 tokens on adapters drawn from 100; bench/results/lora_engine_calls_small.json):
-    16 tokens on 16 distinct adapters 16.2 µs fused against 22.6 in two launches, but 16 on 15
-    36.2 with the shared adapter's two-token tile on the dot body, 21.9 with it on the GEMV
-    body; one-token tiles: bench/results/lora_engine_calls_one_token.json."""
+    (8-63 tokens on adapters drawn from 100 or 1000), two launches against every call fused on
+    one-token tiles (8 rank rows, 4096-wide blocks, 8 warps: lora.fused_config): 8 tokens 16.8
+    against 12.9 µs, 16 (on 15-16 adapters) 22.4 against 14.4, 32 27.4 against 16.4, 63 42.9
+    against 20.3 (bench/results/lora_engine_calls_one_token.json); with a two-token tile for a
+    shared adapter, 16 on 15 took 36.2 on the dot body and 21.9 on a two-token GEMV body
+    (lora_engine_calls_small.json)."""
     if adapter_tokens <= 0 or adapter_tokens * FUSED_DECODE_ROWS >= FUSED_DECODE_MIN_ROWS:
         return False
     return step_rank <= SMALL_STEP_ROWS

@@ -113,8 +113,8 @@ def test_cuda_attention_only_decode_graphs_match_hf_peft(tiny_models, monkeypatc
     run's distinct adapters take it), or, the default for these small steps of rank <= 8
     adapters, of the fused kernel on one-token tiles (SMALL); every token against HF + PEFT."""
     fused = path == "fused"
-    if path != "fused, one-token tiles":
-        monkeypatch.setattr(lora_paths, "SMALL_STEP_ROWS", 0)  # no adapter fits: not SMALL
+    if path != "fused, one-token tiles":  # no small steps' path: no SMALL graphs or steps
+        monkeypatch.setattr(lora_paths, "small_step_fuses", lambda *_: False)
     if fused:
         monkeypatch.setattr(lora_paths, "FUSED_DECODE_MIN_ROWS", 16)  # one adapter token
     model_dir = tiny_models.model("tiny-llama")
