@@ -120,11 +120,12 @@ class _Narrow(NamedTuple):
 # and shared memory, which differ between calls (`python -m bench.kernel_resources` prints them
 # for the Llama-2-7B layer's four; a test checks this table against it: each count is the least
 # among the calls whose decode programs can reach the window). At 16 rows, with the GEMV body
-# the launch carries for one-token tiles (_GEMV_MAX), the default 256 x 256 launch holds 3 to 5
-# programs an SM (96-168 registers a thread: q/k/v and o 5, gate/up 4, down 3), 256 x 128 blocks
-# 4 or 5 (88-128 registers: gate/up 4); without the GEMV body those blocks held 6 (63-80
-# registers), the count behind the rule's timings (fused_config's docstring), which were not
-# retaken with it. At 64 rows the default 256 x 256 launch with 8 warps holds 2 (80 KB of
+# the launch carries for one-token tiles (_GEMV_MAX) and its narrow blocks for rank-8 tiles
+# (gemv_narrow), the default 256 x 256 launch holds 3 or 4 programs an SM (128-168 registers a
+# thread: q/k/v and o 4, gate/up and down 3), 256 x 128 blocks 4 (128 registers); without the
+# narrow blocks q/k/v and o held 5 (96 registers), without the GEMV body those blocks held 6
+# (63-80 registers), the count behind the rule's timings (fused_config's docstring), which were
+# not retaken with either. At 64 rows the default 256 x 256 launch with 8 warps holds 2 (80 KB of
 # shared memory), 128 x 128 with 4 warps 4 (5 for q/k/v and o, 4 for gate/up and down: 78-128
 # registers). Other rank rows were not measured and keep the default launch.
 _NARROW = {16: _Narrow(3, 4, 256, 128, 4), 64: _Narrow(2, 4, 128, 128, 4)}
