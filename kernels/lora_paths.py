@@ -158,5 +158,5 @@ def decode_call_fused(
     time is its latency)."""
     if not step_fused or num_slices > 1:
         return step_fused
-    rows = fused_rank_rows(rows) * num_tokens
-    return rows >= FUSED_SINGLE_SLICE_MIN_ROWS or rows < FUSED_DECODE_MIN_ROWS
+    call_rows = fused_rank_rows(rows) * num_tokens
+    return call_rows >= FUSED_SINGLE_SLICE_MIN_ROWS or call_rows < FUSED_DECODE_MIN_ROWS
