@@ -227,8 +227,8 @@ class ModelRunner:
             for r in rows:
                 modules |= self.row_modules[r]
         rank = max(self.row_ranks[r] for r in rows)
-        small = tokens <= lora_paths.FUSED_MAX_TOKENS
-        if small and lora_paths.decode_prefers_fused(adapter_tokens, len(rows), rank):
+        decode_sized = tokens <= lora_paths.FUSED_MAX_TOKENS
+        if decode_sized and lora_paths.decode_prefers_fused(adapter_tokens, len(rows), rank):
             return StepLora(LoraMode.FUSED, modules)
         if tokens == len(entries) and self._small(tokens):  # one token each: decode
             if lora_paths.small_step_fuses(adapter_tokens, rank):
@@ -237,7 +237,7 @@ class ModelRunner:
             return StepLora(LoraMode.NARROW, modules)
         if lora_paths.step_is_wide(rank):
             return StepLora(LoraMode.WIDE, modules)
-        return StepLora(LoraMode.TWO if small else LoraMode.SHAPES, modules)
+        return StepLora(LoraMode.TWO if decode_sized else LoraMode.SHAPES, modules)
 
     def _lora_for(self, mode: LoraMode, modules: int | None) -> LoraContext | None:
         """The LoRA context set up for a step (or a graph) of ``mode`` covering ``modules``."""
