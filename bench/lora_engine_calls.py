@@ -26,6 +26,16 @@ all of one token (ONE_TOKEN_POINTS): the block-16 tile table holds every token a
 a token whose adapter another token shares also takes the GEMV body (its second read of the
 adapter mostly from L2) instead of putting its tile's one program on the dot body.
 
+With ``--hoist`` the cases are ``--one-token``'s, the full decode steps of CASES and the
+trace's mixed steps, by the fused kernel's one-token GEMV body with every load issued first
+(LoraLaunch.gemv_hoist: 8 rank rows, 4096-wide blocks, 8 warps) and without, on one-token tiles
+(decode steps) and on the usual tiles, beside the engine's fused-step rule at 16 rows and the
+two launches.
+
+With ``--sharing`` the cases are decode steps whose tokens share adapters more (SHARING_CASES),
+by the two launches against one-token tiles with every load issued first: where the one-token
+rule (kernels/lora_paths.one_token_step_fuses) stops.
+
 With ``--s2`` the cases are S2's steps (ranks 8-64, which take the two launches) by the two
 launches' blocks (S2_POINTS).
 
@@ -36,7 +46,7 @@ rule (q/k/v fused, o fused from 256 tokens; prefill-sized steps all fused) and a
 launches.
 
     python bench/lora_engine_calls.py [--splits] [--profile] [--steps] [--small] [--one-token] \
-        [--s2] \
+        [--hoist] [--sharing] [--s2] \
         [--gemv [--points N]] \
         [--out bench/results/lora_engine_calls.json]
 """
@@ -125,6 +135,12 @@ ONE_TOKEN_POINTS = (
     (8, 2048, 8, True),
     (8, 4096, 8, True),
 )
+# --hoist: decode steps of 64 tokens and more (CASES' full steps) and the trace's mixed steps
+HOIST_DECODE_CASES = ((64, 60), (292, 100), (292, 290), (512, 100), (512, 1000))
+HOIST_STEP_CASES = STEP_CASES[:3]
+# --sharing: (tokens, adapters drawn from): about 4 to 100 tokens an adapter
+SHARING_CASES = ((64, 16), (64, 8), (128, 24), (128, 16), (256, 48), (256, 32), (512, 80),
+                 (512, 60), (512, 30), (512, 5))  # fmt: skip
 # --s2: S2's steps (ranks 8, 16, 32 and 64 cycled over n = 100 adapters, q/k/v/o), which take
 # the two launches at the engine's max_lora_rank (a fused step needs every rank <= 16): decode
 # steps at the saturating trace's batch and a mixed step; by the two launches' blocks (rank rows
@@ -191,7 +207,7 @@ def time_case(
                 lora.fused_config(t, kb.POOL_W, max_rank, len(m), max(w), d_in=d)._replace(
                     gemv_max=v["gemv_max"], gemv_k=v["gemv_block"], gemv_n=v["gemv_block"],
                     shrink_warps=v["warps"], gemv_r=v.get("gemv_r", 0),
-                    **({"gemv_narrow": v["gemv_narrow"]} if "gemv_narrow" in v else {}),
+                    **{k: v[k] for k in ("gemv_narrow", "gemv_hoist") if k in v},
                 )
                 for m, d, w in calls
             ]  # fmt: skip
@@ -262,6 +278,10 @@ def main() -> None:
                     help="the decode steps of 10 requests/s, by GEMV body")  # fmt: skip
     ap.add_argument("--one-token", action="store_true",
                     help="--small's steps with every tile one token")  # fmt: skip
+    ap.add_argument("--hoist", action="store_true",
+                    help="one-token GEMV bodies, loads issued first and not")  # fmt: skip
+    ap.add_argument("--sharing", action="store_true",
+                    help="decode steps of shared adapters, by path")  # fmt: skip
     ap.add_argument("--s2", action="store_true", help="S2's steps by two-launch blocks")
     ap.add_argument("--points", type=int, default=len(GEMV_POINTS),
                     help="--gemv: the first this many of GEMV_POINTS")  # fmt: skip
@@ -283,6 +303,16 @@ def main() -> None:
         for rows, block, warps, o_fused in ONE_TOKEN_POINTS:
             v = gemv_variant((rows, 1, block, warps))
             variants.append(dict(v, one_token=True, **({} if o_fused else {"o_two": True})))
+    elif args.hoist:
+        variants += [dict(max_rank=16, segments=514, fused=False),
+                     dict(max_rank=16, segments=514, engine=True)]  # fmt: skip
+        for one_token in (True, False):
+            for hoist in (False, True):
+                v = gemv_variant((8, 1, 4096, 8))
+                variants.append(dict(v, one_token=one_token, gemv_hoist=hoist))
+    elif args.sharing:
+        one = dict(gemv_variant((8, 1, 4096, 8)), one_token=True, gemv_hoist=True)
+        variants += [dict(max_rank=16, segments=514, fused=False), one]
     elif args.s2:
         for point in S2_POINTS:
             v = dict(max_rank=128, segments=514, fused=False)
@@ -320,6 +350,14 @@ def main() -> None:
     elif args.one_token:
         rows = [r for t, n in ONE_TOKEN_CASES for _ in range(SMALL_DRAWS)
                 for r in time_case(t, n, gen, variants)]  # fmt: skip
+    elif args.hoist:
+        rows = [r for t, n in ONE_TOKEN_CASES for _ in range(SMALL_DRAWS)
+                for r in time_case(t, n, gen, variants)]  # fmt: skip
+        rows += [r for t, n in HOIST_DECODE_CASES for r in time_case(t, n, gen, variants)]
+        steps = [v for v in variants if not v.get("one_token")]  # prompts: no one-token tiles
+        rows += [r for t, n, p in HOIST_STEP_CASES for r in time_case(t, n, gen, steps, p)]
+    elif args.sharing:
+        rows = [r for t, n in SHARING_CASES for r in time_case(t, n, gen, variants)]
     elif args.s2:
         rows = [r for t, n, p in S2_CASES for r in time_case(t, n, gen, variants, p, S2_RANKS)]
     elif args.steps:

@@ -41,7 +41,7 @@ from kernels.lora_paths import (
     FUSED_DECODE_ROWS,
     FUSED_MAX_RANK,
     FUSED_MAX_TOKENS,
-    SMALL_STEP_ROWS,
+    ONE_TOKEN_ROWS,
     fused_rank_rows,
     shapes_prefer_fused,
 )
@@ -95,7 +95,7 @@ _GEMV_BLOCK = 1024
 # tokens on 405 adapters 97.9 µs against 103.6 without, the n = 1000 trace's mixed steps 6-12%
 # less; bench/results/lora_engine_calls_narrow.json); fused_config gives calls whose adapters
 # all fit them such a body alone.
-_GEMV_NARROW_ROWS = SMALL_STEP_ROWS
+_GEMV_NARROW_ROWS = ONE_TOKEN_ROWS
 # The fused grid's tiles lie along its y axis (the slices first: kernels/lora_fused.py), whose
 # size CUDA caps.
 _MAX_GRID_Y = 65535
@@ -156,6 +156,10 @@ class LoraLaunch(NamedTuple):
     # fused: where the GEMV body holds twice these rows, the tiles of adapters that fit them take
     # blocks of these rows, twice as wide (0: none)
     gemv_narrow: int = 0
+    # fused: a one-token tile whose slice's A and Bᵀ rows each fit one GEMV block issues all its
+    # loads before its first sum (kernels/lora_fused.py _token_gemv; where the call's geometry
+    # allows it: gemv_hoists)
+    gemv_hoist: bool = False
 
 
 def launch_config(
@@ -259,17 +263,22 @@ def fused_config(
         block_k = _fit_block(narrow.block_k, width)
         block_n = _fit_block(narrow.block_n, width)
         warps = narrow.warps
-    # The GEMV body's rows: _GEMV_NARROW_ROWS (8) where every adapter fits them (a small decode
-    # step's calls: kernels/lora_paths.small_step_fuses), in 4096-wide blocks streamed by 8 warps
-    # in decode (H200, one layer's S1 q/k/v and o calls, 8-63 tokens on one-token tiles:
-    # 12.9-20.3 µs against 14.9-21.6 with 2048-wide blocks and 4 warps;
-    # bench/results/lora_engine_calls_one_token.json); else the launch's rows, in 1024-wide ones.
+    # The GEMV body's rows: _GEMV_NARROW_ROWS (8) where every adapter fits them (a decode step
+    # on one-token tiles: kernels/lora_paths.one_token_step_fuses), in 4096-wide blocks streamed
+    # by 8 warps in decode (H200, one layer's S1 q/k/v and o calls, 8-63 tokens on one-token
+    # tiles: 12.9-20.3 µs against 14.9-21.6 with 2048-wide blocks and 4 warps;
+    # bench/results/lora_engine_calls_one_token.json), each one-token tile issuing every load
+    # before its first sum where one block holds a slice (gemv_hoists; 8-63 tokens 13.2-20.4 µs
+    # against 13.2-20.4 without, 512 on 390 adapters 75.2 against 77.2:
+    # lora_engine_calls_hoist.json); else the launch's rows, in 1024-wide ones.
     gemv_rows = rows
     gemv = _fit_block(_GEMV_BLOCK, width)
+    hoist = False
     if max_rank <= _GEMV_NARROW_ROWS:
         gemv_rows = _GEMV_NARROW_ROWS
         gemv = _fit_block(_GEMV_BLOCK * (4 if decode else 2), width)
         warps = 8 if decode else warps
+        hoist = decode  # one-token tiles issue every load first (gemv_hoists)
     return LoraLaunch(
         block_m=16 if decode else 32,
         shrink_k=block_k,
@@ -285,6 +294,7 @@ def fused_config(
         gemv_n=gemv,
         gemv_r=gemv_rows,
         gemv_narrow=_GEMV_NARROW_ROWS,
+        gemv_hoist=hoist,
     )
 
 
@@ -640,9 +650,20 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
         PART_N=max(cfg.expand_n, _gemv_blocks(cfg, gemv_rows)) if cfg.gemv_max else cfg.expand_n,
         GEMV_MAX=cfg.gemv_max, GEMV_K=cfg.gemv_k, GEMV_N=cfg.gemv_n,
         GEMV_R=gemv_rows, GEMV_NARROW_R=cfg.gemv_narrow,
+        GEMV_HOIST=gemv_hoists(cfg, call.d_in, call.width, out_widths),
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules, out_widths),
     )  # fmt: skip
+
+
+def gemv_hoists(cfg: LoraLaunch, d_in: int, width: int, out_widths: tuple[int, ...]) -> bool:
+    """Whether a fused launch's one-token tiles take the GEMV body with every load issued
+    first (kernels/lora_fused.py _token_gemv): on request (gemv_hoist), where each slice's A
+    rows (d_in) and Bᵀ rows (its width) fit one GEMV block and one pool chunk of ``width``
+    elements, so that each is one load."""
+    if not (cfg.gemv_hoist and cfg.gemv_max):
+        return False
+    return d_in <= min(cfg.gemv_k, width) and max(out_widths) <= min(cfg.gemv_n, width)
 
 
 def _gemv_blocks(cfg: LoraLaunch, gemv_rows: int) -> int:

@@ -68,6 +68,7 @@ def lora_fused_kernel(
     GEMV_K: tl.constexpr = 256, GEMV_N: tl.constexpr = 256,  # the GEMV body's weight blocks
     GEMV_R: tl.constexpr = 16,  # the GEMV body's rank rows (>= MAX_RANK; no dot: 8 is allowed)
     GEMV_NARROW_R: tl.constexpr = 0,  # with GEMV_R twice this: the rows of small-rank tiles
+    GEMV_HOIST: tl.constexpr = False,  # one-token tiles whose slice fits one block: loads first
 ):  # fmt: skip
     q = tl.program_id(0)
     s = q // PARTS
@@ -95,6 +96,14 @@ def lora_fused_kernel(
     b_base = table_row + tl.load(b_off_ptr + a64 * stride_idx + m)
     scale = tl.load(scales_ptr + a64 * stride_scale + m)
     y_base = y_ptr + _pick3(s, 0, N0, N0 + N1)
+    if GEMV_HOIST:  # the host checked that a slice's A and Bᵀ rows fit one GEMV block
+        if m_end - m_start == 1:
+            _token_gemv(
+                x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
+                a_base, b_base, scale, rank, width, m_start, lo, hi,
+                D_IN, W, GEMV_K, GEMV_N, GEMV_R,
+            )  # fmt: skip
+            return
     if GEMV_MAX > 0:
         if m_end - m_start <= GEMV_MAX:
             if GEMV_NARROW_R > 0 and GEMV_R == 2 * GEMV_NARROW_R:
@@ -246,3 +255,40 @@ def _tile_gemv(
                 yb = tl.load(y_ptrs, mask=n_ok, other=0.0)
                 out = yb.to(tl.float32) + acc * scale
                 tl.store(y_ptrs, out.to(y_base.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _token_gemv(
+    x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
+    a_base, b_base, scale, rank, width, m, lo, hi,
+    D_IN: tl.constexpr, W: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """_tile_gemv for a tile of one token (row m) whose slice's A and Bᵀ rows each fit one
+    weight block in one pool chunk (D_IN <= BLOCK_K and W; [lo, hi) within BLOCK_N columns of
+    one chunk): every load is issued before the first sum, so the program waits on memory once
+    for the rows' slots and once for A, Bᵀ, x and y together, where _tile_gemv waits for A and
+    x, then for Bᵀ's slots, then for Bᵀ and y (a small decode step's calls are these chains:
+    lora_paths.one_token_step_fuses)."""
+    rows = tl.arange(0, BLOCK_R)
+    row_ok = rows < rank
+    c = lo // W  # the output chunk [lo, hi) lies in
+    a_slot = tl.load(a_base + rows, mask=row_ok, other=0).to(tl.int64)  # one input chunk
+    b_slot = tl.load(b_base + rows * ((width + W - 1) // W) + c, mask=row_ok, other=0)
+    kk = tl.arange(0, BLOCK_K)
+    k_ok = kk < D_IN
+    nn = lo + tl.arange(0, BLOCK_N)
+    n_ok = nn < hi
+    w = tl.load(pool_ptr + a_slot[:, None] * stride_slot + kk[None, :],
+                mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+    bt_rows = pool_ptr + stride_half + b_slot.to(tl.int64)[:, None] * stride_slot - c * W
+    bt = tl.load(bt_rows + nn[None, :], mask=row_ok[:, None] & n_ok[None, :], other=0.0)
+    xv = tl.load(x_ptr + m.to(tl.int64) * stride_xt + kk, mask=k_ok, other=0.0)
+    y_ptrs = y_base + m.to(tl.int64) * stride_yt + nn
+    yb = tl.load(y_ptrs, mask=n_ok, other=0.0)
+    h = tl.sum(w.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)  # [R]
+    if y_base.dtype.element_ty != tl.float32:  # rounded once, as the two-launch path rounds h
+        h = h.to(y_base.dtype.element_ty).to(tl.float32)
+    acc = tl.sum(h[:, None] * bt.to(tl.float32), axis=0)  # [N]
+    out = yb.to(tl.float32) + acc * scale
+    tl.store(y_ptrs, out.to(y_base.dtype.element_ty), mask=n_ok)

@@ -52,10 +52,12 @@ FUSED_DECODE_ROWS = 16
 FUSED_DECODE_MIN_ROWS = 1024
 # ... and their single-slice calls (o, down) from this many tokens x rank rows (decode_call_fused).
 FUSED_SINGLE_SLICE_MIN_ROWS = 4096
-# Decode steps below the fused rule's size (adapter tokens x FUSED_DECODE_ROWS under
-# FUSED_DECODE_MIN_ROWS) whose adapters all fit this many rank rows run every call fused, each
-# token its own tile on the GEMV body, with programs of these rows (small_step_fuses).
-SMALL_STEP_ROWS = 8
+# Decode steps whose adapters all fit this many rank rows run every call fused, each token its
+# own tile on the GEMV body, with programs of these rows (one_token_step_fuses): below the fused
+# rule's size (adapter tokens x FUSED_DECODE_ROWS under FUSED_DECODE_MIN_ROWS) whatever their
+# tokens share, and above it while they share adapters at most this much (tokens an adapter).
+ONE_TOKEN_ROWS = 8
+ONE_TOKEN_MAX_SHARING = 6
 # Two-launch steps with an adapter above FUSED_DECODE_ROWS rank rows (S2's ranks 8-64) run
 # programs of this many rank rows, in 16-token tiles (step_is_wide).
 WIDE_RANK_ROWS = 32
@@ -91,26 +93,31 @@ def decode_prefers_fused(adapter_tokens: int, distinct: int, step_rank: int) -> 
     return mostly_distinct and adapter_tokens * FUSED_DECODE_ROWS >= FUSED_DECODE_MIN_ROWS
 
 
-def small_step_fuses(adapter_tokens: int, step_rank: int) -> bool:
-    """Whether a decode step too small for the fused rule (decode_prefers_fused: fewer than
-    FUSED_DECODE_MIN_ROWS // FUSED_DECODE_ROWS adapter tokens) runs every LoRA call fused,
-    each token its own one-token tile on the GEMV body, in programs of SMALL_STEP_ROWS rank
-    rows: when its adapters all fit those rows. Such a step's calls are latency-bound (a few
-    programs each, each a chain of dependent loads), so one launch a call beats two; and with
-    every tile one token, a token whose adapter another token shares takes the GEMV body too
-    (reading the adapter again, mostly from L2) rather than a dot-body program that sets the
-    call's time.
+def one_token_step_fuses(adapter_tokens: int, distinct: int, step_rank: int) -> bool:
+    """Whether a decode step runs every LoRA call fused, each token its own one-token tile on
+    the GEMV body, in programs of ONE_TOKEN_ROWS rank rows (4096-wide weight blocks, 8 warps,
+    every load issued first: lora.fused_config): when its adapters all fit those rows, and it
+    is either below the fused rule's size (fewer than FUSED_DECODE_MIN_ROWS //
+    FUSED_DECODE_ROWS adapter tokens: its calls are latency-bound, a few programs each, so one
+    launch a call beats two) or its tokens share adapters at most ONE_TOKEN_MAX_SHARING to one
+    (``distinct``: how many adapters its ``adapter_tokens`` use). A token whose adapter another
+    token shares takes the GEMV body too, reading the adapter again (mostly from L2), rather
+    than a dot-body program (16 rows, 16 serial weight blocks each way) that sets the call's
+    time.
 
-    H200, one layer's S1 q/k/v and o calls in a CUDA graph, the decode steps of 10 requests/s
-    (8-63 tokens on adapters drawn from 100 or 1000), two launches against every call fused on
-    one-token tiles (8 rank rows, 4096-wide blocks, 8 warps: lora.fused_config): 8 tokens 16.8
-    against 12.9 µs, 16 (on 15-16 adapters) 22.4 against 14.4, 32 27.4 against 16.4, 63 42.9
-    against 20.3 (bench/results/lora_engine_calls_one_token.json); with a two-token tile for a
-    shared adapter, 16 on 15 took 36.2 on the dot body and 21.9 on a two-token GEMV body
-    (lora_engine_calls_small.json)."""
-    if adapter_tokens <= 0 or adapter_tokens * FUSED_DECODE_ROWS >= FUSED_DECODE_MIN_ROWS:
+    H200, one layer's S1 q/k/v and o calls in a CUDA graph: the decode steps of 10 requests/s
+    (8-63 tokens on adapters drawn from 100 or 1000), two launches against one-token tiles: 8
+    tokens 17.1 against 13.2 µs, 16 (on 15-16 adapters) 22.2-22.7 against 14.3-14.4, 32
+    25.7-28.5 against 16.0-16.3, 63 42.7-43.1 against 20.2-20.4; full decode steps against the
+    fused rule's 16-row launch (decode_prefers_fused) and the two launches: 64 tokens on 42
+    adapters 17.9 / 41.1 / 36.1, 292 on 95 37.6 / 64.7 / 59.2, 292 on 185 45.4 / 68.8 / 102.5,
+    512 on 98 51.3 / 80.4 / 61.5, 512 on 390 75.2 / 96.6 / 199.3
+    (bench/results/lora_engine_calls_hoist.json). SHARING_NOTE"""
+    if adapter_tokens <= 0 or step_rank > ONE_TOKEN_ROWS:
         return False
-    return step_rank <= SMALL_STEP_ROWS
+    if adapter_tokens * FUSED_DECODE_ROWS < FUSED_DECODE_MIN_ROWS:
+        return True
+    return adapter_tokens <= ONE_TOKEN_MAX_SHARING * distinct
 
 
 def prefill_step_narrows(step_rank: int) -> bool:
@@ -148,15 +155,13 @@ def step_is_wide(step_rank: int) -> bool:
 
 
 def decode_call_fused(
-    step_fused: bool | None, num_tokens: int, num_slices: int, rows: int
+    step_fused: bool | None, num_tokens: int, num_slices: int, rows: int, one_token: bool = False
 ) -> bool | None:
     """One call's path in a step whose rule said ``step_fused`` (None: the shapes decide, False:
     two launches): in a fused step, calls of several slices fuse and a call of one slice fuses
     from FUSED_SINGLE_SLICE_MIN_ROWS tokens x the launch's rank ``rows`` (``num_tokens``: the
-    call's, padding included, so a CUDA graph's choice is fixed by its batch size), and in a
-    step below the fused rule's size (small_step_fuses: one launch beats two where a call's
-    time is its latency)."""
-    if not step_fused or num_slices > 1:
+    call's, padding included, so a CUDA graph's choice is fixed by its batch size); in a step
+    of one-token tiles (``one_token``: one_token_step_fuses) every call fuses."""
+    if not step_fused or num_slices > 1 or one_token:
         return step_fused
-    call_rows = fused_rank_rows(rows) * num_tokens
-    return call_rows >= FUSED_SINGLE_SLICE_MIN_ROWS or call_rows < FUSED_DECODE_MIN_ROWS
+    return fused_rank_rows(rows) * num_tokens >= FUSED_SINGLE_SLICE_MIN_ROWS

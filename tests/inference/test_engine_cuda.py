@@ -108,13 +108,14 @@ def test_cuda_narrow_mixed_steps_match_hf_peft(tiny_models, monkeypatch):
 @pytest.mark.parametrize("path", ["two launches", "fused", "fused, one-token tiles"])
 def test_cuda_attention_only_decode_graphs_match_hf_peft(tiny_models, monkeypatch, path):
     """Decode steps whose adapters adapt attention only (r4: q and v; r8: q/k/v/o), beside the
-    base model, replay the graphs without MLP LoRA calls, of two launches (the small steps'
-    path switched off), of the fused kernel ("fused", the threshold lowered so that the parity
-    run's distinct adapters take it), or, the default for these small steps of rank <= 8
-    adapters, of the fused kernel on one-token tiles (SMALL); every token against HF + PEFT."""
+    base model, replay the graphs without MLP LoRA calls, of two launches (the one-token
+    tiles' rule switched off), of the fused kernel ("fused", that rule off and the fused
+    rule's threshold lowered so that the parity run's distinct adapters take it), or, the
+    default for these steps of rank <= 8 adapters, of the fused kernel on one-token tiles
+    (ONE_TOKEN); every token against HF + PEFT."""
     fused = path == "fused"
-    if path != "fused, one-token tiles":  # no small steps' path: no SMALL graphs or steps
-        monkeypatch.setattr(lora_paths, "small_step_fuses", lambda *_: False)
+    if path != "fused, one-token tiles":  # no ONE_TOKEN steps
+        monkeypatch.setattr(lora_paths, "one_token_step_fuses", lambda *_: False)
     if fused:
         monkeypatch.setattr(lora_paths, "FUSED_DECODE_MIN_ROWS", 16)  # one adapter token
     model_dir = tiny_models.model("tiny-llama")
@@ -131,7 +132,7 @@ def test_cuda_attention_only_decode_graphs_match_hf_peft(tiny_models, monkeypatc
     graph_paths = {r.lora for r in core.step_log.recent if r.graph and r.prefill_tokens == 0}
     assert path in graph_paths
     if path == "fused, one-token tiles":
-        assert core.runner.small_graph_sizes
+        assert core.runner.one_token_graph_sizes
     core.check_integrity()
     assert_matches_hf(tiny_models, "tiny-llama", model_dir, requests, results)
 

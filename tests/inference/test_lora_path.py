@@ -136,12 +136,12 @@ def test_runner_prefers_fused_for_many_distinct_adapters(core, monkeypatch):
     assert prefers(prefill) is False  # prefill-sized with a rank-32 adapter: two launches, wide
 
 
-def test_small_decode_steps_fuse_on_one_token_tiles(core):
-    """Decode steps too small for the fused rule whose adapters all fit SMALL_STEP_ROWS (8) rank
-    rows are SMALL (every call fused, a tile a token), shared adapters included, while their
-    tokens fit the batch's segment capacity (6 here: max_loras 4 + 2); a prefill chunk, a
-    wider adapter or more tokens than that keep the two launches. Their calls are sized for 8
-    rows whatever the engine's max_lora_rank (32 here)."""
+def test_decode_steps_fuse_on_one_token_tiles(core):
+    """Decode steps whose adapters all fit ONE_TOKEN_ROWS (8) rank rows are ONE_TOKEN (every
+    call fused, a tile a token), shared adapters included, while their tokens fit the batch's
+    segment capacity (6 here: max_loras 4 + 2); a prefill chunk, a wider adapter or more tokens
+    than that take the other rules. Their calls are sized for 8 rows whatever the engine's
+    max_lora_rank (32 here), and the context tells each call to fuse."""
     r32, r16 = _load(core, "r32"), _load(core, "r16")
     free = [r for r in range(4) if r not in (r32, r16)]
     core.adapters.row_ranks[free[0]] = 8
@@ -149,16 +149,39 @@ def test_small_decode_steps_fuse_on_one_token_tiles(core):
     r8, r4 = free
     step = core.runner.step_lora
     assert core.runner.batch.max_segments == 6
-    assert step(_decode([r8])).mode is LoraMode.SMALL
-    assert step(_decode([r8, r8, r4, None])).mode is LoraMode.SMALL  # shared, base beside
-    assert step(_decode([r8] * 6)).mode is LoraMode.SMALL
+    assert step(_decode([r8])).mode is LoraMode.ONE_TOKEN
+    assert step(_decode([r8, r8, r4, None])).mode is LoraMode.ONE_TOKEN  # shared, base beside
+    assert step(_decode([r8] * 6)).mode is LoraMode.ONE_TOKEN
     assert step(_decode([r8] * 7)).mode is LoraMode.TWO  # more tiles than the table holds
     assert step(_decode([r8, r16])).mode is LoraMode.TWO  # rank 16: above 8 rows
     assert step(_decode([r8, r32])).mode is LoraMode.WIDE
     chunk = BatchEntry((1, 2), 0, (0,), r8, False)
     assert step([*_decode([r4]), chunk]).mode is LoraMode.TWO  # not every entry one token
-    ctx = core.runner._lora_for(LoraMode.SMALL, None)
-    assert ctx.rows == lora_paths.SMALL_STEP_ROWS and ctx.fused is True and ctx.rank_block == 16
+    ctx = core.runner._lora_for(LoraMode.ONE_TOKEN, None)
+    assert ctx.rows == lora_paths.ONE_TOKEN_ROWS and ctx.fused is True and ctx.one_token
+    assert ctx.rank_block == 16
+    assert not core.runner._lora_for(LoraMode.FUSED, None).one_token
+
+
+def test_decode_steps_from_the_fused_rules_size_need_adapters_shared_little(core):
+    """Below the fused rule's size (64 adapter tokens) a decode step of rank-8 adapters is
+    ONE_TOKEN whatever its tokens share; from there only while they share adapters at most
+    ONE_TOKEN_MAX_SHARING (6) to one (lora_paths.one_token_step_fuses: here two adapters hold
+    32 tokens each, so the fused rule decides: two launches); and one whose tiles would not fit
+    the tile table keeps the other rules at any size."""
+    runner = core.runner
+    r32, r16 = _load(core, "r32"), _load(core, "r16")
+    r8, r4 = [r for r in range(4) if r not in (r32, r16)]
+    core.adapters.row_ranks[r8] = 8
+    core.adapters.row_ranks[r4] = 4
+    runner.batch.max_segments = 200  # the capacity of an engine of many resident adapters
+    try:
+        assert runner.step_lora(_decode([r8] * 32 + [r4] * 31)).mode is LoraMode.ONE_TOKEN
+        assert runner.step_lora(_decode([r8] * 32 + [r4] * 32)).mode is LoraMode.TWO
+        runner.batch.max_segments = 6  # 12 tiles would not fit the table
+        assert runner.step_lora(_decode([r8] * 6 + [r4] * 6)).mode is LoraMode.TWO
+    finally:
+        runner.batch.max_segments = 6
 
 
 def test_prefill_sized_steps_are_sized_for_their_adapters_ranks(core):

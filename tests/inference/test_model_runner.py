@@ -65,7 +65,7 @@ def test_each_step_finds_its_graph(tiny_models):
     wide = LoraMode.WIDE
     graphs += [GraphKey(32, 8, LoraMode.NARROW), GraphKey(8, 8, wide),
                GraphKey(8, 8, wide, ATTENTION), GraphKey(32, 8, wide)]  # fmt: skip
-    graphs += [GraphKey(4, 4, LoraMode.SMALL), GraphKey(4, 4, LoraMode.SMALL, ATTENTION)]
+    graphs += [GraphKey(4, 4, LoraMode.ONE_TOKEN), GraphKey(4, 4, LoraMode.ONE_TOKEN, ATTENTION)]
     runner._graphs = dict.fromkeys(graphs, (None, None))
     runner._decode_sizes, runner._mixed_sizes = (4, 8), (16, 32)
 
@@ -107,21 +107,21 @@ def test_each_step_finds_its_graph(tiny_models):
     assert pick(decode(3, row=0), wide) is None
     assert pick([*decode(2, row=1), chunk(20)], wide) == GraphKey(32, 8, wide)
     assert pick([*decode(2, row=1), chunk(9)], wide) is None
-    # small decode steps on one-token tiles: their graphs, or two launches where none is
-    small = LoraMode.SMALL
-    assert pick(decode(3, row=0), small) == GraphKey(4, 4, small)
-    assert pick(decode(3, row=0), small, q_v | o) == GraphKey(4, 4, small, ATTENTION)
-    assert pick(decode(6, row=0), small) == GraphKey(8, 8, two)  # no small graph of 8
+    # decode steps on one-token tiles: their graphs, or two launches where none is
+    one = LoraMode.ONE_TOKEN
+    assert pick(decode(3, row=0), one) == GraphKey(4, 4, one)
+    assert pick(decode(3, row=0), one, q_v | o) == GraphKey(4, 4, one, ATTENTION)
+    assert pick(decode(6, row=0), one) == GraphKey(8, 8, two)  # no one-token graph of 8
 
 
-def test_a_small_step_graph_is_filled_with_one_token_tiles(tiny_models):
-    """Replaying a SMALL graph, the batch's 16-token tile table lists each adapter token as its
+def test_a_one_token_graph_is_filled_with_one_token_tiles(tiny_models):
+    """Replaying a ONE_TOKEN graph, the batch's 16-token tile table lists each adapter token as its
     own tile (shared adapters too); a two-launch graph's lists the adapter's run as one tile."""
     core = make_core(tiny_models.model("tiny-llama"), max_num_seqs=8)
     runner = core.runner
     runner._pad = BatchEntry((0,), 0, (0,), None, True)
     entries = [BatchEntry([1], 3, [0], row, True) for row in (0, 0, 2)]
-    runner._fill_for(GraphKey(4, 4, LoraMode.SMALL), entries)
+    runner._fill_for(GraphKey(4, 4, LoraMode.ONE_TOKEN), entries)
     tiles = runner.batch.lora_tokens.tiles[0]
     assert tiles[:4].tolist() == [[0, 0, 1], [0, 1, 2], [2, 2, 3], [-1, 0, 0]]
     runner._fill_for(GraphKey(4, 4, LoraMode.TWO), entries)

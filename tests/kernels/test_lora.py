@@ -206,7 +206,7 @@ def test_apply_programs_stride_over_tiles(tile_programs, popularity):
 
 @pytest.mark.parametrize("popularity", ["uniform", "zipf", "identical", "base_mix"])
 def test_apply_one_token_tiles_of_shared_adapters(popularity):
-    """A small decode step's fused calls (kernels/lora_paths.small_step_fuses): every token its
+    """A small decode step's fused calls (kernels/lora_paths.one_token_step_fuses): every token its
     own tile on the GEMV body with 8 rank rows, tokens sharing adapters included (each tile
     reads its adapter again), every call fused."""
     i = POPULARITY.index(popularity)
@@ -253,6 +253,44 @@ def test_gemv_body_takes_small_rank_tiles_in_narrow_blocks(grouped):
     assert (cfg.gemv_max, cfg.gemv_r or cfg.shrink_r, cfg.gemv_narrow) == (1, 16, 8)
     _check_apply(shape, ranks, rows, DTYPES[grouped % len(DTYPES)], gen, config=cfg,
                  one_token=not grouped)  # fmt: skip
+
+
+@pytest.mark.parametrize("one_token", [True, False])
+def test_one_token_tiles_issue_every_load_first(one_token):
+    """Where a slice's A and Bᵀ rows fit one GEMV block and one pool chunk (lora.gemv_hoists),
+    a one-token tile's program issues all its loads before its first sum (_token_gemv); tiles
+    of more tokens (one_token False: adapters shared by runs of tokens) keep the GEMV and dot
+    bodies. Both against the reference, ranks up to 8 beside base-model rows."""
+    gen = torch.Generator().manual_seed(500 + one_token)
+    if ON_GPU:
+        shape = LORA_SHAPES[0]  # q/k/v of 4096 from 4096, one 4096-element chunk
+        cfg = lora.fused_config(16, shape.width, 8, 3, max(shape.widths), d_in=shape.d_in)
+    else:  # one chunk of 48 holds d_in (32) and every slice (48, 16, 16)
+        shape = type(LORA_SHAPES[0])("qkv_one_chunk", 48, (Q, K, V), 32, (48, 16, 16))
+        cfg = lora.LoraLaunch(
+            block_m=16, shrink_k=16, shrink_r=16, expand_n=16, fused=True, parts=2,
+            gemv_max=1, gemv_k=64, gemv_n=64, gemv_r=8, gemv_hoist=True,
+        )  # fmt: skip
+    assert lora.gemv_hoists(cfg, shape.d_in, shape.width, shape.widths)
+    ranks = _ranks(ADAPTERS, shape.modules, (8, 5, 1), gen)
+    rows = token_rows("base_mix", POP_BATCH, ADAPTERS, gen, grouped=True)
+    _check_apply(shape, ranks, rows, DTYPES[one_token % len(DTYPES)], gen, config=cfg,
+                 masked=True, one_token=one_token)  # fmt: skip
+
+
+def test_gemv_hoists_where_one_block_holds_a_slice():
+    """The hoisted one-token body needs every slice's A rows (d_in) and Bᵀ rows within one GEMV
+    block and one pool chunk; fused_config asks for it in decode calls of max_rank <= 8 only."""
+    small = lora.fused_config(16, 4096, 8, 3, 4096, d_in=4096)
+    assert small.gemv_hoist and lora.gemv_hoists(small, 4096, 4096, (4096, 4096, 4096))
+    assert lora.gemv_hoists(small, 4096, 4096, (4096, 1024, 1024))  # GQA k, v: narrower
+    assert not lora.gemv_hoists(small, 4096, 4096, (11008, 11008))  # gate/up: wider
+    assert not lora.gemv_hoists(small, 11008, 4096, (4096,))  # down: d_in in three chunks
+    assert not lora.gemv_hoists(small, 4096, 1024, (4096, 1024, 1024))  # four chunks a row
+    assert not lora.gemv_hoists(small._replace(gemv_hoist=False), 4096, 4096, (4096,))
+    assert not lora.gemv_hoists(small._replace(gemv_max=0), 4096, 4096, (4096,))
+    assert not lora.fused_config(1024, 4096, 8, 3, 4096, d_in=4096).gemv_hoist  # prefill
+    assert not lora.fused_config(16, 4096, 16, 3, 4096, d_in=4096).gemv_hoist  # 16 rows
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -420,31 +458,36 @@ def test_decode_path_rule():
 
 def test_decode_call_rule():
     """Each call's path in a step (kernels/lora_paths.py): in a fused step, calls of several
-    slices fuse, and calls of one slice only from 4096 tokens x rank rows of the batch; other
-    steps' choice passes through."""
+    slices fuse, and calls of one slice only from 4096 tokens x rank rows of the batch; in a
+    step of one-token tiles every call fuses; other steps' choice passes through."""
     call = lora_paths.decode_call_fused
     assert call(True, 64, 3, 16) and call(True, 64, 2, 16)  # qkv, gate_up
     assert not call(True, 64, 1, 16) and not call(True, 255, 1, 16)  # o, down: too few rows
+    assert not call(True, 32, 1, 16) and not call(True, 63, 1, 8)
     assert call(True, 256, 1, 16) and call(True, 64, 1, 64) and call(True, 64, 1, 40)
     assert call(False, 512, 3, 16) is False and call(None, 512, 1, 16) is None
-    # below the fused rule's 1024 rows (a small step: small_step_fuses) every call fuses
-    assert call(True, 63, 1, 8) and call(True, 1, 1, 16) and call(True, 32, 1, 16)
-    assert not call(False, 16, 1, 8) and call(None, 16, 1, 8) is None
+    # one-token tiles (one_token_step_fuses): every call fuses, whatever its size
+    assert call(True, 63, 1, 8, True) and call(True, 1, 1, 8, True)
+    assert call(True, 128, 1, 8, True) and call(True, 512, 1, 8, True)
+    assert not call(False, 16, 1, 8, True) and call(None, 16, 1, 8, True) is None
 
 
-def test_small_step_rule():
-    """Decode steps too small for the fused rule (fewer than 1024 // 16 = 64 adapter tokens)
-    whose adapters all fit SMALL_STEP_ROWS (8) rank rows fuse every call on one-token tiles."""
-    rule = lora_paths.small_step_fuses
-    assert lora_paths.SMALL_STEP_ROWS == 8
-    assert rule(1, 8) and rule(15, 4) and rule(63, 8)
-    assert not rule(64, 8)  # the fused rule's size: decode_prefers_fused decides
-    assert not rule(16, 16) and not rule(16, 9)  # wider than the small step's programs
-    assert not rule(0, 0)
+def test_one_token_step_rule():
+    """Decode steps whose adapters all fit ONE_TOKEN_ROWS (8) rank rows fuse every call on
+    one-token tiles: below the fused rule's size (1024 // 16 = 64 adapter tokens) whatever
+    they share, from there while they share adapters at most ONE_TOKEN_MAX_SHARING to one."""
+    rule = lora_paths.one_token_step_fuses
+    assert lora_paths.ONE_TOKEN_ROWS == 8 and lora_paths.ONE_TOKEN_MAX_SHARING == 6
+    assert rule(1, 1, 8) and rule(15, 14, 4) and rule(63, 1, 8)  # small: any sharing
+    assert rule(64, 64, 8) and rule(512, 390, 8) and rule(512, 98, 8)
+    assert rule(64, 11, 8) and not rule(64, 10, 8)  # 6 tokens an adapter and no more
+    assert not rule(512, 5, 8) and not rule(512, 85, 8) and rule(512, 86, 8)
+    assert not rule(16, 16, 16) and not rule(512, 512, 9)  # wider than 8 rank rows
+    assert not rule(0, 0, 0)
 
 
 def test_fused_config_gemv_rows_fit_the_call():
-    """The GEMV body holds SMALL_STEP_ROWS rank rows in 4096-wide weight blocks (decode, 8 warps;
+    """The GEMV body holds ONE_TOKEN_ROWS rank rows in 4096-wide weight blocks (decode, 8 warps;
     2048 for prefill) when the call's adapters fit them (max_rank <= 8), else the launch's rows
     (16 and up) in 1024-wide ones, where a 16-row body takes rank-8 tiles in the 8-row blocks
     (gemv_narrow); the dot body's rows stay a power of two >= 16."""

@@ -60,15 +60,15 @@ class LoraMode(enum.Enum):
     # steps of any size with an adapter above FUSED_DECODE_ROWS: two launches whose programs
     # hold WIDE_RANK_ROWS rank rows (kernels.lora_paths.step_is_wide)
     WIDE = "two launches, wide"
-    # decode steps too small for FUSED whose adapters all fit SMALL_STEP_ROWS rank rows: every
-    # call fused, each token its own tile (kernels.lora_paths.small_step_fuses)
-    SMALL = "fused, one-token tiles"
+    # decode steps whose adapters all fit ONE_TOKEN_ROWS rank rows, small or sharing adapters
+    # little: every call fused, each token its own tile (kernels.lora_paths.one_token_step_fuses)
+    ONE_TOKEN = "fused, one-token tiles"
 
     @property
     def fused(self) -> bool | None:
         return {
             LoraMode.TWO: False, LoraMode.FUSED: True, LoraMode.NARROW: True,
-            LoraMode.WIDE: False, LoraMode.SMALL: True,
+            LoraMode.WIDE: False, LoraMode.ONE_TOKEN: True,
         }.get(self)  # fmt: skip
 
 
@@ -164,9 +164,10 @@ class ModelRunner:
         return tuple(sorted(k.tokens for k in self._graphs if k.lora is LoraMode.FUSED))
 
     @property
-    def small_graph_sizes(self) -> tuple[int, ...]:
-        """Decode batch sizes with a graph of SMALL steps (every call fused, one-token tiles)."""
-        return tuple(sorted({k.tokens for k in self._graphs if k.lora is LoraMode.SMALL}))
+    def one_token_graph_sizes(self) -> tuple[int, ...]:
+        """Decode batch sizes with a graph of ONE_TOKEN steps (every call fused, one-token
+        tiles)."""
+        return tuple(sorted({k.tokens for k in self._graphs if k.lora is LoraMode.ONE_TOKEN}))
 
     @property
     def narrow_graph_sizes(self) -> tuple[int, ...]:
@@ -192,25 +193,23 @@ class ModelRunner:
         """Whether a decode step of ``size`` sequences could prefer the fused path."""
         return lora_paths.decode_prefers_fused(size, size, lora_paths.FUSED_DECODE_ROWS)
 
-    def _small(self, tokens: int) -> bool:
-        """Whether a decode step (or graph) of ``tokens`` tokens may take SMALL: below the fused
-        rule's size, and at most one token a segment of the batch's capacity, so that its
-        one-token tiles fit the tile table and the fused grid (both sized for tokens / 16 +
-        that capacity: kernels/tile_table.max_tiles)."""
-        if tokens > self.batch.max_segments:
-            return False
-        return lora_paths.small_step_fuses(tokens, lora_paths.SMALL_STEP_ROWS)
+    def _one_token(self, tokens: int) -> bool:
+        """Whether a decode step (or graph) of ``tokens`` tokens may take ONE_TOKEN: decode-sized
+        (FUSED_MAX_TOKENS: the launches' rules are measured up to there), and at most one token
+        a segment of the batch's capacity, so that its one-token tiles fit the tile table and
+        the fused grid (both sized for tokens / 16 + that capacity: tile_table.max_tiles)."""
+        return tokens <= min(self.batch.max_segments, lora_paths.FUSED_MAX_TOKENS)
 
     def step_lora(self, entries: Sequence[BatchEntry]) -> StepLora:
-        """The step's LoRA path and modules, from one pass over its entries: for a decode-sized
-        step (up to FUSED_MAX_TOKENS tokens) fused or two launches by
-        lora_paths.decode_prefers_fused over its adapter tokens, or for a decode step too small
-        for that rule SMALL (lora_paths.small_step_fuses); for a prefill-sized one NARROW
-        when every adapter of it fits FUSED_PREFILL_MAX_ROWS (lora_paths.prefill_step_narrows:
-        every call fused, sized for those rows). Otherwise, with an adapter above
-        FUSED_DECODE_ROWS, two launches of WIDE_RANK_ROWS-row programs (WIDE,
-        lora_paths.step_is_wide); else two launches (decode-sized) or the shapes' choice, at
-        max_lora_rank."""
+        """The step's LoRA path and modules, from one pass over its entries: for a decode step
+        whose adapters fit ONE_TOKEN_ROWS and share little, ONE_TOKEN
+        (lora_paths.one_token_step_fuses); else for a decode-sized step (up to FUSED_MAX_TOKENS
+        tokens) fused or two launches by lora_paths.decode_prefers_fused over its adapter
+        tokens; for a prefill-sized one NARROW when every adapter of it fits
+        FUSED_PREFILL_MAX_ROWS (lora_paths.prefill_step_narrows: every call fused, sized for
+        those rows). Otherwise, with an adapter above FUSED_DECODE_ROWS, two launches of
+        WIDE_RANK_ROWS-row programs (WIDE, lora_paths.step_is_wide); else two launches
+        (decode-sized) or the shapes' choice, at max_lora_rank."""
         tokens = adapter_tokens = 0
         rows = set()
         for e in entries:
@@ -227,12 +226,12 @@ class ModelRunner:
             for r in rows:
                 modules |= self.row_modules[r]
         rank = max(self.row_ranks[r] for r in rows)
+        if tokens == len(entries) and self._one_token(tokens):  # one token each: decode
+            if lora_paths.one_token_step_fuses(adapter_tokens, len(rows), rank):
+                return StepLora(LoraMode.ONE_TOKEN, modules)
         decode_sized = tokens <= lora_paths.FUSED_MAX_TOKENS
         if decode_sized and lora_paths.decode_prefers_fused(adapter_tokens, len(rows), rank):
             return StepLora(LoraMode.FUSED, modules)
-        if tokens == len(entries) and self._small(tokens):  # one token each: decode
-            if lora_paths.small_step_fuses(adapter_tokens, rank):
-                return StepLora(LoraMode.SMALL, modules)
         if self._narrows(tokens) and lora_paths.prefill_step_narrows(rank):  # prefill-sized
             return StepLora(LoraMode.NARROW, modules)
         if lora_paths.step_is_wide(rank):
@@ -246,11 +245,12 @@ class ModelRunner:
         rows = self.max_lora_rank
         if mode is LoraMode.FUSED:  # its adapters all fit FUSED_DECODE_ROWS (step_lora)
             rows = min(lora_paths.FUSED_DECODE_ROWS, rows)
-        elif mode is LoraMode.SMALL:  # they all fit SMALL_STEP_ROWS (step_lora)
-            rows = min(lora_paths.SMALL_STEP_ROWS, rows)
+        elif mode is LoraMode.ONE_TOKEN:  # they all fit ONE_TOKEN_ROWS (step_lora)
+            rows = min(lora_paths.ONE_TOKEN_ROWS, rows)
         elif mode is LoraMode.NARROW:  # they all fit FUSED_PREFILL_MAX_ROWS (step_lora)
             rows = min(lora_paths.FUSED_PREFILL_MAX_ROWS, rows)
         self.lora.fused, self.lora.rows, self.lora.modules = mode.fused, rows, modules
+        self.lora.one_token = mode is LoraMode.ONE_TOKEN
         self.lora.rank_block = lora_paths.WIDE_RANK_ROWS if mode is LoraMode.WIDE else 16
         return self.lora
 
@@ -276,7 +276,7 @@ class ModelRunner:
             keys.append(GraphKey(size, size, LoraMode.NONE))
             modes = [LoraMode.TWO]
             modes += [LoraMode.FUSED] if self._fusable(size) else []
-            modes += [LoraMode.SMALL] if self._small(size) else []
+            modes += [LoraMode.ONE_TOKEN] if self._one_token(size) else []
             modes += [LoraMode.WIDE] if self._wides() else []
             for mode in modes:  # each also without the MLP calls
                 keys += [GraphKey(size, size, mode), GraphKey(size, size, mode, ATTENTION)]
@@ -313,7 +313,8 @@ class ModelRunner:
             "LoRA calls), mixed steps of %s tokens (sized for %d rank rows from %s); two "
             "launches of %d rank rows for adapters above %d: %s",
             len(self._graphs), time.perf_counter() - start, list(self._decode_sizes),
-            min(self.fused_graph_sizes, default=None), max(self.small_graph_sizes, default=None),
+            min(self.fused_graph_sizes, default=None),
+            max(self.one_token_graph_sizes, default=None),
             list(self._mixed_sizes),
             lora_paths.FUSED_PREFILL_MAX_ROWS, min(self.narrow_graph_sizes, default=None),
             lora_paths.WIDE_RANK_ROWS, lora_paths.FUSED_DECODE_ROWS, self._wides(),
@@ -325,7 +326,7 @@ class ModelRunner:
         if key.tokens == key.seqs:  # a decode graph (a mixed one has fewer sequences than tokens)
             self.batch.fill(
                 [*entries, *[self._pad] * (key.seqs - len(entries))],
-                one_token_tiles=key.lora is LoraMode.SMALL,
+                one_token_tiles=key.lora is LoraMode.ONE_TOKEN,
             )
         else:
             self.batch.fill(entries, pad_tokens=key.tokens, pad_seqs=key.seqs)
@@ -342,7 +343,7 @@ class ModelRunner:
             if size is None:
                 return None
             key = GraphKey(size, size, lora)
-            if key not in self._graphs and lora in (LoraMode.FUSED, LoraMode.SMALL):
+            if key not in self._graphs and lora in (LoraMode.FUSED, LoraMode.ONE_TOKEN):
                 key = key._replace(lora=LoraMode.TWO)  # no fused graph at this size
             attention = key._replace(modules=ATTENTION)
             if step.modules is not None and not step.modules & ~ATTENTION:
@@ -354,7 +355,7 @@ class ModelRunner:
         if size is None or len(entries) > self.mixed_seqs(size):
             return None
         key = GraphKey(size, self.mixed_seqs(size), lora)
-        if lora in (LoraMode.TWO, LoraMode.FUSED, LoraMode.SMALL):  # small enough to pick a path
+        if lora in (LoraMode.TWO, LoraMode.FUSED, LoraMode.ONE_TOKEN):  # decode-sized: by shapes
             key = key._replace(lora=LoraMode.SHAPES)
         return key if key in self._graphs else None
 
@@ -391,7 +392,7 @@ class ModelRunner:
             return logits[: sum(e.sample for e in entries)]
         self.last_graph, self.last_lora = False, step.mode
         self.fused_steps += step.mode is LoraMode.FUSED
-        self.batch.fill(entries, one_token_tiles=step.mode is LoraMode.SMALL)
+        self.batch.fill(entries, one_token_tiles=step.mode is LoraMode.ONE_TOKEN)
         if self.tp is not None:
             self.tp.send_step(self.batch, step)
         return self._forward(self._lora_for(step.mode, step.modules))

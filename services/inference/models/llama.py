@@ -67,9 +67,11 @@ class LoraContext:
     step (ModelRunner): the kernel path (``fused``: None leaves it to the shapes; each call's
     own path is kernels.lora_paths.decode_call_fused), the rank rows the step's calls are sized
     for (``rows``: the engine's max_lora_rank, or fewer when every adapter of the step fits
-    fewer), the modules they cover (``modules``: bits, module m = bit m; None: all), and the
-    two launches' rank rows a program (``rank_block``: kernels.lora_paths.step_is_wide). A call
-    none of whose modules is covered is not made: no adapter of the step has them."""
+    fewer), the modules they cover (``modules``: bits, module m = bit m; None: all), the two
+    launches' rank rows a program (``rank_block``: kernels.lora_paths.step_is_wide), and whether
+    the step's tile table holds every token as its own tile (``one_token``: every call fused,
+    kernels.lora_paths.one_token_step_fuses). A call none of whose modules is covered is not
+    made: no adapter of the step has them."""
 
     def __init__(self, index: LoraIndex, max_rank: int) -> None:
         self.index = index
@@ -77,6 +79,7 @@ class LoraContext:
         self.rows = max_rank
         self.modules: int | None = None
         self.rank_block = 16
+        self.one_token = False
 
     def covers(self, modules: tuple[int, ...]) -> bool:
         return self.modules is None or any(self.modules >> m & 1 for m in modules)
@@ -98,7 +101,9 @@ def linear_lora(
     if lora is not None and lora.covers(modules):
         kernels.lora_apply(
             y, x, pool_layer, lora.index, batch.lora_tokens, modules, widths, lora.rows,
-            fused=lora_paths.decode_call_fused(lora.fused, x.shape[0], len(modules), lora.rows),
+            fused=lora_paths.decode_call_fused(
+                lora.fused, x.shape[0], len(modules), lora.rows, lora.one_token
+            ),
             rank_block=lora.rank_block,
         )  # fmt: skip
     return y
