@@ -25,7 +25,9 @@ block in registers instead and form each token's products and sums on the CUDA c
 one token after the other against the block loaded once. A GEMV block holds GEMV_R rank rows;
 where GEMV_R is twice GEMV_NARROW_R (16 and 8), a tile whose adapter has at most GEMV_NARROW_R
 takes blocks of those rows, twice as wide (the same registers): the rows past its rank would be
-masked loads and wasted lanes, and each streaming step a trip of load latency. Both bodies round
+masked loads and wasted lanes, and each streaming step a trip of load latency. Where one GEMV
+block holds a slice's whole A and Bᵀ rows (GEMV_HOIST, which the host sets: lora.gemv_hoists),
+a one-token tile takes _token_gemv, the same sums with every load issued first. Both bodies round
 alike: products and sums in fp32, h rounded once to the output dtype before the expand (for bf16
 and fp16 outputs), y once.
 
@@ -268,7 +270,7 @@ def _token_gemv(
     weight block in one pool chunk (D_IN <= BLOCK_K and W; [lo, hi) within BLOCK_N columns of
     one chunk): every load is issued before the first sum, so the program waits on memory once
     for the rows' slots and once for A, Bᵀ, x and y together, where _tile_gemv waits for A and
-    x, then for Bᵀ's slots, then for Bᵀ and y (a small decode step's calls are these chains:
+    x, then for Bᵀ's slots, then for Bᵀ and y (a decode step's calls on one-token tiles:
     lora_paths.one_token_step_fuses)."""
     rows = tl.arange(0, BLOCK_R)
     row_ok = rows < rank

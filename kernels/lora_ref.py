@@ -61,7 +61,7 @@ def make_lora_tokens(
     """Build LoraTokens from per-token rows; pads to ``capacity`` segments with empty ones.
     ``modules``: the module ids some adapter of these rows has (None: every module).
     ``one_token_tiles``: the smallest block's table lists every adapter token as a tile of its
-    own, as the engine writes it for a small decode step (StepBatch.fill)."""
+    own, as the engine writes it for a decode step on one-token tiles (StepBatch.fill)."""
     t = token_lora.numel()
     tl = token_lora.to(torch.int32)
     if t == 0:

@@ -166,7 +166,7 @@ def test_decode_steps_fuse_on_one_token_tiles(core):
 def test_decode_steps_from_the_fused_rules_size_need_adapters_shared_little(core):
     """Below the fused rule's size (64 adapter tokens) a decode step of rank-8 adapters is
     ONE_TOKEN whatever its tokens share; from there only while they share adapters at most
-    ONE_TOKEN_MAX_SHARING (6) to one (lora_paths.one_token_step_fuses: here two adapters hold
+    ONE_TOKEN_MAX_SHARING (8) to one (lora_paths.one_token_step_fuses: here two adapters hold
     32 tokens each, so the fused rule decides: two launches); and one whose tiles would not fit
     the tile table keeps the other rules at any size."""
     runner = core.runner

@@ -66,7 +66,7 @@ def test_tiles_match_the_reference_and_forget_the_previous_step():
 
 
 def test_one_token_tiles_fill_the_smallest_block_table_only():
-    """fill(one_token_tiles=True) (a small decode step's fused calls): the 16-token table lists
+    """fill(one_token_tiles=True) (a decode step's fused calls): the 16-token table lists
     every adapter token as its own tile, shared adapters included; the other tables keep their
     segments' tiles; the next step without it writes the 16-token tiles again, the stale rows
     empty."""

@@ -129,7 +129,7 @@ class StepBatch:
         attention leaves their rows unwritten), padding sequences have no tokens and no context,
         and every padding sequence's logits row reads token 0 (dropped). ``one_token_tiles``:
         the LoRA tile table of the smallest block lists every adapter token as a tile of its own
-        (a small decode step's fused calls: kernels.lora_paths.one_token_step_fuses)."""
+        (a decode step's fused calls: kernels.lora_paths.one_token_step_fuses)."""
         if not entries:
             raise ValueError("a step needs at least one sequence")
         seqs = len(entries) if pad_seqs is None else pad_seqs
