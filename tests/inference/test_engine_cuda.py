@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kernels import lora_paths
-from services.inference.engine.api import AdapterKey
+from services.inference.engine.api import AdapterKey, GenerationRequest
+from services.inference.engine.sampling_params import SamplingParams
 from tests.inference.engine_harness import Recorder, make_core, relative_error, run
 from tests.inference.models import PARITY_ADAPTERS
 from tests.inference.test_engine_parity import _requests, assert_matches_hf, plan_arrivals
@@ -134,6 +135,41 @@ def test_cuda_attention_only_decode_graphs_match_hf_peft(tiny_models, monkeypatc
     if path == "fused, one-token tiles":
         assert core.runner.one_token_graph_sizes
     core.check_integrity()
+    assert_matches_hf(tiny_models, "tiny-llama", model_dir, requests, results)
+
+
+def test_cuda_large_decode_steps_on_one_token_tiles_match_hf_peft(tiny_models):
+    """Decode steps of 64 sequences and more whose rank-4 and rank-8 adapters are shared at most
+    ONE_TOKEN_MAX_SHARING tokens to one (ten adapter keys over r4's and r8's weights, seven
+    sequences each, beside the base model) replay the ONE_TOKEN graphs of their size (every call
+    fused, a tile a token, 8 rank rows, every load issued first); every token against HF +
+    PEFT, the pool intact. (max_loras 80: the batch's segment capacity, max_loras + 2, bounds
+    the one-token tiles a step's table holds.)"""
+    model_dir = tiny_models.model("tiny-llama")
+    recorder = Recorder()
+    core = make_core(model_dir, recorder, device="cuda", dtype="float32", max_num_seqs=80,
+                     max_num_batched_tokens=640, max_loras=80, num_pages=2048)  # fmt: skip
+    names = [("r4", "r8")[i % 2] for i in range(10)]
+    for i, name in enumerate(names):
+        core.add_adapter_dir(AdapterKey(f"a{i}", 1), tiny_models.adapter("tiny-llama", name))
+    gen = torch.Generator().manual_seed(77)
+    requests = []
+    for i in range(76):  # 70 on adapters, 6 on the base model
+        k = i % 10 if i < 70 else None
+        prompt = torch.randint(3, core.model_config.vocab_size, (5 + i % 4,), generator=gen)
+        req = GenerationRequest(
+            request_id=f"req{i}", prompt_token_ids=prompt.tolist(),
+            adapter=None if k is None else AdapterKey(f"a{k}", 1),
+            sampling=SamplingParams(max_new_tokens=5, ignore_eos=True),
+        )  # fmt: skip
+        requests.append((req, None if k is None else names[k]))
+    results = run(core, {0: [r for r, _ in requests]}, recorder)
+    big = [r for r in core.step_log.recent
+           if r.graph and r.prefill_tokens == 0 and r.seqs >= 64]  # fmt: skip
+    assert big and all(r.lora == "fused, one-token tiles" for r in big)
+    assert max(core.runner.one_token_graph_sizes) == 80
+    core.check_integrity()
+    assert core.stats().kv_pages == 0
     assert_matches_hf(tiny_models, "tiny-llama", model_dir, requests, results)
 
 
