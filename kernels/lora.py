@@ -268,9 +268,10 @@ def fused_config(
     # by 8 warps in decode (H200, one layer's S1 q/k/v and o calls, 8-63 tokens on one-token
     # tiles: 12.9-20.3 µs against 14.9-21.6 with 2048-wide blocks and 4 warps;
     # bench/results/lora_engine_calls_one_token.json), each one-token tile issuing every load
-    # before its first sum where one block holds a slice (gemv_hoists; 8-63 tokens 13.2-20.4 µs
-    # against 13.2-20.4 without, 512 on 390 adapters 75.2 against 77.2:
-    # lora_engine_calls_hoist.json); else the launch's rows, in 1024-wide ones.
+    # before its first sum where one block holds a slice (gemv_hoists; against the loads in
+    # order, 8-63 tokens -0.1 to +0.6 µs faster, 512 on 98 adapters 51.3 against 55.8, on 390
+    # 75.2 against 77.2: lora_engine_calls_hoist.json); else the launch's rows, in 1024-wide
+    # ones.
     gemv_rows = rows
     gemv = _fit_block(_GEMV_BLOCK, width)
     hoist = False
