@@ -36,6 +36,10 @@ With ``--sharing`` the cases are decode steps whose tokens share adapters more (
 by the two launches against one-token tiles with every load issued first: where the one-token
 rule (kernels/lora_paths.one_token_step_fuses) stops.
 
+With ``--dot`` the cases are the trace's mixed steps (and two prompts alone), every call fused
+at 16 rank rows as the engine's narrow steps make them, by the fused kernel's dot body, which
+their prompts' tiles take: tile tokens, weight blocks, warps and parts (DOT_POINTS).
+
 With ``--s2`` the cases are S2's steps (ranks 8-64, which take the two launches) by the two
 launches' blocks (S2_POINTS).
 
@@ -46,7 +50,7 @@ rule (q/k/v fused, o fused from 256 tokens; prefill-sized steps all fused) and a
 launches.
 
     python bench/lora_engine_calls.py [--splits] [--profile] [--steps] [--small] [--one-token] \
-        [--hoist] [--sharing] [--s2] \
+        [--hoist] [--sharing] [--dot] [--s2] \
         [--gemv [--points N]] \
         [--out bench/results/lora_engine_calls.json]
 """
@@ -141,6 +145,19 @@ HOIST_STEP_CASES = STEP_CASES[:3]
 # --sharing: (tokens, adapters drawn from): about 4 to 100 tokens an adapter
 SHARING_CASES = ((64, 16), (64, 8), (128, 24), (128, 16), (256, 48), (256, 32), (512, 80),
                  (512, 60), (512, 30), (512, 5))  # fmt: skip
+# --dot: (tile tokens, shrink block, expand block, warps, parts) of the fused kernel's dot body;
+# None: fused_config's own (the engine's narrow steps: 32, 256, 256, 4, 1)
+DOT_POINTS = (
+    None,
+    (16, 256, 256, 4, 1),
+    (64, 256, 256, 8, 1),
+    (32, 256, 512, 8, 1),
+    (32, 512, 512, 8, 1),
+    (32, 128, 128, 4, 1),
+    (32, 256, 256, 4, 2),
+    (32, 256, 256, 8, 2),
+)
+DOT_CASES = (*STEP_CASES[:3], *STEP_CASES[4:])  # the 10 requests/s prompt step too
 # --s2: S2's steps (ranks 8, 16, 32 and 64 cycled over n = 100 adapters, q/k/v/o), which take
 # the two launches at the engine's max_lora_rank (a fused step needs every rank <= 16): decode
 # steps at the saturating trace's batch and a mixed step; by the two launches' blocks (rank rows
@@ -213,6 +230,13 @@ def time_case(
             ]  # fmt: skip
             if v.get("o_two"):
                 cfgs[-1] = None
+        if v.get("dot"):
+            bm, sk, en, warps, parts = v["dot"]
+            cfgs = [
+                lora.fused_config(t, kb.POOL_W, max_rank, len(m), max(w), d_in=d)._replace(
+                    block_m=bm, shrink_k=sk, expand_n=en, shrink_warps=warps, parts=parts)
+                for m, d, w in calls
+            ]  # fmt: skip
         if v.get("split_k"):
             cfgs = [
                 lora.launch_config(t, d, kb.POOL_W, max_rank, len(m))._replace(
@@ -282,6 +306,7 @@ def main() -> None:
                     help="one-token GEMV bodies, loads issued first and not")  # fmt: skip
     ap.add_argument("--sharing", action="store_true",
                     help="decode steps of shared adapters, by path")  # fmt: skip
+    ap.add_argument("--dot", action="store_true", help="mixed steps by the dot body's blocks")
     ap.add_argument("--s2", action="store_true", help="S2's steps by two-launch blocks")
     ap.add_argument("--points", type=int, default=len(GEMV_POINTS),
                     help="--gemv: the first this many of GEMV_POINTS")  # fmt: skip
@@ -313,6 +338,11 @@ def main() -> None:
     elif args.sharing:
         one = dict(gemv_variant((8, 1, 4096, 8)), one_token=True, gemv_hoist=True)
         variants += [dict(max_rank=16, segments=514, fused=False), one]
+    elif args.dot:
+        variants.append(dict(max_rank=16, segments=514, fused=False, mlp=True))
+        for point in DOT_POINTS:
+            v = dict(max_rank=16, segments=514, fused=True, mlp=True)
+            variants.append(dict(v, dot=point) if point else v)
     elif args.s2:
         for point in S2_POINTS:
             v = dict(max_rank=128, segments=514, fused=False)
@@ -358,6 +388,8 @@ def main() -> None:
         rows += [r for t, n, p in HOIST_STEP_CASES for r in time_case(t, n, gen, steps, p)]
     elif args.sharing:
         rows = [r for t, n in SHARING_CASES for r in time_case(t, n, gen, variants)]
+    elif args.dot:
+        rows = [r for t, n, p in DOT_CASES for r in time_case(t, n, gen, variants, p)]
     elif args.s2:
         rows = [r for t, n, p in S2_CASES for r in time_case(t, n, gen, variants, p, S2_RANKS)]
     elif args.steps:
