@@ -109,37 +109,25 @@ def lora_fused_kernel(
             return
     if GEMV_MAX > 0:
         if m_end - m_start <= GEMV_MAX:
-            if GEMV_NARROW_R > 0 and GEMV_R == 2 * GEMV_NARROW_R:
+            if GEMV_NARROW_R > 0 and GEMV_R == 2 * GEMV_NARROW_R:  # a narrow body is compiled
                 if rank <= GEMV_NARROW_R:  # half the rows, in blocks twice as wide
                     _tile_gemv(
                         x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
                         a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
                         D_IN, W, IN_CHUNKS, GEMV_MAX, 2 * GEMV_K, 2 * GEMV_N, GEMV_NARROW_R,
                     )  # fmt: skip
-                else:
-                    _tile_gemv(
-                        x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
-                        a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
-                        D_IN, W, IN_CHUNKS, GEMV_MAX, GEMV_K, GEMV_N, GEMV_R,
-                    )  # fmt: skip
-            else:
-                _tile_gemv(
-                    x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
-                    a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
-                    D_IN, W, IN_CHUNKS, GEMV_MAX, GEMV_K, GEMV_N, GEMV_R,
-                )  # fmt: skip
-        else:
-            _tile_dot(
+                    return
+            _tile_gemv(
                 x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
                 a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
-                D_IN, W, IN_CHUNKS, BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_R, DOT_F32, DOT_Y_AHEAD,
+                D_IN, W, IN_CHUNKS, GEMV_MAX, GEMV_K, GEMV_N, GEMV_R,
             )  # fmt: skip
-    else:
-        _tile_dot(
-            x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
-            a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
-            D_IN, W, IN_CHUNKS, BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_R, DOT_F32, DOT_Y_AHEAD,
-        )  # fmt: skip
+            return
+    _tile_dot(
+        x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
+        a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
+        D_IN, W, IN_CHUNKS, BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_R, DOT_F32, DOT_Y_AHEAD,
+    )  # fmt: skip
 
 
 @triton.jit
