@@ -42,7 +42,11 @@ their prompts' tiles take: tile tokens, weight blocks, warps, parts, and y loade
 in the expand (LoraLaunch.dot_y_ahead) or not (DOT_POINTS).
 
 With ``--s2`` the cases are S2's steps (ranks 8-64, which take the two launches) by the two
-launches' blocks (S2_POINTS).
+launches' blocks (S2_POINTS), and on the fused kernel holding all 64 rank rows (S2_FUSED_POINTS:
+its dot body's tiles, weight blocks, warps and parts).
+
+With ``--s2-steps`` the cases are S2's mixed steps (S2_STEP_CASES), by the engine's WIDE two
+launches against the fused kernel at 64 rank rows (S2_STEP_POINTS).
 
 With ``--gemv`` the cases are both sets, decode-only and the trace's steps, and the variants the
 fused kernel's GEMV body (kernels/lora_fused.py) by rank rows, tiles it takes (gemv_max), weight
@@ -51,8 +55,8 @@ rule (q/k/v fused, o fused from 256 tokens; prefill-sized steps all fused) and a
 launches.
 
     python bench/lora_engine_calls.py [--splits] [--profile] [--steps] [--small] [--one-token] \
-        [--hoist] [--sharing] [--dot] [--s2] \
-        [--gemv [--points N]] \
+        [--hoist] [--sharing] [--dot] [--s2] [--s2-steps] \
+        [--gemv] [--points N] \
         [--out bench/results/lora_engine_calls.json]
 """
 
@@ -179,6 +183,29 @@ S2_POINTS = (  # (rank rows, split_k, expand_n, block_m); None: launch_config's 
     (16, 2, 256, 32),
     (32, 2, 256, 32),
 )
+# --s2, fused at max_rank 64: None: fused_config's own; else (tile tokens, shrink block, expand
+# block, warps, parts) of the dot body, which S2's tiles take (no GEMV body above 16 rows)
+S2_FUSED_POINTS = (
+    None,
+    (16, 256, 256, 8, 2),
+    (16, 256, 256, 8, 4),
+    (16, 128, 128, 4, 1),
+    (16, 128, 128, 4, 4),
+)
+# --s2-steps: S2's mixed steps (prefill-sized), with the masked MLP calls, by the engine's WIDE
+# two launches (32 rank rows) against the fused kernel at 64 rows (S2_STEP_POINTS: tile tokens,
+# weight blocks, warps, parts of its dot body)
+S2_STEP_CASES = ((400, 100, (400,) * 4), (400, 100, (200,) * 3), (300, 100, (512,) * 3),
+                 (300, 5, (512,) * 3), (0, 5, (1024, 1024)))  # fmt: skip
+S2_STEP_POINTS = (
+    None,
+    (16, 128, 128, 4, 1),
+    (16, 64, 64, 4, 1),
+    (16, 128, 128, 8, 1),
+    (32, 128, 128, 4, 1),
+    (16, 256, 256, 4, 1),
+    (16, 128, 128, 4, 2),
+)
 S1_MODULES = (Q, K, V, O)
 LAYERS = 4  # each with its own weights, so one layer's adapters do not stay in L2
 
@@ -252,12 +279,16 @@ def time_case(
         split = max((c.split_k for c in cfgs if c), default=16) if cfgs[0] else 16
         ws = torch.empty(lora.workspace_size(t, 3, max_rank) * split, device=kb.DEV)
 
-        def fn(tokens=tokens, cfgs=cfgs, ws=ws, fused=fused, max_rank=max_rank, calls=calls):
+        block = v.get("rank_block", 16)
+
+        def fn(tokens=tokens, cfgs=cfgs, ws=ws, fused=fused, max_rank=max_rank, calls=calls,
+               rank_block=block):  # fmt: skip
             for layer in range(LAYERS):
                 for c, (m, _, w) in enumerate(calls):
                     lora.lora_apply(
                         ys[layer][c], xs[layer][c], case.pool[layer], case.index, tokens, m, w,
                         max_rank, workspace=ws, config=cfgs[c], fused=fused[c],
+                        rank_block=rank_block,
                     )  # fmt: skip
 
         us = kb.timed(fn, LAYERS, eager=False).graph_us
@@ -312,8 +343,10 @@ def main() -> None:
                     help="decode steps of shared adapters, by path")  # fmt: skip
     ap.add_argument("--dot", action="store_true", help="mixed steps by the dot body's blocks")
     ap.add_argument("--s2", action="store_true", help="S2's steps by two-launch blocks")
-    ap.add_argument("--points", type=int, default=len(GEMV_POINTS),
-                    help="--gemv: the first this many of GEMV_POINTS")  # fmt: skip
+    ap.add_argument("--s2-steps", action="store_true",
+                    help="S2's mixed steps, two launches against fused at 64 rows")  # fmt: skip
+    ap.add_argument("--points", type=int, default=None,
+                    help="--gemv, --s2: the first this many of GEMV_POINTS, S2_POINTS")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/lora_engine_calls.json")
     args = ap.parse_args()
     variants = []
@@ -348,12 +381,20 @@ def main() -> None:
             v = dict(max_rank=16, segments=514, fused=True, mlp=True)
             variants.append(dict(v, dot=point) if point else v)
     elif args.s2:
-        for point in S2_POINTS:
+        for point in S2_POINTS[: args.points]:
             v = dict(max_rank=128, segments=514, fused=False)
             if point:
                 r, split, en, bm = point
                 v.update(split_k=split, expand_n=en, shrink_r=r, expand_r=r, block_m=bm)
             variants.append(v)
+        for point in S2_FUSED_POINTS:
+            v = dict(max_rank=64, segments=514, fused=True)
+            variants.append(dict(v, dot=point) if point else v)
+    elif args.s2_steps:
+        variants.append(dict(max_rank=128, segments=514, fused=False, rank_block=32, mlp=True))
+        for point in S2_STEP_POINTS:
+            v = dict(max_rank=64, segments=514, fused=True, mlp=True)
+            variants.append(dict(v, dot=point) if point else v)
     elif args.steps:
         for mlp in (False, True):
             for max_rank, fused in ((128, None), (16, None), (16, True), (16, False)):
@@ -396,13 +437,16 @@ def main() -> None:
         rows = [r for t, n, p in DOT_CASES for r in time_case(t, n, gen, variants, p)]
     elif args.s2:
         rows = [r for t, n, p in S2_CASES for r in time_case(t, n, gen, variants, p, S2_RANKS)]
+    elif args.s2_steps:
+        rows = [r for t, n, p in S2_STEP_CASES
+                for r in time_case(t, n, gen, variants, p, S2_RANKS)]  # fmt: skip
     elif args.steps:
         rows = [r for t, n, p in STEP_CASES for r in time_case(t, n, gen, variants, p)]
     else:
         rows = [r for t, n in CASES for r in time_case(t, n, gen, variants)]
     write_result(args.out, "lora_engine_calls.py", {
         "benchmark": "one layer's LoRA calls (q/k/v, o) as the engine makes them, "
-        + ("S2 (ranks 8-64)" if args.s2 else "S1 (rank 8)"),
+        + ("S2 (ranks 8-64)" if args.s2 or args.s2_steps else "S1 (rank 8)"),
         "gpu": torch.cuda.get_device_name(), "rows": rows,
     })  # fmt: skip
 

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.tile_table import ATTENTION_BLOCK, EMPTY, FIELDS, query_tiles
-from kernels.tiles import INTERPRET, dot_f32, max_tiles, next_tile, num_sms
+from kernels.tiles import INTERPRET, dot_f32, launch_gate, max_tiles, next_tile, num_sms, pdl_launch
 
 _LOG2E = 1.4426950408889634
 # Prefill programs along the tiles, per multiprocessor and head: each strides over the tiles,
@@ -69,10 +69,12 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SEQ_POW2: tl.constexpr, SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr, BY_SEQ: tl.constexpr, PERSIST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One (row or sequence, kv head, split) a program (grid (B, n_kv, SPLITS)), or, PERSIST,
     a grid of fewer programs that stride over those items in that order (DecodeLaunch.programs:
     the attention of a step held to a share of the GPU)."""
+    launch_gate(PDL)
     if PERSIST:
         items = num_seqs * n_kv * SPLITS
         for item in range(tl.program_id(0), items, tl.num_programs(0)):
@@ -194,9 +196,11 @@ def _decode_item(
 def _combine_kernel(
     out_ptr, stride_ot, stride_oh, ml_ptr, acc_ptr, qs_ptr, num_heads, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BY_SEQ: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Merge the context splits of one (row, head): softmax-weighted sum of the partials. With
     BY_SEQ, program 0 is a sequence, merged into its one query row (if it has exactly one)."""
+    launch_gate(PDL)
     h = tl.program_id(1)
     if BY_SEQ:
         b = tl.program_id(0)
@@ -521,11 +525,13 @@ def paged_attention(
         GROUP_PAD=max(16, triton.next_power_of_2(group)), PAGE=page_size,
         BLOCK_N=cfg.block_n, SEQ_POW2=seq_pow2, SPLITS=splits, DOT_F32=dot_f32(q.dtype),
         BY_SEQ=by_seq, PERSIST=cfg.programs > 0, num_warps=cfg.warps, num_stages=cfg.stages,
+        PDL=pdl_launch(q.device), launch_pdl=pdl_launch(q.device),
     )  # fmt: skip
     if splits > 1:
         _combine_kernel[(b, n_heads)](
             out, out.stride(0), out.stride(1), ml, acc, query_starts, n_heads,
             HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=splits, BY_SEQ=by_seq, num_warps=4,
+            PDL=pdl_launch(q.device), launch_pdl=pdl_launch(q.device),
         )  # fmt: skip
     if concurrent:
         main.wait_stream(side)

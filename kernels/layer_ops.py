@@ -14,13 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.tiles import launch_gate, pdl_launch
+
 
 @triton.jit
 def _rmsnorm_kernel(
     # rows [T, D]: input (the residual), delta added to it in place when HAS_DELTA, output
     x_ptr, stride_x, d_ptr, stride_d, out_ptr, stride_o, w_ptr, dim, eps,
-    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    launch_gate(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < dim
@@ -46,9 +49,11 @@ def _rope_kv_kernel(
     pool_ptr, stride_half, stride_slot, slots_ptr,
     N_HEADS: tl.constexpr, N_KV: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (t, 0): token t's query heads rotated in place, as one [heads, half] block;
     program (t, 1): its K heads rotated into the pool and V copied there."""
+    launch_gate(PDL)
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     i_ok = i < HALF
@@ -85,8 +90,9 @@ def _rope_kv_kernel(
 
 @triton.jit
 def _silu_mul_kernel(
-    gu_ptr, stride_gu, out_ptr, stride_o, inter, BLOCK: tl.constexpr,
+    gu_ptr, stride_gu, out_ptr, stride_o, inter, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    launch_gate(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
@@ -123,6 +129,7 @@ def rmsnorm(
     _rmsnorm_kernel[(t,)](
         x, x.stride(0), d, d.stride(0), out, out.stride(0), weight, dim, eps,
         HAS_DELTA=delta is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        PDL=pdl_launch(x.device), launch_pdl=pdl_launch(x.device),
     )  # fmt: skip
     return out
 
@@ -156,6 +163,7 @@ def rope_write_kv(q, k, v, cos_table, sin_table, positions, pool_layer, slot_map
         N_HEADS=n_heads, N_KV=n_kv, HALF=half, BLOCK_H=block_h,
         BLOCK_KV=triton.next_power_of_2(n_kv), BLOCK=triton.next_power_of_2(half),
         num_warps=min(8, max(1, block_h * half // 512)),
+        PDL=pdl_launch(q.device), launch_pdl=pdl_launch(q.device),
     )  # fmt: skip
 
 
@@ -171,6 +179,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = 1024
     _silu_mul_kernel[(t, triton.cdiv(inter, block))](
-        gate_up, gate_up.stride(0), out, out.stride(0), inter, BLOCK=block, num_warps=4
-    )
+        gate_up, gate_up.stride(0), out, out.stride(0), inter, BLOCK=block, num_warps=4,
+        PDL=pdl_launch(gate_up.device), launch_pdl=pdl_launch(gate_up.device),
+    )  # fmt: skip
     return out

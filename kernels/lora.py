@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
 from kernels.lora_args import MAX_SLICES, check_call, check_float, check_modules, check_widths
 from kernels.lora_fused import lora_fused_kernel
@@ -46,13 +46,23 @@ from kernels.lora_paths import (
     shapes_prefer_fused,
 )
 from kernels.tile_table import TILE_BLOCKS
-from kernels.tiles import INTERPRET, dot_f32, max_tiles, next_tile, num_sms
+from kernels.tiles import INTERPRET, dot_f32, launch_gate, max_tiles, next_tile, num_sms, pdl_launch
 
 # Shrink programs wanted per multiprocessor: with fewer, the weights stream through too few
 # SMs (small decode batches) and split_k makes up the difference.
 _SHRINK_PROGRAMS_PER_SM = 4
 # Fused programs wanted per multiprocessor; parts split a (tile, slice) until there are as many.
 _FUSED_PROGRAMS_PER_SM = 2
+# Fused calls of up to this many tokens cut their runs into 16-token tiles, larger ones into 32:
+# a prompt's tile runs its shrink and expand steps one after the other, and halving the tile
+# halves what each program streams of x and y. H200, one layer's S1 calls of the serving trace's
+# mixed steps (16 rank rows, every call fused, the masked MLP calls beside them), 32- against
+# 16-token tiles: 400 decode tokens on 331 adapters beside four 400-token prompts 132.3 against
+# 124.4 µs, beside three 200-token prompts 106.4 against 95.6, 300 on 266 beside three 512-token
+# prompts 110.6 against 107.2, the same on 5 adapters 92.5 against 91.5, two 1024-token prompts
+# 101.0 against 92.8 (bench/results/lora_engine_calls_dot.json, --dot). Larger calls (prefill of
+# more than a step's 2048 tokens) were measured with 32 (docs/kernels.md) and keep it.
+_DOT_16_MAX_TOKENS = 2048
 # Two-launch programs along the tiles, per multiprocessor: the most 4-warp programs an SM holds
 # (64 warps). A grid of the tile bound (a CUDA graph's worst case: every token its own adapter)
 # would launch mostly programs that find no tile: H200, 512 decode tokens on 5 rank-8 adapters,
@@ -236,7 +246,8 @@ def fused_config(
     and at most 1 + out_width // d_in: each part reads the tile's whole A (all but one from
     L2), so the extra A reads stay within the slice's Bᵀ bytes (o: 2 parts, down: 1); but 2
     while two parts give at most one program an SM (down up to 66 tokens on 132 SMs).
-    32-token tiles for prefill. Tiles of one token (a decode token whose adapter no other token
+    Tiles of 16 tokens up to _DOT_16_MAX_TOKENS (the engine's steps), 32 for larger prefill
+    calls. Tiles of one token (a decode token whose adapter no other token
     of the call uses) take the GEMV body with 1024-element weight blocks (_GEMV_MAX), in
     launches of FUSED_DECODE_ROWS rank rows, the engine's (a program of more rows would hold
     rows x 1024 weights in registers; not measured).
@@ -286,7 +297,7 @@ def fused_config(
         warps = 8 if decode else warps
         hoist = decode  # one-token tiles issue every load first (gemv_hoists)
     return LoraLaunch(
-        block_m=16 if decode else 32,
+        block_m=16 if num_tokens <= _DOT_16_MAX_TOKENS else 32,
         shrink_k=block_k,
         shrink_r=rows,
         expand_n=block_n,
@@ -344,8 +355,7 @@ def _lora_shrink_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     ALIGNED: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
-    if PDL:
-        gdc_launch_dependents()  # expand may start its prologue now
+    launch_gate(PDL)  # then expand may start its prologue (it reads y before waiting for h)
     q = tl.program_id(1)
     s = q // SPLIT_K
     ks = q % SPLIT_K
@@ -571,7 +581,7 @@ def _mask(tokens) -> torch.Tensor:
 
 
 def _pdl(cfg: LoraLaunch, device: torch.device) -> bool:
-    return cfg.pdl and not INTERPRET and torch.cuda.get_device_capability(device)[0] >= 9
+    return cfg.pdl and pdl_launch(device)
 
 
 def _tile_programs(cfg: LoraLaunch, bound: int, per_tile: int) -> int:
@@ -598,7 +608,7 @@ def _shrink(x, h, pool_layer, index, tokens, modules, max_rank, cfg, call, pdl):
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.shrink_k, BLOCK_R=cfg.shrink_r,
         ALIGNED=call.width % cfg.shrink_k == 0, DOT_F32=dot_f32(x.dtype), PDL=pdl,
         MASKED=tokens.modules is not None,
-        num_warps=cfg.shrink_warps, num_stages=cfg.stages,
+        num_warps=cfg.shrink_warps, num_stages=cfg.stages, launch_pdl=pdl,
         **_slice_args(modules),
     )  # fmt: skip
 
@@ -657,7 +667,7 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
         GEMV_MAX=cfg.gemv_max, GEMV_K=cfg.gemv_k, GEMV_N=cfg.gemv_n,
         GEMV_R=gemv_rows, GEMV_NARROW_R=cfg.gemv_narrow,
         GEMV_HOIST=gemv_hoists(cfg, call.d_in, call.width, out_widths),
-        DOT_Y_AHEAD=cfg.dot_y_ahead,
+        DOT_Y_AHEAD=cfg.dot_y_ahead, PDL=pdl_launch(x.device), launch_pdl=pdl_launch(x.device),
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules, out_widths),
     )  # fmt: skip

@@ -406,6 +406,9 @@ def test_launch_config_chooses_paths():
     cfg = lora.fused_config(1, 4096, 64, 3, 4096, d_in=4096)
     assert cfg.fused and cfg.shrink_r >= 64 and cfg.parts > 1 and cfg.block_m == 16
     assert lora.fused_config(4096, 4096, 16, 3, 4096, d_in=4096).block_m == 32
+    # a step's prefill-sized calls (up to 2048 tokens) in 16-token tiles, larger ones in 32
+    assert [lora.fused_config(t, 4096, 16, 3, 4096, d_in=4096).block_m
+            for t in (513, 2048, 2049)] == [16, 16, 32]  # fmt: skip
     # one-token tiles on the GEMV body, its weight blocks inside one pool chunk, at the
     # engine's 16 fused rank rows; launches of more rows have no GEMV body
     g = lora.fused_config(64, 4096, 16, 3, 4096, d_in=4096)
