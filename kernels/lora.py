@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.lora_args import MAX_SLICES, check_call, check_float, check_modules, check_widths
 from kernels.lora_fused import lora_fused_kernel
@@ -46,7 +46,7 @@ from kernels.lora_paths import (
     shapes_prefer_fused,
 )
 from kernels.tile_table import TILE_BLOCKS
-from kernels.tiles import INTERPRET, dot_f32, launch_gate, max_tiles, next_tile, num_sms, pdl_launch
+from kernels.tiles import INTERPRET, dot_f32, max_tiles, next_tile, num_sms, pdl_launch
 
 # Shrink programs wanted per multiprocessor: with fewer, the weights stream through too few
 # SMs (small decode batches) and split_k makes up the difference.
@@ -355,7 +355,8 @@ def _lora_shrink_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     ALIGNED: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
-    launch_gate(PDL)  # then expand may start its prologue (it reads y before waiting for h)
+    if PDL:
+        gdc_launch_dependents()  # expand may start its prologue now
     q = tl.program_id(1)
     s = q // SPLIT_K
     ks = q % SPLIT_K
@@ -608,7 +609,7 @@ def _shrink(x, h, pool_layer, index, tokens, modules, max_rank, cfg, call, pdl):
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.shrink_k, BLOCK_R=cfg.shrink_r,
         ALIGNED=call.width % cfg.shrink_k == 0, DOT_F32=dot_f32(x.dtype), PDL=pdl,
         MASKED=tokens.modules is not None,
-        num_warps=cfg.shrink_warps, num_stages=cfg.stages, launch_pdl=pdl,
+        num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules),
     )  # fmt: skip
 
@@ -667,7 +668,7 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
         GEMV_MAX=cfg.gemv_max, GEMV_K=cfg.gemv_k, GEMV_N=cfg.gemv_n,
         GEMV_R=gemv_rows, GEMV_NARROW_R=cfg.gemv_narrow,
         GEMV_HOIST=gemv_hoists(cfg, call.d_in, call.width, out_widths),
-        DOT_Y_AHEAD=cfg.dot_y_ahead, PDL=pdl_launch(x.device), launch_pdl=pdl_launch(x.device),
+        DOT_Y_AHEAD=cfg.dot_y_ahead,
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules, out_widths),
     )  # fmt: skip

@@ -40,7 +40,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tiles import launch_gate, table_tile
+from kernels.tiles import table_tile
 
 
 @triton.jit
@@ -72,9 +72,7 @@ def lora_fused_kernel(
     GEMV_NARROW_R: tl.constexpr = 0,  # with GEMV_R twice this: the rows of small-rank tiles
     GEMV_HOIST: tl.constexpr = False,  # one-token tiles whose slice fits one block: loads first
     DOT_Y_AHEAD: tl.constexpr = False,  # the dot body's expand loads y a block ahead
-    PDL: tl.constexpr = False,  # a programmatic dependent launch (kernels/tiles.py launch_gate)
 ):  # fmt: skip
-    launch_gate(PDL)
     q = tl.program_id(0)
     s = q // PARTS
     p = q % PARTS
