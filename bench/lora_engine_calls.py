@@ -38,8 +38,9 @@ rule (kernels/lora_paths.one_token_step_fuses) stops.
 
 With ``--dot`` the cases are the trace's mixed steps (and two prompts alone), every call fused
 at 16 rank rows as the engine's narrow steps make them, by the fused kernel's dot body, which
-their prompts' tiles take: tile tokens, weight blocks, warps, parts, and y loaded a block ahead
-in the expand (LoraLaunch.dot_y_ahead) or not (DOT_POINTS).
+their prompts' tiles take: tile tokens, weight blocks, warps and parts (DOT_POINTS; the run of
+bench/results/lora_engine_calls_dot.json also timed the expand loading y a block ahead, an
+option of the kernel at e10a3fb that lost on the many-adapter steps and was removed).
 
 With ``--s2`` the cases are S2's steps (ranks 8-64, which take the two launches) by the two
 launches' blocks (S2_POINTS), and on the fused kernel holding all 64 rank rows (S2_FUSED_POINTS:
@@ -150,12 +151,11 @@ HOIST_STEP_CASES = STEP_CASES[:3]
 # --sharing: (tokens, adapters drawn from): about 4 to 100 tokens an adapter
 SHARING_CASES = ((64, 16), (64, 8), (128, 24), (128, 16), (256, 48), (256, 32), (512, 80),
                  (512, 60), (512, 30), (512, 5))  # fmt: skip
-# --dot: (tile tokens, shrink block, expand block, warps, parts, y a block ahead) of the fused
-# kernel's dot body; None: fused_config's own (the engine's narrow steps: 32, 256, 256, 4, 1)
+# --dot: (tile tokens, shrink block, expand block, warps, parts) of the fused kernel's dot body;
+# None: fused_config's own (the engine's narrow steps: 16, 256, 256, 4, 1 since 9af3fd9)
 DOT_POINTS = (
     None,
-    (32, 256, 256, 4, 1, True),
-    (32, 256, 512, 8, 1, True),
+    (32, 256, 256, 4, 1),
     (16, 256, 256, 4, 1),
     (64, 256, 256, 8, 1),
     (32, 256, 512, 8, 1),
@@ -261,11 +261,10 @@ def time_case(
             if v.get("o_two"):
                 cfgs[-1] = None
         if v.get("dot"):
-            bm, sk, en, warps, parts, *ahead = v["dot"]
+            bm, sk, en, warps, parts = v["dot"]
             cfgs = [
                 lora.fused_config(t, kb.POOL_W, max_rank, len(m), max(w), d_in=d)._replace(
-                    block_m=bm, shrink_k=sk, expand_n=en, shrink_warps=warps, parts=parts,
-                    dot_y_ahead=bool(ahead and ahead[0]))
+                    block_m=bm, shrink_k=sk, expand_n=en, shrink_warps=warps, parts=parts)
                 for m, d, w in calls
             ]  # fmt: skip
         if v.get("split_k"):

@@ -1,8 +1,10 @@
 """Programmatic dependent launch (PDL) on the engine's decode steps (CUDA, Hopper and later).
 
-Every Triton kernel of a step (the layer's pointwise kernels, paged attention, the LoRA
-kernels) is launched PDL by default on Hopper: the GPU dispatches its programs as the kernel
-before it in the stream finishes, and each waits at its entry (kernels/tiles.py launch_gate).
+The layer's pointwise kernels and paged attention are launched PDL by default on Hopper: the GPU
+dispatches their programs as the kernel before them in the stream finishes, and each waits at
+its entry (kernels/tiles.py launch_gate); the LoRA kernels keep plain launches (their shrink ->
+expand pair aside), since with them PDL too the one-token decode steps ran slower
+(bench/results/pdl.txt).
 This times what that saves, side by side in one process: two engines on one GPU, each with its
 own copy of the model (Llama-7B shape, bf16), whose decode graphs are captured at the measured
 batch sizes only, one with PDL and one with LORAFLEET_PDL=0. For each batch size, each engine in
@@ -108,14 +110,18 @@ def main() -> None:
             rows.append(row)
             print(f"{b:>5} {label:>8} {ms[True]['gpu_ms']:8.3f} {ms[False]['gpu_ms']:8.3f} "
                   f"{row['ratio']:6.3f}  {ms[True]['path']}", flush=True)  # fmt: skip
+            write(args, rows)  # after each row: a run cut short keeps what it measured
+    print(f"wrote {args.out}")
+
+
+def write(args, rows: list[dict]) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "benchmark": "decode step GPU time, every Triton kernel PDL-launched against plain",
+        "benchmark": "decode step GPU time, the step's Triton kernels PDL-launched against plain",
         "shape": args.shape, "context": args.context, "gpu": torch.cuda.get_device_name(),
         "machine": {"python": platform.python_version(), "torch": torch.__version__},
         "command": "python bench/pdl.py " + " ".join(sys.argv[1:]), "rows": rows,
     }, indent=2) + "\n")  # fmt: skip
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -170,11 +170,6 @@ class LoraLaunch(NamedTuple):
     # loads before its first sum (kernels/lora_fused.py _token_gemv; where the call's geometry
     # allows it: gemv_hoists)
     gemv_hoist: bool = False
-    # fused: the dot body's expand loads each next y block a step ahead (an experiment for the
-    # prompts' tiles of mixed steps, not timed yet: bench/lora_engine_calls.py --dot; no default
-    # sets it). Compiled for sm_90, a 2048-token call's launch takes 179-183 registers a thread
-    # with it against 160-164 without: 2 programs an SM, not 3.
-    dot_y_ahead: bool = False
 
 
 def launch_config(
@@ -668,7 +663,6 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
         GEMV_MAX=cfg.gemv_max, GEMV_K=cfg.gemv_k, GEMV_N=cfg.gemv_n,
         GEMV_R=gemv_rows, GEMV_NARROW_R=cfg.gemv_narrow,
         GEMV_HOIST=gemv_hoists(cfg, call.d_in, call.width, out_widths),
-        DOT_Y_AHEAD=cfg.dot_y_ahead,
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules, out_widths),
     )  # fmt: skip

@@ -71,7 +71,6 @@ def lora_fused_kernel(
     GEMV_R: tl.constexpr = 16,  # the GEMV body's rank rows (>= MAX_RANK; no dot: 8 is allowed)
     GEMV_NARROW_R: tl.constexpr = 0,  # with GEMV_R twice this: the rows of small-rank tiles
     GEMV_HOIST: tl.constexpr = False,  # one-token tiles whose slice fits one block: loads first
-    DOT_Y_AHEAD: tl.constexpr = False,  # the dot body's expand loads y a block ahead
 ):  # fmt: skip
     q = tl.program_id(0)
     s = q // PARTS
@@ -126,7 +125,7 @@ def lora_fused_kernel(
     _tile_dot(
         x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
         a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
-        D_IN, W, IN_CHUNKS, BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_R, DOT_F32, DOT_Y_AHEAD,
+        D_IN, W, IN_CHUNKS, BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_R, DOT_F32,
     )  # fmt: skip
 
 
@@ -136,11 +135,9 @@ def _tile_dot(
     a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
     D_IN: tl.constexpr, W: tl.constexpr, IN_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, Y_AHEAD: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr,
 ):  # fmt: skip
-    """A tile's shrink and expand as dots of its BLOCK_M-row token block (tensor cores). With
-    Y_AHEAD the expand loads each next y block before it adds into the current one (the
-    pipeliner streams Bᵀ, not y, whose load would otherwise wait a trip each step)."""
+    """A tile's shrink and expand as dots of its BLOCK_M-row token block (tensor cores)."""
     rows = tl.arange(0, BLOCK_R)  # every rank row at once: BLOCK_R >= MAX_RANK
     row_ok = rows < rank
     a_pos = a_base + rows * IN_CHUNKS
@@ -177,10 +174,6 @@ def _tile_dot(
         bt_rows = pool_ptr + stride_half + slot[:, None] * stride_slot - c * W
         c_end = tl.minimum(hi, c * W + W)
         n_first = tl.maximum(lo, c * W)
-        if Y_AHEAD:  # the chunk's first y block, before its loop
-            na = n_first + offs_n
-            y_next = tl.load(y_rows + na[None, :], mask=m_ok[:, None] & (na < c_end)[None, :],
-                             other=0.0)  # fmt: skip
         for n0 in range(n_first, c_end, BLOCK_N):
             if W % BLOCK_N == 0:
                 n0 = tl.multiple_of(n0, BLOCK_N)
@@ -188,13 +181,7 @@ def _tile_dot(
             n_ok = nn < c_end
             bt = tl.load(bt_rows + nn[None, :], mask=row_ok[:, None] & n_ok[None, :], other=0.0)
             y_ok = m_ok[:, None] & n_ok[None, :]
-            if Y_AHEAD:  # this block's y came a step ago; ask for the next block's now
-                yb = y_next
-                na = nn + BLOCK_N
-                y_next = tl.load(y_rows + na[None, :], mask=m_ok[:, None] & (na < c_end)[None, :],
-                                 other=0.0)  # fmt: skip
-            else:
-                yb = tl.load(y_rows + nn[None, :], mask=y_ok, other=0.0)
+            yb = tl.load(y_rows + nn[None, :], mask=y_ok, other=0.0)
             if DOT_F32:
                 acc = tl.dot(hd, bt.to(tl.float32), input_precision="ieee")
             else:

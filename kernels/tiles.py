@@ -38,11 +38,14 @@ def num_sms(device_index: int = 0) -> int:
 
 @functools.cache
 def pdl_launch(device: torch.device) -> bool:
-    """Whether the step's kernels on ``device`` take programmatic dependent launches (Hopper
-    and later, not under the interpreter, unless LORAFLEET_PDL=0): each is launched with
-    launch_pdl and enters through launch_gate, so the GPU dispatches its programs as the
-    kernel before it in the stream finishes instead of after, without a launch's gap between
-    the two (a decode step at 10 requests/s launches about 400 kernels)."""
+    """Whether programmatic dependent launches are on for ``device`` (Hopper and later, not
+    under the interpreter, unless LORAFLEET_PDL=0). The layer's pointwise kernels and paged
+    attention are then launched with launch_pdl and enter through launch_gate, so the GPU
+    dispatches their programs as the kernel before them in the stream finishes instead of
+    after; the two-launch LoRA expand overlaps its prologue with its shrink. The other LoRA
+    kernels keep plain launches: with them PDL too, one-token decode steps ran 0.6-2.4% slower
+    on the H200, where the base model's ran 1.5% faster at batch 16 and 64 and 0.9% slower at
+    1 (bench/pdl.py, bench/results/pdl.txt)."""
     if INTERPRET or device.type != "cuda" or os.environ.get(PDL_ENV, "1") == "0":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9

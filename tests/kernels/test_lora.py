@@ -278,26 +278,6 @@ def test_one_token_tiles_issue_every_load_first(one_token):
                  masked=True, one_token=one_token)  # fmt: skip
 
 
-@pytest.mark.parametrize("popularity", ["base_mix", "zipf"])
-def test_dot_body_loading_y_a_block_ahead(popularity):
-    """The fused kernel's dot body with each next y block loaded before the current one's add
-    (LoraLaunch.dot_y_ahead): prompt-like runs of tokens, slices wider than a pool chunk and
-    than one expand block (the loop's last block, the chunk's edge), against the reference."""
-    i = POPULARITY.index(popularity)
-    gen = torch.Generator().manual_seed(600 + i)
-    shape = LORA_SHAPES[1]  # gate/up: 52-wide slices over 24-wide chunks
-    ranks = _ranks(ADAPTERS, shape.modules, RANKS, gen)
-    rows = token_rows(popularity, PREFILL_TOKENS, ADAPTERS, gen, grouped=True)
-    if ON_GPU:
-        cfg = lora.fused_config(rows.numel(), shape.width, max(RANKS), len(shape.modules),
-                                max(shape.widths), d_in=shape.d_in)  # fmt: skip
-    else:
-        cfg = lora.LoraLaunch(block_m=16, shrink_k=16, shrink_r=32, expand_n=16, fused=True,
-                              parts=1 + i)  # fmt: skip
-    _check_apply(shape, ranks, rows, DTYPES[i % len(DTYPES)], gen,
-                 config=cfg._replace(dot_y_ahead=True), masked=True)  # fmt: skip
-
-
 def test_gemv_hoists_where_one_block_holds_a_slice():
     """The hoisted one-token body needs every slice's A rows (d_in) and Bᵀ rows within one GEMV
     block and one pool chunk; fused_config asks for it in decode calls of max_rank <= 8 only."""
