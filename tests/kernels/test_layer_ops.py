@@ -95,3 +95,24 @@ def test_layer_ops_reject_bad_input():
         layer_ops.rope_write_kv(q, q, q, torch.zeros(4, 3), torch.zeros(4, 3),
                                 torch.zeros(2, dtype=torch.int64), torch.zeros(2, 4, 8),
                                 torch.zeros(2, dtype=torch.int64))  # fmt: skip
+
+
+def test_dependent_launches_only_where_the_gpu_takes_them(monkeypatch):
+    """kernels/tiles.py pdl_launch: never on the CPU or under the interpreter; on a Hopper GPU
+    on unless LORAFLEET_PDL=0 (read when the answer is first asked for a device)."""
+    from kernels.tiles import INTERPRET, PDL_ENV, pdl_launch
+
+    pdl_launch.cache_clear()
+    try:
+        assert not pdl_launch(torch.device("cpu"))
+        if ON_GPU and not INTERPRET:
+            gpu = torch.device("cuda", 0)
+            hopper = torch.cuda.get_device_capability(gpu)[0] >= 9
+            monkeypatch.delenv(PDL_ENV, raising=False)
+            pdl_launch.cache_clear()
+            assert pdl_launch(gpu) == hopper
+            monkeypatch.setenv(PDL_ENV, "0")
+            pdl_launch.cache_clear()
+            assert not pdl_launch(gpu)
+    finally:
+        pdl_launch.cache_clear()
