@@ -318,6 +318,12 @@ def kernel_times(fn, reps: int = 5) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def dot_variants(points, max_rank: int, mlp: bool) -> list[dict]:
+    """Fused variants at ``max_rank`` from dot-body points (None: fused_config's own launch)."""
+    v = dict(max_rank=max_rank, segments=514, fused=True, mlp=mlp)
+    return [dict(v, dot=point) if point else v for point in points]
+
+
 def gemv_variant(point: tuple[int, int, int, int], mlp: bool = False) -> dict:
     """A variant from a (GEMV rows, tiles it takes, weight block, warps) point: calls of 8 rows
     carry max_rank 8."""
@@ -376,9 +382,7 @@ def main() -> None:
         variants += [dict(max_rank=16, segments=514, fused=False), one]
     elif args.dot:
         variants.append(dict(max_rank=16, segments=514, fused=False, mlp=True))
-        for point in DOT_POINTS:
-            v = dict(max_rank=16, segments=514, fused=True, mlp=True)
-            variants.append(dict(v, dot=point) if point else v)
+        variants += dot_variants(DOT_POINTS, max_rank=16, mlp=True)
     elif args.s2:
         for point in S2_POINTS[: args.points]:
             v = dict(max_rank=128, segments=514, fused=False)
@@ -386,14 +390,10 @@ def main() -> None:
                 r, split, en, bm = point
                 v.update(split_k=split, expand_n=en, shrink_r=r, expand_r=r, block_m=bm)
             variants.append(v)
-        for point in S2_FUSED_POINTS:
-            v = dict(max_rank=64, segments=514, fused=True)
-            variants.append(dict(v, dot=point) if point else v)
+        variants += dot_variants(S2_FUSED_POINTS, max_rank=64, mlp=False)
     elif args.s2_steps:
         variants.append(dict(max_rank=128, segments=514, fused=False, rank_block=32, mlp=True))
-        for point in S2_STEP_POINTS:
-            v = dict(max_rank=64, segments=514, fused=True, mlp=True)
-            variants.append(dict(v, dot=point) if point else v)
+        variants += dot_variants(S2_STEP_POINTS, max_rank=64, mlp=True)
     elif args.steps:
         for mlp in (False, True):
             for max_rank, fused in ((128, None), (16, None), (16, True), (16, False)):
