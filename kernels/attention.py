@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.tile_table import ATTENTION_BLOCK, EMPTY, FIELDS, query_tiles
-from kernels.tiles import INTERPRET, dot_f32, launch_gate, max_tiles, next_tile, num_sms, pdl_launch
+from kernels.tiles import INTERPRET, dependent, dot_f32, launch_gate, max_tiles, next_tile, num_sms
 
 _LOG2E = 1.4426950408889634
 # Prefill programs along the tiles, per multiprocessor and head: each strides over the tiles,
@@ -525,13 +525,13 @@ def paged_attention(
         GROUP_PAD=max(16, triton.next_power_of_2(group)), PAGE=page_size,
         BLOCK_N=cfg.block_n, SEQ_POW2=seq_pow2, SPLITS=splits, DOT_F32=dot_f32(q.dtype),
         BY_SEQ=by_seq, PERSIST=cfg.programs > 0, num_warps=cfg.warps, num_stages=cfg.stages,
-        PDL=pdl_launch(q.device), launch_pdl=pdl_launch(q.device),
+        **dependent(q.device),
     )  # fmt: skip
     if splits > 1:
         _combine_kernel[(b, n_heads)](
             out, out.stride(0), out.stride(1), ml, acc, query_starts, n_heads,
             HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=splits, BY_SEQ=by_seq, num_warps=4,
-            PDL=pdl_launch(q.device), launch_pdl=pdl_launch(q.device),
+            **dependent(q.device),
         )  # fmt: skip
     if concurrent:
         main.wait_stream(side)

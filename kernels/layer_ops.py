@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tiles import launch_gate, pdl_launch
+from kernels.tiles import dependent, launch_gate
 
 
 @triton.jit
@@ -129,7 +129,7 @@ def rmsnorm(
     _rmsnorm_kernel[(t,)](
         x, x.stride(0), d, d.stride(0), out, out.stride(0), weight, dim, eps,
         HAS_DELTA=delta is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-        PDL=pdl_launch(x.device), launch_pdl=pdl_launch(x.device),
+        **dependent(x.device),
     )  # fmt: skip
     return out
 
@@ -163,7 +163,7 @@ def rope_write_kv(q, k, v, cos_table, sin_table, positions, pool_layer, slot_map
         N_HEADS=n_heads, N_KV=n_kv, HALF=half, BLOCK_H=block_h,
         BLOCK_KV=triton.next_power_of_2(n_kv), BLOCK=triton.next_power_of_2(half),
         num_warps=min(8, max(1, block_h * half // 512)),
-        PDL=pdl_launch(q.device), launch_pdl=pdl_launch(q.device),
+        **dependent(q.device),
     )  # fmt: skip
 
 
@@ -180,6 +180,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     _silu_mul_kernel[(t, triton.cdiv(inter, block))](
         gate_up, gate_up.stride(0), out, out.stride(0), inter, BLOCK=block, num_warps=4,
-        PDL=pdl_launch(gate_up.device), launch_pdl=pdl_launch(gate_up.device),
+        **dependent(gate_up.device),
     )  # fmt: skip
     return out

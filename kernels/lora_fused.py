@@ -173,8 +173,7 @@ def _tile_dot(
         slot = tl.load(b_pos + c, mask=row_ok, other=0).to(tl.int64)
         bt_rows = pool_ptr + stride_half + slot[:, None] * stride_slot - c * W
         c_end = tl.minimum(hi, c * W + W)
-        n_first = tl.maximum(lo, c * W)
-        for n0 in range(n_first, c_end, BLOCK_N):
+        for n0 in range(tl.maximum(lo, c * W), c_end, BLOCK_N):
             if W % BLOCK_N == 0:
                 n0 = tl.multiple_of(n0, BLOCK_N)
             nn = n0 + offs_n

@@ -51,6 +51,13 @@ def pdl_launch(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def dependent(device: torch.device) -> dict:
+    """A launch's keyword arguments for a kernel that enters through launch_gate (its PDL
+    constexpr and Triton's launch_pdl), as pdl_launch says for ``device``."""
+    on = pdl_launch(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
 @triton.jit
 def launch_gate(PDL: tl.constexpr):
     """A kernel's entry under a programmatic dependent launch (PDL): wait until the kernel
