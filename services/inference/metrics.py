@@ -119,6 +119,12 @@ class ServiceMetrics:
             labelnames=["code"],
             registry=self.registry,
         )
+        # Every series exists from the start, at zero, so a dashboard's rate() and a scrape
+        # before the first load see the same names as after it.
+        for phase in ("fetch", "preload", "copy"):
+            self.adapter_load.labels(phase)
+        for target in ("host", "preload", "pool"):
+            self.adapter_loads.labels(target)
         self._server = None
 
     def track(self, snapshot: Callable[[], StatsSnapshot]) -> None:
