@@ -45,7 +45,7 @@ def pdl_launch(device: torch.device) -> bool:
     after; the two-launch LoRA expand overlaps its prologue with its shrink. The other LoRA
     kernels keep plain launches: with them PDL too, one-token decode steps ran 0.6-2.4% slower
     on the H200, where the base model's ran 1.5% faster at batch 16 and 64 and 0.9% slower at
-    1 (bench/pdl.py, bench/results/pdl.txt)."""
+    1 (bench/decode_ab.py --compare pdl, then bench/pdl.py; bench/results/pdl.txt)."""
     if INTERPRET or device.type != "cuda" or os.environ.get(PDL_ENV, "1") == "0":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9

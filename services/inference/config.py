@@ -23,6 +23,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 ENGINE_MODES = ("process", "thread")
 SCHEDULING = ("fair", "fcfs")
 PRELOAD = ("pool", "host", "off")
+ON_OFF = ("on", "off")
 _FILES = (
     "auth_tokens", "tls_cert", "tls_key", "tls_client_ca",
     "adapter_store_token_file", "adapter_store_ca", "adapter_store_cert", "adapter_store_key",
@@ -81,6 +82,7 @@ class ServiceConfig:
     tenant_tokens_per_second: float | None = None  # prompt + generated tokens
     scheduling: str = "fair"  # fair: tenants share the batch (engine/fairness.py); fcfs
     fair_prefill_tokens: int = 256  # per tenant and step while tenants share (fair only)
+    lora_side_stream: str = "off"  # on: decode-sized steps' LoRA beside the base GEMMs (CUDA)
 
     def __post_init__(self) -> None:
         if not str(self.model):
@@ -150,6 +152,10 @@ class ServiceConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{_flag(name)} must be positive, got {value}")
+        if self.lora_side_stream not in ON_OFF:
+            raise ValueError(
+                f"--lora-side-stream must be one of {ON_OFF}, got {self.lora_side_stream!r}"
+            )
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"--scheduling must be one of {SCHEDULING}, got {self.scheduling!r}")
 
@@ -319,6 +325,9 @@ _HELP = {
     "(first come, first served)",
     "fair_prefill_tokens": "with --scheduling fair and several tenants active: prefill tokens "
     "each tenant gets per step, keeping steps short for the others' first tokens (default 256)",
+    "lora_side_stream": "on: decode-sized steps (up to 512 tokens) compute their LoRA deltas on a "
+    "second CUDA stream beside the base model's GEMMs, then add them; off (default): the LoRA "
+    "kernels run after each GEMM, in place",
 }
 
 
@@ -344,5 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["choices"] = SCHEDULING
         elif f.name == "preload_adapters":
             kwargs["choices"] = PRELOAD
+        elif f.name == "lora_side_stream":
+            kwargs["choices"] = ON_OFF
         parser.add_argument("--" + _flag(f.name), dest=f.name, **kwargs)
     return parser

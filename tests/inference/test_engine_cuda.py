@@ -41,13 +41,19 @@ def _mixed_run(tiny_models, preset: str, dtype: str, overlap: bool = False, **ov
     return model_dir, requests, results, core
 
 
-@pytest.mark.parametrize(
-    "preset, overlap",
-    [("tiny-llama", False), ("tiny-qwen2", False), ("tiny-llama", True)],
-    ids=["tiny-llama", "tiny-qwen2", "tiny-llama-overlapped"],
-)
-def test_cuda_float32_mixed_batch_matches_hf_peft(tiny_models, preset, overlap):
-    run = _mixed_run(tiny_models, preset, "float32", overlap=overlap)
+# (preset, overlapped scheduling, LoRA deltas on the side stream: EngineConfig.lora_side_stream)
+MIXED_RUNS = [
+    ("tiny-llama", False, False),
+    ("tiny-qwen2", False, False),
+    ("tiny-llama", True, False),
+    ("tiny-qwen2", True, True),
+]
+MIXED_IDS = ["tiny-llama", "tiny-qwen2", "tiny-llama-overlapped", "tiny-qwen2-lora-beside"]
+
+
+@pytest.mark.parametrize("preset, overlap, side_stream", MIXED_RUNS, ids=MIXED_IDS)
+def test_cuda_float32_mixed_batch_matches_hf_peft(tiny_models, preset, overlap, side_stream):
+    run = _mixed_run(tiny_models, preset, "float32", overlap=overlap, lora_side_stream=side_stream)
     # the rank-32 adapter's steps replayed the graphs of two launches of 32-row programs
     assert any(r.graph and r.lora == "two launches, wide" for r in run[3].step_log.recent)
     assert_matches_hf(tiny_models, preset, *run[:3])
@@ -138,17 +144,20 @@ def test_cuda_attention_only_decode_graphs_match_hf_peft(tiny_models, monkeypatc
     assert_matches_hf(tiny_models, "tiny-llama", model_dir, requests, results)
 
 
-def test_cuda_large_decode_steps_on_one_token_tiles_match_hf_peft(tiny_models):
+@pytest.mark.parametrize("side_stream", [False, True], ids=["in-place", "lora-beside"])
+def test_cuda_large_decode_steps_on_one_token_tiles_match_hf_peft(tiny_models, side_stream):
     """Decode steps of 64 sequences and more whose rank-4 and rank-8 adapters are shared at most
     ONE_TOKEN_MAX_SHARING tokens to one (ten adapter keys over r4's and r8's weights, seven
     sequences each, beside the base model) replay the ONE_TOKEN graphs of their size (every call
     fused, a tile a token, 8 rank rows, every load issued first); every token against HF +
     PEFT, the pool intact. (max_loras 80: the batch's segment capacity, max_loras + 2, bounds
-    the one-token tiles a step's table holds.)"""
+    the one-token tiles a step's table holds.) ``side_stream``: the fused calls run on the side
+    stream into the delta buffer, beside the base GEMMs, in the captured graphs too."""
     model_dir = tiny_models.model("tiny-llama")
     recorder = Recorder()
     core = make_core(model_dir, recorder, device="cuda", dtype="float32", max_num_seqs=80,
-                     max_num_batched_tokens=640, max_loras=80, num_pages=2048)  # fmt: skip
+                     max_num_batched_tokens=640, max_loras=80, num_pages=2048,
+                     lora_side_stream=side_stream)  # fmt: skip
     names = [("r4", "r8")[i % 2] for i in range(10)]
     for i, name in enumerate(names):
         core.add_adapter_dir(AdapterKey(f"a{i}", 1), tiny_models.adapter("tiny-llama", name))
@@ -173,15 +182,13 @@ def test_cuda_large_decode_steps_on_one_token_tiles_match_hf_peft(tiny_models):
     assert_matches_hf(tiny_models, "tiny-llama", model_dir, requests, results)
 
 
-@pytest.mark.parametrize(
-    "preset, overlap",
-    [("tiny-llama", False), ("tiny-qwen2", False), ("tiny-llama", True)],
-    ids=["tiny-llama", "tiny-qwen2", "tiny-llama-overlapped"],
-)
-def test_cuda_bfloat16_mixed_batch_tracks_hf_peft(tiny_models, preset, overlap):
+@pytest.mark.parametrize("preset, overlap, side_stream", MIXED_RUNS, ids=MIXED_IDS)
+def test_cuda_bfloat16_mixed_batch_tracks_hf_peft(tiny_models, preset, overlap, side_stream):
     from tests.inference.engine_harness import _hf_model
 
-    model_dir, requests, results, _ = _mixed_run(tiny_models, preset, "bfloat16", overlap=overlap)
+    model_dir, requests, results, _ = _mixed_run(
+        tiny_models, preset, "bfloat16", overlap=overlap, lora_side_stream=side_stream
+    )
     for req, name in requests:
         adapter_dir = None if name is None else tiny_models.adapter(preset, name)
         got = results[req.request_id]

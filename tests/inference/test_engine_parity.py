@@ -66,14 +66,31 @@ def assert_matches_hf(tiny_models, preset, model_dir, requests, results) -> None
 
 
 @pytest.mark.parametrize(
-    "preset, overlap",
-    [("tiny-llama", False), ("tiny-qwen2", False), ("tiny-llama", True)],
-    ids=["tiny-llama", "tiny-qwen2", "tiny-llama-overlapped"],
+    "preset, overlap, side_stream",
+    [
+        ("tiny-llama", False, False),
+        ("tiny-qwen2", False, False),
+        ("tiny-llama", True, False),
+        ("tiny-qwen2", False, True),
+    ],
+    ids=["tiny-llama", "tiny-qwen2", "tiny-llama-overlapped", "tiny-qwen2-lora-beside"],
 )
-def test_mixed_batch_matches_hf_peft(tiny_models, preset, overlap):
+def test_mixed_batch_matches_hf_peft(tiny_models, preset, overlap, side_stream):
+    """``side_stream``: every step's LoRA deltas go through the engine's delta buffer
+    (LoraContext.beside: on the CPU, computed before each GEMM), q/k/v biases included."""
     model_dir = tiny_models.model(preset)
     recorder = Recorder()
-    core = make_core(model_dir, recorder, max_num_batched_tokens=48)
+    core = make_core(model_dir, recorder, max_num_batched_tokens=48, lora_side_stream=side_stream)
+    beside = []  # per step with LoRA calls: whether its deltas went through the buffer
+    lora_for = core.runner._lora_for
+
+    def spy_lora(mode, modules):
+        lora = lora_for(mode, modules)
+        if lora is not None:
+            beside.append(lora.beside)
+        return lora
+
+    core.runner._lora_for = spy_lora
     for name in PARITY_ADAPTERS:
         core.add_adapter_dir(AdapterKey(name, 1), tiny_models.adapter(preset, name))
 
@@ -105,6 +122,7 @@ def test_mixed_batch_matches_hf_peft(tiny_models, preset, overlap):
         assert rows == sorted(rows)
 
     assert_matches_hf(tiny_models, preset, model_dir, requests, results)
+    assert beside and set(beside) == {side_stream}
     core.check_integrity()
     assert core.stats().kv_pages == 0
 

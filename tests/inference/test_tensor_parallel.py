@@ -36,11 +36,17 @@ def tp_core(tiny_models):
         core.close()
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
-def test_two_ranks_match_hf_peft(tiny_models, tp_core, preset):
+@pytest.mark.parametrize(
+    "preset, side_stream",
+    [("tiny-llama", False), ("tiny-qwen2", False), ("tiny-llama", True)],
+    ids=["tiny-llama", "tiny-qwen2", "tiny-llama-lora-beside"],
+)
+def test_two_ranks_match_hf_peft(tiny_models, tp_core, preset, side_stream):
+    """``side_stream``: every rank's LoRA deltas go through its delta buffer (the worker takes
+    the engine's lora_side_stream), the row-split o and down ones into the partial sums."""
     model_dir = tiny_models.model(preset)
     recorder = Recorder()
-    core = tp_core(preset, recorder, max_num_batched_tokens=48)
+    core = tp_core(preset, recorder, max_num_batched_tokens=48, lora_side_stream=side_stream)
     assert core.pool.width == core.model_config.kv_dim // 2  # each rank holds its kv heads
     for name in PARITY_ADAPTERS:
         core.add_adapter_dir(AdapterKey(name, 1), tiny_models.adapter(preset, name))

@@ -163,7 +163,7 @@ class EngineCore:
         self.runner = ModelRunner(
             self.model, self.pool, self.adapters.index, config.max_lora_rank,
             max_seqs, config.max_num_batched_tokens, self.max_len, max_loras,
-            self.adapters.row_ranks, self.adapters.row_modules,
+            self.adapters.row_ranks, self.adapters.row_modules, config.lora_side_stream,
         )  # fmt: skip
         if self.tp is not None:
             self.model.join_group(self.tp.group.all_reduce)

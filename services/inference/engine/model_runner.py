@@ -72,6 +72,13 @@ class LoraMode(enum.Enum):
         }.get(self)  # fmt: skip
 
 
+# Steps of at most this many tokens compute their LoRA deltas beside the base GEMMs when the
+# engine's lora_side_stream is on (LoraContext.beside): decode-sized ones, whose LoRA launches
+# are small and whose deltas a buffer holds cheaply (zeroing it and the add cost a write and a
+# read of the output more than adding in place; a prefill-sized step's compute-bound GEMMs and
+# larger LoRA launches gain less from running side by side, and its add costs more).
+SIDE_STREAM_MAX_TOKENS = lora_paths.FUSED_MAX_TOKENS
+
 # The attention projections' modules as bits (LoraContext.modules): the module set of the
 # decode graphs without MLP calls.
 ATTENTION = sum(1 << m for m in (Q, K, V, O))
@@ -112,10 +119,13 @@ class ModelRunner:
         max_loras: int,
         row_ranks: Sequence[int],
         row_modules: Sequence[int] | None = None,
+        lora_side_stream: bool = False,
     ) -> None:
         """``row_ranks``: each LoRA index row's largest rank, kept current by the adapter
         manager (read per step to choose the kernel path); ``row_modules``: each row's modules
-        as bits (StepBatch lists a step's modules from them; None: every module)."""
+        as bits (StepBatch lists a step's modules from them; None: every module);
+        ``lora_side_stream``: decode-sized steps (up to SIDE_STREAM_MAX_TOKENS tokens) compute
+        their LoRA deltas beside the base GEMMs (LoraContext), on a side stream on CUDA."""
         self.model, self.pool = model, pool
         self.max_lora_rank = max_lora_rank
         self.row_ranks, self.row_modules = row_ranks, row_modules
@@ -123,6 +133,18 @@ class ModelRunner:
         # the step fits fewer (FUSED, NARROW): one shape per graph, whatever the step holds;
         # the kernels only compute up to each adapter's own rank.
         self.lora = LoraContext(lora_index, max_lora_rank)
+        self._side_tokens = 0
+        if lora_side_stream:
+            self._side_tokens = min(SIDE_STREAM_MAX_TOKENS, max_num_batched_tokens)
+            layer = model.layers[0]
+            widest = max(w.shape[0] for w in (
+                layer.attn.wqkv, layer.attn.wo, layer.mlp.w_gate_up, layer.mlp.w_down
+            ))  # fmt: skip
+            device = pool.tensor.device
+            self.lora.use_side_stream(
+                torch.empty(self._side_tokens * widest, dtype=pool.tensor.dtype, device=device),
+                torch.cuda.Stream(device) if device.type == "cuda" else None,
+            )
         self.batch = StepBatch(
             max_tokens=max_num_batched_tokens,
             max_seqs=max_num_seqs,
@@ -252,6 +274,7 @@ class ModelRunner:
         self.lora.fused, self.lora.rows, self.lora.modules = mode.fused, rows, modules
         self.lora.one_token = mode is LoraMode.ONE_TOKEN
         self.lora.rank_block = lora_paths.WIDE_RANK_ROWS if mode is LoraMode.WIDE else 16
+        self.lora.beside = 0 < self.batch.num_tokens <= self._side_tokens
         return self.lora
 
     def mixed_seqs(self, tokens: int) -> int:

@@ -69,7 +69,7 @@ class Worker:
         self.runner = ModelRunner(
             self.model, self.pool, self.index, self.config.max_lora_rank, layout.max_num_seqs,
             self.config.max_num_batched_tokens, layout.max_len, layout.max_loras,
-            [0] * layout.max_loras,
+            [0] * layout.max_loras, lora_side_stream=self.config.lora_side_stream,
         )  # fmt: skip
         self.runner.tp = self.group
 

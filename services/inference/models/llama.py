@@ -14,7 +14,8 @@ o and down are partial sums that all_reduce makes whole (Transformer.tp: the ran
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +72,14 @@ class LoraContext:
     launches' rank rows a program (``rank_block``: kernels.lora_paths.step_is_wide), and whether
     the step's tile table holds every token as its own tile (``one_token``: every call fused,
     kernels.lora_paths.one_token_step_fuses). A call none of whose modules is covered is not
-    made: no adapter of the step has them."""
+    made: no adapter of the step has them.
+
+    ``beside`` (set per step by the engine, which gave the context a workspace with
+    use_side_stream): the step's calls compute their LoRA delta into the zeroed workspace on a
+    side stream while the base GEMM runs on the step's stream, which then adds it (linear_lora).
+    A decode step's LoRA launches are small and latency-bound, a few programs each: run after
+    the GEMM, each adds its whole latency to the step; beside it, only the add remains on the
+    step's path. Without a side stream (the CPU) the same delta is computed before the GEMM."""
 
     def __init__(self, index: LoraIndex, max_rank: int) -> None:
         self.index = index
@@ -80,9 +88,37 @@ class LoraContext:
         self.modules: int | None = None
         self.rank_block = 16
         self.one_token = False
+        self.beside = False
+        self._side: torch.cuda.Stream | None = None
+        self._workspace: torch.Tensor | None = None  # 1-D, the output dtype
 
     def covers(self, modules: tuple[int, ...]) -> bool:
         return self.modules is None or any(self.modules >> m & 1 for m in modules)
+
+    def use_side_stream(self, workspace: torch.Tensor, side: torch.cuda.Stream | None) -> None:
+        """Steps may compute their deltas beside the GEMMs, into ``workspace`` (1-D, at least
+        tokens x the widest call's output elements), on ``side`` (None: the step's stream)."""
+        self._workspace, self._side = workspace, side
+
+    def delta(self, tokens: int, width: int) -> torch.Tensor:
+        """The workspace as a contiguous [tokens, width] delta buffer."""
+        assert self._workspace is not None and tokens * width <= self._workspace.numel()
+        return self._workspace[: tokens * width].view(tokens, width)
+
+    @contextmanager
+    def on_side(self) -> Iterator[None]:
+        """Work inside runs on the side stream, after everything the step's stream issued so
+        far (its input); join() makes the step's stream wait for it."""
+        if self._side is None:
+            yield
+            return
+        self._side.wait_stream(torch.cuda.current_stream(self._side.device))
+        with torch.cuda.stream(self._side):
+            yield
+
+    def join(self) -> None:
+        if self._side is not None:
+            torch.cuda.current_stream(self._side.device).wait_stream(self._side)
 
 
 def linear_lora(
@@ -95,18 +131,33 @@ def linear_lora(
     modules: tuple[int, ...],
     widths: tuple[int, ...],
 ) -> torch.Tensor:
-    """x · Wᵀ + b, then each token's LoRA delta added in place on the output slices
-    ``modules`` (tokens without an adapter cost the LoRA kernels nothing): [T, d_out]."""
-    y = F.linear(x, weight, bias)
-    if lora is not None and lora.covers(modules):
+    """x · Wᵀ + b, then each token's LoRA delta added on the output slices ``modules`` (tokens
+    without an adapter cost the LoRA kernels nothing): in place after the GEMM, or with
+    ``lora.beside`` computed beside it into a buffer that is added after (LoraContext): [T,
+    d_out]."""
+    if lora is None or not lora.covers(modules):
+        return F.linear(x, weight, bias)
+
+    def add_lora(out: torch.Tensor) -> None:
         kernels.lora_apply(
-            y, x, pool_layer, lora.index, batch.lora_tokens, modules, widths, lora.rows,
+            out, x, pool_layer, lora.index, batch.lora_tokens, modules, widths, lora.rows,
             fused=lora_paths.decode_call_fused(
                 lora.fused, x.shape[0], len(modules), lora.rows, lora.one_token
             ),
             rank_block=lora.rank_block,
         )  # fmt: skip
-    return y
+
+    if not lora.beside:
+        y = F.linear(x, weight, bias)
+        add_lora(y)
+        return y
+    delta = lora.delta(x.shape[0], weight.shape[0])  # [T, d_out]
+    with lora.on_side():
+        delta.zero_()
+        add_lora(delta)
+    y = F.linear(x, weight, bias)
+    lora.join()
+    return y.add_(delta)
 
 
 # Sums a tensor over the tensor-parallel ranks, in place (engine/tensor_parallel.py).

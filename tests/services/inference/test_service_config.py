@@ -37,7 +37,10 @@ def test_engine_config_follows_the_service_config():
     assert ec.max_queue is None  # the engine adds the running batch: 14 in flight at most
     own = engine_config(ServiceConfig.from_args(["--model", "m", "--fair-prefill-tokens", "64"]))
     assert own.fair_prefill_tokens == 64
+    side = engine_config(ServiceConfig.from_args(["--model", "m", "--lora-side-stream", "on"]))
+    assert side.lora_side_stream
     defaults = engine_config(ServiceConfig(model=Path("m")))
+    assert not defaults.lora_side_stream
     assert defaults.max_num_seqs is None and defaults.max_waiting is None  # derived by the engine
 
 
@@ -54,6 +57,7 @@ def test_engine_config_follows_the_service_config():
         (["--model", "m", "--log-level", "chatty"], "--log-level"),
         (["--model", "m", "--fair-prefill-tokens", "0"], "--fair-prefill-tokens"),
         (["--model", "m", "--max-fetches", "0"], "--max-fetches"),
+        (["--model", "m", "--lora-side-stream", "yes"], "--lora-side-stream"),
     ],
 )
 def test_bad_settings_exit_with_a_message_naming_them(argv, fragment, capsys):

@@ -1,0 +1,175 @@
+"""Decode steps of two engines side by side, one with an option on and one with it off (CUDA).
+
+    --compare lora-side-stream  EngineConfig.lora_side_stream: the LoRA deltas of decode-sized
+                                steps computed on a second stream beside the base GEMMs, then
+                                added (models/llama.py LoraContext), against in place after them
+    --compare pdl               programmatic dependent launches of the step's Triton kernels
+                                (Hopper; kernels/tiles.py), against LORAFLEET_PDL=0
+
+Two engines on one GPU in one process, each with its own copy of the model (Llama-7B shape,
+bf16), whose decode graphs are captured at the measured batch sizes only. For each batch size,
+each engine in turn runs that many requests (``--context`` prompt tokens each) on the base model,
+then on distinct rank-8 q/k/v/o adapters (S1's), and the median GPU time of its decode steps
+(CUDA events around the graph replay) is reported with the ratio on / off. The JSON is written
+after each row, so a run cut short keeps what it measured. With ``--trace DIR``, a few steps of
+each engine at the ``--trace-batch`` rows are also profiled (torch profiler: the kernels inside
+the graphs, both streams) into Chrome traces in DIR and a kernel table in the JSON.
+
+    python bench/decode_ab.py --compare lora-side-stream [--batches 1 16 64 256] [--steps 16]
+    python bench/decode_ab.py --compare pdl --out bench/results/pdl.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from bench.bench_models import SHAPES, make_model  # noqa: E402
+from bench.step_profile import submit, timed_step, until_decoding  # noqa: E402
+from kernels.tiles import PDL_ENV, pdl_launch  # noqa: E402
+from services.inference.engine.api import AdapterKey  # noqa: E402
+from services.inference.engine.config import EngineConfig  # noqa: E402
+from services.inference.engine.core import EngineCore  # noqa: E402
+from store.synthetic import synthetic_adapter  # noqa: E402
+
+COMPARES = ("lora-side-stream", "pdl")
+
+
+def set_pdl(on: bool) -> None:
+    """Kernels launched from now on take PDL or not (graphs keep what they captured)."""
+    os.environ[PDL_ENV] = "1" if on else "0"
+    pdl_launch.cache_clear()
+
+
+class Side:
+    """One engine of the comparison: the option on or off."""
+
+    def __init__(self, args, model_dir: Path, adapters: int, on: bool) -> None:
+        self.args, self.on = args, on
+        self.enter()
+        b = max(args.batches)
+        self.core = EngineCore(EngineConfig(
+            model_dir=model_dir, device="cuda", max_num_seqs=b,
+            max_num_batched_tokens=max(2048, b), max_loras=adapters + 8, max_lora_rank=8,
+            pool_memory_bytes=int(args.pool_gib * 2**30), cuda_graphs=False,
+            lora_side_stream=on and args.compare == "lora-side-stream",
+        ))  # fmt: skip
+        t = time.perf_counter()
+        self.core.runner.capture_graphs(sorted(args.batches))
+        print(f"{args.compare}={on}: {len(self.core.runner.graph_sizes)} decode sizes captured "
+              f"in {time.perf_counter() - t:.0f} s", flush=True)  # fmt: skip
+
+    def enter(self) -> None:
+        """What launches from now on need (the eager prefill steps' kernels too)."""
+        if self.args.compare == "pdl":
+            set_pdl(self.on)
+
+    def decode(self, b: int, keys, gen, shape) -> dict:
+        self.enter()
+        core, args = self.core, self.args
+        new = shape.max_positions - args.context - 8
+        submit(core, f"b{b}", b, args.context, new, gen, shape.vocab, keys)
+        until_decoding(core)
+        rows = [r for r in (timed_step(core) for _ in range(args.steps)) if r is not None]
+        out = {"gpu_ms": statistics.median(r["gpu_ms"] for r in rows),
+               "graph_steps": sum(r["graph"] for r in rows), "steps": len(rows),
+               "path": core.runner.last_lora.value}  # fmt: skip
+        if args.trace is not None and b in args.trace_batch:
+            out["kernels"] = self.trace(f"b{b}-{'lora' if keys else 'base'}")
+        core.abort_all()
+        core.check_integrity()
+        return out
+
+    def trace(self, label: str) -> str:
+        """A few graph-replayed steps under the profiler: a Chrome trace, and the kernel table."""
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                timed_step(self.core)
+            torch.cuda.synchronize()
+        self.args.trace.mkdir(parents=True, exist_ok=True)
+        name = f"{self.args.compare}-{'on' if self.on else 'off'}-{label}.json"
+        prof.export_chrome_trace(str(self.args.trace / name))
+        for key in ("self_cuda_time_total", "self_device_time_total"):
+            try:
+                return prof.key_averages().table(sort_by=key, row_limit=20,
+                                                 max_name_column_width=60)  # fmt: skip
+            except (AttributeError, KeyError, RuntimeError):
+                continue
+        return prof.key_averages().table(row_limit=20)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compare", choices=COMPARES, required=True)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-7b")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--context", type=int, default=384, help="prompt tokens per sequence")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--pool-gib", type=float, default=30.0, help="page pool per engine")
+    parser.add_argument("--trace", type=Path, default=None, help="Chrome traces into this dir")
+    parser.add_argument("--trace-batch", type=int, nargs="+", default=[16])
+    parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default bench/results/decode_ab_<compare>.json")  # fmt: skip
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("decode_ab compares CUDA engines: no CUDA device here")
+    if args.compare == "pdl" and torch.cuda.get_device_capability()[0] < 9:
+        sys.exit("PDL needs a Hopper (sm_90) or later GPU")
+    stem = args.compare.replace("-", "_")
+    args.out = args.out or REPO / "bench" / "results" / f"decode_ab_{stem}.json"
+    shape = SHAPES[args.shape]
+    model_dir = args.model_dir or Path(tempfile.gettempdir()) / f"lorafleet-bench-{args.shape}"
+    make_model(model_dir, shape, torch.device("cuda"))
+    n = max(args.batches)
+    sides = {on: Side(args, model_dir, n, on) for on in (True, False)}
+    keys = [AdapterKey(f"p/a{i}", 1) for i in range(n)]
+    base = shape.base()
+    for i, key in enumerate(keys):
+        files = synthetic_adapter(base, rank=8, alpha=16.0, seed=i,
+                                  modules=("q_proj", "k_proj", "v_proj", "o_proj"))  # fmt: skip
+        for side in sides.values():
+            side.core.add_adapter(key, files.config_json, files.safetensors)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    print(f"{'batch':>5} {'adapters':>8} {'on ms':>8} {'off ms':>8} {'ratio':>6}  path")
+    for b in args.batches:
+        for label, adapters in (("base", None), ("S1 r8", keys[:b])):
+            ms = {on: side.decode(b, adapters, gen, shape) for on, side in sides.items()}
+            row = {"batch": b, "adapters": label, "on": ms[True], "off": ms[False],
+                   "ratio": ms[True]["gpu_ms"] / ms[False]["gpu_ms"]}  # fmt: skip
+            rows.append(row)
+            print(f"{b:>5} {label:>8} {ms[True]['gpu_ms']:8.3f} {ms[False]['gpu_ms']:8.3f} "
+                  f"{row['ratio']:6.3f}  {ms[True]['path']}", flush=True)  # fmt: skip
+            write(args, rows)
+    print(f"wrote {args.out}")
+
+
+def write(args, rows: list[dict]) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "benchmark": f"decode step GPU time, {args.compare} on against off",
+        "compare": args.compare, "shape": args.shape, "context": args.context,
+        "gpu": torch.cuda.get_device_name(),
+        "machine": {"python": platform.python_version(), "torch": torch.__version__},
+        "command": "python bench/decode_ab.py " + " ".join(sys.argv[1:]), "rows": rows,
+    }, indent=2) + "\n")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
