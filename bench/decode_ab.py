@@ -9,11 +9,12 @@
 Two engines on one GPU in one process, each with its own copy of the model (Llama-7B shape,
 bf16), whose decode graphs are captured at the measured batch sizes only. For each batch size,
 each engine in turn runs that many requests (``--context`` prompt tokens each) on the base model,
-then on distinct rank-8 q/k/v/o adapters (S1's), and the median GPU time of its decode steps
-(CUDA events around the graph replay) is reported with the ratio on / off. The JSON is written
-after each row, so a run cut short keeps what it measured. With ``--trace DIR``, a few steps of
-each engine at the ``--trace-batch`` rows are also profiled (torch profiler: the kernels inside
-the graphs, both streams) into Chrome traces in DIR and a kernel table in the JSON.
+then on distinct q/k/v/o adapters (rank 8: S1's; ``--ranks 8 16 32 64``: S2's, one rank after
+the other), and the median GPU time of its decode steps (CUDA events around the graph replay)
+is reported with the ratio on / off. The JSON is written after each row, so a run cut short
+keeps what it measured. With ``--trace DIR``, a few steps of each engine at the
+``--trace-batch`` rows are also profiled (torch profiler: the kernels inside the graphs, both
+streams) into Chrome traces in DIR and a kernel table in the JSON.
 
     python bench/decode_ab.py --compare lora-side-stream [--batches 1 16 64 256] [--steps 16]
     python bench/decode_ab.py --compare pdl --out bench/results/pdl.json
@@ -62,7 +63,8 @@ class Side:
         b = max(args.batches)
         self.core = EngineCore(EngineConfig(
             model_dir=model_dir, device="cuda", max_num_seqs=b,
-            max_num_batched_tokens=max(2048, b), max_loras=adapters + 8, max_lora_rank=8,
+            max_num_batched_tokens=max(2048, b), max_loras=adapters + 8,
+            max_lora_rank=max(args.ranks),
             pool_memory_bytes=int(args.pool_gib * 2**30), cuda_graphs=False,
             lora_side_stream=on and args.compare == "lora-side-stream",
         ))  # fmt: skip
@@ -120,6 +122,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--context", type=int, default=384, help="prompt tokens per sequence")
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[8], help="adapter i: rank i%%n")
     parser.add_argument("--pool-gib", type=float, default=30.0, help="page pool per engine")
     parser.add_argument("--trace", type=Path, default=None, help="Chrome traces into this dir")
     parser.add_argument("--trace-batch", type=int, nargs="+", default=[16])
@@ -141,15 +144,17 @@ def main() -> None:
     keys = [AdapterKey(f"p/a{i}", 1) for i in range(n)]
     base = shape.base()
     for i, key in enumerate(keys):
-        files = synthetic_adapter(base, rank=8, alpha=16.0, seed=i,
+        rank = args.ranks[i % len(args.ranks)]
+        files = synthetic_adapter(base, rank=rank, alpha=2.0 * rank, seed=i,
                                   modules=("q_proj", "k_proj", "v_proj", "o_proj"))  # fmt: skip
         for side in sides.values():
             side.core.add_adapter(key, files.config_json, files.safetensors)
     gen = torch.Generator().manual_seed(0)
     rows = []
+    lora = "r" + "/".join(map(str, args.ranks))
     print(f"{'batch':>5} {'adapters':>8} {'on ms':>8} {'off ms':>8} {'ratio':>6}  path")
     for b in args.batches:
-        for label, adapters in (("base", None), ("S1 r8", keys[:b])):
+        for label, adapters in (("base", None), (lora, keys[:b])):
             ms = {on: side.decode(b, adapters, gen, shape) for on, side in sides.items()}
             row = {"batch": b, "adapters": label, "on": ms[True], "off": ms[False],
                    "ratio": ms[True]["gpu_ms"] / ms[False]["gpu_ms"]}  # fmt: skip
