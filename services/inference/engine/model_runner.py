@@ -141,8 +141,8 @@ class ModelRunner:
                 layer.attn.wqkv, layer.attn.wo, layer.mlp.w_gate_up, layer.mlp.w_down
             ))  # fmt: skip
             device = pool.tensor.device
-            # The highest priority: the LoRA call's few programs are dispatched as soon as the
-            # GEMM's leave an SM, so they end before the GEMM does (torch maps -100 to the
+            # The highest priority: as SMs free up, the LoRA call's few programs are dispatched
+            # ahead of the GEMM's remaining ones rather than after them (torch maps -100 to the
             # device's highest).
             side = torch.cuda.Stream(device, priority=-100) if device.type == "cuda" else None
             self.lora.use_side_stream(
