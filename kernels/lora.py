@@ -242,10 +242,10 @@ def fused_config(
     L2), so the extra A reads stay within the slice's Bᵀ bytes (o: 2 parts, down: 1); but 2
     while two parts give at most one program an SM (down up to 66 tokens on 132 SMs).
     Tiles of 16 tokens up to _DOT_16_MAX_TOKENS (the engine's steps), 32 for larger prefill
-    calls. Tiles of one token (a decode token whose adapter no other token
-    of the call uses) take the GEMV body with 1024-element weight blocks (_GEMV_MAX), in
-    launches of FUSED_DECODE_ROWS rank rows, the engine's (a program of more rows would hold
-    rows x 1024 weights in registers; not measured).
+    calls. Tiles of one token (a decode token whose adapter no other token of the call uses)
+    take the GEMV body with 1024-element weight blocks (_GEMV_MAX), in launches of
+    FUSED_DECODE_ROWS rank rows, the engine's (a program of more rows would hold rows x 1024
+    weights in registers; not measured).
 
     On sm_90, decode calls whose programs overflow one wave of that launch but fit one wave of
     a launch with smaller blocks (_NARROW) take the smaller blocks: a partial second wave
