@@ -21,7 +21,6 @@ graph can hold any step):
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import NamedTuple
 
 import torch
@@ -29,7 +28,16 @@ import triton
 import triton.language as tl
 
 from kernels.tile_table import ATTENTION_BLOCK, EMPTY, FIELDS, query_tiles
-from kernels.tiles import INTERPRET, dependent, dot_f32, launch_gate, max_tiles, next_tile, num_sms
+from kernels.tiles import (
+    INTERPRET,
+    dependent,
+    dot_f32,
+    launch_gate,
+    max_tiles,
+    next_tile,
+    num_sms,
+    side_stream,
+)
 
 _LOG2E = 1.4426950408889634
 # Prefill programs along the tiles, per multiprocessor and head: each strides over the tiles,
@@ -501,7 +509,7 @@ def paged_attention(
         # tile's loop over its keys is latency-bound, the decode rows are bandwidth-bound.
         concurrent = q.is_cuda and not INTERPRET
         main = torch.cuda.current_stream(q.device) if concurrent else None
-        side = _side_stream(q.device) if concurrent else None
+        side = side_stream(q.device) if concurrent else None
         if concurrent:
             side.wait_stream(main)  # q's rotation and the step's K/V are written on main
         with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
@@ -562,13 +570,6 @@ def _prefill_table(given, query_starts, t: int, b: int, block_q: int) -> torch.T
             f"{given.dtype} {tuple(given.shape)} on {given.device}"
         )
     return given
-
-
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream the prefill kernel of mixed calls runs on, one per device (high priority:
-    its tiles' loops are the longest chains of a mixed step's attention)."""
-    return torch.cuda.Stream(device=device, priority=-1)
 
 
 def decode_workspace_size(num_rows: int, num_heads: int, head_dim: int, splits: int) -> int:

@@ -7,8 +7,8 @@ attention kernels read their tiles from a table the host wrote with the step's m
 (table_tile, next_tile; kernels/tile_table.py); programs past the last tile get run -1 and
 return.
 
-Also what every launcher shares: the interpreter switch, the GPU's size, and the programmatic
-dependent launch (pdl_launch, launch_gate).
+Also what every launcher shares: the interpreter switch, the GPU's size, the side stream, and the
+programmatic dependent launch (pdl_launch, launch_gate).
 """
 
 from __future__ import annotations
@@ -34,6 +34,17 @@ def num_sms(device_index: int = 0) -> int:
     if INTERPRET or not torch.cuda.is_available():
         return 8
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's one second stream, at high priority, for work beside the step's stream:
+    the prefill kernel of mixed attention calls (its tiles' loops are the longest chains of a
+    mixed step's attention) and, with lora_side_stream, the LoRA calls beside the base GEMMs
+    (a few programs each, dispatched ahead of the GEMM's remaining ones as SMs free up). Their
+    users fork onto it after the step's stream and join back before the next one does, so
+    they never hold it at once."""
+    return torch.cuda.Stream(device=device, priority=-1)
 
 
 @functools.cache

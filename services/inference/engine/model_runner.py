@@ -141,10 +141,11 @@ class ModelRunner:
                 layer.attn.wqkv, layer.attn.wo, layer.mlp.w_gate_up, layer.mlp.w_down
             ))  # fmt: skip
             device = pool.tensor.device
-            # The highest priority: as SMs free up, the LoRA call's few programs are dispatched
-            # ahead of the GEMM's remaining ones rather than after them (torch maps -100 to the
-            # device's highest).
-            side = torch.cuda.Stream(device, priority=-100) if device.type == "cuda" else None
+            side = None
+            if device.type == "cuda":  # the Triton modules load where they run (kernels/)
+                from kernels.tiles import side_stream
+
+                side = side_stream(device)
             self.lora.use_side_stream(
                 torch.empty(self._side_tokens * widest, dtype=pool.tensor.dtype, device=device),
                 side,
