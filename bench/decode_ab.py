@@ -10,11 +10,13 @@ Two engines on one GPU in one process, each with its own copy of the model (Llam
 bf16), whose decode graphs are captured at the measured batch sizes only. For each batch size,
 each engine in turn runs that many requests (``--context`` prompt tokens each) on the base model,
 then on distinct q/k/v/o adapters (rank 8: S1's; ``--ranks 8 16 32 64``: S2's, one rank after
-the other), and the median GPU time of its decode steps (CUDA events around the graph replay)
-is reported with the ratio on / off. The JSON is written after each row, so a run cut short
-keeps what it measured. With ``--trace DIR``, a few steps of each engine at the
-``--trace-batch`` rows are also profiled (torch profiler: the kernels inside the graphs, both
-streams) into Chrome traces in DIR and a kernel table in the JSON.
+the other). Its decode steps run under the torch profiler, and each step's GPU span (its first
+kernel's start to its last kernel's end, both streams; the host's work between steps excluded)
+is reported, the median over ``--steps`` steps, with the ratio on / off; ``step_ms`` in the JSON
+is the median of CUDA events around the runner's execute, which also holds the host's work
+before the graph replay. The JSON is written after each row, so a run cut short keeps what it
+measured. With ``--trace DIR``, the profiled steps at the ``--trace-batch`` rows are also
+written as Chrome traces in DIR, and a kernel table goes in the JSON.
 
     python bench/decode_ab.py --compare lora-side-stream [--batches 1 16 64 256] [--steps 16]
     python bench/decode_ab.py --compare pdl --out bench/results/pdl.json
@@ -84,35 +86,64 @@ class Side:
         new = shape.max_positions - args.context - 8
         submit(core, f"b{b}", b, args.context, new, gen, shape.vocab, keys)
         until_decoding(core)
-        rows = [r for r in (timed_step(core) for _ in range(args.steps)) if r is not None]
-        out = {"gpu_ms": statistics.median(r["gpu_ms"] for r in rows),
-               "graph_steps": sum(r["graph"] for r in rows), "steps": len(rows),
-               "path": core.runner.last_lora.value}  # fmt: skip
-        if args.trace is not None and b in args.trace_batch:
-            out["kernels"] = self.trace(f"b{b}-{'lora' if keys else 'base'}")
+        timed_step(core)  # one step outside the profiler: its first replay of this graph
+        out = self.profiled(args.steps, f"b{b}-{'lora' if keys else 'base'}",
+                            args.trace is not None and b in args.trace_batch)  # fmt: skip
+        out["path"] = core.runner.last_lora.value
         core.abort_all()
         core.check_integrity()
         return out
 
-    def trace(self, label: str) -> str:
-        """A few graph-replayed steps under the profiler: a Chrome trace, and the kernel table."""
+    def profiled(self, steps: int, label: str, keep: bool) -> dict:
+        """``steps`` steps under the profiler: each step's GPU span (spans()); with ``keep`` the
+        Chrome trace in --trace and the kernel table."""
         from torch.profiler import ProfilerActivity, profile
 
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                timed_step(self.core)
+            rows = [r for r in (timed_step(self.core) for _ in range(steps)) if r is not None]
             torch.cuda.synchronize()
-        self.args.trace.mkdir(parents=True, exist_ok=True)
         name = f"{self.args.compare}-{'on' if self.on else 'off'}-{label}.json"
-        prof.export_chrome_trace(str(self.args.trace / name))
-        for key in ("self_cuda_time_total", "self_device_time_total"):
-            try:
-                return prof.key_averages().table(sort_by=key, row_limit=20,
-                                                 max_name_column_width=60)  # fmt: skip
-            except (AttributeError, KeyError, RuntimeError):
-                continue
-        return prof.key_averages().table(row_limit=20)
+        if keep:
+            self.args.trace.mkdir(parents=True, exist_ok=True)
+            path = self.args.trace / name
+        else:
+            path = Path(tempfile.mkdtemp()) / name
+        prof.export_chrome_trace(str(path))
+        span = spans(json.loads(path.read_text()), len(rows))
+        if not keep:
+            path.unlink()
+        out = {"gpu_ms": statistics.median(span), "spans_ms": span,
+               "step_ms": statistics.median(r["gpu_ms"] for r in rows),
+               "graph_steps": sum(r["graph"] for r in rows), "steps": len(rows)}  # fmt: skip
+        if keep:
+            out["kernels"] = kernel_table(prof)
+        return out
+
+
+def spans(trace: dict, steps: int) -> list[float]:
+    """Each step's GPU span in ms, from a Chrome trace of ``steps`` steps: the kernels in time
+    order, cut at the ``steps - 1`` widest gaps between one kernel's end and the next one's start
+    (the host's work between steps, milliseconds, against microseconds within a step)."""
+    ev = sorted((e["ts"], e["ts"] + e["dur"]) for e in trace["traceEvents"]
+                if e.get("cat") == "kernel")  # fmt: skip
+    if len(ev) < steps:
+        raise RuntimeError(f"the profiler saw {len(ev)} kernels in {steps} steps")
+    ends = [ev[0][1]]
+    for _, end in ev[1:]:
+        ends.append(max(ends[-1], end))
+    by_gap = sorted(range(1, len(ev)), key=lambda i: ev[i][0] - ends[i - 1])
+    cuts = [0, *sorted(by_gap[len(ev) - steps :]), len(ev)]
+    return [(ends[j - 1] - ev[i][0]) / 1e3 for i, j in zip(cuts, cuts[1:], strict=False)]
+
+
+def kernel_table(prof) -> str:
+    for key in ("self_cuda_time_total", "self_device_time_total"):
+        try:
+            return prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60)
+        except (AttributeError, KeyError, RuntimeError):
+            continue
+    return prof.key_averages().table(row_limit=20)
 
 
 def main() -> None:
