@@ -82,7 +82,7 @@ class ServiceConfig:
     tenant_tokens_per_second: float | None = None  # prompt + generated tokens
     scheduling: str = "fair"  # fair: tenants share the batch (engine/fairness.py); fcfs
     fair_prefill_tokens: int = 256  # per tenant and step while tenants share (fair only)
-    lora_side_stream: str = "off"  # on: decode-sized steps' LoRA beside the base GEMMs (CUDA)
+    lora_side_stream: str = "on"  # on: small decode steps' LoRA beside the base GEMMs (CUDA)
 
     def __post_init__(self) -> None:
         if not str(self.model):
@@ -325,8 +325,8 @@ _HELP = {
     "(first come, first served)",
     "fair_prefill_tokens": "with --scheduling fair and several tenants active: prefill tokens "
     "each tenant gets per step, keeping steps short for the others' first tokens (default 256)",
-    "lora_side_stream": "on: decode-sized steps (up to 512 tokens) compute their LoRA deltas on a "
-    "second CUDA stream beside the base model's GEMMs, then add them; off (default): the LoRA "
+    "lora_side_stream": "on (default): decode steps of up to 32 tokens compute their LoRA deltas "
+    "on a second CUDA stream beside the base model's GEMMs, then add them; off: the LoRA "
     "kernels run after each GEMM, in place",
 }
 

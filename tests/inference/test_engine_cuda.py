@@ -144,20 +144,18 @@ def test_cuda_attention_only_decode_graphs_match_hf_peft(tiny_models, monkeypatc
     assert_matches_hf(tiny_models, "tiny-llama", model_dir, requests, results)
 
 
-@pytest.mark.parametrize("side_stream", [False, True], ids=["in-place", "lora-beside"])
-def test_cuda_large_decode_steps_on_one_token_tiles_match_hf_peft(tiny_models, side_stream):
+def test_cuda_large_decode_steps_on_one_token_tiles_match_hf_peft(tiny_models):
     """Decode steps of 64 sequences and more whose rank-4 and rank-8 adapters are shared at most
     ONE_TOKEN_MAX_SHARING tokens to one (ten adapter keys over r4's and r8's weights, seven
     sequences each, beside the base model) replay the ONE_TOKEN graphs of their size (every call
     fused, a tile a token, 8 rank rows, every load issued first); every token against HF +
     PEFT, the pool intact. (max_loras 80: the batch's segment capacity, max_loras + 2, bounds
-    the one-token tiles a step's table holds.) ``side_stream``: the fused calls run on the side
-    stream into the delta buffer, beside the base GEMMs, in the captured graphs too."""
+    the one-token tiles a step's table holds.) Steps this large add their deltas in place (the
+    side stream takes steps of up to SIDE_STREAM_MAX_TOKENS tokens)."""
     model_dir = tiny_models.model("tiny-llama")
     recorder = Recorder()
     core = make_core(model_dir, recorder, device="cuda", dtype="float32", max_num_seqs=80,
-                     max_num_batched_tokens=640, max_loras=80, num_pages=2048,
-                     lora_side_stream=side_stream)  # fmt: skip
+                     max_num_batched_tokens=640, max_loras=80, num_pages=2048)  # fmt: skip
     names = [("r4", "r8")[i % 2] for i in range(10)]
     for i, name in enumerate(names):
         core.add_adapter_dir(AdapterKey(f"a{i}", 1), tiny_models.adapter("tiny-llama", name))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from services.inference.engine.api import AdapterKey, GenerationRequest
+from services.inference.engine.model_runner import SIDE_STREAM_MAX_TOKENS
 from services.inference.engine.sampling_params import SamplingParams
 from tests.inference.engine_harness import Recorder, hf_greedy, make_core, relative_error, run
 from tests.inference.models import PARITY_ADAPTERS
@@ -76,18 +77,19 @@ def assert_matches_hf(tiny_models, preset, model_dir, requests, results) -> None
     ids=["tiny-llama", "tiny-qwen2", "tiny-llama-overlapped", "tiny-qwen2-lora-beside"],
 )
 def test_mixed_batch_matches_hf_peft(tiny_models, preset, overlap, side_stream):
-    """``side_stream``: every step's LoRA deltas go through the engine's delta buffer
-    (LoraContext.beside: on the CPU, computed before each GEMM), q/k/v biases included."""
+    """``side_stream``: the LoRA deltas of every step of up to SIDE_STREAM_MAX_TOKENS tokens go
+    through the engine's delta buffer (LoraContext.beside: on the CPU, computed before each
+    GEMM), q/k/v biases included; larger steps add theirs in place."""
     model_dir = tiny_models.model(preset)
     recorder = Recorder()
     core = make_core(model_dir, recorder, max_num_batched_tokens=48, lora_side_stream=side_stream)
-    beside = []  # per step with LoRA calls: whether its deltas went through the buffer
+    beside = []  # per step with LoRA calls: its tokens, whether its deltas went through the buffer
     lora_for = core.runner._lora_for
 
     def spy_lora(mode, modules):
         lora = lora_for(mode, modules)
         if lora is not None:
-            beside.append(lora.beside)
+            beside.append((core.runner.batch.num_tokens, lora.beside))
         return lora
 
     core.runner._lora_for = spy_lora
@@ -122,7 +124,9 @@ def test_mixed_batch_matches_hf_peft(tiny_models, preset, overlap, side_stream):
         assert rows == sorted(rows)
 
     assert_matches_hf(tiny_models, preset, model_dir, requests, results)
-    assert beside and set(beside) == {side_stream}
+    assert all(b == (side_stream and n <= SIDE_STREAM_MAX_TOKENS) for n, b in beside)
+    assert any(n <= SIDE_STREAM_MAX_TOKENS for n, _ in beside)  # both kinds of step ran
+    assert any(n > SIDE_STREAM_MAX_TOKENS for n, _ in beside)
     core.check_integrity()
     assert core.stats().kv_pages == 0
 

@@ -42,8 +42,9 @@ def tp_core(tiny_models):
     ids=["tiny-llama", "tiny-qwen2", "tiny-llama-lora-beside"],
 )
 def test_two_ranks_match_hf_peft(tiny_models, tp_core, preset, side_stream):
-    """``side_stream``: every rank's LoRA deltas go through its delta buffer (the worker takes
-    the engine's lora_side_stream), the row-split o and down ones into the partial sums."""
+    """``side_stream``: every rank's small steps' LoRA deltas go through its delta buffer (the
+    worker takes the engine's lora_side_stream), the row-split o and down ones into the partial
+    sums."""
     model_dir = tiny_models.model(preset)
     recorder = Recorder()
     core = tp_core(preset, recorder, max_num_batched_tokens=48, lora_side_stream=side_stream)

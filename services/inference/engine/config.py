@@ -49,9 +49,10 @@ class EngineConfig:
     # Ranks the model is sharded over (engine/tensor_parallel.py); its heads, kv heads and MLP
     # width must divide by it. On CUDA rank r uses GPU r; CUDA graphs are off when above 1.
     tensor_parallel_size: int = 1
-    # Decode-sized steps compute their LoRA deltas beside the base GEMMs, on a second stream on
-    # CUDA (ModelRunner, LoraContext), rather than in place after each GEMM.
-    lora_side_stream: bool = False
+    # Small decode steps (model_runner.SIDE_STREAM_MAX_TOKENS) compute their LoRA deltas beside
+    # the base GEMMs, on a second stream on CUDA (ModelRunner, LoraContext), rather than in
+    # place after each GEMM.
+    lora_side_stream: bool = True
 
     def __post_init__(self) -> None:
         if not str(self.model_dir):

@@ -73,11 +73,15 @@ class LoraMode(enum.Enum):
 
 
 # Steps of at most this many tokens compute their LoRA deltas beside the base GEMMs when the
-# engine's lora_side_stream is on (LoraContext.beside): decode-sized ones, whose LoRA launches
-# are small and whose deltas a buffer holds cheaply (zeroing it and the add cost a write and a
-# read of the output more than adding in place; a prefill-sized step's compute-bound GEMMs and
-# larger LoRA launches gain less from running side by side, and its add costs more).
-SIDE_STREAM_MAX_TOKENS = lora_paths.FUSED_MAX_TOKENS
+# engine's lora_side_stream is on (LoraContext.beside): small decode steps, whose LoRA launches
+# are a few programs each and cost their latency. H200, Llama-7B shape, distinct rank-8 q/k/v/o
+# adapters, the decode steps' GPU spans in graphs (bench/decode_ab.py --compare
+# lora-side-stream): at 16 sequences 5.42 ms beside against 5.63 in place (the base model 5.12),
+# at 64 8.47 against 8.36: there the LoRA programs, slowed by the GEMM they share the SMs with,
+# outlast it, and the zeroing and the add cost more than the overlap saves. With every decode
+# size up to 512 beside, the captured graphs' memory outgrew what the pool's sizing leaves
+# (the service's start ran out of memory at its defaults; docs/inference_service.md).
+SIDE_STREAM_MAX_TOKENS = 32
 
 # The attention projections' modules as bits (LoraContext.modules): the module set of the
 # decode graphs without MLP calls.
@@ -124,7 +128,7 @@ class ModelRunner:
         """``row_ranks``: each LoRA index row's largest rank, kept current by the adapter
         manager (read per step to choose the kernel path); ``row_modules``: each row's modules
         as bits (StepBatch lists a step's modules from them; None: every module);
-        ``lora_side_stream``: decode-sized steps (up to SIDE_STREAM_MAX_TOKENS tokens) compute
+        ``lora_side_stream``: small decode steps (up to SIDE_STREAM_MAX_TOKENS tokens) compute
         their LoRA deltas beside the base GEMMs (LoraContext), on a side stream on CUDA."""
         self.model, self.pool = model, pool
         self.max_lora_rank = max_lora_rank

@@ -37,10 +37,10 @@ def test_engine_config_follows_the_service_config():
     assert ec.max_queue is None  # the engine adds the running batch: 14 in flight at most
     own = engine_config(ServiceConfig.from_args(["--model", "m", "--fair-prefill-tokens", "64"]))
     assert own.fair_prefill_tokens == 64
-    side = engine_config(ServiceConfig.from_args(["--model", "m", "--lora-side-stream", "on"]))
-    assert side.lora_side_stream
+    side = engine_config(ServiceConfig.from_args(["--model", "m", "--lora-side-stream", "off"]))
+    assert not side.lora_side_stream
     defaults = engine_config(ServiceConfig(model=Path("m")))
-    assert not defaults.lora_side_stream
+    assert defaults.lora_side_stream
     assert defaults.max_num_seqs is None and defaults.max_waiting is None  # derived by the engine
 
 
