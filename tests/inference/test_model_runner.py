@@ -52,6 +52,13 @@ def test_padded_mixed_step_matches_the_unpadded_one(tiny_models):
     got = runner._forward(runner.lora)[: sum(e.sample for e in entries)]
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # As captured graphs run it: the logits written into the rows of one shared buffer, the
+    # rows past the step's left as they were.
+    shared = torch.full((len(entries) + 8, want.shape[1]), float("nan"))
+    rows = runner._forward(runner.lora, shared)
+    assert rows.data_ptr() == shared.data_ptr() and rows.shape[0] == len(entries) + 3
+    torch.testing.assert_close(rows[: want.shape[0]], want, rtol=1e-5, atol=1e-5)
+    assert torch.isnan(shared[rows.shape[0] :]).all()
 
 
 def test_each_step_finds_its_graph(tiny_models):

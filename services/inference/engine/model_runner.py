@@ -295,7 +295,12 @@ class ModelRunner:
     def capture_graphs(self, decode_sizes: Sequence[int], mixed_sizes: Sequence[int] = ()) -> None:
         """Capture the decode step for each batch size and the mixed step for each token count,
         each without LoRA kernels (base-model steps) and with them (largest first, so smaller
-        graphs reuse its memory from the shared pool). Takes one pool page for padding rows."""
+        graphs reuse its memory from the shared pool). Takes one pool page for padding rows.
+        Every graph writes its logits into one buffer (one graph replays at a time, and a step's
+        logits are read before the next step's replay, as execute() says), so no graph holds
+        logits of its own. Each did before: 64 MB for a 2048-token mixed graph at a 32000-token
+        vocabulary, four times that at 128k; on the H200 at the service's defaults the graphs'
+        memory grew by about their logits each, 17.7 GB after 371 of 492 graphs."""
         if self.pool.tensor.device.type != "cuda" or not (decode_sizes or mixed_sizes):
             return
         page = self.pool.reserve_page("cuda-graph padding")
@@ -319,6 +324,10 @@ class ModelRunner:
                 keys.append(GraphKey(tokens, seqs, LoraMode.NARROW))
             if self._wides():
                 keys.append(GraphKey(tokens, seqs, LoraMode.WIDE))
+        vocab = self.model.lm_head.shape[0]
+        shared = torch.empty(max(k.seqs for k in keys), vocab, dtype=torch.float32,
+                             device=self.pool.tensor.device)  # fmt: skip
+        held = torch.cuda.memory_reserved(self.pool.tensor.device)
         warmed: set[tuple] = set()
         for key in sorted(keys, key=lambda k: (k.tokens, k.seqs), reverse=True):
             self._fill_for(key, [self._pad])
@@ -334,17 +343,21 @@ class ModelRunner:
                 warmed.add(key[:3])
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=memory):
-                logits = self._forward(lora)  # [key.seqs, vocab]
+                logits = self._forward(lora, shared)  # [key.seqs, vocab]: rows of shared
             self._graphs[key] = (graph, logits)
         self._decode_sizes = tuple(sorted(set(decode_sizes)))
         self._mixed_sizes = tuple(sorted(set(mixed_sizes)))
         torch.cuda.synchronize()
         log.info(
-            "captured %d CUDA graphs in %.1f s: decode steps of %s sequences (with fused LoRA "
+            "captured %d CUDA graphs in %.1f s (their memory and the warm-up runs' cache %.2f "
+            "GiB, their logits buffer %.2f GiB): decode steps of %s sequences (with fused LoRA "
             "kernels from %s, on one-token tiles up to %s; each LoRA graph also without MLP "
             "LoRA calls), mixed steps of %s tokens (sized for %d rank rows from %s); two "
             "launches of %d rank rows for adapters above %d: %s",
-            len(self._graphs), time.perf_counter() - start, list(self._decode_sizes),
+            len(self._graphs), time.perf_counter() - start,
+            (torch.cuda.memory_reserved(self.pool.tensor.device) - held) / 2**30,
+            shared.nbytes / 2**30,
+            list(self._decode_sizes),
             min(self.fused_graph_sizes, default=None),
             max(self.one_token_graph_sizes, default=None),
             list(self._mixed_sizes),
@@ -391,12 +404,15 @@ class ModelRunner:
             key = key._replace(lora=LoraMode.SHAPES)
         return key if key in self._graphs else None
 
-    def _forward(self, lora: LoraContext | None) -> torch.Tensor:
-        """The step on the filled batch: the inputs the previous step sampled, then the model."""
+    def _forward(
+        self, lora: LoraContext | None, logits_out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The step on the filled batch: the inputs the previous step sampled, then the model
+        (its logits written into ``logits_out`` when given: Transformer.forward)."""
         if self.tp is not None:  # the tokens rank 0 sampled: the same inputs on every rank
             self.tp.broadcast(self.batch.prev_tokens)
         self.batch.resolve_inputs()
-        return self.model(self.batch, self.pool.tensor, lora)
+        return self.model(self.batch, self.pool.tensor, lora, logits_out)
 
     @torch.inference_mode()
     def forward_adopted(self, step: StepLora) -> None:

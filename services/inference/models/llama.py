@@ -283,9 +283,14 @@ class Transformer(nn.Module):
         self.rope_sin = angles.sin().to(device)
 
     def forward(
-        self, batch: StepBatch, pool: torch.Tensor, lora: LoraContext | None
+        self,
+        batch: StepBatch,
+        pool: torch.Tensor,
+        lora: LoraContext | None,
+        logits_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Float32 logits [S_sample, vocab] at the batch's logits_indices.
+        """Float32 logits [S_sample, vocab] at the batch's logits_indices: a new tensor, or with
+        ``logits_out`` (float32 [>= S_sample, vocab]) its first S_sample rows, written.
 
         pool: [layers, 2, slots, W], the unified page pool."""
         x = F.embedding(batch.input_ids, self.embed_tokens)  # [T, hidden]: the residual stream
@@ -299,4 +304,7 @@ class Transformer(nn.Module):
                 x.add_(mlp)
         x = x[batch.logits_indices]  # [S_sample, hidden]: only sampled positions need logits
         x = self.norm(x)
-        return F.linear(x, self.lm_head).float()  # [S_sample, vocab]
+        logits = F.linear(x, self.lm_head)  # [S_sample, vocab]
+        if logits_out is None:
+            return logits.float()
+        return logits_out[: logits.shape[0]].copy_(logits)
