@@ -299,8 +299,9 @@ class ModelRunner:
         Every graph writes its logits into one buffer (one graph replays at a time, and a step's
         logits are read before the next step's replay, as execute() says), so no graph holds
         logits of its own. Each did before: 64 MB for a 2048-token mixed graph at a 32000-token
-        vocabulary, four times that at 128k; on the H200 at the service's defaults the graphs'
-        memory grew by about their logits each, 17.7 GB after 371 of 492 graphs."""
+        vocabulary, four times that at 128k; on the H200 at the service's defaults (the side
+        stream then taking every decode size) the graphs' memory grew by about their logits
+        each, 17.7 GiB after 371 of 492 graphs."""
         if self.pool.tensor.device.type != "cuda" or not (decode_sizes or mixed_sizes):
             return
         page = self.pool.reserve_page("cuda-graph padding")
