@@ -121,6 +121,13 @@ class Side:
         return out
 
 
+def kv_gib(shape, seqs: int, tokens: int) -> float:
+    """GiB of K and V (bf16) that ``seqs`` sequences of ``tokens`` tokens hold: a batch the pool
+    cannot hold would be preempted over and over instead of measured."""
+    kv_dim = shape.kv_heads * (shape.hidden // shape.heads)
+    return seqs * tokens * shape.layers * 2 * kv_dim * 2 / 2**30
+
+
 def spans(trace: dict, steps: int) -> list[float]:
     """Each step's GPU span in ms, from a Chrome trace of ``steps`` steps: the kernels in time
     order, cut at the ``steps - 1`` widest gaps between one kernel's end and the next one's start
@@ -168,9 +175,15 @@ def main() -> None:
     stem = args.compare.replace("-", "_")
     args.out = args.out or REPO / "bench" / "results" / f"decode_ab_{stem}.json"
     shape = SHAPES[args.shape]
+    n = max(args.batches)
+    kv = kv_gib(shape, n, args.context + args.steps + 24)  # + the steps, a page of slack each
+    if kv > args.pool_gib:
+        sys.exit(f"batch {n} at context {args.context} needs {kv:.1f} GiB of KV cache alone, "
+                 f"more than --pool-gib {args.pool_gib:g} (each engine's page pool): give a "
+                 "shorter --context or a larger pool (both engines' pools and models share the "
+                 "GPU)")  # fmt: skip
     model_dir = args.model_dir or Path(tempfile.gettempdir()) / f"lorafleet-bench-{args.shape}"
     make_model(model_dir, shape, torch.device("cuda"))
-    n = max(args.batches)
     sides = {on: Side(args, model_dir, n, on) for on in (True, False)}
     keys = [AdapterKey(f"p/a{i}", 1) for i in range(n)]
     base = shape.base()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.decode_ab import spans
+from bench.bench_models import SHAPES
+from bench.decode_ab import kv_gib, spans
 
 
 def _kernel(ts: float, dur: float) -> dict:
@@ -27,3 +28,8 @@ def test_spans_cut_steps_at_the_host_gaps_and_span_both_streams():
 def test_spans_refuse_a_trace_with_fewer_kernels_than_steps():
     with pytest.raises(RuntimeError, match="2 kernels in 3 steps"):
         spans({"traceEvents": [_kernel(0.0, 1.0), _kernel(5.0, 1.0)]}, 3)
+
+
+def test_kv_gib_counts_both_halves_of_every_layer():
+    shape = SHAPES["llama-7b"]  # 32 layers, kv width 4096: 512 KiB of K and V a token in bf16
+    assert kv_gib(shape, 256, 424) == pytest.approx(256 * 424 * 512 / 2**20)
