@@ -18,7 +18,7 @@ before the graph replay. The JSON is written after each row, so a run cut short 
 measured. With ``--trace DIR``, the profiled steps at the ``--trace-batch`` rows are also
 written as Chrome traces in DIR, and a kernel table goes in the JSON.
 
-    python bench/decode_ab.py --compare lora-side-stream [--batches 1 16 64 256] [--steps 16]
+    python bench/decode_ab.py --compare lora-side-stream [--batches 1 16 32 64 128] [--steps 16]
     python bench/decode_ab.py --compare pdl --out bench/results/pdl.json
 """
 
@@ -157,7 +157,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compare", choices=COMPARES, required=True)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-7b")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32, 64, 128])
     parser.add_argument("--context", type=int, default=384, help="prompt tokens per sequence")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--ranks", type=int, nargs="+", default=[8], help="adapter i: rank i%%n")
