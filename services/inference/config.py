@@ -24,6 +24,11 @@ ENGINE_MODES = ("process", "thread")
 SCHEDULING = ("fair", "fcfs")
 PRELOAD = ("pool", "host", "off")
 ON_OFF = ("on", "off")
+# Flags that take one of a few words: the parser's choices and __post_init__'s check.
+_CHOICES = {
+    "device": DEVICES, "engine": ENGINE_MODES, "scheduling": SCHEDULING,
+    "preload_adapters": PRELOAD, "lora_side_stream": ON_OFF,
+}  # fmt: skip
 _FILES = (
     "auth_tokens", "tls_cert", "tls_key", "tls_client_ca",
     "adapter_store_token_file", "adapter_store_ca", "adapter_store_cert", "adapter_store_key",
@@ -87,14 +92,11 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         if not str(self.model):
             raise ValueError("--model is required: a Hugging Face-format model directory")
-        if self.device not in DEVICES:
-            raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
-        if self.preload_adapters not in PRELOAD:
-            raise ValueError(
-                f"--preload-adapters must be one of {PRELOAD}, got {self.preload_adapters!r}"
-            )
-        if self.engine not in ENGINE_MODES:
-            raise ValueError(f"--engine must be one of {ENGINE_MODES}, got {self.engine!r}")
+        for name, words in _CHOICES.items():
+            if getattr(self, name) not in words:
+                raise ValueError(
+                    f"--{_flag(name)} must be one of {words}, got {getattr(self, name)!r}"
+                )
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         object.__setattr__(self, "log_level", self.log_level.upper())
@@ -152,12 +154,6 @@ class ServiceConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{_flag(name)} must be positive, got {value}")
-        if self.lora_side_stream not in ON_OFF:
-            raise ValueError(
-                f"--lora-side-stream must be one of {ON_OFF}, got {self.lora_side_stream!r}"
-            )
-        if self.scheduling not in SCHEDULING:
-            raise ValueError(f"--scheduling must be one of {SCHEDULING}, got {self.scheduling!r}")
 
     @property
     def address(self) -> str:
@@ -345,15 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for f in fields(ServiceConfig):
         kwargs: dict = {"default": None, "help": _HELP[f.name], "type": _TYPES.get(f.name, str)}
-        if f.name == "device":
-            kwargs["choices"] = DEVICES
-        elif f.name == "engine":
-            kwargs["choices"] = ENGINE_MODES
-        elif f.name == "scheduling":
-            kwargs["choices"] = SCHEDULING
-        elif f.name == "preload_adapters":
-            kwargs["choices"] = PRELOAD
-        elif f.name == "lora_side_stream":
-            kwargs["choices"] = ON_OFF
+        if f.name in _CHOICES:
+            kwargs["choices"] = _CHOICES[f.name]
         parser.add_argument("--" + _flag(f.name), dest=f.name, **kwargs)
     return parser
