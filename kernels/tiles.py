@@ -40,10 +40,9 @@ def num_sms(device_index: int = 0) -> int:
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """The device's one second stream, at high priority, for work beside the step's stream:
     the prefill kernel of mixed attention calls (its tiles' loops are the longest chains of a
-    mixed step's attention) and, with lora_side_stream, the LoRA calls beside the base GEMMs
-    (a few programs each, dispatched ahead of the GEMM's remaining ones as SMs free up). Their
-    users fork onto it after the step's stream and join back before the next one does, so
-    they never hold it at once."""
+    mixed step's attention) and, with lora_side_stream, small decode steps' LoRA calls beside
+    the base GEMMs (they run on the SMs the GEMM leaves). Their users fork onto it after the
+    step's stream and join back before the next one does, so they never hold it at once."""
     return torch.cuda.Stream(device=device, priority=-1)
 
 
@@ -54,9 +53,9 @@ def pdl_launch(device: torch.device) -> bool:
     attention are then launched with launch_pdl and enter through launch_gate, so the GPU
     dispatches their programs as the kernel before them in the stream finishes instead of
     after; the two-launch LoRA expand overlaps its prologue with its shrink. The other LoRA
-    kernels keep plain launches: with them PDL too, one-token decode steps ran 0.6-2.4% slower
-    on the H200, where the base model's ran 1.5% faster at batch 16 and 64 and 0.9% slower at
-    1 (bench/decode_ab.py --compare pdl, then bench/pdl.py; bench/results/pdl.txt)."""
+    kernels keep plain launches: with them PDL too, one-token decode steps timed 0.6-2.4%
+    slower on the H200 (bench/results/pdl.txt), but that timer held the host's work before each
+    replay, so the question is open until bench/decode_ab.py --compare pdl measures its spans."""
     if INTERPRET or device.type != "cuda" or os.environ.get(PDL_ENV, "1") == "0":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9

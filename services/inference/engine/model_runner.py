@@ -298,7 +298,7 @@ class ModelRunner:
         graphs reuse its memory from the shared pool). Takes one pool page for padding rows.
         Every graph writes its logits into one buffer (one graph replays at a time, and a step's
         logits are read before the next step's replay, as execute() says), so no graph holds
-        logits of its own. Each did before: 64 MB for a 2048-token mixed graph at a 32000-token
+        logits of its own. Each did before: 65 MB for a 2048-token mixed graph at a 32000-token
         vocabulary, four times that at 128k; on the H200 at the service's defaults (the side
         stream then taking every decode size) the graphs' memory grew by about their logits
         each, 17.7 GiB after 371 of 492 graphs."""

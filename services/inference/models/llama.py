@@ -77,9 +77,10 @@ class LoraContext:
     ``beside`` (set per step by the engine, which gave the context a workspace with
     use_side_stream): the step's calls compute their LoRA delta into the zeroed workspace on a
     side stream while the base GEMM runs on the step's stream, which then adds it (linear_lora).
-    A decode step's LoRA launches are small and latency-bound, a few programs each: run after
-    the GEMM, each adds its whole latency to the step; beside it, only the add remains on the
-    step's path. Without a side stream (the CPU) the same delta is computed before the GEMM."""
+    A small decode step's LoRA launches are latency-bound, a few programs each: run after the
+    GEMM, each adds its whole latency to the step; beside it they run slower (on the SMs the
+    GEMM leaves) but mostly hidden, and the add stays on the step's path. Without a side stream
+    (the CPU) the same delta is computed before the GEMM."""
 
     def __init__(self, index: LoraIndex, max_rank: int) -> None:
         self.index = index
