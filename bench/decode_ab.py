@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from bench.bench_models import SHAPES, make_model  # noqa: E402
-from bench.step_profile import submit, timed_step, until_decoding  # noqa: E402
+from bench.step_profile import kernel_table, submit, timed_step, until_decoding  # noqa: E402
 from kernels.tiles import PDL_ENV, pdl_launch  # noqa: E402
 from services.inference.engine.api import AdapterKey  # noqa: E402
 from services.inference.engine.config import EngineConfig  # noqa: E402
@@ -142,15 +142,6 @@ def spans(trace: dict, steps: int) -> list[float]:
     by_gap = sorted(range(1, len(ev)), key=lambda i: ev[i][0] - ends[i - 1])
     cuts = [0, *sorted(by_gap[len(ev) - steps :]), len(ev)]
     return [(ends[j - 1] - ev[i][0]) / 1e3 for i, j in zip(cuts, cuts[1:], strict=False)]
-
-
-def kernel_table(prof) -> str:
-    for key in ("self_cuda_time_total", "self_device_time_total"):
-        try:
-            return prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60)
-        except (AttributeError, KeyError, RuntimeError):
-            continue
-    return prof.key_averages().table(row_limit=20)
 
 
 def main() -> None:

@@ -130,6 +130,12 @@ def profile_table(core: EngineCore, rows: int = 25, before=None) -> str:
             torch.cuda.synchronize()
     finally:
         core.runner._graphs = graphs
+    return kernel_table(prof, rows)
+
+
+def kernel_table(prof, rows: int = 20) -> str:
+    """The profiler's table of its ``rows`` most expensive kernels by GPU time (the key's name
+    differs between torch versions)."""
     for key in ("self_cuda_time_total", "self_device_time_total"):
         try:
             return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
