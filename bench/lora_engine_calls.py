@@ -49,6 +49,12 @@ its dot body's tiles, weight blocks, warps and parts).
 With ``--s2-steps`` the cases are S2's mixed steps (S2_STEP_CASES), by the engine's WIDE two
 launches against the fused kernel at 64 rank rows (S2_STEP_POINTS).
 
+With ``--apart`` the cases are mixed steps whose decode tokens share adapters (drawn from 5,
+30, 100 and 1000) beside prompts, every call fused at 16 rank rows as the engine's narrow steps
+make them (the masked MLP calls beside), on the segments' tiles (the decode tokens of one
+adapter together in dot-body tiles) against each entry apart (every decode token a one-token
+tile on the GEMV body: kernels.lora_paths.mixed_decodes_apart).
+
 With ``--gemv`` the cases are both sets, decode-only and the trace's steps, and the variants the
 fused kernel's GEMV body (kernels/lora_fused.py) by rank rows, tiles it takes (gemv_max), weight
 block and warps (GEMV_POINTS), every call on the fused kernel, against the engine's fused-step
@@ -56,7 +62,7 @@ rule (q/k/v fused, o fused from 256 tokens; prefill-sized steps all fused) and a
 launches.
 
     python bench/lora_engine_calls.py [--splits] [--profile] [--steps] [--small] [--one-token] \
-        [--hoist] [--sharing] [--dot] [--s2] [--s2-steps] \
+        [--hoist] [--sharing] [--dot] [--apart] [--s2] [--s2-steps] \
         [--gemv] [--points N] \
         [--out bench/results/lora_engine_calls.json]
 """
@@ -206,6 +212,16 @@ S2_STEP_POINTS = (
     (16, 256, 256, 4, 1),
     (16, 128, 128, 4, 2),
 )
+# --apart: (decode tokens, adapters they are drawn from, prefill chunks' lengths), the decode
+# tokens' sharing from about 90 (n = 5) to 1.2 (n = 1000) tokens an adapter
+APART_CASES = (
+    (450, 100, (200,)),
+    (400, 100, (400, 400, 400)),
+    (300, 100, (512, 512, 512)),
+    (450, 1000, (200,)),
+    (450, 30, (200,)),
+    (450, 5, (200,)),
+)
 S1_MODULES = (Q, K, V, O)
 LAYERS = 4  # each with its own weights, so one layer's adapters do not stay in L2
 
@@ -223,8 +239,15 @@ def time_case(
     adapters' ranks cycled from ``ranks``."""
     rows = torch.randint(0, n, (t,), generator=gen)
     prompts = torch.randperm(n, generator=gen)[: len(prefill)]
-    rows = torch.cat([rows, *[p.repeat(k) for p, k in zip(prompts, prefill, strict=True)]])
-    rows = rows.sort().values.int()  # the engine's steps group tokens by adapter
+    # the step's entries (adapter, tokens): each decode token, then each prompt's chunk,
+    # grouped by adapter as the engine's steps are (a stable sort: decode tokens first)
+    entries = sorted([(int(r), 1) for r in rows]
+                     + [(int(p), k) for p, k in zip(prompts, prefill, strict=True)],
+                     key=lambda e: e[0])  # fmt: skip
+    rows = torch.tensor([r for r, k in entries for _ in range(k)], dtype=torch.int32)
+    starts = [0]
+    for _, k in entries:
+        starts.append(starts[-1] + k)
     decode, t = t, rows.numel()
     case = kb.build_lora(n, ranks, LAYERS, rows)
     used = int(torch.unique(rows).numel())
@@ -241,7 +264,8 @@ def time_case(
         calls = all_calls if v.get("mlp") else CALLS
         modules = S1_MODULES if v.get("mlp") else None
         tokens = make_lora_tokens(case.rows, capacity=cap, modules=modules,
-                                  one_token_tiles=bool(v.get("one_token")))  # fmt: skip
+                                  one_token_tiles=bool(v.get("one_token") or v.get("apart")),
+                                  entries=starts if v.get("apart") else None)  # fmt: skip
         cfgs = [None] * len(calls)
         fused = [v.get("fused")] * len(calls)
         if v.get("engine"):  # the engine's per-call choice in a fused step (kernels/lora_paths)
@@ -347,6 +371,8 @@ def main() -> None:
     ap.add_argument("--sharing", action="store_true",
                     help="decode steps of shared adapters, by path")  # fmt: skip
     ap.add_argument("--dot", action="store_true", help="mixed steps by the dot body's blocks")
+    ap.add_argument("--apart", action="store_true",
+                    help="mixed steps, decode tokens' tiles by segment and apart")  # fmt: skip
     ap.add_argument("--s2", action="store_true", help="S2's steps by two-launch blocks")
     ap.add_argument("--s2-steps", action="store_true",
                     help="S2's mixed steps, two launches against fused at 64 rows")  # fmt: skip
@@ -383,6 +409,9 @@ def main() -> None:
     elif args.dot:
         variants.append(dict(max_rank=16, segments=514, fused=False, mlp=True))
         variants += dot_variants(DOT_POINTS, max_rank=16, mlp=True)
+    elif args.apart:
+        narrow = dict(max_rank=16, segments=514, fused=True, mlp=True)  # the engine's NARROW
+        variants += [narrow, dict(narrow, apart=True)]
     elif args.s2:
         for point in S2_POINTS[: args.points]:
             v = dict(max_rank=128, segments=514, fused=False)
@@ -434,6 +463,8 @@ def main() -> None:
         rows = [r for t, n in SHARING_CASES for r in time_case(t, n, gen, variants)]
     elif args.dot:
         rows = [r for t, n, p in DOT_CASES for r in time_case(t, n, gen, variants, p)]
+    elif args.apart:
+        rows = [r for t, n, p in APART_CASES for r in time_case(t, n, gen, variants, p)]
     elif args.s2:
         rows = [r for t, n, p in S2_CASES for r in time_case(t, n, gen, variants, p, S2_RANKS)]
     elif args.s2_steps:

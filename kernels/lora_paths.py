@@ -58,6 +58,9 @@ FUSED_SINGLE_SLICE_MIN_ROWS = 4096
 # tokens share, and above it while they share adapters at most this much (tokens an adapter).
 ONE_TOKEN_ROWS = 8
 ONE_TOKEN_MAX_SHARING = 8
+# A narrow mixed step's decode tokens take one-token tiles when they share their adapters at
+# least this many to one (and at most ONE_TOKEN_MAX_SHARING): mixed_decodes_apart.
+MIXED_APART_MIN_SHARING = 2
 # Two-launch steps with an adapter above FUSED_DECODE_ROWS rank rows (S2's ranks 8-64) run
 # programs of this many rank rows, in 16-token tiles (step_is_wide).
 WIDE_RANK_ROWS = 32
@@ -122,6 +125,26 @@ def one_token_step_fuses(adapter_tokens: int, distinct: int, step_rank: int) -> 
     if adapter_tokens * FUSED_DECODE_ROWS < FUSED_DECODE_MIN_ROWS:
         return True
     return adapter_tokens <= ONE_TOKEN_MAX_SHARING * distinct
+
+
+def mixed_decodes_apart(decode_tokens: int, distinct: int, step_rank: int) -> bool:
+    """Whether a narrow mixed step (prefill_step_narrows) cuts its decode tokens into one-token
+    tiles (StepBatch.fill's one_token_tiles), which its fused calls send to the GEMV body, where
+    the segments' tiles put the decode tokens that share an adapter together in a tile of the
+    dot body (16 rank rows, its shrink and expand one after the other): when its adapters fit
+    ONE_TOKEN_ROWS and its decode tokens with an adapter share their ``distinct`` adapters
+    MIXED_APART_MIN_SHARING to ONE_TOKEN_MAX_SHARING tokens to one.
+
+    H200, one layer's S1 calls of a mixed step as the engine's narrow steps make them (every
+    call fused at 16 rank rows, the masked MLP calls beside), segments' tiles against decode
+    tokens apart (bench/results/lora_engine_calls_apart.json): decode tokens drawn from 100
+    adapters (about 4.5 to one) 81.7 -> 71.5 µs beside a 200-token prompt, 90.0 -> 86.4 beside
+    three of 400, 109.5 -> 92.7 (300 decode tokens) beside three of 512; drawn from 1000 (about
+    1.2 to one: few tiles change) 92.5 -> 95.2, from 30 (15 to one) 66.3 -> 68.5, from 5 65.2
+    -> 68.0."""
+    if decode_tokens <= 0 or step_rank > ONE_TOKEN_ROWS:
+        return False
+    return MIXED_APART_MIN_SHARING * distinct <= decode_tokens <= ONE_TOKEN_MAX_SHARING * distinct
 
 
 def prefill_step_narrows(step_rank: int) -> bool:

@@ -57,11 +57,14 @@ def make_lora_tokens(
     capacity: int | None = None,
     modules: Sequence[int] | None = None,
     one_token_tiles: bool = False,
+    entries: Sequence[int] | None = None,
 ) -> LoraTokens:
     """Build LoraTokens from per-token rows; pads to ``capacity`` segments with empty ones.
     ``modules``: the module ids some adapter of these rows has (None: every module).
-    ``one_token_tiles``: the smallest block's table lists every adapter token as a tile of its
-    own, as the engine writes it for a decode step on one-token tiles (StepBatch.fill)."""
+    ``one_token_tiles``: the smallest block's table cuts each entry's tokens apart from the
+    others', as the engine writes it for a step on one-token tiles (StepBatch.fill): ``entries``
+    are the entries' first tokens and the end (a step's query starts; None: every token an
+    entry, so every adapter token is a tile of its own)."""
     t = token_lora.numel()
     tl = token_lora.to(torch.int32)
     if t == 0:
@@ -84,7 +87,16 @@ def make_lora_tokens(
         len(tile_table.TILE_BLOCKS), k, 1
     )
     for b, block in enumerate(tile_table.TILE_BLOCKS):
-        flat = tile_table.block_tiles(starts, rows, 1 if one_token_tiles and b == 0 else block)
+        if one_token_tiles and b == 0:
+            cuts = list(range(t + 1)) if entries is None else list(entries)
+            if cuts[-1] != t:
+                raise ValueError(f"the entries end at token {cuts[-1]}, the step has {t}")
+            per_token = tl.tolist()
+            flat = tile_table.block_tiles(
+                cuts, [per_token[c] if c < t else -1 for c in cuts[:-1]], block
+            )
+        else:
+            flat = tile_table.block_tiles(starts, rows, block)
         if flat:
             tiles[b, : len(flat) // 3] = torch.tensor(flat, dtype=torch.int32).view(-1, 3)
     mask = None

@@ -180,6 +180,41 @@ def test_cuda_large_decode_steps_on_one_token_tiles_match_hf_peft(tiny_models):
     assert_matches_hf(tiny_models, "tiny-llama", model_dir, requests, results)
 
 
+def test_cuda_narrow_mixed_steps_with_decode_tokens_apart_match_hf_peft(tiny_models, monkeypatch):
+    """Mixed steps of rank-4 and rank-8 adapters in an engine sized for rank 64 (NARROW, with
+    the prefill-sized threshold lowered so that these steps count), whose decode tokens share
+    adapters a few to one beside new prompts on the same adapters: each decode token takes a
+    one-token tile (lora_paths.mixed_decodes_apart) in graphs and eagerly; every token against
+    HF + PEFT, the pool intact."""
+    monkeypatch.setattr(lora_paths, "FUSED_MAX_TOKENS", 16)
+    monkeypatch.setattr(lora_paths, "FUSED_SINGLE_SLICE_MIN_ROWS", 16)
+    model_dir = tiny_models.model("tiny-llama")
+    recorder = Recorder()
+    core = make_core(model_dir, recorder, device="cuda", dtype="float32", max_num_seqs=32,
+                     max_num_batched_tokens=96, max_lora_rank=64)  # fmt: skip
+    names = [("r4", "r8")[i % 2] for i in range(6)]
+    for i, name in enumerate(names):
+        core.add_adapter_dir(AdapterKey(f"a{i}", 1), tiny_models.adapter("tiny-llama", name))
+    gen = torch.Generator().manual_seed(78)
+    requests, arrivals = [], {}
+    for i in range(30):  # 27 on adapters, 3 on the base model; ten arrive every 3 steps
+        k = i % 6 if i % 10 != 9 else None
+        prompt = torch.randint(3, core.model_config.vocab_size, (5 + 3 * (i % 5),), generator=gen)
+        req = GenerationRequest(
+            request_id=f"req{i}", prompt_token_ids=prompt.tolist(),
+            adapter=None if k is None else AdapterKey(f"a{k}", 1),
+            sampling=SamplingParams(max_new_tokens=8, ignore_eos=True),
+        )  # fmt: skip
+        requests.append((req, None if k is None else names[k]))
+        arrivals.setdefault(3 * (i // 10), []).append(req)
+    results = run(core, arrivals, recorder)
+    narrow = [r for r in core.step_log.recent if r.lora == "fused, narrow"]
+    assert any(r.graph for r in narrow) and core.runner.apart_steps > 0
+    core.check_integrity()
+    assert core.stats().kv_pages == 0
+    assert_matches_hf(tiny_models, "tiny-llama", model_dir, requests, results)
+
+
 @pytest.mark.parametrize("preset, overlap, side_stream", MIXED_RUNS, ids=MIXED_IDS)
 def test_cuda_bfloat16_mixed_batch_tracks_hf_peft(tiny_models, preset, overlap, side_stream):
     from tests.inference.engine_harness import _hf_model

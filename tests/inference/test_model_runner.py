@@ -134,3 +134,48 @@ def test_a_one_token_graph_is_filled_with_one_token_tiles(tiny_models):
     runner._fill_for(GraphKey(4, 4, LoraMode.TWO), entries)
     tiles = runner.batch.lora_tokens.tiles[0]
     assert tiles[:3].tolist() == [[0, 0, 2], [2, 2, 3], [-1, 0, 0]]
+
+
+def test_a_narrow_mixed_step_cuts_its_decode_tokens_apart(tiny_models, monkeypatch):
+    """A prefill-sized step whose adapters fit 16 rank rows (NARROW) puts each decode token in a
+    one-token tile when its decode tokens share their adapters 2 to 8 to one and every adapter
+    fits 8 rank rows (lora_paths.mixed_decodes_apart), and the graph replaying it is filled so;
+    decode tokens on distinct adapters, or sharing one adapter more, keep the segments' tiles,
+    and so do steps of an adapter above 8 rank rows."""
+    from kernels import lora_paths
+
+    monkeypatch.setattr(lora_paths, "FUSED_MAX_TOKENS", 16)  # these steps count as prefill-sized
+    core = make_core(tiny_models.model("tiny-llama"), max_num_seqs=80, max_num_batched_tokens=128,
+                     max_lora_rank=64)  # fmt: skip
+    runner = core.runner
+    runner.row_ranks = [8, 8, 16, 8, 8, 8, 8, 8]
+    narrow = LoraMode.NARROW
+
+    def step(decodes, prompt_row=0):
+        entries = [BatchEntry([1], 3, [0], r, True) for r in decodes]
+        entries.append(BatchEntry(list(range(20)), 0, [1, 2, 3, 4, 5], prompt_row, True))
+        return sorted(entries, key=lambda e: e.lora_row)
+
+    def path(entries):
+        chosen = runner.step_lora(entries)
+        return chosen.mode, chosen.one_token_tiles
+
+    entries = step([0, 0, 1, 1, 3, 3])
+    assert path(entries) == (narrow, True)
+    runner._pad = BatchEntry((0,), 0, (0,), None, True)
+    key = GraphKey(32, 8, narrow)
+    runner._fill_for(key, entries, True)
+    tiles = runner.batch.lora_tokens.tiles[0]
+    assert tiles[:9].tolist() == [
+        [0, 2, 18], [0, 18, 22], [0, 0, 1], [0, 1, 2], [1, 22, 23], [1, 23, 24], [3, 24, 25],
+        [3, 25, 26], [-1, 0, 0],
+    ]  # fmt: skip
+    runner._fill_for(key, entries, False)
+    assert runner.batch.lora_tokens.tiles[0, :5].tolist() == [
+        [0, 0, 16], [0, 16, 22], [1, 22, 24], [3, 24, 26], [-1, 0, 0]
+    ]  # fmt: skip
+    assert path(step([0, 1, 3, 4])) == (narrow, False)  # decode tokens on distinct adapters
+    # 72 decode tokens on one adapter (over 64 adapter tokens, shared 72 to 1): the segments
+    assert path(step([4] * 72)) == (narrow, False)
+    # a rank-16 adapter in the step: NARROW still, its decode tokens on the segments' tiles
+    assert path(step([0, 0, 1, 1], prompt_row=2)) == (narrow, False)

@@ -90,6 +90,37 @@ def test_one_token_tiles_fill_the_smallest_block_table_only():
     assert b.lora_tokens.tiles[0, 2:, 0].eq(-1).all()
 
 
+def test_one_token_tiles_of_a_mixed_step_cut_each_entry_apart():
+    """fill(one_token_tiles=True) on a mixed step (a narrow step's decode tokens apart): in the
+    16-token table each decode token is a tile of its own and a prompt's chunk takes 16-token
+    tiles of its own, though both share the adapter's segment (longer tiles first, as
+    tile_table.block_tiles lists them); the other tables keep the segments' tiles. A step of
+    more adapter entries than the tiles' bound (the segment capacity) keeps the segments'."""
+    from kernels.tile_table import TILE_BLOCKS
+
+    b = StepBatch(
+        max_tokens=64, max_seqs=8, max_pages_per_seq=8, max_segments=4, page_size=4,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    prompt = BatchEntry(list(range(20)), 0, list(range(5)), 2, True)  # tokens 2..21
+    entries = [
+        BatchEntry([7], 2, [5], 2, True), BatchEntry([7], 2, [6], 2, True), prompt,
+        BatchEntry([7], 2, [7], 5, True),
+    ]  # fmt: skip
+    b.fill([BatchEntry([7], 2, [0], None, True), *entries], one_token_tiles=True)
+    tiles = b.lora_tokens.tiles
+    assert tiles[0, :6].tolist() == [
+        [2, 3, 19], [2, 19, 23], [2, 1, 2], [2, 2, 3], [5, 23, 24], [-1, 0, 0]
+    ]  # fmt: skip
+    assert tiles[1, :3].tolist() == [[2, 1, 23], [5, 23, 24], [-1, 0, 0]]
+    assert TILE_BLOCKS[1] == 32
+    # five adapter entries of one token each: 5 tiles, where 5 tokens on a capacity of 4
+    # segments bound the tiles at 1 + 4
+    five = [BatchEntry([7], 2, [k], r, True) for k, r in enumerate((1, 1, 1, 1, 1))]
+    b.fill([*five, BatchEntry([1, 2], 0, [6], 3, True)], one_token_tiles=True)
+    assert b.lora_tokens.tiles[0, :3].tolist() == [[1, 0, 5], [3, 5, 7], [-1, 0, 0]]
+
+
 def test_attention_tiles_list_the_prompts_and_forget_the_previous_step():
     """The prefill attention kernel's table (kernels/tile_table.query_tiles): the query rows
     of every sequence of two tokens or more, in 64-row tiles; a shorter step empties the rows

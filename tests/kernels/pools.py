@@ -97,13 +97,20 @@ def _device_gen(gen: torch.Generator, device: torch.device) -> torch.Generator:
 
 
 def lora_tokens(
-    rows: torch.Tensor, device: torch.device, capacity: int | None = None, one_token: bool = False
+    rows: torch.Tensor,
+    device: torch.device,
+    capacity: int | None = None,
+    one_token: bool = False,
+    entries: list[int] | None = None,
 ) -> LoraTokens:
     """LoraTokens with a fixed segment capacity, larger than needed (empty padding segments);
-    by default three more than the tokens. ``one_token``: the smallest block's tiles are one
-    token each (make_lora_tokens' one_token_tiles)."""
+    by default three more than the tokens. ``one_token``: the smallest block's tiles cut each
+    of ``entries`` (their first tokens and the end) apart, by default every token
+    (make_lora_tokens' one_token_tiles)."""
     cap = capacity or max(1, rows.numel()) + 3
-    return make_lora_tokens(rows.to(device), capacity=cap, one_token_tiles=one_token)
+    return make_lora_tokens(
+        rows.to(device), capacity=cap, one_token_tiles=one_token, entries=entries
+    )
 
 
 class KvSetup(NamedTuple):

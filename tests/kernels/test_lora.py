@@ -91,17 +91,18 @@ def _ranks(
 
 def _check_apply(
     shape, ranks, rows, dtype, gen, config=SMALL, workspace=None, path=None, masked=False,
-    one_token=False,
+    one_token=False, entries=None,
 ):  # fmt: skip
     """lora_apply against the reference; ``masked``: the tokens list the modules the rows'
     adapters have, as the engine's steps do (LoraTokens.modules); ``one_token``: the 16-token
-    tile table lists every token as its own tile (a decode step's on one-token tiles)."""
+    tile table lists every token as its own tile (a decode step's on one-token tiles), or with
+    ``entries`` (their first tokens and the end) each entry's tokens apart (a mixed step's)."""
     max_rank = max(max(r.values()) for r in ranks)
     if path is not None:
         config = _config(path, shape, rows.numel(), max_rank, parts=1 + rows.numel() % 3)
     dims = {m: (shape.d_in, w) for m, w in zip(shape.modules, shape.widths, strict=True)}
     setup = build_adapters(ranks, dims, shape.width, dtype, DEVICE, gen)
-    tokens = lora_tokens(rows, DEVICE, SEG_CAPACITY, one_token=one_token)
+    tokens = lora_tokens(rows, DEVICE, SEG_CAPACITY, one_token=one_token, entries=entries)
     if masked:
         used = {m for row in rows.tolist() if row >= 0 for m, r in ranks[row].items() if r}
         tokens = tokens._replace(modules=_module_mask(used))
@@ -229,6 +230,42 @@ def test_apply_one_token_tiles_of_shared_adapters(popularity):
         )  # fmt: skip
     dtype = DTYPES[i % len(DTYPES)]
     _check_apply(shape, ranks, rows, dtype, gen, config=cfg, masked=True, one_token=True)
+
+
+@pytest.mark.parametrize("prompt_first", [False, True])
+def test_mixed_step_with_its_decode_tokens_apart(prompt_first):
+    """A narrow mixed step's fused calls with each entry's tokens apart (lora_paths.
+    mixed_decodes_apart): decode tokens that share an adapter with each other and with a
+    prompt's chunk each take a one-token tile on the GEMV body, the chunks 16-token tiles of
+    their own on the dot body; base-only entries between them."""
+    gen = torch.Generator().manual_seed(500 + prompt_first)
+    shape = LORA_SHAPES[prompt_first % len(LORA_SHAPES)]
+    ranks = _ranks(ADAPTERS, shape.modules, (8, 4, 1), gen)
+    # (adapter row, tokens) per entry, grouped by adapter as the engine's steps are
+    decode = [(0, 1), (0, 1), (0, 1), (1, 1), (2, 1), (2, 1), (-1, 1), (-1, 1)]
+    prompts = [(0, 19), (2, 5), (-1, 7)]
+    entries = sorted(prompts + decode if prompt_first else decode + prompts,
+                     key=lambda e: e[0])  # fmt: skip
+    rows = torch.tensor([r for r, n in entries for _ in range(n)], dtype=torch.int32)
+    starts = [0]
+    for _, n in entries:
+        starts.append(starts[-1] + n)
+    tiles = lora_tokens(rows, DEVICE, SEG_CAPACITY, True, starts).tiles[0].cpu()
+    tiles = tiles[tiles[:, 0] >= 0]
+    sizes = sorted((tiles[:, 2] - tiles[:, 1]).tolist())
+    assert sizes == [1] * 6 + [3, 5, 16]  # the decode tokens apart; 19 = 16 + 3
+    t = rows.numel()
+    if ON_GPU:
+        cfg = lora.fused_config(t, shape.width, 16, len(shape.modules), max(shape.widths),
+                                d_in=shape.d_in)  # fmt: skip
+    else:
+        cfg = lora.LoraLaunch(
+            block_m=16, shrink_k=16, shrink_r=16, expand_n=16, fused=True, parts=2,
+            gemv_max=1, gemv_k=16, gemv_n=16, gemv_narrow=8,
+        )  # fmt: skip
+    assert cfg.gemv_max == 1
+    _check_apply(shape, ranks, rows, DTYPES[prompt_first % len(DTYPES)], gen, config=cfg,
+                 masked=True, one_token=True, entries=starts)  # fmt: skip
 
 
 @pytest.mark.parametrize("grouped", [True, False])

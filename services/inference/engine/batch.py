@@ -128,8 +128,14 @@ class StepBatch:
         tokens and sequences: padding tokens belong to no sequence (no K/V slot, no adapter;
         attention leaves their rows unwritten), padding sequences have no tokens and no context,
         and every padding sequence's logits row reads token 0 (dropped). ``one_token_tiles``:
-        the LoRA tile table of the smallest block lists every adapter token as a tile of its own
-        (a decode step's fused calls: kernels.lora_paths.one_token_step_fuses)."""
+        the LoRA tile table of the smallest block cuts each entry's tokens apart from the other
+        entries', so every decode token (an entry of one token) is a tile of its own and a
+        prompt's tokens are tiles of that block, where the table otherwise cuts each adapter's
+        segment (the tokens of every entry on that adapter) into tiles of the block: a decode
+        step's fused calls on one-token tiles (kernels.lora_paths.one_token_step_fuses) and a
+        mixed step's whose decode tokens take them (ModelRunner.step_lora). Steps of more
+        adapter entries than their tiles' bound holds (tile_table.max_tiles over the segment
+        capacity) keep the segments' tiles."""
         if not entries:
             raise ValueError("a step needs at least one sequence")
         seqs = len(entries) if pad_seqs is None else pad_seqs
@@ -145,6 +151,7 @@ class StepBatch:
         rows: list[int] = []
         seq_lens: list[int] = []
         starts = [0]
+        entry_rows: list[int] = []  # each entry's LoRA row (-1: none)
         logits: list[int] = []
         h = self._host
         width = max(len(e.pages) for e in entries)  # block tables: one write, rows padded
@@ -167,6 +174,7 @@ class StepBatch:
                 p = page_end
             row = -1 if e.lora_row is None else e.lora_row
             rows.extend([row] * n)
+            entry_rows.append(row)
             seq_lens.append(end)
             starts.append(starts[-1] + n)
             if e.sample:
@@ -195,7 +203,10 @@ class StepBatch:
         seg_starts, seg_rows = _segments(rows)
         if len(seg_rows) > self.max_segments:
             raise ValueError(f"{len(seg_rows)} LoRA segments exceed {self.max_segments}")
-        self._write_tiles(seg_starts, seg_rows, starts, one_token_tiles)
+        entries_apart = None
+        if one_token_tiles:
+            entries_apart = (starts[: len(entry_rows) + 1], entry_rows)
+        self._write_tiles(seg_starts, seg_rows, starts, entries_apart)
         _write(h["lora_modules"], self._modules(seg_rows))
         # Unused segments are empty (start = end = t) and base-only, like make_lora_tokens pads.
         seg_starts += [t] * (self.max_segments + 1 - len(seg_starts))
@@ -308,16 +319,25 @@ class StepBatch:
         return self._dev["attn_tiles"]
 
     def _write_tiles(
-        self, seg_starts: list[int], seg_rows: list[int], starts: list[int], one_token: bool
+        self,
+        seg_starts: list[int],
+        seg_rows: list[int],
+        starts: list[int],
+        entries: tuple[list[int], list[int]] | None,
     ) -> None:
-        """Each block size's tiles of the step's adapter segments (with ``one_token``, tiles of
-        one token in the smallest block's table), and the prefill attention tiles of its
-        sequences (query ``starts``), into their host tables; the rows the previous step wrote
-        past them go back to empty (row -1)."""
+        """Each block size's tiles of the step's adapter segments and the prefill attention
+        tiles of its sequences (query ``starts``), into their host tables; the rows the previous
+        step wrote past them go back to empty (row -1). With ``entries`` (each entry's query
+        starts and LoRA row), the smallest block's tiles cut each entry apart instead (fill's
+        one_token_tiles), when the launches' tile bound holds them."""
         lora = self._host["lora_tiles"]
-        blocks = [1 if one_token and b == 0 else block for b, block in enumerate(TILE_BLOCKS)]
         tables = [(lora[b], block_tiles(seg_starts, seg_rows, block))
-                  for b, block in enumerate(blocks)]  # fmt: skip
+                  for b, block in enumerate(TILE_BLOCKS)]  # fmt: skip
+        if entries is not None:
+            apart = block_tiles(*entries, TILE_BLOCKS[0])
+            bound = max_tiles(starts[-1], TILE_BLOCKS[0], self.max_segments)
+            if len(apart) // FIELDS <= min(bound, lora.shape[1]):
+                tables[0] = (lora[0], apart)
         tables.append((self._host["attn_tiles"], query_tiles(starts, ATTENTION_BLOCK)))
         for i, (table, flat) in enumerate(tables):
             n = len(flat) // FIELDS

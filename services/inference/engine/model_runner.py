@@ -96,10 +96,15 @@ class GraphKey(NamedTuple):
 
 
 class StepLora(NamedTuple):
-    """A step's LoRA calls: their path, and the modules its adapters have (bits; None: all)."""
+    """A step's LoRA calls: their path, the modules its adapters have (bits; None: all), and
+    whether the smallest block's tile table cuts every entry apart (StepBatch.fill's
+    one_token_tiles: each decode token a tile of its own; ONE_TOKEN steps, and NARROW steps
+    whose decode tokens would take ONE_TOKEN on their own). Tensor-parallel workers adopt the
+    filled batch, tiles included, so encode() leaves the last out."""
 
     mode: LoraMode
     modules: int | None
+    one_token_tiles: bool = False
 
     def encode(self) -> tuple[int, int]:
         """As two ints (a tensor-parallel command header's fields)."""
@@ -174,6 +179,7 @@ class ModelRunner:
         self.last_graph = False  # whether the latest step replayed one
         self.fused_steps = 0  # decode steps whose LoRA path was the fused one (CUDA runs it)
         self.attention_steps = 0  # steps replayed on a graph without MLP LoRA calls
+        self.apart_steps = 0  # NARROW steps whose decode tokens took one-token tiles
         self.last_lora = LoraMode.NONE  # the latest step's LoRA path (the step log's "lora")
         # Under tensor parallelism, this rank's end of the group (engine/tensor_parallel.py):
         # rank 0 sends each filled step to the workers, every rank receives the step's
@@ -238,17 +244,23 @@ class ModelRunner:
         tokens) fused or two launches by lora_paths.decode_prefers_fused over its adapter
         tokens; for a prefill-sized one NARROW when every adapter of it fits
         FUSED_PREFILL_MAX_ROWS (lora_paths.prefill_step_narrows: every call fused, sized for
-        those rows). Otherwise, with an adapter above FUSED_DECODE_ROWS, two launches of
-        WIDE_RANK_ROWS-row programs (WIDE, lora_paths.step_is_wide); else two launches
-        (decode-sized) or the shapes' choice, at max_lora_rank."""
-        tokens = adapter_tokens = 0
-        rows = set()
+        those rows), its decode tokens each a one-token tile when they alone would take
+        ONE_TOKEN (the fused kernel's GEMV body, rather than a dot-body tile of the decode
+        tokens that share an adapter: lora_paths.mixed_decodes_apart). Otherwise, with an
+        adapter above FUSED_DECODE_ROWS, two launches of WIDE_RANK_ROWS-row programs (WIDE,
+        lora_paths.step_is_wide); else two launches (decode-sized) or the shapes' choice, at
+        max_lora_rank."""
+        tokens = adapter_tokens = decode_tokens = 0
+        rows, decode_rows = set(), set()
         for e in entries:
             n = len(e.token_ids)
             tokens += n
             if e.lora_row is not None:
                 adapter_tokens += n
                 rows.add(e.lora_row)
+                if n == 1:
+                    decode_tokens += 1
+                    decode_rows.add(e.lora_row)
         if not rows:
             return StepLora(LoraMode.NONE, None)
         modules = None
@@ -259,12 +271,13 @@ class ModelRunner:
         rank = max(self.row_ranks[r] for r in rows)
         if tokens == len(entries) and self._one_token(tokens):  # one token each: decode
             if lora_paths.one_token_step_fuses(adapter_tokens, len(rows), rank):
-                return StepLora(LoraMode.ONE_TOKEN, modules)
+                return StepLora(LoraMode.ONE_TOKEN, modules, True)
         decode_sized = tokens <= lora_paths.FUSED_MAX_TOKENS
         if decode_sized and lora_paths.decode_prefers_fused(adapter_tokens, len(rows), rank):
             return StepLora(LoraMode.FUSED, modules)
         if self._narrows(tokens) and lora_paths.prefill_step_narrows(rank):  # prefill-sized
-            return StepLora(LoraMode.NARROW, modules)
+            apart = lora_paths.mixed_decodes_apart(decode_tokens, len(decode_rows), rank)
+            return StepLora(LoraMode.NARROW, modules, apart)
         if lora_paths.step_is_wide(rank):
             return StepLora(LoraMode.WIDE, modules)
         return StepLora(LoraMode.TWO if decode_sized else LoraMode.SHAPES, modules)
@@ -366,16 +379,23 @@ class ModelRunner:
             lora_paths.WIDE_RANK_ROWS, lora_paths.FUSED_DECODE_ROWS, self._wides(),
         )  # fmt: skip
 
-    def _fill_for(self, key: GraphKey, entries: Sequence[BatchEntry]) -> None:
+    def _fill_for(
+        self, key: GraphKey, entries: Sequence[BatchEntry], one_token_tiles: bool | None = None
+    ) -> None:
         """Fill the batch for a replay of the graph ``key``: decode graphs pad with rows that
-        decode into the reserved page, mixed graphs with tokens and sequences of nothing."""
+        decode into the reserved page, mixed graphs with tokens and sequences of nothing.
+        ``one_token_tiles`` (StepBatch.fill; None: a ONE_TOKEN graph's)."""
+        if one_token_tiles is None:
+            one_token_tiles = key.lora is LoraMode.ONE_TOKEN
         if key.tokens == key.seqs:  # a decode graph (a mixed one has fewer sequences than tokens)
             self.batch.fill(
                 [*entries, *[self._pad] * (key.seqs - len(entries))],
-                one_token_tiles=key.lora is LoraMode.ONE_TOKEN,
+                one_token_tiles=one_token_tiles,
             )
         else:
-            self.batch.fill(entries, pad_tokens=key.tokens, pad_seqs=key.seqs)
+            self.batch.fill(
+                entries, pad_tokens=key.tokens, pad_seqs=key.seqs, one_token_tiles=one_token_tiles
+            )
 
     def _graph_for(self, entries: Sequence[BatchEntry], step: StepLora) -> GraphKey | None:
         """The captured graph that serves this step, if any: one of its path (or the nearest
@@ -430,7 +450,11 @@ class ModelRunner:
         step = self.step_lora(entries)
         key = self._graph_for(entries, step)
         if key is not None:
-            self._fill_for(key, entries)
+            # The step's tiles where the graph is of its path (a ONE_TOKEN decode step may
+            # replay a graph of two launches, at a size without a ONE_TOKEN graph).
+            apart = step.one_token_tiles and key.lora is step.mode
+            self._fill_for(key, entries, apart)
+            self.apart_steps += apart and key.lora is LoraMode.NARROW
             graph, logits = self._graphs[key]
             graph.replay()
             self.graph_steps += 1
@@ -441,7 +465,8 @@ class ModelRunner:
             return logits[: sum(e.sample for e in entries)]
         self.last_graph, self.last_lora = False, step.mode
         self.fused_steps += step.mode is LoraMode.FUSED
-        self.batch.fill(entries, one_token_tiles=step.mode is LoraMode.ONE_TOKEN)
+        self.batch.fill(entries, one_token_tiles=step.one_token_tiles)
+        self.apart_steps += step.one_token_tiles and step.mode is LoraMode.NARROW
         if self.tp is not None:
             self.tp.send_step(self.batch, step)
         return self._forward(self._lora_for(step.mode, step.modules))
