@@ -55,6 +55,12 @@ make them (the masked MLP calls beside), on the segments' tiles (the decode toke
 adapter together in dot-body tiles) against each entry apart (every decode token a one-token
 tile on the GEMV body: kernels.lora_paths.mixed_decodes_apart).
 
+With ``--s2-gemv`` the cases are S2's decode steps (S2_GEMV_CASES: tokens drawn from 100 and
+from 1000 adapters), by the engine's WIDE two launches against fused launches at 64 rank rows
+whose one-token tiles (every token its own tile) take the GEMV body at 64 rows
+(S2_GEMV_POINTS: weight block, warps, and the narrow body's rows for tiles of rank 32 or less),
+beside the fused kernel at 64 rows on the segments' tiles (its dot body, no GEMV body).
+
 With ``--gemv`` the cases are both sets, decode-only and the trace's steps, and the variants the
 fused kernel's GEMV body (kernels/lora_fused.py) by rank rows, tiles it takes (gemv_max), weight
 block and warps (GEMV_POINTS), every call on the fused kernel, against the engine's fused-step
@@ -62,7 +68,7 @@ rule (q/k/v fused, o fused from 256 tokens; prefill-sized steps all fused) and a
 launches.
 
     python bench/lora_engine_calls.py [--splits] [--profile] [--steps] [--small] [--one-token] \
-        [--hoist] [--sharing] [--dot] [--apart] [--s2] [--s2-steps] \
+        [--hoist] [--sharing] [--dot] [--apart] [--s2] [--s2-steps] [--s2-gemv] \
         [--gemv] [--points N] \
         [--out bench/results/lora_engine_calls.json]
 """
@@ -222,6 +228,16 @@ APART_CASES = (
     (450, 30, (200,)),
     (450, 5, (200,)),
 )
+# --s2-gemv: S2's decode steps (tokens, adapters drawn from), and the GEMV body at 64 rank rows
+# (weight block, warps, narrow rows: 32 = tiles of rank <= 32 in 32-row blocks twice as wide)
+S2_GEMV_CASES = ((400, 100, ()), (256, 100, ()), (64, 100, ()), (400, 1000, ()), (256, 1000, ()))
+S2_GEMV_POINTS = (
+    (256, 8, 0),
+    (256, 8, 32),
+    (128, 4, 0),
+    (128, 4, 32),
+    (512, 8, 32),
+)
 S1_MODULES = (Q, K, V, O)
 LAYERS = 4  # each with its own weights, so one layer's adapters do not stay in L2
 
@@ -376,6 +392,8 @@ def main() -> None:
     ap.add_argument("--s2", action="store_true", help="S2's steps by two-launch blocks")
     ap.add_argument("--s2-steps", action="store_true",
                     help="S2's mixed steps, two launches against fused at 64 rows")  # fmt: skip
+    ap.add_argument("--s2-gemv", action="store_true",
+                    help="S2's decode steps, one-token tiles on a 64-row GEMV body")  # fmt: skip
     ap.add_argument("--points", type=int, default=None,
                     help="--gemv, --s2: the first this many of GEMV_POINTS, S2_POINTS")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/lora_engine_calls.json")
@@ -420,6 +438,13 @@ def main() -> None:
                 v.update(split_k=split, expand_n=en, shrink_r=r, expand_r=r, block_m=bm)
             variants.append(v)
         variants += dot_variants(S2_FUSED_POINTS, max_rank=64, mlp=False)
+    elif args.s2_gemv:
+        variants.append(dict(max_rank=128, segments=514, fused=False, rank_block=32, mlp=True))
+        variants += dot_variants((None,), max_rank=64, mlp=True)
+        for block, warps, narrow in S2_GEMV_POINTS:
+            v = dict(max_rank=64, segments=514, gemv_max=1, gemv_r=64, gemv_block=block,
+                     warps=warps, gemv_narrow=narrow, one_token=True, mlp=True)  # fmt: skip
+            variants.append(v)
     elif args.s2_steps:
         variants.append(dict(max_rank=128, segments=514, fused=False, rank_block=32, mlp=True))
         variants += dot_variants(S2_STEP_POINTS, max_rank=64, mlp=True)
@@ -467,6 +492,9 @@ def main() -> None:
         rows = [r for t, n, p in APART_CASES for r in time_case(t, n, gen, variants, p)]
     elif args.s2:
         rows = [r for t, n, p in S2_CASES for r in time_case(t, n, gen, variants, p, S2_RANKS)]
+    elif args.s2_gemv:
+        rows = [r for t, n, p in S2_GEMV_CASES
+                for r in time_case(t, n, gen, variants, p, S2_RANKS)]  # fmt: skip
     elif args.s2_steps:
         rows = [r for t, n, p in S2_STEP_CASES
                 for r in time_case(t, n, gen, variants, p, S2_RANKS)]  # fmt: skip
@@ -476,7 +504,7 @@ def main() -> None:
         rows = [r for t, n in CASES for r in time_case(t, n, gen, variants)]
     write_result(args.out, "lora_engine_calls.py", {
         "benchmark": "one layer's LoRA calls (q/k/v, o) as the engine makes them, "
-        + ("S2 (ranks 8-64)" if args.s2 or args.s2_steps else "S1 (rank 8)"),
+        + ("S2 (ranks 8-64)" if args.s2 or args.s2_steps or args.s2_gemv else "S1 (rank 8)"),
         "gpu": torch.cuda.get_device_name(), "rows": rows,
     })  # fmt: skip
 

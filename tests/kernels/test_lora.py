@@ -292,6 +292,32 @@ def test_gemv_body_takes_small_rank_tiles_in_narrow_blocks(grouped):
                  one_token=not grouped)  # fmt: skip
 
 
+def test_wide_gemv_body_takes_s2_ranks_on_one_token_tiles():
+    """A GEMV body of as many rank rows as the engine's widest S2 adapter (64 on a GPU, 32 under
+    the interpreter), with its narrow body of half those rows for tiles of adapters that fit
+    them (what bench/lora_engine_calls.py --s2-gemv times): S2's mixed ranks on one-token
+    tiles, shared adapters included, against the reference."""
+    gen = torch.Generator().manual_seed(450)
+    shape = LORA_SHAPES[0]
+    wide = 64 if ON_GPU else 32
+    ranks = _ranks(ADAPTERS, shape.modules, (wide, wide // 2, wide // 4, 3), gen)
+    rows = token_rows("uniform", POP_BATCH, ADAPTERS, gen, grouped=True)
+    t = rows.numel()
+    if ON_GPU:
+        cfg = lora.fused_config(t, shape.width, wide, len(shape.modules), max(shape.widths),
+                                d_in=shape.d_in)._replace(
+            gemv_max=1, gemv_k=256, gemv_n=256, gemv_r=wide, gemv_narrow=wide // 2,
+            shrink_warps=8,
+        )  # fmt: skip
+    else:
+        cfg = lora.LoraLaunch(
+            block_m=16, shrink_k=16, shrink_r=wide, expand_n=16, fused=True, parts=2,
+            gemv_max=1, gemv_k=16, gemv_n=16, gemv_r=wide, gemv_narrow=wide // 2,
+        )  # fmt: skip
+    _check_apply(shape, ranks, rows, DTYPES[1 % len(DTYPES)], gen, config=cfg, masked=True,
+                 one_token=True)  # fmt: skip
+
+
 @pytest.mark.parametrize("one_token", [True, False])
 def test_one_token_tiles_issue_every_load_first(one_token):
     """Where a slice's A and Bᵀ rows fit one GEMV block and one pool chunk (lora.gemv_hoists),
