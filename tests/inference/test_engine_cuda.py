@@ -144,6 +144,26 @@ def test_cuda_attention_only_decode_graphs_match_hf_peft(tiny_models, monkeypatc
     assert_matches_hf(tiny_models, "tiny-llama", model_dir, requests, results)
 
 
+def _small_adapter_requests(tiny_models, core, keys, prompt_lens, max_new_tokens, seed):
+    """Requests of random prompts (``prompt_lens``), request i on adapter key a{keys[i]} (None:
+    the base model), each key added to ``core`` over r4's weights (even keys) or r8's (odd):
+    [(request, its parity adapter's name or None)]."""
+    names = {k: ("r4", "r8")[k % 2] for k in keys if k is not None}
+    for k, name in sorted(names.items()):
+        core.add_adapter_dir(AdapterKey(f"a{k}", 1), tiny_models.adapter("tiny-llama", name))
+    gen = torch.Generator().manual_seed(seed)
+    requests = []
+    for i, (k, n) in enumerate(zip(keys, prompt_lens, strict=True)):
+        prompt = torch.randint(3, core.model_config.vocab_size, (n,), generator=gen)
+        req = GenerationRequest(
+            request_id=f"req{i}", prompt_token_ids=prompt.tolist(),
+            adapter=None if k is None else AdapterKey(f"a{k}", 1),
+            sampling=SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True),
+        )  # fmt: skip
+        requests.append((req, None if k is None else names[k]))
+    return requests
+
+
 def test_cuda_large_decode_steps_on_one_token_tiles_match_hf_peft(tiny_models):
     """Decode steps of 64 sequences and more whose rank-4 and rank-8 adapters are shared at most
     ONE_TOKEN_MAX_SHARING tokens to one (ten adapter keys over r4's and r8's weights, seven
@@ -156,20 +176,10 @@ def test_cuda_large_decode_steps_on_one_token_tiles_match_hf_peft(tiny_models):
     recorder = Recorder()
     core = make_core(model_dir, recorder, device="cuda", dtype="float32", max_num_seqs=80,
                      max_num_batched_tokens=640, max_loras=80, num_pages=2048)  # fmt: skip
-    names = [("r4", "r8")[i % 2] for i in range(10)]
-    for i, name in enumerate(names):
-        core.add_adapter_dir(AdapterKey(f"a{i}", 1), tiny_models.adapter("tiny-llama", name))
-    gen = torch.Generator().manual_seed(77)
-    requests = []
-    for i in range(76):  # 70 on adapters, 6 on the base model
-        k = i % 10 if i < 70 else None
-        prompt = torch.randint(3, core.model_config.vocab_size, (5 + i % 4,), generator=gen)
-        req = GenerationRequest(
-            request_id=f"req{i}", prompt_token_ids=prompt.tolist(),
-            adapter=None if k is None else AdapterKey(f"a{k}", 1),
-            sampling=SamplingParams(max_new_tokens=5, ignore_eos=True),
-        )  # fmt: skip
-        requests.append((req, None if k is None else names[k]))
+    # 70 on ten adapters, 6 on the base model
+    keys = [i % 10 if i < 70 else None for i in range(76)]
+    requests = _small_adapter_requests(tiny_models, core, keys, [5 + i % 4 for i in range(76)],
+                                       max_new_tokens=5, seed=77)  # fmt: skip
     results = run(core, {0: [r for r, _ in requests]}, recorder)
     big = [r for r in core.step_log.recent
            if r.graph and r.prefill_tokens == 0 and r.seqs >= 64]  # fmt: skip
@@ -192,20 +202,12 @@ def test_cuda_narrow_mixed_steps_with_decode_tokens_apart_match_hf_peft(tiny_mod
     recorder = Recorder()
     core = make_core(model_dir, recorder, device="cuda", dtype="float32", max_num_seqs=32,
                      max_num_batched_tokens=96, max_lora_rank=64)  # fmt: skip
-    names = [("r4", "r8")[i % 2] for i in range(6)]
-    for i, name in enumerate(names):
-        core.add_adapter_dir(AdapterKey(f"a{i}", 1), tiny_models.adapter("tiny-llama", name))
-    gen = torch.Generator().manual_seed(78)
-    requests, arrivals = [], {}
-    for i in range(30):  # 27 on adapters, 3 on the base model; ten arrive every 3 steps
-        k = i % 6 if i % 10 != 9 else None
-        prompt = torch.randint(3, core.model_config.vocab_size, (5 + 3 * (i % 5),), generator=gen)
-        req = GenerationRequest(
-            request_id=f"req{i}", prompt_token_ids=prompt.tolist(),
-            adapter=None if k is None else AdapterKey(f"a{k}", 1),
-            sampling=SamplingParams(max_new_tokens=8, ignore_eos=True),
-        )  # fmt: skip
-        requests.append((req, None if k is None else names[k]))
+    # 27 on six adapters, 3 on the base model; ten arrive every 3 steps
+    keys = [i % 6 if i % 10 != 9 else None for i in range(30)]
+    lens = [5 + 3 * (i % 5) for i in range(30)]
+    requests = _small_adapter_requests(tiny_models, core, keys, lens, max_new_tokens=8, seed=78)
+    arrivals: dict[int, list] = {}
+    for i, (req, _) in enumerate(requests):
         arrivals.setdefault(3 * (i // 10), []).append(req)
     results = run(core, arrivals, recorder)
     narrow = [r for r in core.step_log.recent if r.lora == "fused, narrow"]

@@ -232,6 +232,19 @@ def test_apply_one_token_tiles_of_shared_adapters(popularity):
     _check_apply(shape, ranks, rows, dtype, gen, config=cfg, masked=True, one_token=True)
 
 
+def _narrow_fused_config(shape, t: int):
+    """A fused launch of 16 rank rows with its GEMV body for one-token tiles and that body's
+    narrow blocks for rank-8 tiles: the engine's narrow steps' (fused_config) on a GPU, small
+    blocks under the interpreter."""
+    if ON_GPU:
+        return lora.fused_config(t, shape.width, 16, len(shape.modules), max(shape.widths),
+                                 d_in=shape.d_in)  # fmt: skip
+    return lora.LoraLaunch(
+        block_m=16, shrink_k=16, shrink_r=16, expand_n=16, fused=True, parts=2,
+        gemv_max=1, gemv_k=16, gemv_n=16, gemv_narrow=8,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("prompt_first", [False, True])
 def test_mixed_step_with_its_decode_tokens_apart(prompt_first):
     """A narrow mixed step's fused calls with each entry's tokens apart (lora_paths.
@@ -255,14 +268,7 @@ def test_mixed_step_with_its_decode_tokens_apart(prompt_first):
     sizes = sorted((tiles[:, 2] - tiles[:, 1]).tolist())
     assert sizes == [1] * 6 + [3, 5, 16]  # the decode tokens apart; 19 = 16 + 3
     t = rows.numel()
-    if ON_GPU:
-        cfg = lora.fused_config(t, shape.width, 16, len(shape.modules), max(shape.widths),
-                                d_in=shape.d_in)  # fmt: skip
-    else:
-        cfg = lora.LoraLaunch(
-            block_m=16, shrink_k=16, shrink_r=16, expand_n=16, fused=True, parts=2,
-            gemv_max=1, gemv_k=16, gemv_n=16, gemv_narrow=8,
-        )  # fmt: skip
+    cfg = _narrow_fused_config(shape, t)
     assert cfg.gemv_max == 1
     _check_apply(shape, ranks, rows, DTYPES[prompt_first % len(DTYPES)], gen, config=cfg,
                  masked=True, one_token=True, entries=starts)  # fmt: skip
@@ -279,14 +285,7 @@ def test_gemv_body_takes_small_rank_tiles_in_narrow_blocks(grouped):
     assert {r for a in ranks for r in a.values()} & {3, 8}
     rows = token_rows("uniform", POP_BATCH, ADAPTERS, gen, grouped)
     t = rows.numel()
-    if ON_GPU:
-        cfg = lora.fused_config(t, shape.width, 16, len(shape.modules), max(shape.widths),
-                                d_in=shape.d_in)  # fmt: skip
-    else:
-        cfg = lora.LoraLaunch(
-            block_m=16, shrink_k=16, shrink_r=16, expand_n=16, fused=True, parts=2,
-            gemv_max=1, gemv_k=16, gemv_n=16, gemv_narrow=8,
-        )  # fmt: skip
+    cfg = _narrow_fused_config(shape, t)
     assert (cfg.gemv_max, cfg.gemv_r or cfg.shrink_r, cfg.gemv_narrow) == (1, 16, 8)
     _check_apply(shape, ranks, rows, DTYPES[grouped % len(DTYPES)], gen, config=cfg,
                  one_token=not grouped)  # fmt: skip
