@@ -113,12 +113,13 @@ def test_one_token_tiles_of_a_mixed_step_cut_each_entry_apart():
         [2, 3, 19], [2, 19, 23], [2, 1, 2], [2, 2, 3], [5, 23, 24], [-1, 0, 0]
     ]  # fmt: skip
     assert tiles[1, :3].tolist() == [[2, 1, 23], [5, 23, 24], [-1, 0, 0]]
-    assert TILE_BLOCKS[1] == 32
+    assert TILE_BLOCKS[1] == 32 and b.tiles_apart
     # five adapter entries of one token each: 5 tiles, where 5 tokens on a capacity of 4
     # segments bound the tiles at 1 + 4
     five = [BatchEntry([7], 2, [k], r, True) for k, r in enumerate((1, 1, 1, 1, 1))]
     b.fill([*five, BatchEntry([1, 2], 0, [6], 3, True)], one_token_tiles=True)
     assert b.lora_tokens.tiles[0, :3].tolist() == [[1, 0, 5], [3, 5, 7], [-1, 0, 0]]
+    assert not b.tiles_apart
 
 
 def test_attention_tiles_list_the_prompts_and_forget_the_previous_step():

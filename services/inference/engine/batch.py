@@ -114,6 +114,7 @@ class StepBatch:
         self._tiles_used = [0] * (len(TILE_BLOCKS) + 1)
         self.num_tokens = self.num_seqs = self.num_logits = self.num_sampled = 0
         self.has_lora = False
+        self.tiles_apart = False  # whether the last fill cut its entries apart (one_token_tiles)
 
     def fill(
         self,
@@ -333,11 +334,13 @@ class StepBatch:
         lora = self._host["lora_tiles"]
         tables = [(lora[b], block_tiles(seg_starts, seg_rows, block))
                   for b, block in enumerate(TILE_BLOCKS)]  # fmt: skip
+        self.tiles_apart = False
         if entries is not None:
             apart = block_tiles(*entries, TILE_BLOCKS[0])
             bound = max_tiles(starts[-1], TILE_BLOCKS[0], self.max_segments)
             if len(apart) // FIELDS <= min(bound, lora.shape[1]):
                 tables[0] = (lora[0], apart)
+                self.tiles_apart = True
         tables.append((self._host["attn_tiles"], query_tiles(starts, ATTENTION_BLOCK)))
         for i, (table, flat) in enumerate(tables):
             n = len(flat) // FIELDS

@@ -99,8 +99,9 @@ class StepLora(NamedTuple):
     """A step's LoRA calls: their path, the modules its adapters have (bits; None: all), and
     whether the smallest block's tile table cuts every entry apart (StepBatch.fill's
     one_token_tiles: each decode token a tile of its own; ONE_TOKEN steps, and NARROW steps
-    whose decode tokens would take ONE_TOKEN on their own). Tensor-parallel workers adopt the
-    filled batch, tiles included, so encode() leaves the last out."""
+    whose decode tokens share their adapters a few to one: lora_paths.mixed_decodes_apart).
+    Tensor-parallel workers adopt the filled batch, tiles included, so encode() leaves the
+    last out."""
 
     mode: LoraMode
     modules: int | None
@@ -244,8 +245,8 @@ class ModelRunner:
         tokens) fused or two launches by lora_paths.decode_prefers_fused over its adapter
         tokens; for a prefill-sized one NARROW when every adapter of it fits
         FUSED_PREFILL_MAX_ROWS (lora_paths.prefill_step_narrows: every call fused, sized for
-        those rows), its decode tokens each a one-token tile when they alone would take
-        ONE_TOKEN (the fused kernel's GEMV body, rather than a dot-body tile of the decode
+        those rows), its decode tokens each a one-token tile when they share their adapters a
+        few to one (the fused kernel's GEMV body, rather than a dot-body tile of the decode
         tokens that share an adapter: lora_paths.mixed_decodes_apart). Otherwise, with an
         adapter above FUSED_DECODE_ROWS, two launches of WIDE_RANK_ROWS-row programs (WIDE,
         lora_paths.step_is_wide); else two launches (decode-sized) or the shapes' choice, at
@@ -454,7 +455,7 @@ class ModelRunner:
             # replay a graph of two launches, at a size without a ONE_TOKEN graph).
             apart = step.one_token_tiles and key.lora is step.mode
             self._fill_for(key, entries, apart)
-            self.apart_steps += apart and key.lora is LoraMode.NARROW
+            self.apart_steps += self.batch.tiles_apart and key.lora is LoraMode.NARROW
             graph, logits = self._graphs[key]
             graph.replay()
             self.graph_steps += 1
@@ -466,7 +467,7 @@ class ModelRunner:
         self.last_graph, self.last_lora = False, step.mode
         self.fused_steps += step.mode is LoraMode.FUSED
         self.batch.fill(entries, one_token_tiles=step.one_token_tiles)
-        self.apart_steps += step.one_token_tiles and step.mode is LoraMode.NARROW
+        self.apart_steps += self.batch.tiles_apart and step.mode is LoraMode.NARROW
         if self.tp is not None:
             self.tp.send_step(self.batch, step)
         return self._forward(self._lora_for(step.mode, step.modules))
