@@ -195,13 +195,14 @@ def test_cuda_narrow_mixed_steps_with_decode_tokens_apart_match_hf_peft(tiny_mod
     the prefill-sized threshold lowered so that these steps count), whose decode tokens share
     adapters a few to one beside new prompts on the same adapters: each decode token takes a
     one-token tile (lora_paths.mixed_decodes_apart) in graphs and eagerly; every token against
-    HF + PEFT, the pool intact."""
+    HF + PEFT, the pool intact. (max_loras 32: the batch's segment capacity, max_loras + 2,
+    bounds the tiles a step's table holds; with the default 8 most steps keep the segments'.)"""
     monkeypatch.setattr(lora_paths, "FUSED_MAX_TOKENS", 16)
     monkeypatch.setattr(lora_paths, "FUSED_SINGLE_SLICE_MIN_ROWS", 16)
     model_dir = tiny_models.model("tiny-llama")
     recorder = Recorder()
     core = make_core(model_dir, recorder, device="cuda", dtype="float32", max_num_seqs=32,
-                     max_num_batched_tokens=96, max_lora_rank=64)  # fmt: skip
+                     max_num_batched_tokens=96, max_lora_rank=64, max_loras=32)  # fmt: skip
     # 27 on six adapters, 3 on the base model; ten arrive every 3 steps
     keys = [i % 6 if i % 10 != 9 else None for i in range(30)]
     lens = [5 + 3 * (i % 5) for i in range(30)]
