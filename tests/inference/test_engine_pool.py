@@ -199,3 +199,27 @@ def test_abort_before_or_during_prefill(tiny_models, where):
     out = core.abort("a")
     assert out.finish_reason is FinishReason.ABORT and out.completion_tokens == 0
     assert core.stats().kv_pages == 0 and not core.has_work
+
+
+@pytest.mark.parametrize("reserve", [True, False])
+def test_admission_leaves_a_page_for_each_running_sequence(tiny_models, reserve):
+    """A queued sequence joins only if its pages leave one free for each running sequence's
+    decode growth (scheduler step 3). Two 60-token prompts of 20 new tokens each end on 5 of the
+    pool's 10 pages of 16 tokens; a third prompt of 20 tokens would take the last 2 free pages,
+    and the first running sequence's 65th token then a preemption (the newest, for recompute).
+    With the reserve it waits for the others to finish, and nothing is preempted; without it
+    (Scheduler.decode_reserve off) it joins at once and is preempted. Both runs produce the same
+    tokens, HF's."""
+    core = make_core(tiny_models.model("tiny-llama"), page_size=16, num_pages=10, max_num_seqs=4,
+                     max_num_batched_tokens=256)  # fmt: skip
+    core.scheduler.decode_reserve = reserve
+    reqs = [_req("a", list(range(3, 63)), 20), _req("b", list(range(5, 65)), 20),
+            _req("c", list(range(7, 27)), 20)]  # fmt: skip
+    recorder = Recorder()
+    results = run(core, {0: reqs}, recorder)
+    assert (core.stats().preemptions == 0) == reserve
+    assert all(len(results[r.request_id].token_ids) == 20 for r in reqs)
+    model = tiny_models.model("tiny-llama")
+    for r in reqs:
+        assert results[r.request_id].token_ids == hf_greedy(model, None, r.prompt_token_ids, 20)[0]
+    assert core.stats().free_pages == core.stats().num_pages

@@ -17,8 +17,12 @@ Order of each step (0 and the order of 3 are the fairness policy's, engine/fairn
    sequence to reach the head.
 3. Queued sequences join once their adapter is in the pool: tenants below their share first, the
    least served tenant first, each tenant's in arrival order; a sequence whose adapter is still
-   loading is passed over (the others keep running). One that lacks pages stops admission, after
-   idle adapters were evicted for it.
+   loading is passed over (the others keep running). A sequence joins only if its chunk's pages
+   leave a free page for each running sequence (their decode growth, as the adapter loads of 2
+   leave); one that lacks them stops admission, after idle adapters were evicted for it. Without
+   that reserve, admission filled every page its sequences freed, the running sequences' next
+   pages then came from preempting the newest, and those were recomputed: on the saturating
+   trace of DESIGN.md (H200 defaults, 1000 requests at once) 6-9% of the prompt tokens again.
 In 1 and 3, while several tenants are active, each tenant gets at most fair_prefill_tokens
 prefill tokens per step (fairness.py: short steps while tenants share); decode tokens are never
 limited.
@@ -68,6 +72,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        # Admission leaves a free page for each running sequence (step 3); bench/admission.py
+        # turns it off to compare.
+        self.decode_reserve = True
         self.fair = make_policy(scheduling)  # tenants' shares and order (engine/fairness.py)
 
     @property
@@ -179,7 +186,8 @@ class Scheduler:
                 if n <= 0:
                     admission.pass_over(seq.tenant)  # the rest of its queue waits too
                     continue
-            if not self._grow(seq, seq.num_computed + n):
+            reserve = len(self.running) if self.decode_reserve else 0
+            if not self._grow(seq, seq.num_computed + n, reserve=reserve):
                 break
             prefilled[seq.tenant] += n
             self.waiting.remove(seq)
@@ -197,12 +205,13 @@ class Scheduler:
             return False
         return seq.adapter is None or self.adapters.state(seq.adapter) is AdapterState.IN_POOL
 
-    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
-        """Give the sequence pages for ``num_tokens`` tokens, evicting idle adapters if needed."""
+    def _grow(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:
+        """Give the sequence pages for ``num_tokens`` tokens, evicting idle adapters if needed,
+        so that ``reserve`` pages stay free after."""
         missing = self.pool.kv_pages_missing(seq.seq_id, num_tokens)
         if missing == 0:
             return True  # most decode steps: the last page still has room
-        while self.pool.num_free < missing:
+        while self.pool.num_free < missing + reserve:
             if not self.adapters.evict_idle():
                 return False
         self.pool.grow_kv(seq.seq_id, num_tokens)  # the loop above left enough pages free

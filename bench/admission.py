@@ -1,0 +1,188 @@
+"""The scheduler on DESIGN.md's serving traces with and without its decode reserve, on the CPU.
+
+The engine's own scheduler, pool and step loop (EngineCore, one step after the other) run the
+trace of bench/serving.py on the tiny generated model, with the H200 service's sizes (16-token
+pages, the pool's KV pages, 512 sequences, 2048 tokens a step): what the scheduler decides
+depends on tokens and pages, not on the model. Each step's GPU time is modeled by a
+least-squares fit to a serving run's base-model step log (decode steps: a + b x sequences + c x
+context tokens read; steps with prefill: a + b x tokens + c x context tokens + d x attention
+pairs), and a modeled clock, advanced by each step's modeled time, sets when requests arrive
+(rate traces) and when their tokens come. Figures are therefore modeled, not measured: the
+fit's own check is the serving run's steps, whose modeled total it prints beside their GPU time.
+
+With the reserve (Scheduler.decode_reserve, the engine's default), a queued sequence joins only
+if its pages leave one free page for each running sequence; without it admission takes every
+free page and the running sequences' growth then preempts the newest, to be recomputed.
+
+    python bench/admission.py [--runs inf:1000 40:15] [--num-pages 13000] \
+        [--serving bench/results/serving_s1_apart.json] [--out bench/results/admission.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from bench.provenance import write_result  # noqa: E402
+from bench.serving import make_trace, parse_run  # noqa: E402
+from bench.step_compare import load_runs  # noqa: E402
+from services.inference.engine.api import GenerationRequest  # noqa: E402
+from services.inference.engine.config import EngineConfig  # noqa: E402
+from services.inference.engine.core import EngineCore  # noqa: E402
+from services.inference.engine.sampling_params import SamplingParams  # noqa: E402
+from services.inference.tiny_model import make_model  # noqa: E402
+
+PAGE_SIZE = 16  # the service's default
+# The H200 service's pool at its defaults holds about this many KV pages: its saturating run's
+# steps read at most 206,956 context tokens (bench/results/serving_s1_apart.json's log).
+NUM_PAGES = 13000
+
+
+class StepModel:
+    """Modeled GPU ms of a step record, fit to a serving run's steps."""
+
+    def __init__(self, steps: list[dict]) -> None:
+        self.decode = self._fit([s for s in steps if s["prefill_tokens"] == 0], self._decode_x)
+        self.mixed = self._fit([s for s in steps if s["prefill_tokens"] > 0], self._mixed_x)
+
+    @staticmethod
+    def _decode_x(s: dict) -> list[float]:
+        return [1.0, s["seqs"], s["kv_read"]]
+
+    @staticmethod
+    def _mixed_x(s: dict) -> list[float]:
+        return [1.0, s["tokens"], s["kv_read"], s["attn_pairs"]]
+
+    @staticmethod
+    def _fit(steps: list[dict], features) -> list[float]:
+        x = torch.tensor([features(s) for s in steps], dtype=torch.float64)
+        y = torch.tensor([[s["gpu_ms"]] for s in steps], dtype=torch.float64)
+        return torch.linalg.lstsq(x, y).solution[:, 0].tolist()
+
+    def ms(self, s: dict) -> float:
+        coef, x = (
+            (self.decode, self._decode_x(s))
+            if s["prefill_tokens"] == 0
+            else (self.mixed, self._mixed_x(s))
+        )
+        return sum(c * v for c, v in zip(coef, x, strict=True))
+
+
+def simulate(model_dir: Path, run: str, reserve: bool, cost: StepModel, num_pages: int) -> dict:
+    """One trace through the engine's scheduler on the CPU, timed by ``cost``."""
+    rate, count, seconds = parse_run(run)
+    cfg = EngineConfig(
+        model_dir=model_dir, device="cpu", page_size=PAGE_SIZE, num_pages=num_pages,
+        max_num_seqs=512, max_num_batched_tokens=2048, max_model_len=1100, max_queue=8192,
+    )  # fmt: skip
+    core = EngineCore(cfg, None)
+    core.scheduler.decode_reserve = reserve
+    trace = make_trace(rate, count, seconds, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    vocab = core.model_config.vocab_size
+    arrivals = []
+    for i, r in enumerate(trace):
+        ids = torch.randint(3, vocab, (r.prompt_len,), generator=gen).tolist()
+        sampling = SamplingParams(max_new_tokens=r.output_len, ignore_eos=True)
+        arrivals.append((r.arrival_s, GenerationRequest(f"r{i}", prompt_token_ids=ids,
+                                                        sampling=sampling)))  # fmt: skip
+    clock, k, steps = 0.0, 0, []
+    first: dict[str, float] = {}
+    last = 0.0
+    start = time.perf_counter()
+    while k < len(arrivals) or core.has_work:
+        while k < len(arrivals) and arrivals[k][0] <= clock:
+            core.add_request(arrivals[k][1])
+            k += 1
+        if not core.has_work:
+            clock = arrivals[k][0]  # idle until the next arrival
+            continue
+        outputs = core.step()
+        record = core.step_log.recent[-1].public()
+        steps.append(record)
+        clock += cost.ms(record) / 1e3
+        for out in outputs:
+            first.setdefault(out.request_id, clock)
+            last = clock
+    arrival = {f"r{i}": r.arrival_s for i, r in enumerate(trace)}
+    ttft = sorted(first[rid] - arrival[rid] for rid in first)
+    prompts = sum(r.prompt_len for r in trace)
+    gpu_s = sum(cost.ms(s) for s in steps) / 1e3
+    return {
+        "run": run, "decode_reserve": reserve, "requests": len(trace), "steps": len(steps),
+        "steps_with_prefill": sum(1 for s in steps if s["prefill_tokens"] > 0),
+        "median_batch": statistics.median(s["seqs"] for s in steps),
+        "preemptions": core.scheduler.preemptions,
+        "recomputed_tokens": sum(s["prefill_tokens"] for s in steps) - prompts,
+        "modeled_gpu_s": round(gpu_s, 3),
+        "modeled_output_tokens_per_s": round(sum(r.output_len for r in trace) / clock, 1),
+        "modeled_ttft_p50_s": round(ttft[len(ttft) // 2], 4),
+        "modeled_ttft_p99_s": round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 4),
+        "modeled_last_end_after_last_arrival_s": round(last - max(arrival.values()), 3),
+        "cpu_s": round(time.perf_counter() - start, 1),
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", nargs="+", default=["inf:1000", "40:15"],
+                    help="RATE:SECONDS, or inf:REQUESTS (bench/serving.py's traces)")  # fmt: skip
+    ap.add_argument("--num-pages", type=int, default=NUM_PAGES)
+    ap.add_argument("--serving", type=Path,
+                    default=REPO / "bench/results/serving_s1_apart.json",
+                    help="a serving run whose base-model steps (n = 0, pass 1) the cost model "
+                         "is fit to; its step log beside it (NAME_steps.jsonl.gz)")  # fmt: skip
+    ap.add_argument("--out", type=Path, default=REPO / "bench/results/admission.json")
+    args = ap.parse_args()
+    steps_path = args.serving.with_name(args.serving.stem + "_steps.jsonl.gz")
+    _, runs = load_runs(args.serving, steps_path)
+    base = runs[(0, 1)]
+    cost = StepModel(base)
+    real = sum(s["gpu_ms"] for s in base) / 1e3
+    modeled = sum(cost.ms(s) for s in base) / 1e3
+    print(
+        f"cost model: its serving run's base steps {real:.2f} s of GPU time, modeled "
+        f"{modeled:.2f} s"
+    )
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_model(Path(tmp) / "model", preset="tiny-llama")
+        for run in args.runs:
+            for reserve in (False, True):
+                row = simulate(model_dir, run, reserve, cost, args.num_pages)
+                print(row, flush=True)
+                rows.append(row)
+    print(
+        f"\n{'run':10s} {'reserve':>7s} {'steps':>6s} {'preempt':>7s} {'recomputed':>10s} "
+        f"{'GPU s':>7s} {'tok/s':>7s} {'TTFT p50':>9s} {'p99':>7s} {'tail s':>7s}"
+    )
+    for r in rows:
+        print(
+            f"{r['run']:10s} {('on' if r['decode_reserve'] else 'off'):>7s} {r['steps']:6d} "
+            f"{r['preemptions']:7d} {r['recomputed_tokens']:10d} {r['modeled_gpu_s']:7.2f} "
+            f"{r['modeled_output_tokens_per_s']:7.0f} {r['modeled_ttft_p50_s']:9.3f} "
+            f"{r['modeled_ttft_p99_s']:7.3f} {r['modeled_last_end_after_last_arrival_s']:7.2f}"
+        )
+    print("(modeled: each step's GPU time from the fit, the clock from their sum)")
+    write_result(args.out, "admission.py", {
+        "benchmark": "the scheduler on the serving traces, decode reserve off and on; step "
+        "times modeled by a fit to a serving run's base-model steps (H200)",
+        "serving_run": str(args.serving.relative_to(REPO)) if args.serving.is_relative_to(REPO)
+        else str(args.serving),
+        "cost_model": {"decode": cost.decode, "mixed": cost.mixed, "fit_run_gpu_s": real,
+                       "fit_run_modeled_s": modeled},
+        "num_pages": args.num_pages, "page_size": PAGE_SIZE, "rows": rows,
+    })  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

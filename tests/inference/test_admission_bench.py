@@ -1,0 +1,46 @@
+"""bench/admission.py's pieces: the step-time fit and one small trace through the scheduler."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.admission import StepModel, simulate
+
+
+def _step(seqs, tokens, prefill, kv, pairs=0):
+    return dict(seqs=seqs, tokens=tokens, prefill_tokens=prefill, kv_read=kv, attn_pairs=pairs)
+
+
+def test_step_model_recovers_a_linear_cost():
+    """Steps timed by a known linear cost fit back to it, decode and prefill steps apart."""
+    steps = []
+    for seqs in (64, 100, 300, 512):
+        for kv in (20_000, 90_000, 200_000):
+            s = _step(seqs, seqs, 0, kv)
+            s["gpu_ms"] = 4.0 + 0.025 * seqs + 1e-4 * kv
+            steps.append(s)
+            for prefill in (200, 700, 1500):
+                m = _step(seqs, seqs + prefill, prefill, kv, pairs=prefill * prefill // 2 + kv)
+                m["gpu_ms"] = 4.0 + 0.02 * m["tokens"] + 1.2e-4 * kv + 2e-6 * m["attn_pairs"]
+                steps.append(m)
+    cost = StepModel(steps)
+    assert cost.decode == pytest.approx([4.0, 0.025, 1e-4], rel=1e-6)
+    assert cost.mixed == pytest.approx([4.0, 0.02, 1.2e-4, 2e-6], rel=1e-6)
+    assert cost.ms(_step(200, 200, 0, 50_000)) == pytest.approx(4.0 + 5.0 + 5.0)
+
+
+def test_the_reserve_spares_a_small_pool_its_preemptions(tiny_models):
+    """Thirty requests at once on a pool of 200 pages: every request completes either way; with
+    the scheduler's decode reserve fewer are preempted and fewer tokens recomputed."""
+    steps = [_step(8, 8, 0, 1000 * k) for k in range(1, 5)]
+    steps += [_step(8, 100 * k, 90 * k, 1000 * k, 500 * k) for k in range(1, 6)]
+    for s in steps:
+        s["gpu_ms"] = 1.0 + s["tokens"] * 0.01 + s["kv_read"] * 1e-4
+    cost = StepModel(steps)
+    model = tiny_models.model("tiny-llama")
+    off = simulate(model, "inf:30", False, cost, num_pages=200)
+    on = simulate(model, "inf:30", True, cost, num_pages=200)
+    assert off["requests"] == on["requests"] == 30
+    assert off["preemptions"] > on["preemptions"]
+    assert off["recomputed_tokens"] > on["recomputed_tokens"] >= 0
+    assert on["modeled_gpu_s"] > 0 and on["modeled_ttft_p99_s"] >= on["modeled_ttft_p50_s"]
