@@ -34,6 +34,7 @@ import torch  # noqa: E402
 
 from bench.provenance import write_result  # noqa: E402
 from bench.serving import make_trace, parse_run  # noqa: E402
+from bench.serving_report import pct  # noqa: E402
 from bench.step_compare import load_runs  # noqa: E402
 from services.inference.engine.api import GenerationRequest  # noqa: E402
 from services.inference.engine.config import EngineConfig  # noqa: E402
@@ -114,7 +115,7 @@ def simulate(model_dir: Path, run: str, reserve: bool, cost: StepModel, num_page
             first.setdefault(out.request_id, clock)
             last = clock
     arrival = {f"r{i}": r.arrival_s for i, r in enumerate(trace)}
-    ttft = sorted(first[rid] - arrival[rid] for rid in first)
+    ttft = [first[rid] - arrival[rid] for rid in first]
     prompts = sum(r.prompt_len for r in trace)
     gpu_s = sum(cost.ms(s) for s in steps) / 1e3
     return {
@@ -125,8 +126,8 @@ def simulate(model_dir: Path, run: str, reserve: bool, cost: StepModel, num_page
         "recomputed_tokens": sum(s["prefill_tokens"] for s in steps) - prompts,
         "modeled_gpu_s": round(gpu_s, 3),
         "modeled_output_tokens_per_s": round(sum(r.output_len for r in trace) / clock, 1),
-        "modeled_ttft_p50_s": round(ttft[len(ttft) // 2], 4),
-        "modeled_ttft_p99_s": round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 4),
+        "modeled_ttft_p50_s": round(pct(ttft, 50), 4),
+        "modeled_ttft_p99_s": round(pct(ttft, 99), 4),
         "modeled_last_end_after_last_arrival_s": round(last - max(arrival.values()), 3),
         "cpu_s": round(time.perf_counter() - start, 1),
     }  # fmt: skip

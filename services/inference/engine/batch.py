@@ -332,15 +332,14 @@ class StepBatch:
         starts and LoRA row), the smallest block's tiles cut each entry apart instead (fill's
         one_token_tiles), when the launches' tile bound holds them."""
         lora = self._host["lora_tiles"]
-        tables = [(lora[b], block_tiles(seg_starts, seg_rows, block))
-                  for b, block in enumerate(TILE_BLOCKS)]  # fmt: skip
-        self.tiles_apart = False
-        if entries is not None:
-            apart = block_tiles(*entries, TILE_BLOCKS[0])
+        apart = None if entries is None else block_tiles(*entries, TILE_BLOCKS[0])
+        if apart is not None:
             bound = max_tiles(starts[-1], TILE_BLOCKS[0], self.max_segments)
-            if len(apart) // FIELDS <= min(bound, lora.shape[1]):
-                tables[0] = (lora[0], apart)
-                self.tiles_apart = True
+            if len(apart) // FIELDS > min(bound, lora.shape[1]):
+                apart = None
+        self.tiles_apart = apart is not None
+        tables = [(lora[b], block_tiles(seg_starts, seg_rows, block) if b or apart is None
+                   else apart) for b, block in enumerate(TILE_BLOCKS)]  # fmt: skip
         tables.append((self._host["attn_tiles"], query_tiles(starts, ATTENTION_BLOCK)))
         for i, (table, flat) in enumerate(tables):
             n = len(flat) // FIELDS
