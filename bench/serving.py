@@ -240,6 +240,7 @@ def run_trace(args, address: str, trace: list[Request], names: list[str], tag: s
     for r in results:
         r["arrival"] = start + trace[r["index"]].arrival_s
         r["output_len"] = trace[r["index"]].output_len
+        r["prompt_len"] = trace[r["index"]].prompt_len
     return results
 
 

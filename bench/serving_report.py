@@ -65,6 +65,9 @@ def analyse(results: list[dict], steps: list[dict], roof) -> dict:
             "share_p50": pct([s["share"] for s in mix], 50),
             "phase_share_p50": pct([s["phase_share"] for s in mix], 50),
         },
+        # prefill tokens beyond the prompts: preempted sequences' prompts and outputs again
+        "recomputed_tokens": sum(s["prefill_tokens"] for s in window)
+        - sum(r["prompt_len"] for r in results if r["status"] == "OK"),
         "median_step_gpu_ms": pct([s["gpu_ms"] for s in window], 50),
         "median_step_host_ms": pct([s["host_ms"] for s in window], 50),
         "graph_steps": sum(s["graph"] for s in window),

@@ -28,19 +28,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.provenance import write_result  # noqa: E402
 
 
-def split_runs(steps: list[dict], results: list[dict]) -> dict[tuple[int, int], list[dict]]:
-    """The steps of each (adapters, pass) run, from the results' step counts (in run order)."""
+def split_runs(steps: list[dict], results: list[dict]) -> dict[tuple[str, int, int], list[dict]]:
+    """The steps of each (trace, adapters, pass) run, from the results' step counts (in run
+    order)."""
     total = sum(r["steps"] for r in results)
     if total > len(steps):
         raise ValueError(f"the results count {total} steps, the log holds {len(steps)}")
     runs, at = {}, len(steps) - total
     for r in results:
-        runs[r["adapters"], r.get("pass", 1)] = steps[at : at + r["steps"]]
+        runs[r.get("run", ""), r["adapters"], r.get("pass", 1)] = steps[at : at + r["steps"]]
         at += r["steps"]
     return runs
 
 
-def load_runs(serving_path: Path, steps_path: Path) -> tuple[dict, dict[tuple[int, int], list]]:
+def load_runs(serving_path: Path, steps_path: Path) -> tuple[dict, dict[tuple, list]]:
     """A serving run's JSON and its step log (.gz or not), split into its runs (split_runs)."""
     serving = json.loads(serving_path.read_text())
     opener = gzip.open if steps_path.suffix == ".gz" else open
@@ -101,11 +102,18 @@ def main() -> None:
     ap.add_argument("--steps", type=Path, required=True, help="that run's step log (.gz or not)")
     ap.add_argument("--base", default="0:1", help="ADAPTERS:PASS of the base run")
     ap.add_argument("--lora", required=True, help="ADAPTERS:PASS of the LoRA run")
+    ap.add_argument("--run", default="inf:1000", help="the trace of both (bench/serving.py --runs)")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args()
     serving, runs = load_runs(args.serving, args.steps)
-    base = runs[tuple(int(x) for x in args.base.split(":"))]
-    lora = runs[tuple(int(x) for x in args.lora.split(":"))]
+
+    def pick(spec: str) -> list[dict]:
+        key = (args.run, *(int(x) for x in spec.split(":")))
+        if key not in runs:
+            raise SystemExit(f"no run {key} in {args.serving}: it has {sorted(runs)}")
+        return runs[key]
+
+    base, lora = pick(args.base), pick(args.lora)
     bandwidth = serving["ceilings"]["copy_bytes_per_s"]
     report = {}
     for mixed in (False, True):

@@ -15,12 +15,16 @@ def _step(seqs, gpu_ms, prefill=0, tokens=None, adapters=0, nbytes=0):
 def test_runs_are_split_by_their_step_counts_after_the_warm_up():
     warm_up = [_step(1, 99.0)] * 3
     base = [_step(64, 10.0)] * 5
+    base_rate = [_step(30, 6.0)] * 2  # the same adapters (none) on a second trace
     lora = [_step(64, 12.0, adapters=70, nbytes=10**9)] * 6
-    results = [{"adapters": 0, "pass": 1, "steps": 5}, {"adapters": 100, "steps": 6}]
-    runs = split_runs(warm_up + base + lora, results)
-    assert runs[0, 1] == base and runs[100, 1] == lora
-    with pytest.raises(ValueError, match="count 14 steps, the log holds 11"):
-        split_runs(base + lora, [*results, {"adapters": 5, "steps": 3}])
+    results = [{"run": "inf:1000", "adapters": 0, "pass": 1, "steps": 5},
+               {"run": "40:15", "adapters": 0, "pass": 1, "steps": 2},
+               {"run": "inf:1000", "adapters": 100, "steps": 6}]  # fmt: skip
+    runs = split_runs(warm_up + base + base_rate + lora, results)
+    assert runs["inf:1000", 0, 1] == base and runs["inf:1000", 100, 1] == lora
+    assert runs["40:15", 0, 1] == base_rate
+    with pytest.raises(ValueError, match="count 16 steps, the log holds 13"):
+        split_runs(base + base_rate + lora, [*results, {"adapters": 5, "steps": 3}])
 
 
 def test_bins_compare_medians_and_the_bytes_bound():

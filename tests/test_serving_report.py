@@ -1,0 +1,40 @@
+"""bench/serving_report.py: what a serving run reports from the clients' results and the step
+log."""
+
+from __future__ import annotations
+
+from bench.roofline import Ceilings, Roofline
+from bench.serving_report import analyse
+
+ROOF = Roofline.for_config(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=100,
+                           dtype_bytes=2, ceilings=Ceilings(1e12, 1e14))  # fmt: skip
+
+
+def _result(sent, first, last, tokens, prompt_len, status="OK"):
+    return {"status": status, "sent": sent, "first": first, "last": last, "tokens": tokens,
+            "output_len": tokens, "prompt_len": prompt_len, "arrival": sent}  # fmt: skip
+
+
+def _step(at, seqs, prefill):
+    return {"launched_at": at, "gpu_ms": 5.0, "host_ms": 1.0, "seqs": seqs,
+            "tokens": seqs + prefill, "prefill_tokens": prefill, "kv_read": 100,
+            "kv_written": seqs + prefill, "attn_pairs": 1000, "graph": True}  # fmt: skip
+
+
+def test_recomputed_tokens_are_prefill_beyond_the_completed_prompts():
+    results = [_result(0.0, 0.5, 2.0, 10, 30), _result(0.0, 0.6, 2.5, 12, 20),
+               _result(0.0, 0.0, 0.0, 0, 40, status="RESOURCE_EXHAUSTED")]  # fmt: skip
+    # both prompts once (50 tokens), then a preempted sequence's 30 + 4 generated again; the
+    # step before the first request was sent (a warm-up) is not the run's
+    steps = [_step(-1.0, 1, 64), _step(0.1, 2, 50), _step(0.3, 2, 0), _step(1.0, 1, 34),
+             _step(1.5, 2, 0)]  # fmt: skip
+    row = analyse(results, steps, ROOF)
+    assert row["recomputed_tokens"] == 34
+    assert row["completed"] == 2 and row["rejected"] == 1 and row["steps"] == 4
+    assert row["output_tokens"] == 22 and row["wall_s"] == 2.5
+
+
+def test_no_preemption_recomputes_nothing():
+    results = [_result(0.0, 0.5, 2.0, 10, 30)]
+    row = analyse(results, [_step(0.1, 1, 30), _step(0.5, 1, 0)], ROOF)
+    assert row["recomputed_tokens"] == 0
