@@ -47,7 +47,9 @@ launches' blocks (S2_POINTS), and on the fused kernel holding all 64 rank rows (
 its dot body's tiles, weight blocks, warps and parts).
 
 With ``--s2-steps`` the cases are S2's mixed steps (S2_STEP_CASES), by the engine's WIDE two
-launches against the fused kernel at 64 rank rows (S2_STEP_POINTS).
+launches against the fused kernel at 64 rank rows (S2_STEP_POINTS); with ``--s2-rule``, S2's
+mixed steps of few to many adapters (S2_RULE_CASES), the engine's WIDE two launches against
+its WIDE_FUSED launch (kernels.lora_paths.prefill_step_fuses_wide).
 
 With ``--apart`` the cases are mixed steps whose decode tokens share adapters (drawn from 5,
 30, 100 and 1000) beside prompts, every call fused at 16 rank rows as the engine's narrow steps
@@ -218,6 +220,12 @@ S2_STEP_POINTS = (
     (16, 256, 256, 4, 1),
     (16, 128, 128, 4, 2),
 )
+# --s2-rule: S2's mixed steps by the adapters they hold (drawn from 5 to 1000), the engine's WIDE
+# two launches against its WIDE_FUSED launch (lora_paths.prefill_step_fuses_wide)
+S2_RULE_CASES = ((300, 5, (512,) * 3), (300, 30, (512,) * 3), (300, 60, (512,) * 3),
+                 (300, 100, (512,) * 3), (300, 1000, (512,) * 3), (400, 1000, (400,) * 4),
+                 (400, 30, (400,) * 4), (400, 100, (200,) * 3), (400, 1000, (200,) * 3),
+                 (0, 5, (1024, 1024)))  # fmt: skip
 # --apart: (decode tokens, adapters they are drawn from, prefill chunks' lengths), the decode
 # tokens' sharing from about 90 (n = 5) to 1.2 (n = 1000) tokens an adapter
 APART_CASES = (
@@ -392,6 +400,8 @@ def main() -> None:
     ap.add_argument("--s2", action="store_true", help="S2's steps by two-launch blocks")
     ap.add_argument("--s2-steps", action="store_true",
                     help="S2's mixed steps, two launches against fused at 64 rows")  # fmt: skip
+    ap.add_argument("--s2-rule", action="store_true",
+                    help="S2's mixed steps by their adapters, WIDE against WIDE_FUSED")  # fmt: skip
     ap.add_argument("--s2-gemv", action="store_true",
                     help="S2's decode steps, one-token tiles on a 64-row GEMV body")  # fmt: skip
     ap.add_argument("--points", type=int, default=None,
@@ -448,6 +458,9 @@ def main() -> None:
     elif args.s2_steps:
         variants.append(dict(max_rank=128, segments=514, fused=False, rank_block=32, mlp=True))
         variants += dot_variants(S2_STEP_POINTS, max_rank=64, mlp=True)
+    elif args.s2_rule:
+        variants.append(dict(max_rank=128, segments=514, fused=False, rank_block=32, mlp=True))
+        variants += dot_variants((None,), max_rank=64, mlp=True)
     elif args.steps:
         for mlp in (False, True):
             for max_rank, fused in ((128, None), (16, None), (16, True), (16, False)):
@@ -498,13 +511,17 @@ def main() -> None:
     elif args.s2_steps:
         rows = [r for t, n, p in S2_STEP_CASES
                 for r in time_case(t, n, gen, variants, p, S2_RANKS)]  # fmt: skip
+    elif args.s2_rule:
+        rows = [r for t, n, p in S2_RULE_CASES
+                for r in time_case(t, n, gen, variants, p, S2_RANKS)]  # fmt: skip
     elif args.steps:
         rows = [r for t, n, p in STEP_CASES for r in time_case(t, n, gen, variants, p)]
     else:
         rows = [r for t, n in CASES for r in time_case(t, n, gen, variants)]
     write_result(args.out, "lora_engine_calls.py", {
         "benchmark": "one layer's LoRA calls (q/k/v, o) as the engine makes them, "
-        + ("S2 (ranks 8-64)" if args.s2 or args.s2_steps or args.s2_gemv else "S1 (rank 8)"),
+        + ("S2 (ranks 8-64)" if args.s2 or args.s2_steps or args.s2_gemv or args.s2_rule
+           else "S1 (rank 8)"),
         "gpu": torch.cuda.get_device_name(), "rows": rows,
     })  # fmt: skip
 

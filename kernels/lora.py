@@ -42,6 +42,7 @@ from kernels.lora_paths import (
     FUSED_MAX_RANK,
     FUSED_MAX_TOKENS,
     ONE_TOKEN_ROWS,
+    WIDE_FUSED_ROWS,
     fused_rank_rows,
     shapes_prefer_fused,
 )
@@ -234,7 +235,8 @@ def fused_config(
     num_tokens: int, width: int, max_rank: int, num_slices: int, out_width: int, *, d_in: int
 ) -> LoraLaunch:
     """One launch. Weight blocks of 256 columns (rank rows x 256: 8 KB at rank 16, 32 KB at
-    rank 64, streamed by 8 warps from 64 rows) and 128 from 128 rank rows. ``parts`` programs
+    rank 64, streamed by 8 warps from 64 rows) and 128 from 128 rank rows; prefill-sized calls at
+    64 rows (lora_paths.prefill_step_fuses_wide) take 128 columns and 4 warps. ``parts`` programs
     share a (tile, slice)'s output columns when tokens alone give an SM at most one program
     (parts = 2 x SMs // programs; the distinct-adapter worst case, a tile a token), at most
     one per column block,
@@ -274,6 +276,15 @@ def fused_config(
         block_k = _fit_block(narrow.block_k, width)
         block_n = _fit_block(narrow.block_n, width)
         warps = narrow.warps
+    if not decode and rows == WIDE_FUSED_ROWS:  # a wide prefill-sized step's calls
+        # H200, one layer's S2 calls of mixed steps (lora_paths.prefill_step_fuses_wide), 128-
+        # against 256-wide blocks with 4 warps and with the 8 warps of this rows' default: 98
+        # adapters, 300 decode tokens beside three 512-token prompts 174.4 / 187.9 / 233.2 µs,
+        # 400 beside four 400-token prompts 175.9 / 190.1 / 232.7, beside three 200-token
+        # prompts 161.9 / 147.2 / 168.2; 64-wide blocks and 8 warps slower
+        # (bench/results/lora_engine_calls_s2_steps.json).
+        block_k = block_n = _fit_block(128, width)
+        warps = 4
     # The GEMV body's rows: _GEMV_NARROW_ROWS (8) where every adapter fits them (a decode step
     # on one-token tiles: kernels/lora_paths.one_token_step_fuses), in 4096-wide blocks streamed
     # by 8 warps in decode (H200, one layer's S1 q/k/v and o calls, 8-63 tokens on one-token

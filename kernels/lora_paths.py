@@ -64,6 +64,11 @@ MIXED_APART_MIN_SHARING = 2
 # Two-launch steps with an adapter above FUSED_DECODE_ROWS rank rows (S2's ranks 8-64) run
 # programs of this many rank rows, in 16-token tiles (step_is_wide).
 WIDE_RANK_ROWS = 32
+# Prefill-sized steps with an adapter above FUSED_PREFILL_MAX_ROWS rank rows and none above
+# these run every call fused at these rows when they hold at least WIDE_FUSED_MIN_ADAPTERS
+# distinct adapters (prefill_step_fuses_wide).
+WIDE_FUSED_ROWS = 64
+WIDE_FUSED_MIN_ADAPTERS = 64
 
 
 def fused_rank_rows(max_rank: int) -> int:
@@ -179,6 +184,31 @@ def step_is_wide(step_rank: int) -> bool:
     first; and S1's rank-8 steps at 16 rows (69 µs for 292 tokens on 96 adapters) against 80 at
     32 (docs/kernels.md)."""
     return fused_rank_rows(step_rank) > FUSED_DECODE_ROWS
+
+
+def prefill_step_fuses_wide(step_rank: int, distinct: int) -> bool:
+    """Whether a prefill-sized step that does not narrow (an adapter above
+    FUSED_PREFILL_MAX_ROWS) runs every call on the fused kernel at WIDE_FUSED_ROWS rank rows,
+    16-token tiles, 128-wide weight blocks and 4 warps (lora.fused_config), rather than two
+    launches of WIDE_RANK_ROWS-row programs (step_is_wide): when none of its adapters is above
+    WIDE_FUSED_ROWS and it holds at least WIDE_FUSED_MIN_ADAPTERS distinct adapters (its
+    ``distinct``). A fused program keeps x and h on chip for its tile's shrink and expand, where
+    the two launches write h out and read every tile's x once per rank block; a program computes
+    every row up to WIDE_FUSED_ROWS for every adapter, which costs more than it saves when few
+    adapters with long prompts fill the step.
+
+    H200, one layer's S2 calls (ranks 8, 16, 32, 64 cycled) of mixed steps in a CUDA graph, the
+    masked MLP calls beside, the two launches against this launch
+    (bench/results/lora_engine_calls_s2_rule.json, --s2-rule): 300 decode tokens beside three
+    512-token prompts, on 5 / 30 / 59 / 98 / 256 distinct adapters 125.8 -> 152.4, 151.0 ->
+    153.3, 180.9 -> 166.7, 201.8 -> 174.2, 318.0 -> 269.7 µs; 400 beside four 400-token
+    prompts on 30 / 335 165.4 -> 166.8, 370.0 -> 281.7; 400 beside three 200-token prompts on 98
+    / 342 150.7 -> 160.3, 322.9 -> 267.3; two 1024-token prompts of 2 adapters 158.5 -> 152.1.
+    The gains grow with the adapters; the one loss of many adapters is the short-prompt step
+    at 98, which one rule by adapters keeps (S2 n = 100 through the services: the mixed steps'
+    time over the base model's 1.17 -> 1.04 s; docs/benchmarks.md)."""
+    rows = fused_rank_rows(step_rank)
+    return FUSED_PREFILL_MAX_ROWS < rows <= WIDE_FUSED_ROWS and distinct >= WIDE_FUSED_MIN_ADAPTERS
 
 
 def decode_call_fused(

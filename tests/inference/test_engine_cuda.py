@@ -112,6 +112,23 @@ def test_cuda_narrow_mixed_steps_match_hf_peft(tiny_models, monkeypatch):
     assert_matches_hf(tiny_models, "tiny-llama", *run[:3])
 
 
+def test_cuda_wide_fused_mixed_steps_match_hf_peft(tiny_models, monkeypatch):
+    """Mixed steps with the rank-32 adapter among several (WIDE_FUSED_MIN_ADAPTERS lowered to
+    2, the prefill-sized threshold to 16 tokens) run every call fused at WIDE_FUSED_ROWS rank
+    rows in an engine sized for rank 64 (kernels.lora_paths.prefill_step_fuses_wide; the
+    single-slice threshold lowered so that o and down fuse too), graphs included; every step
+    against HF + PEFT."""
+    monkeypatch.setattr(lora_paths, "FUSED_MAX_TOKENS", 16)
+    monkeypatch.setattr(lora_paths, "FUSED_SINGLE_SLICE_MIN_ROWS", 16)
+    monkeypatch.setattr(lora_paths, "WIDE_FUSED_MIN_ADAPTERS", 2)
+    run = _mixed_run(tiny_models, "tiny-llama", "float32", max_lora_rank=64)
+    core = run[3]
+    assert core.runner.wide_fused_graph_sizes == core.runner.narrow_graph_sizes
+    paths = {(r.graph, r.lora) for r in core.step_log.recent}
+    assert (True, "fused, wide") in paths and (True, "fused, narrow") in paths
+    assert_matches_hf(tiny_models, "tiny-llama", *run[:3])
+
+
 @pytest.mark.parametrize("path", ["two launches", "fused", "fused, one-token tiles"])
 def test_cuda_attention_only_decode_graphs_match_hf_peft(tiny_models, monkeypatch, path):
     """Decode steps whose adapters adapt attention only (r4: q and v; r8: q/k/v/o), beside the

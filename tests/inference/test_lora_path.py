@@ -219,6 +219,42 @@ def test_prefill_sized_steps_are_sized_for_their_adapters_ranks(core):
     assert lora_for(LoraMode.NARROW, None).rank_block == 16  # back to 16 for the next step
 
 
+def test_the_wide_fused_rule_wants_many_adapters_none_above_its_rows():
+    """lora_paths.prefill_step_fuses_wide: an adapter above FUSED_PREFILL_MAX_ROWS (16), none
+    above WIDE_FUSED_ROWS (64), and at least WIDE_FUSED_MIN_ADAPTERS (64) distinct adapters."""
+    many = lora_paths.WIDE_FUSED_MIN_ADAPTERS
+    assert lora_paths.prefill_step_fuses_wide(64, many)
+    assert lora_paths.prefill_step_fuses_wide(17, many)
+    assert not lora_paths.prefill_step_fuses_wide(64, many - 1)  # few adapters: two launches
+    assert not lora_paths.prefill_step_fuses_wide(16, many)  # fits 16 rows: narrow instead
+    assert not lora_paths.prefill_step_fuses_wide(65, many)  # 128 rows: two launches
+
+
+def test_prefill_sized_steps_of_many_wide_adapters_fuse_at_64_rows(tiny_models, monkeypatch):
+    """In an engine sized for rank 64, a prefill-sized step with a rank-32 adapter among at
+    least WIDE_FUSED_MIN_ADAPTERS distinct adapters (lowered to 3 here: the engine holds 4) runs
+    every call fused at WIDE_FUSED_ROWS rank rows (WIDE_FUSED); with fewer adapters, decode-sized,
+    or in an engine sized for rank 32 (the fixture's) it keeps the two launches (WIDE)."""
+    monkeypatch.setattr(lora_paths, "WIDE_FUSED_MIN_ADAPTERS", 3)
+    wide = make_core(tiny_models.model("tiny-llama"), max_lora_rank=64, max_loras=4)
+    for name in ("r16", "r32"):
+        wide.add_adapter_dir(AdapterKey(name, 1), tiny_models.adapter("tiny-llama", name))
+    r32, r16 = _load(wide, "r32"), _load(wide, "r16")
+    r8 = next(r for r in range(4) if r not in (r32, r16))
+    wide.adapters.row_ranks[r8] = 8
+    chunk = BatchEntry(tuple(range(600)), 0, tuple(range(150)), r16, True)
+    step, modules = wide.runner.step_lora, wide.adapters.row_modules
+    assert step([chunk, *_decode([r32, r8])]) == StepLora(
+        LoraMode.WIDE_FUSED, modules[r16] | modules[r32] | modules[r8]
+    )
+    assert step([chunk, *_decode([r32, r32])]).mode is LoraMode.WIDE  # two adapters
+    small = chunk._replace(token_ids=tuple(range(100)))
+    assert step([small, *_decode([r32, r8])]).mode is LoraMode.WIDE  # decode-sized
+    ctx = wide.runner._lora_for(LoraMode.WIDE_FUSED, None)
+    assert ctx.rows == lora_paths.WIDE_FUSED_ROWS and ctx.fused is True and not ctx.one_token
+    assert LoraMode.WIDE_FUSED.fused is True
+
+
 @pytest.mark.parametrize(
     "adapter, want",
     [("r8", {(Q, K, V), (O,)}), ("r16", {(GATE, UP), (DOWN,)}), ("r4", {(Q, K, V)})],

@@ -355,6 +355,21 @@ def test_gemv_hoists_where_one_block_holds_a_slice():
     assert not lora.fused_config(16, 4096, 16, 3, 4096, d_in=4096).gemv_hoist  # 16 rows
 
 
+def test_wide_prefill_sized_fused_calls_take_128_wide_blocks():
+    """fused_config at 64 rank rows: prefill-sized calls (a WIDE_FUSED step's:
+    lora_paths.prefill_step_fuses_wide) take 128-wide weight blocks and 4 warps in 16-token
+    tiles; decode-sized ones keep the launch the decode rules measured (8 warps, 256 wide unless
+    the narrow blocks fit a wave). On a GPU test_apply_prefill_segments runs that launch."""
+    for slices, out_width in ((3, 4096), (1, 4096), (2, 11008)):
+        cfg = lora.fused_config(2048, 4096, 64, slices, out_width, d_in=4096)
+        assert (cfg.shrink_k, cfg.expand_n, cfg.shrink_warps) == (128, 128, 4)
+        assert cfg.block_m == 16 and cfg.shrink_r == 64 and cfg.gemv_max == 0
+    assert lora.fused_config(600, 1024, 64, 3, 4096, d_in=4096).shrink_k == 128
+    assert lora.fused_config(2048, 4096, 32, 3, 4096, d_in=4096).shrink_k == 256  # 32 rows
+    decode = lora.fused_config(512, 4096, 64, 3, 4096, d_in=4096)
+    assert decode.shrink_warps in (8, lora._NARROW[64].warps) and decode.shrink_r == 64
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_apply_prefill_segments(dtype, path):

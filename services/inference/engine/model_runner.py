@@ -21,11 +21,13 @@ adapter of the step fits FUSED_PREFILL_MAX_ROWS rank rows, run every call fused,
 those (prefill-sized mixed steps get that graph too). Steps with an adapter above
 FUSED_DECODE_ROWS rank rows (S2's ranks up to 64) take two launches whose programs hold
 WIDE_RANK_ROWS rank rows (kernels.lora_paths.step_is_wide), one more graph per size in an
-engine whose max_lora_rank allows such adapters. A step makes no call for modules none of
-its adapters has: eagerly for any module; every decode graph with LoRA calls also comes without
-the MLP calls, for steps whose adapters adapt attention only (H200, 16 decode tokens on 13
-adapters, one layer's S1 calls: 19.6 µs, 26.3 with the masked MLP launches;
-bench/results/lora_engine_calls_steps.json).
+engine whose max_lora_rank allows such adapters; prefill-sized ones of many adapters, none
+above WIDE_FUSED_ROWS, run every call fused at those rows (prefill_step_fuses_wide), another
+mixed graph per size in an engine whose max_lora_rank reaches them. A step makes no call for
+modules none of its adapters has: eagerly for any module; every decode graph with LoRA calls
+also comes without the MLP calls, for steps whose adapters adapt attention only (H200, 16
+decode tokens on 13 adapters, one layer's S1 calls: 19.6 µs, 26.3 with the masked MLP
+launches; bench/results/lora_engine_calls_steps.json).
 """
 
 from __future__ import annotations
@@ -63,12 +65,15 @@ class LoraMode(enum.Enum):
     # decode steps whose adapters all fit ONE_TOKEN_ROWS rank rows, small or sharing adapters
     # little: every call fused, each token its own tile (kernels.lora_paths.one_token_step_fuses)
     ONE_TOKEN = "fused, one-token tiles"
+    # prefill-sized steps of many adapters, one above FUSED_PREFILL_MAX_ROWS and none above
+    # WIDE_FUSED_ROWS: every call fused at those rows (kernels.lora_paths.prefill_step_fuses_wide)
+    WIDE_FUSED = "fused, wide"
 
     @property
     def fused(self) -> bool | None:
         return {
             LoraMode.TWO: False, LoraMode.FUSED: True, LoraMode.NARROW: True,
-            LoraMode.WIDE: False, LoraMode.ONE_TOKEN: True,
+            LoraMode.WIDE: False, LoraMode.ONE_TOKEN: True, LoraMode.WIDE_FUSED: True,
         }.get(self)  # fmt: skip
 
 
@@ -213,6 +218,11 @@ class ModelRunner:
         return tuple(sorted(k.tokens for k in self._graphs if k.lora is LoraMode.NARROW))
 
     @property
+    def wide_fused_graph_sizes(self) -> tuple[int, ...]:
+        """Token counts of the mixed graphs fused at WIDE_FUSED_ROWS rank rows."""
+        return tuple(sorted(k.tokens for k in self._graphs if k.lora is LoraMode.WIDE_FUSED))
+
+    @property
     def attention_graph_sizes(self) -> tuple[int, ...]:
         """Decode batch sizes with a graph whose LoRA calls cover the attention modules only."""
         return tuple(sorted({k.tokens for k in self._graphs if k.modules == ATTENTION}))
@@ -226,6 +236,13 @@ class ModelRunner:
     def _wides(self) -> bool:
         """Whether steps may hold adapters above FUSED_DECODE_ROWS (WIDE graphs are captured)."""
         return lora_paths.step_is_wide(self.max_lora_rank)
+
+    def _wide_fuses(self, tokens: int) -> bool:
+        """Whether a mixed step of ``tokens`` tokens may run fused at WIDE_FUSED_ROWS rank rows:
+        prefill-sized, in an engine whose adapters may be that wide (its calls are then sized
+        for those rows; kernels.lora_paths.prefill_step_fuses_wide)."""
+        rows = lora_paths.fused_rank_rows(self.max_lora_rank)
+        return self._narrows(tokens) and rows >= lora_paths.WIDE_FUSED_ROWS
 
     def _fusable(self, size: int) -> bool:
         """Whether a decode step of ``size`` sequences could prefer the fused path."""
@@ -247,7 +264,9 @@ class ModelRunner:
         FUSED_PREFILL_MAX_ROWS (lora_paths.prefill_step_narrows: every call fused, sized for
         those rows), its decode tokens each a one-token tile when they share their adapters a
         few to one (the fused kernel's GEMV body, rather than a dot-body tile of the decode
-        tokens that share an adapter: lora_paths.mixed_decodes_apart). Otherwise, with an
+        tokens that share an adapter: lora_paths.mixed_decodes_apart); when an adapter is above
+        those rows and none above WIDE_FUSED_ROWS, WIDE_FUSED if the step holds many adapters
+        (lora_paths.prefill_step_fuses_wide: every call fused at those rows). Otherwise, with an
         adapter above FUSED_DECODE_ROWS, two launches of WIDE_RANK_ROWS-row programs (WIDE,
         lora_paths.step_is_wide); else two launches (decode-sized) or the shapes' choice, at
         max_lora_rank."""
@@ -279,6 +298,8 @@ class ModelRunner:
         if self._narrows(tokens) and lora_paths.prefill_step_narrows(rank):  # prefill-sized
             apart = lora_paths.mixed_decodes_apart(decode_tokens, len(decode_rows), rank)
             return StepLora(LoraMode.NARROW, modules, apart)
+        if self._wide_fuses(tokens) and lora_paths.prefill_step_fuses_wide(rank, len(rows)):
+            return StepLora(LoraMode.WIDE_FUSED, modules)
         if lora_paths.step_is_wide(rank):
             return StepLora(LoraMode.WIDE, modules)
         return StepLora(LoraMode.TWO if decode_sized else LoraMode.SHAPES, modules)
@@ -294,6 +315,8 @@ class ModelRunner:
             rows = min(lora_paths.ONE_TOKEN_ROWS, rows)
         elif mode is LoraMode.NARROW:  # they all fit FUSED_PREFILL_MAX_ROWS (step_lora)
             rows = min(lora_paths.FUSED_PREFILL_MAX_ROWS, rows)
+        elif mode is LoraMode.WIDE_FUSED:  # they all fit WIDE_FUSED_ROWS (step_lora)
+            rows = min(lora_paths.WIDE_FUSED_ROWS, rows)
         self.lora.fused, self.lora.rows, self.lora.modules = mode.fused, rows, modules
         self.lora.one_token = mode is LoraMode.ONE_TOKEN
         self.lora.rank_block = lora_paths.WIDE_RANK_ROWS if mode is LoraMode.WIDE else 16
@@ -337,6 +360,8 @@ class ModelRunner:
             keys += [GraphKey(tokens, seqs, LoraMode.NONE), GraphKey(tokens, seqs, LoraMode.SHAPES)]
             if self._narrows(tokens):
                 keys.append(GraphKey(tokens, seqs, LoraMode.NARROW))
+            if self._wide_fuses(tokens):
+                keys.append(GraphKey(tokens, seqs, LoraMode.WIDE_FUSED))
             if self._wides():
                 keys.append(GraphKey(tokens, seqs, LoraMode.WIDE))
         vocab = self.model.lm_head.shape[0]
@@ -368,7 +393,8 @@ class ModelRunner:
             "GiB, their logits buffer %.2f GiB): decode steps of %s sequences (with fused LoRA "
             "kernels from %s, on one-token tiles up to %s; each LoRA graph also without MLP "
             "LoRA calls), mixed steps of %s tokens (sized for %d rank rows from %s); two "
-            "launches of %d rank rows for adapters above %d: %s",
+            "launches of %d rank rows for adapters above %d: %s, fused at %d rows in mixed "
+            "steps of many such adapters from %s tokens",
             len(self._graphs), time.perf_counter() - start,
             (torch.cuda.memory_reserved(self.pool.tensor.device) - held) / 2**30,
             shared.nbytes / 2**30,
@@ -378,6 +404,7 @@ class ModelRunner:
             list(self._mixed_sizes),
             lora_paths.FUSED_PREFILL_MAX_ROWS, min(self.narrow_graph_sizes, default=None),
             lora_paths.WIDE_RANK_ROWS, lora_paths.FUSED_DECODE_ROWS, self._wides(),
+            lora_paths.WIDE_FUSED_ROWS, min(self.wide_fused_graph_sizes, default=None),
         )  # fmt: skip
 
     def _fill_for(
