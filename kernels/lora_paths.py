@@ -206,7 +206,8 @@ def prefill_step_fuses_wide(step_rank: int, distinct: int) -> bool:
     / 342 150.7 -> 160.3, 322.9 -> 267.3; two 1024-token prompts of 2 adapters 158.5 -> 152.1.
     The gains grow with the adapters; the one loss of many adapters is the short-prompt step
     at 98, which one rule by adapters keeps (S2 n = 100 through the services: the mixed steps'
-    time over the base model's 1.17 -> 1.04 s; docs/benchmarks.md)."""
+    time over the base model's 1.17 -> 1.04 s by bench/step_compare.py's bins, below what two
+    runs resolve end to end; docs/benchmarks.md)."""
     rows = fused_rank_rows(step_rank)
     return FUSED_PREFILL_MAX_ROWS < rows <= WIDE_FUSED_ROWS and distinct >= WIDE_FUSED_MIN_ADAPTERS
 
