@@ -24,10 +24,11 @@ ENGINE_MODES = ("process", "thread")
 SCHEDULING = ("fair", "fcfs")
 PRELOAD = ("pool", "host", "off")
 ON_OFF = ("on", "off")
+LOAD_FORMATS = ("safetensors", "random")
 # Flags that take one of a few words: the parser's choices and __post_init__'s check.
 _CHOICES = {
     "device": DEVICES, "engine": ENGINE_MODES, "scheduling": SCHEDULING,
-    "preload_adapters": PRELOAD, "lora_side_stream": ON_OFF,
+    "preload_adapters": PRELOAD, "lora_side_stream": ON_OFF, "load_format": LOAD_FORMATS,
 }  # fmt: skip
 _FILES = (
     "auth_tokens", "tls_cert", "tls_key", "tls_client_ca",
@@ -88,6 +89,7 @@ class ServiceConfig:
     scheduling: str = "fair"  # fair: tenants share the batch (engine/fairness.py); fcfs
     fair_prefill_tokens: int = 256  # per tenant and step while tenants share (fair only)
     lora_side_stream: str = "on"  # on: small decode steps' LoRA beside the base GEMMs (CUDA)
+    load_format: str = "safetensors"  # or random: weights drawn at load (benchmarks)
 
     def __post_init__(self) -> None:
         if not str(self.model):
@@ -272,6 +274,9 @@ _HELP = {
     "max_loras": "adapters resident in the page pool at once (default: from memory, a LoRA "
     "index row per pool page within 1%% of the pool's bytes, at least 16)",
     "max_lora_rank": "largest adapter rank accepted (default 128)",
+    "load_format": "safetensors (default): the model directory's weights; random: each weight "
+    "drawn at load from a seed of its name, for benchmarks of shapes whose checkpoint does not "
+    "fit the disk (the directory then needs config.json and the tokenizer only)",
     "tensor_parallel_size": "processes the model is sharded over (default 1): one per GPU, "
     "NCCL between them; gloo on the CPU. Heads, kv heads and the MLP width must divide by it",
     "host_cache_mb": "host cache for adapters in MiB, pinned on CUDA (default: from memory, "

@@ -66,6 +66,7 @@ def engine_config(config: ServiceConfig) -> EngineConfig:
         fair_prefill_tokens=config.fair_prefill_tokens,
         tensor_parallel_size=config.tensor_parallel_size,
         lora_side_stream=config.lora_side_stream == "on",
+        load_format=config.load_format,
     )
 
 

@@ -15,9 +15,12 @@ from services.inference.engine.config import EngineConfig
 from services.inference.engine.core import EngineCore
 from services.inference.engine.errors import InvalidRequest, ModelLoadError
 from services.inference.engine.pool_sizing import context_window
+from services.inference.engine.sampling_params import SamplingParams
 from services.inference.models.config import ModelConfig, RopeConfig
 from services.inference.models.llama import rope_inv_freq
 from services.inference.models.loader import load_model
+from services.inference.models.shard import Shard
+from tests.inference.engine_harness import make_core, run
 
 CPU = torch.device("cpu")
 
@@ -175,6 +178,57 @@ def test_missing_files_and_tensors(tiny_models, tmp_path):
         load_model(alien, CPU, torch.float32, 64)
 
 
+def _config_only(tiny_models, tmp_path) -> Path:
+    """tiny-llama's directory without its weights: config and tokenizer."""
+    out = _copy(tiny_models.model("tiny-llama"), tmp_path / "config_only")
+    (out / "model.safetensors").unlink()
+    return out
+
+
+def test_random_weights_need_no_checkpoint(tiny_models, tmp_path):
+    """load_format="random": every weight drawn from a seed of its name, the same on every
+    load; norms' scales 1, projections at the scale of their input width; the engine serves
+    from them, the same tokens each time."""
+    model_dir = _config_only(tiny_models, tmp_path)
+    with pytest.raises(ModelLoadError, match="neither model.safetensors"):
+        load_model(model_dir, CPU, torch.float32, 64)
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        load_model(model_dir, CPU, torch.float32, 64, load_format="zip")
+    a = load_model(model_dir, CPU, torch.float32, 64, load_format="random")
+    b = load_model(model_dir, CPU, torch.float32, 64, load_format="random")
+    for x, y in ((a.layers[1].attn.wqkv, b.layers[1].attn.wqkv), (a.lm_head, b.lm_head)):
+        assert torch.equal(x, y)
+    assert not torch.equal(a.layers[0].mlp.w_down, a.layers[1].mlp.w_down)  # seeds by name
+    assert torch.equal(a.layers[0].input_layernorm.weight, torch.ones(64))
+    w_down = a.layers[0].mlp.w_down  # [hidden, intermediate]
+    assert abs(float(w_down.std()) * w_down.shape[1] ** 0.5 - 1) < 0.05
+    tokens = []
+    for _ in range(2):
+        core = make_core(model_dir, load_format="random")
+        request = GenerationRequest(
+            request_id="r",
+            prompt_token_ids=list(range(3, 40)),
+            sampling=SamplingParams(max_new_tokens=6, ignore_eos=True),
+        )
+        tokens.append(run(core, {0: [request]})["r"].token_ids)
+    assert len(tokens[0]) == 6 and tokens[0] == tokens[1]
+
+
+def test_random_weights_shard_as_the_full_model_splits(tiny_models, tmp_path):
+    """A tensor-parallel rank's random weights are its slice of the unsharded model's."""
+    model_dir = _config_only(tiny_models, tmp_path)
+    cfg = ModelConfig.from_model_dir(model_dir)
+    full = load_model(model_dir, CPU, torch.float32, 64, load_format="random")
+    rank = load_model(model_dir, CPU, torch.float32, 64, shard=Shard(1, 2), load_format="random")
+    q, kv, i = cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+    w = full.layers[1].attn.wqkv  # [q + 2 kv, hidden]: q, k, v
+    want = torch.cat([w[q // 2 : q], w[q + kv // 2 : q + kv], w[q + kv + kv // 2 :]])
+    assert torch.equal(rank.layers[1].attn.wqkv, want)
+    assert torch.equal(rank.layers[1].attn.wo, full.layers[1].attn.wo[:, q // 2 :])
+    assert torch.equal(rank.layers[0].mlp.w_down, full.layers[0].mlp.w_down[:, i // 2 :])
+    assert torch.equal(rank.embed_tokens, full.embed_tokens)
+
+
 def test_engine_config_validation(tiny_models):
     with pytest.raises(ValueError, match="device must be cpu, cuda or auto"):
         EngineConfig(model_dir="m", device="tpu")
@@ -186,6 +240,8 @@ def test_engine_config_validation(tiny_models):
         EngineConfig(model_dir="m", dtype="int8")
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(model_dir="m", max_num_seqs=64, max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match="load_format must be 'safetensors' or 'random'"):
+        EngineConfig(model_dir="m", load_format="npz")
     cfg = EngineConfig(model_dir="m", device="cpu")
     assert cfg.torch_dtype is torch.float32
     with pytest.raises(AttributeError):

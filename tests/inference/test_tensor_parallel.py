@@ -8,6 +8,8 @@ mid-run, which fails the step and stops the engine.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -98,6 +100,22 @@ def test_preemption_aborts_and_evictions_stay_in_step(tiny_models, tp_core):
     got, stats = _pressure_run(tp_core(**small), tiny_models, True)
     assert stats.preemptions > 0 and stats.adapter_evictions > 0
     assert got == want  # the same tokens and finish reasons as one rank (itself HF's)
+
+
+def test_random_weights_shard_alike_on_every_rank(tiny_models, tmp_path):
+    """--load-format random on a directory without weights: each rank (the worker too) draws
+    its slice of the same model, so two ranks give one rank's tokens and finish reasons."""
+    model_dir = tmp_path / "config_only"
+    shutil.copytree(tiny_models.model("tiny-llama"), model_dir)
+    (model_dir / "model.safetensors").unlink()
+    small = dict(num_pages=64, max_num_seqs=4, max_loras=2, load_format="random")
+    want, _ = _pressure_run(make_core(model_dir, **small), tiny_models, False)
+    core = make_core(model_dir, tensor_parallel_size=2, **small)
+    try:
+        got, _ = _pressure_run(core, tiny_models, True)
+    finally:
+        core.close()
+    assert got == want
 
 
 def test_a_worker_out_of_step_is_found(tiny_models, tp_core):

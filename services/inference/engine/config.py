@@ -53,6 +53,10 @@ class EngineConfig:
     # the base GEMMs, on a second stream on CUDA (ModelRunner, LoraContext), rather than in
     # place after each GEMM.
     lora_side_stream: bool = True
+    # "safetensors": the model directory's weights; "random": drawn at load from a seed of each
+    # weight's name (models/loader.py RandomWeights), for benchmarks of shapes whose checkpoint
+    # does not fit the disk; the directory then needs its config and tokenizer only.
+    load_format: str = "safetensors"
 
     def __post_init__(self) -> None:
         if not str(self.model_dir):
@@ -79,6 +83,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.load_format not in ("safetensors", "random"):
+            raise ValueError(
+                f"load_format must be 'safetensors' or 'random', got {self.load_format!r}"
+            )
         if self.scheduling not in ("fair", "fcfs"):
             raise ValueError(f"scheduling must be 'fair' or 'fcfs', got {self.scheduling!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -143,8 +143,9 @@ class EngineCore:
         the same layout on theirs. ``mc``: this rank's share of the model."""
         model_dir = Path(config.model_dir)
         self.model = load_model(
-            model_dir, self.device, self.dtype, self.max_len, self.model_config, shard
-        )
+            model_dir, self.device, self.dtype, self.max_len, self.model_config, shard,
+            config.load_format,
+        )  # fmt: skip
         width = mc.kv_dim  # the pool holds this rank's kv heads
         num_pages = pool_pages(config, mc, self.device, self.dtype)
         capacity = slot_capacity(self.plan_shape, config.max_lora_rank, width, config.page_size)

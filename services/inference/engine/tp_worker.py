@@ -54,8 +54,9 @@ class Worker:
         self.model_config = ModelConfig.from_model_dir(config.model_dir)
         max_len = context_window(self.model_config, config.max_model_len)
         self.model = load_model(
-            config.model_dir, self.device, self.dtype, max_len, self.model_config, self.shard
-        )
+            config.model_dir, self.device, self.dtype, max_len, self.model_config, self.shard,
+            config.load_format,
+        )  # fmt: skip
         self.model.join_group(group.all_reduce)
 
     def build(self, layout: WorkerLayout) -> None:

@@ -5,12 +5,19 @@ model.safetensors.index.json, and moved to the device one layer at a time: the h
 a second full copy of the model (each tensor is a view of the mapped file until it is copied to
 the device, converted, or fused with its siblings). With a tensor-parallel ``shard`` only the
 rank's slice of each split weight is copied (models/shard.py).
+
+With ``load_format="random"`` the directory needs its config and tokenizer only: each weight is
+drawn on the device from a seed of its name (RandomWeights), for benchmarks of shapes whose
+checkpoint would not fit the machine's disk (a 70B model is 140 GB in bf16). Every rank draws
+the same full tensor and keeps its slice, so a sharded model is the unsharded one, split.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import zlib
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -27,6 +34,7 @@ log = logging.getLogger(__name__)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 ALL = slice(None)
+LOAD_FORMATS = ("safetensors", "random")
 
 
 class WeightFiles:
@@ -66,6 +74,28 @@ class WeightFiles:
         return t
 
 
+class RandomWeights:
+    """Weights drawn on the device, each from a seed of its name and ``seed``: norms' scales
+    1, biases 0, embeddings N(0, 1), every projection N(0, 1 / its input width), so that
+    activations neither vanish nor blow up over the layers. Drawn in float32, whole, whatever
+    slice the caller keeps."""
+
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device, self.seed = device, seed
+
+    def __contains__(self, name: str) -> bool:
+        return True
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, device=self.device)
+        if name.endswith(".bias"):
+            return torch.zeros(shape, device=self.device)
+        gen = torch.Generator(self.device).manual_seed(zlib.crc32(name.encode()) ^ self.seed)
+        std = 1.0 if name == "model.embed_tokens.weight" else 1 / math.sqrt(shape[-1])
+        return torch.randn(shape, generator=gen, device=self.device).mul_(std)
+
+
 def load_model(
     model_dir: str | Path,
     device: torch.device,
@@ -73,10 +103,14 @@ def load_model(
     max_len: int,
     cfg: ModelConfig | None = None,
     shard: Shard | None = None,
+    load_format: str = "safetensors",
 ) -> Transformer:
     """Build the model for ``model_dir`` on ``device`` in ``dtype``; rope tables up to max_len.
     ``cfg``: the directory's config, when the caller has read it already. ``shard``: build only
-    that tensor-parallel rank's share (the caller joins the model to its group)."""
+    that tensor-parallel rank's share (the caller joins the model to its group).
+    ``load_format``: "safetensors" (the directory's weights) or "random" (RandomWeights)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_dir = Path(model_dir)
     cfg = cfg or ModelConfig.from_model_dir(model_dir)
     shard = shard or Shard(0, 1)
@@ -86,7 +120,8 @@ def load_model(
     q_part, kv_part, i_part = shard.part(cfg.q_dim), shard.part(cfg.kv_dim), shard.part(i)
 
     with ExitStack() as stack:
-        files = WeightFiles(model_dir, stack)
+        random = load_format == "random"
+        files = RandomWeights(device) if random else WeightFiles(model_dir, stack)
 
         def put(
             name: str, shape: tuple[int, ...], rows: slice = ALL, cols: slice = ALL
@@ -145,8 +180,9 @@ def load_model(
     model.init_rope(device)
     model.eval()
     log.info(
-        "loaded %s (%d layers, hidden %d, %d/%d heads) on %s as %s%s",
+        "loaded %s (%d layers, hidden %d, %d/%d heads) on %s as %s%s%s",
         cfg.architecture, cfg.num_layers, h, cfg.num_heads, cfg.num_kv_heads, device, dtype,
         f", tensor-parallel rank {shard.rank} of {shard.size}" if shard.size > 1 else "",
+        ", random weights (--load-format random)" if random else "",
     )  # fmt: skip
     return model
