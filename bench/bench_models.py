@@ -64,6 +64,12 @@ SHAPES = {
     "llama-7b": Shape(
         hidden=4096, layers=32, heads=32, kv_heads=32, intermediate=11008, vocab=32000
     ),
+    # Llama-2-70B: 69 B parameters, 138 GB in bf16: more than the GPU machines' disks hold, so
+    # its benchmarks write the config and tokenizer only (make_model(weights=False)) and the
+    # service draws the weights (--load-format random).
+    "llama-70b": Shape(
+        hidden=8192, layers=80, heads=64, kv_heads=8, intermediate=28672, vocab=32000
+    ),
     # A smoke-test shape that runs anywhere in seconds.
     "tiny": Shape(hidden=256, layers=4, heads=8, kv_heads=4, intermediate=688, vocab=1024),
 }
@@ -81,8 +87,12 @@ def _vocab_size(path: Path) -> int | None:
     return Tokenizer.from_file(str(path)).get_vocab_size()
 
 
-def make_model(out: Path, shape: Shape, device: torch.device, seed: int = 0) -> Path:
-    """Writes the model unless ``out`` already holds one of this shape; returns ``out``."""
+def make_model(
+    out: Path, shape: Shape, device: torch.device, seed: int = 0, weights: bool = True
+) -> Path:
+    """Writes the model unless ``out`` already holds one of this shape; returns ``out``.
+    ``weights=False``: the config and tokenizer only, for a service that draws its weights
+    (--load-format random)."""
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(512)
     # Every id the model can generate decodes to text (one word each beyond the BPE's 512), as
@@ -95,6 +105,7 @@ def make_model(out: Path, shape: Shape, device: torch.device, seed: int = 0) -> 
         done.exists()
         and json.loads(done.read_text()) == config
         and _vocab_size(out / "tokenizer.json") == shape.vocab
+        and (not weights or (out / "model.safetensors.index.json").exists())
     ):
         return out
     tok.save(str(out / "tokenizer.json"))
@@ -104,6 +115,10 @@ def make_model(out: Path, shape: Shape, device: torch.device, seed: int = 0) -> 
          "add_bos_token": True, "add_eos_token": False},
     )  # fmt: skip
     _write_json(out / "generation_config.json", {"eos_token_id": special[EOS_TOKEN]})
+    if not weights:
+        done.write_text(json.dumps(config, indent=2) + "\n")
+        log.info("wrote the config and tokenizer of a %s model to %s (no weights)", shape, out)
+        return out
     gen = torch.Generator(device).manual_seed(seed)
     dtype = torch.bfloat16
 

@@ -23,6 +23,14 @@ measured on this machine in this run), as a distribution over the steps of 64 se
 With ``--via gateway`` the clients call the HTTP gateway (services/gateway) with streamed
 completions of the same token ids instead of Generate; the rows say how it compares with gRPC
 (vs_grpc: throughput ratio; ttft_p50_added_s).
+
+With ``--tensor-parallel-size N`` the service shards the model over N GPUs (N processes), and the
+roofline counts N times one GPU's ceilings. ``--random-weights`` writes the model's config and
+tokenizer only, and the service draws its weights (--load-format random): the Llama-70B shape's
+138 GB would not fit the GPU machines' disks.
+
+    python bench/serving.py --shape llama-70b --random-weights --tensor-parallel-size 2 \
+        --workload S1r16 --runs inf:1000 --adapters 0 1000
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ UPLOAD_THREADS = 8
 WORKLOADS = {  # adapter ranks, cycled over the n adapters, and their target modules
     "S1": ((8,), ("q_proj", "k_proj", "v_proj", "o_proj")),
     "S2": ((8, 16, 32, 64), ("q_proj", "k_proj", "v_proj", "o_proj")),
+    "S1r16": ((16,), ("q_proj", "k_proj", "v_proj", "o_proj")),  # the tensor-parallel issue's
 }
 LENGTHS = (8, 512)  # prompt and output lengths are uniform in [8, 512)
 
@@ -260,7 +269,9 @@ def write_result(args, ceilings, rows: list[dict], preload: dict | None = None) 
     args.out.write_text(json.dumps({
         "benchmark": "serving workload of DESIGN.md through the deployed gRPC services",
         "shape": args.shape, "workload": args.workload, "alpha": args.alpha, "seed": args.seed,
-        "serve_flags": args.serve_flag, "preload": preload, "ceilings": ceilings._asdict(),
+        "serve_flags": args.serve_flag, "tensor_parallel_size": args.tensor_parallel_size,
+        "random_weights": args.random_weights, "preload": preload,
+        "ceilings": ceilings._asdict(),
         "machine": machine(),
         "command": "python bench/serving.py " + " ".join(sys.argv[1:]), "results": rows,
     }, indent=2) + "\n")  # fmt: skip
@@ -307,8 +318,20 @@ def main() -> None:
         "work dir); S2 with 1000 adapters is 63 GB, more than some disks hold beside the model, "
         "so e.g. a directory in /dev/shm",
     )  # fmt: skip
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1,
+        help="the service's --tensor-parallel-size (N GPUs); the roofline counts N devices' "
+        "copy bandwidth and matmul rate, each measured on one",
+    )  # fmt: skip
+    parser.add_argument(
+        "--random-weights", action="store_true",
+        help="write the model's config and tokenizer only; the service draws its weights "
+        "(--load-format random): for shapes whose checkpoint does not fit the disk",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "serving.json")
     args = parser.parse_args()
+    if args.tensor_parallel_size < 1:
+        parser.error("--tensor-parallel-size must be at least 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     import torch
@@ -316,8 +339,11 @@ def main() -> None:
     shape = SHAPES[args.shape]
     work = args.work_dir
     work.mkdir(parents=True, exist_ok=True)
-    model = make_model(work / f"model-{args.shape}", shape, torch.device(args.device))
-    ceilings = Ceilings(**measure_ceilings_subprocess(args.device))
+    model = make_model(work / f"model-{args.shape}", shape, torch.device(args.device),
+                       weights=not args.random_weights)  # fmt: skip
+    one = Ceilings(**measure_ceilings_subprocess(args.device))
+    tp = args.tensor_parallel_size  # each rank moves 1/tp of the bytes and does 1/tp of the work
+    ceilings = Ceilings(one.copy_bytes_per_s * tp, one.matmul_flops_per_s * tp)
     roof = Roofline.for_shape(shape, ceilings, dtype_bytes=2 if args.device == "cuda" else 4)
     log.info("ceilings: copy %.2f TB/s, matmul %.0f TFLOP/s", ceilings.copy_bytes_per_s / 1e12,
              ceilings.matmul_flops_per_s / 1e12)  # fmt: skip
@@ -339,7 +365,8 @@ def main() -> None:
         service = subprocess.Popen([
             sys.executable, "-m", "services.inference", "--model", str(model), "--port", str(port),
             "--adapter-store", f"127.0.0.1:{store_port}", "--device", args.device,
-            "--step-log", str(step_log), *args.serve_flag,
+            "--step-log", str(step_log), "--tensor-parallel-size", str(args.tensor_parallel_size),
+            *(["--load-format", "random"] if args.random_weights else []), *args.serve_flag,
         ], cwd=REPO, env=env)  # fmt: skip
         address = f"127.0.0.1:{port}"
         wait_serving(address, service, 1200)
