@@ -10,6 +10,7 @@ import torch
 from services.inference.engine.limits import RequestLimits
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOAD_FORMATS = ("safetensors", "random")  # models/loader.py: a checkpoint, or drawn weights
 
 
 def decode_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -83,10 +84,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        if self.load_format not in ("safetensors", "random"):
-            raise ValueError(
-                f"load_format must be 'safetensors' or 'random', got {self.load_format!r}"
-            )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.scheduling not in ("fair", "fcfs"):
             raise ValueError(f"scheduling must be 'fair' or 'fcfs', got {self.scheduling!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -8,7 +8,7 @@ rank's slice of each split weight is copied (models/shard.py).
 
 With ``load_format="random"`` the directory needs its config and tokenizer only: each weight is
 drawn on the device from a seed of its name (RandomWeights), for benchmarks of shapes whose
-checkpoint would not fit the machine's disk (a 70B model is 140 GB in bf16). Every rank draws
+checkpoint would not fit the machine's disk (a 70B model is 138 GB in bf16). Every rank draws
 the same full tensor and keeps its slice, so a sharded model is the unsharded one, split.
 """
 
@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from services.inference.engine.config import LOAD_FORMATS
 from services.inference.engine.errors import ModelLoadError
 from services.inference.models.config import ModelConfig
 from services.inference.models.llama import Transformer
@@ -34,7 +35,6 @@ log = logging.getLogger(__name__)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 ALL = slice(None)
-LOAD_FORMATS = ("safetensors", "random")
 
 
 class WeightFiles:
@@ -120,8 +120,8 @@ def load_model(
     q_part, kv_part, i_part = shard.part(cfg.q_dim), shard.part(cfg.kv_dim), shard.part(i)
 
     with ExitStack() as stack:
-        random = load_format == "random"
-        files = RandomWeights(device) if random else WeightFiles(model_dir, stack)
+        drawn = load_format == "random"
+        files = RandomWeights(device) if drawn else WeightFiles(model_dir, stack)
 
         def put(
             name: str, shape: tuple[int, ...], rows: slice = ALL, cols: slice = ALL
@@ -183,6 +183,6 @@ def load_model(
         "loaded %s (%d layers, hidden %d, %d/%d heads) on %s as %s%s%s",
         cfg.architecture, cfg.num_layers, h, cfg.num_heads, cfg.num_kv_heads, device, dtype,
         f", tensor-parallel rank {shard.rank} of {shard.size}" if shard.size > 1 else "",
-        ", random weights (--load-format random)" if random else "",
+        ", random weights (--load-format random)" if drawn else "",
     )  # fmt: skip
     return model
