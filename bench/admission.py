@@ -48,6 +48,15 @@ PAGE_SIZE = 16  # the service's default
 NUM_PAGES = 13000
 
 
+def saturating_base(runs: dict[tuple, list[dict]]) -> list[dict] | None:
+    """The steps of a serving run's base model on its trace of requests all at once (pass 1):
+    what StepModel is fit to. ``runs``: bench.step_compare.load_runs's."""
+    for (trace, n, pas), steps in runs.items():
+        if trace.startswith("inf:") and n == 0 and pas == 1:
+            return steps
+    return None
+
+
 class StepModel:
     """Modeled GPU ms of a step record, fit to a serving run's steps."""
 
@@ -140,13 +149,16 @@ def main() -> None:
     ap.add_argument("--num-pages", type=int, default=NUM_PAGES)
     ap.add_argument("--serving", type=Path,
                     default=REPO / "bench/results/serving_s1_apart.json",
-                    help="a serving run whose base-model steps (n = 0, pass 1) the cost model "
-                         "is fit to; its step log beside it (NAME_steps.jsonl.gz)")  # fmt: skip
+                    help="a serving run whose base-model steps (n = 0, pass 1, all at once) "
+                         "the cost model is fit to; its step log beside it "
+                         "(NAME_steps.jsonl.gz)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/admission.json")
     args = ap.parse_args()
     steps_path = args.serving.with_name(args.serving.stem + "_steps.jsonl.gz")
     _, runs = load_runs(args.serving, steps_path)
-    base = runs[(0, 1)]
+    base = saturating_base(runs)
+    if base is None:
+        ap.error(f"{args.serving} has no base-model run of requests all at once (inf:N, pass 1)")
     cost = StepModel(base)
     real = sum(s["gpu_ms"] for s in base) / 1e3
     modeled = sum(cost.ms(s) for s in base) / 1e3

@@ -62,15 +62,16 @@ def main() -> None:
     serving, runs = load_runs(args.serving, args.steps)
     roof = Roofline.for_shape(SHAPES[serving["shape"]], Ceilings(**serving["ceilings"]))
     report = {}
-    print(f"{'run':>12} {'kind':>10} {'steps':>5} {'GPU s':>7} {'roofline s':>10} {'share':>5} "
+    print(f"{'run':>16} {'kind':>10} {'steps':>5} {'GPU s':>7} {'roofline s':>10} {'share':>5} "
           f"{'phase s':>7} {'share':>5}")  # fmt: skip
-    for (n, pas), run in runs.items():
-        rows = report[f"{n}:{pas}"] = group(run, roof)
+    for (trace, n, pas), run in runs.items():
+        name = f"{trace} {n}:{pas}"
+        rows = report[name] = group(run, roof)
         for r in rows:
-            print(f"{f'{n}:{pas}':>12} {r['kind']:>10} {r['steps']:>5} {r['gpu_s']:>7.2f} "
+            print(f"{name:>16} {r['kind']:>10} {r['steps']:>5} {r['gpu_s']:>7.2f} "
                   f"{r['roofline_s']:>10.2f} {r['roofline_share']:>5.2f} "
                   f"{r['phase_floor_s']:>7.2f} {r['phase_share']:>5.2f}")  # fmt: skip
-    print("(run: adapters:pass; share: the floor's time over the GPU time)")
+    print("(run: trace adapters:pass; share: the floor's time over the GPU time)")
     if args.out:
         write_result(args.out, "step_kinds.py", {"serving_commit": serving.get("commit"),
                                                  "runs": report})  # fmt: skip

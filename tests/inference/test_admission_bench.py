@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import pytest
 
-from bench.admission import StepModel, simulate
+from bench.admission import StepModel, saturating_base, simulate
+from bench.step_compare import split_runs
 
 
 def _step(seqs, tokens, prefill, kv, pairs=0):
     return dict(seqs=seqs, tokens=tokens, prefill_tokens=prefill, kv_read=kv, attn_pairs=pairs)
+
+
+def test_the_fit_takes_the_base_models_steps_of_requests_all_at_once():
+    """Of a serving run's traces (split by bench/step_compare.py), the base model's at
+    inf:N, whichever order the runs came in; None when the run has none."""
+    rate, once, lora = [_step(9, 9, 0, 10)] * 2, [_step(300, 300, 0, 10)] * 3, [_step(1, 1, 0, 1)]
+    results = [{"run": "40:15", "adapters": 0, "steps": 2},
+               {"run": "inf:1000", "adapters": 0, "steps": 3},
+               {"run": "inf:1000", "adapters": 100, "steps": 1}]  # fmt: skip
+    assert saturating_base(split_runs(rate + once + lora, results)) == once
+    assert saturating_base(split_runs(rate, results[:1])) is None
 
 
 def test_step_model_recovers_a_linear_cost():
