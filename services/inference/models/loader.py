@@ -75,13 +75,13 @@ class WeightFiles:
 
 
 class RandomWeights:
-    """Weights drawn on the device, each from a seed of its name and ``seed``: norms' scales
-    1, biases 0, embeddings N(0, 1), every projection N(0, 1 / its input width), so that
-    activations neither vanish nor blow up over the layers. Drawn in float32, whole, whatever
-    slice the caller keeps."""
+    """Weights drawn on the device, each from a seed of its name: norms' scales 1, biases 0,
+    embeddings N(0, 1), every projection N(0, 1 / its input width), so that activations neither
+    vanish nor blow up over the layers. Drawn in float32, whole, whatever slice the caller
+    keeps."""
 
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
-        self.device, self.seed = device, seed
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
 
     def __contains__(self, name: str) -> bool:
         return True
@@ -91,7 +91,7 @@ class RandomWeights:
             return torch.ones(shape, device=self.device)
         if name.endswith(".bias"):
             return torch.zeros(shape, device=self.device)
-        gen = torch.Generator(self.device).manual_seed(zlib.crc32(name.encode()) ^ self.seed)
+        gen = torch.Generator(self.device).manual_seed(zlib.crc32(name.encode()))
         std = 1.0 if name == "model.embed_tokens.weight" else 1 / math.sqrt(shape[-1])
         return torch.randn(shape, generator=gen, device=self.device).mul_(std)
 
