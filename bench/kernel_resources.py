@@ -139,7 +139,8 @@ def two_launch_resources(call, tokens: int = FUSED_MAX_TOKENS, max_rank: int = 1
     shrink = compile_resources(
         lora._lora_shrink_kernel,
         dict(common, D_IN=d_in, W=W, IN_CHUNKS=chunks(d_in, W), **lora._slice_args(mods),
-             K_PER=-(-d_in // cfg.split_k), BLOCK_K=cfg.shrink_k, BLOCK_R=cfg.shrink_r,
+             K_PER=-(-d_in // cfg.split_k), RANK_SPLIT=cfg.rank_split, BLOCK_K=cfg.shrink_k,
+             BLOCK_R=cfg.shrink_r,
              ALIGNED=W % cfg.shrink_k == 0),
         ints,
         dict(num_warps=cfg.shrink_warps, num_stages=cfg.stages),

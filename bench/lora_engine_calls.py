@@ -51,6 +51,11 @@ launches against the fused kernel at 64 rank rows (S2_STEP_POINTS); with ``--s2-
 mixed steps of few to many adapters (S2_RULE_CASES), the engine's WIDE two launches against
 its WIDE_FUSED launch (kernels.lora_paths.prefill_step_fuses_wide).
 
+With ``--s2-split`` the cases are S2's decode steps (S2_SPLIT_CASES), by the shrink's rank
+blocks shared over programs (rank_split), its d_in split, rank rows and expand blocks
+(S2_SPLIT_POINTS), with the tiles listed by rank and not, and the torch profiler's shrink and
+expand times for some (kernels.lora._wide_split chose from it).
+
 With ``--apart`` the cases are mixed steps whose decode tokens share adapters (drawn from 5,
 30, 100 and 1000) beside prompts, every call fused at 16 rank rows as the engine's narrow steps
 make them (the masked MLP calls beside), on the segments' tiles (the decode tokens of one
@@ -70,7 +75,7 @@ rule (q/k/v fused, o fused from 256 tokens; prefill-sized steps all fused) and a
 launches.
 
     python bench/lora_engine_calls.py [--splits] [--profile] [--steps] [--small] [--one-token] \
-        [--hoist] [--sharing] [--dot] [--apart] [--s2] [--s2-steps] [--s2-gemv] \
+        [--hoist] [--sharing] [--dot] [--apart] [--s2] [--s2-steps] [--s2-gemv] [--s2-split] \
         [--gemv] [--points N] \
         [--out bench/results/lora_engine_calls.json]
 """
@@ -226,6 +231,23 @@ S2_RULE_CASES = ((300, 5, (512,) * 3), (300, 30, (512,) * 3), (300, 60, (512,) *
                  (300, 100, (512,) * 3), (300, 1000, (512,) * 3), (400, 1000, (400,) * 4),
                  (400, 30, (400,) * 4), (400, 100, (200,) * 3), (400, 1000, (200,) * 3),
                  (0, 5, (1024, 1024)))  # fmt: skip
+# --s2-split: S2's decode steps (drawn from 100 and from 1000 adapters) on the engine's WIDE two
+# launches (32 rank rows a program, split 2) against shrinks whose rank blocks spread over
+# programs (rank_split) and other rank rows, splits and expand blocks (S2_SPLIT_POINTS: shrink
+# rows, rank_split, split_k, expand rows, expand_n); "sorted": the tiles listed by their
+# adapter's rank, largest first (the host's order, kernels/tile_table.py, is by segment).
+S2_SPLIT_CASES = ((400, 100, ()), (256, 100, ()), (64, 100, ()), (400, 1000, ()),
+                  (300, 100, (512,) * 3))  # fmt: skip
+S2_SPLIT_POINTS = (
+    (32, 1, 2, 32, 256),
+    (32, 2, 2, 32, 256),
+    (16, 2, 2, 32, 256),
+    (16, 4, 2, 32, 256),
+    (32, 1, 4, 32, 256),
+    (32, 2, 2, 64, 128),
+    (16, 4, 2, 64, 128),
+    (32, 2, 1, 32, 256),
+)
 # --apart: (decode tokens, adapters they are drawn from, prefill chunks' lengths), the decode
 # tokens' sharing from about 90 (n = 5) to 1.2 (n = 1000) tokens an adapter
 APART_CASES = (
@@ -290,6 +312,8 @@ def time_case(
         tokens = make_lora_tokens(case.rows, capacity=cap, modules=modules,
                                   one_token_tiles=bool(v.get("one_token") or v.get("apart")),
                                   entries=starts if v.get("apart") else None)  # fmt: skip
+        if v.get("sorted"):
+            tokens = rank_sorted(tokens, case.index.ranks[:, Q].cpu())
         cfgs = [None] * len(calls)
         fused = [v.get("fused")] * len(calls)
         if v.get("engine"):  # the engine's per-call choice in a fused step (kernels/lora_paths)
@@ -319,7 +343,8 @@ def time_case(
             cfgs = [
                 lora.launch_config(t, d, kb.POOL_W, max_rank, len(m))._replace(
                     split_k=v["split_k"], expand_n=v["expand_n"],
-                    **{k: v[k] for k in ("shrink_r", "expand_r", "block_m") if k in v},
+                    **{k: v[k] for k in ("shrink_r", "expand_r", "block_m", "rank_split")
+                       if k in v},
                 )
                 for m, d, _ in calls
             ]  # fmt: skip
@@ -347,6 +372,18 @@ def time_case(
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
+
+
+def rank_sorted(tokens, ranks: torch.Tensor):
+    """``tokens`` with each tile table's tiles listed by their adapter's rank x tokens, largest
+    first (rows -1 stay last)."""
+    tables = tokens.tiles.cpu().clone()
+    for table in tables:
+        used = int((table[:, 0] >= 0).sum())
+        rows = table[:used]
+        work = ranks[rows[:, 0].long()] * (rows[:, 2] - rows[:, 1])
+        table[:used] = rows[torch.argsort(work, descending=True, stable=True)]
+    return tokens._replace(tiles=tables.to(tokens.tiles.device))
 
 
 def kernel_times(fn, reps: int = 5) -> dict[str, float]:
@@ -402,6 +439,8 @@ def main() -> None:
                     help="S2's mixed steps, two launches against fused at 64 rows")  # fmt: skip
     ap.add_argument("--s2-rule", action="store_true",
                     help="S2's mixed steps by their adapters, WIDE against WIDE_FUSED")  # fmt: skip
+    ap.add_argument("--s2-split", action="store_true",
+                    help="S2's decode steps, shrink rank blocks over programs")  # fmt: skip
     ap.add_argument("--s2-gemv", action="store_true",
                     help="S2's decode steps, one-token tiles on a 64-row GEMV body")  # fmt: skip
     ap.add_argument("--points", type=int, default=None,
@@ -448,6 +487,14 @@ def main() -> None:
                 v.update(split_k=split, expand_n=en, shrink_r=r, expand_r=r, block_m=bm)
             variants.append(v)
         variants += dot_variants(S2_FUSED_POINTS, max_rank=64, mlp=False)
+    elif args.s2_split:
+        wide = dict(max_rank=128, segments=514, fused=False, rank_block=32)
+        variants += [dict(wide, profile=True), dict(wide, sorted=True)]
+        for sr, rs, split, er, en in S2_SPLIT_POINTS:
+            v = dict(wide, shrink_r=sr, rank_split=rs, split_k=split, expand_r=er, expand_n=en)
+            variants.append(v)
+            if (sr, rs, er) in ((16, 4, 32), (32, 2, 32)):
+                variants += [dict(v, sorted=True), dict(v, profile=True)]
     elif args.s2_gemv:
         variants.append(dict(max_rank=128, segments=514, fused=False, rank_block=32, mlp=True))
         variants += dot_variants((None,), max_rank=64, mlp=True)
@@ -505,6 +552,9 @@ def main() -> None:
         rows = [r for t, n, p in APART_CASES for r in time_case(t, n, gen, variants, p)]
     elif args.s2:
         rows = [r for t, n, p in S2_CASES for r in time_case(t, n, gen, variants, p, S2_RANKS)]
+    elif args.s2_split:
+        rows = [r for t, n, p in S2_SPLIT_CASES
+                for r in time_case(t, n, gen, variants, p, S2_RANKS)]  # fmt: skip
     elif args.s2_gemv:
         rows = [r for t, n, p in S2_GEMV_CASES
                 for r in time_case(t, n, gen, variants, p, S2_RANKS)]  # fmt: skip
@@ -521,6 +571,7 @@ def main() -> None:
     write_result(args.out, "lora_engine_calls.py", {
         "benchmark": "one layer's LoRA calls (q/k/v, o) as the engine makes them, "
         + ("S2 (ranks 8-64)" if args.s2 or args.s2_steps or args.s2_gemv or args.s2_rule
+           or args.s2_split
            else "S1 (rank 8)"),
         "gpu": torch.cuda.get_device_name(), "rows": rows,
     })  # fmt: skip

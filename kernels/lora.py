@@ -9,9 +9,11 @@ Prefill runs give full tiles that share each weight load; decode tokens of disti
 give one-token tiles, which is per-token addressing. Base-only and padding segments get no
 tiles.
 
-- shrink, grid (tile programs, slices x k-splits): h[k, t, s, rows] = x[t, k-part] · A_s[rows]ᵀ
-  in fp32, a program looping over the adapter's rank blocks; small batches split d_in over
-  several programs (partial sums, added by expand) to stream through more SMs.
+- shrink, grid (tile programs, slices x k-splits x rank splits): h[k, t, s, rows] = x[t,
+  k-part] · A_s[rows]ᵀ in fp32, a program looping over the adapter's rank blocks (every
+  rank_split-th one where several programs share them: S2's decode steps, _wide_split); small
+  batches split d_in over several programs (partial sums, added by expand) to stream through
+  more SMs.
 - expand, grid (tile programs, column blocks of all slices): y[t, cols] += scale · Σ_k h[k, t,
   s] · Bᵀ. On Hopper it is launched as a programmatic dependent of shrink: it finds its first
   tile, looks up and loads its Bᵀ block and y block while shrink still runs, then waits for h.
@@ -73,6 +75,8 @@ _DOT_16_MAX_TOKENS = 2048
 # So programs stride over the tiles instead, and the shrink loops over rank blocks: 45.2 µs
 # for the same calls (bench/results/lora_engine_calls.json).
 _TILE_PROGRAMS_PER_SM = 16
+# WIDE decode-sized calls of at least this many tokens do not split d_in (_wide_split).
+_WIDE_SPLIT_ONE_TOKENS = 256
 # Decode-sized calls of at most this d_in split it in two at least (_decode_split).
 _DECODE_SPLIT_MAX_D_IN = 4096
 # The expand's registers a thread. Its tile loop kept 124-128 live (4 programs an SM at 4 warps,
@@ -155,6 +159,7 @@ class LoraLaunch(NamedTuple):
     expand_warps: int = 4
     stages: int = 3
     split_k: int = 1  # shrink programs per d_in; expand adds their partial sums
+    rank_split: int = 1  # shrink programs per (tile, slice, k-split), sharing its rank blocks
     expand_r: int = 16  # rank rows per expand step
     pdl: bool = True  # overlap expand's prologue with shrink (Hopper and later)
     fused: bool = False  # one launch (kernels/lora_fused.py) instead of shrink + expand
@@ -205,6 +210,9 @@ def launch_config(
     programs = max(1, min(num_tokens, 1024)) * num_slices  # decode worst case: a tile a token
     want = _SHRINK_PROGRAMS_PER_SM * num_sms() // programs
     split = _decode_split(num_tokens, d_in, shrink_k)
+    rank_split = 1
+    if rank_block > 16 and num_tokens <= FUSED_MAX_TOKENS:  # a WIDE decode step (_wide_split)
+        split, rank_split = _wide_split(num_tokens, split)
     while split * 2 <= want and d_in >= 4 * split * shrink_k:
         split *= 2
     return LoraLaunch(
@@ -214,7 +222,22 @@ def launch_config(
         expand_n=_fit_block(256, width),
         split_k=split,
         expand_r=rank_block,
+        rank_split=rank_split,
     )
+
+
+def _wide_split(num_tokens: int, split: int) -> tuple[int, int]:
+    """split_k and rank_split of a decode-sized call on programs of more than 16 rank rows (S2's
+    decode steps: lora_paths.step_is_wide). Their tiles are few (tokens share adapters) and of
+    uneven rank (8 to 64): a shrink program that loops over all of a rank-64 adapter's blocks
+    alone sets the call's time, so two programs share each (tile, slice, k-split)'s blocks; and
+    from _WIDE_SPLIT_ONE_TOKENS the rank split alone gives enough programs, so d_in is not split.
+    H200, one layer's q/k/v and o calls, ranks 8-64 cycled, 32 rank rows (split_k, rank_split):
+    400 decode tokens on 98 adapters (2, 1) 116.3 µs, (2, 2) 105.8, (1, 2) 98.9; 256 on 94
+    112.0 / 99.9 / 97.7; 400 on 329 297.2 / 288.6 / 262.5; but 64 on 46 69.8 / 57.6 / 61.4. Blocks
+    of 16 rows over 4 programs, splits of 4, 64-row expands and tiles listed by rank were each
+    slower or level (bench/results/lora_engine_calls_s2_split.json, --s2-split)."""
+    return (1 if num_tokens >= _WIDE_SPLIT_ONE_TOKENS else split), 2
 
 
 def _decode_split(num_tokens: int, d_in: int, shrink_k: int) -> int:
@@ -357,15 +380,16 @@ def _lora_shrink_kernel(
     MAX_RANK,
     D_IN: tl.constexpr, W: tl.constexpr, IN_CHUNKS: tl.constexpr,
     M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr,
-    SPLIT_K: tl.constexpr, K_PER: tl.constexpr,
+    SPLIT_K: tl.constexpr, K_PER: tl.constexpr, RANK_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     ALIGNED: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         gdc_launch_dependents()  # expand may start its prologue now
     q = tl.program_id(1)
-    s = q // SPLIT_K
-    ks = q % SPLIT_K
+    s = q // (SPLIT_K * RANK_SPLIT)
+    ks = q // RANK_SPLIT % SPLIT_K
+    rp = q % RANK_SPLIT  # this program's rank blocks: rp, rp + RANK_SPLIT, ...
     m = _pick3(s, M0, M1, M2)
     if MASKED:
         if tl.load(mods_ptr + m) == 0:  # no adapter of the step has this module
@@ -390,7 +414,8 @@ def _lora_shrink_kernel(
         m_ok = offs_m < m_end
         x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xt
         h_rows = h_ptr + ks * stride_hk + offs_m[:, None].to(tl.int64) * stride_ht + s * stride_hs
-        for r0 in range(0, rank, BLOCK_R):  # none for a module the adapter lacks (rank 0)
+        # none for a module the adapter lacks (rank 0), or past its rank
+        for r0 in range(rp * BLOCK_R, rank, RANK_SPLIT * BLOCK_R):
             rows = r0 + tl.arange(0, BLOCK_R)
             row_ok = rows < rank
             # A row j, chunk c sits at slot-table position a_off + j * IN_CHUNKS + c
@@ -601,7 +626,7 @@ def _tile_programs(cfg: LoraLaunch, bound: int, per_tile: int) -> int:
 def _shrink(x, h, pool_layer, index, tokens, modules, max_rank, cfg, call, pdl):
     split = cfg.split_k
     bound = max_tiles(call.num_tokens, cfg.block_m, call.num_segs)
-    per_tile = len(modules) * split
+    per_tile = len(modules) * split * cfg.rank_split
     grid = (_tile_programs(cfg, bound, per_tile), per_tile)
     _lora_shrink_kernel[grid](
         x, x.stride(0), h[0], h.stride(0), h.stride(1), h.stride(2),
@@ -612,6 +637,7 @@ def _shrink(x, h, pool_layer, index, tokens, modules, max_rank, cfg, call, pdl):
         max_rank,
         D_IN=call.d_in, W=call.width, IN_CHUNKS=call.in_chunks, SPLIT_K=split,
         K_PER=triton.cdiv(triton.cdiv(call.d_in, split), cfg.shrink_k) * cfg.shrink_k,
+        RANK_SPLIT=cfg.rank_split,
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.shrink_k, BLOCK_R=cfg.shrink_r,
         ALIGNED=call.width % cfg.shrink_k == 0, DOT_F32=dot_f32(x.dtype), PDL=pdl,
         MASKED=tokens.modules is not None,

@@ -191,6 +191,20 @@ def test_apply_wide_rank_blocks(rank_block):
     _check_apply(shape, ranks, rows, DTYPES[rank_block // 32 % len(DTYPES)], gen, config=cfg)
 
 
+@pytest.mark.parametrize("rank_split,shrink_r", [(2, 32), (4, 16), (3, 16)])
+def test_apply_shrink_rank_split(rank_split, shrink_r):
+    """Shrinks whose rank blocks spread over ``rank_split`` programs a (tile, slice, k-split),
+    with split_k 2 and expand programs of 32 rank rows: adapters of every rank from 1 to 64
+    beside the base model, so some programs find no rank block of their tile."""
+    gen = torch.Generator().manual_seed(90 + rank_split * shrink_r)
+    shape = LORA_SHAPES[1]
+    ranks = _ranks(ADAPTERS, shape.modules, (1, 7, 16, 33, 64), gen)
+    rows = token_rows("base_mix", POP_BATCH, ADAPTERS, gen, grouped=True)
+    cfg = SMALL or lora.launch_config(POP_BATCH, shape.d_in, shape.width, 64, rank_block=32)
+    cfg = cfg._replace(shrink_r=shrink_r, expand_r=32, rank_split=rank_split, split_k=2)
+    _check_apply(shape, ranks, rows, DTYPES[rank_split % len(DTYPES)], gen, config=cfg)
+
+
 @pytest.mark.parametrize("tile_programs", [1, 3])
 @pytest.mark.parametrize("popularity", ["distinct", "base_mix"])
 def test_apply_programs_stride_over_tiles(tile_programs, popularity):
@@ -487,7 +501,16 @@ def test_decode_calls_split_d_in_and_the_workspace_bound_holds(monkeypatch, sms)
                 assert cfg.split_k >= 2, (t, d_in)
             if t > 512 and sms == 132:
                 assert cfg.split_k == 1, (t, d_in)
+            assert cfg.rank_split == 1
             need = lora.workspace_size(t, slices, 128, cfg)
+            assert need <= lora.workspace_size(t, slices, 128), (t, d_in, slices)
+            # WIDE steps (32 rank rows): decode-sized ones share rank blocks over two shrink
+            # programs, and stop splitting d_in from 256 tokens (_wide_split)
+            wide = lora.launch_config(t, d_in, 4096, 128, slices, rank_block=32)
+            assert wide.rank_split == (2 if t <= 512 else 1), t
+            if t <= 512 and sms == 132:
+                assert wide.split_k == (1 if t >= 256 else cfg.split_k), (t, d_in, slices)
+            need = lora.workspace_size(t, slices, 128, wide)
             assert need <= lora.workspace_size(t, slices, 128), (t, d_in, slices)
     assert lora.launch_config(64, 64, 64, 16, 3).split_k == 1  # too little d_in to split
 
