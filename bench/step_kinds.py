@@ -9,7 +9,8 @@ whichever is longer: what a step could reach whose memory-bound and compute-boun
 and its phase floor (the projections at their bound, then the attention at its own: what a step
 reaches that runs them one after the other, as the engine's steps do). A mixed step of 2048
 tokens is compute-bound in its GEMMs and memory-bound in its decode attention, so the gap
-between the two floors is what overlapping them could win.
+between the two floors is what overlapping them could win. A second table says how full each
+run's steps got (occupancy): a LoRA run's adapters hold pool pages that its KV cache then lacks.
 
     python bench/step_kinds.py --serving bench/results/serving_s1_pool_n1000.json \
         --steps bench/results/serving_s1_pool_n1000_steps.jsonl.gz
@@ -53,6 +54,19 @@ def group(steps: list[dict], roof: Roofline) -> list[dict]:
     ]  # fmt: skip
 
 
+def occupancy(steps: list[dict]) -> dict:
+    """How full a run's steps got: steps, and the 90th percentile of a step's sequences and of
+    the KV tokens it read (the capacity the run held at its fullest; a LoRA run's adapters
+    take pool pages from the KV cache, so its batches can be smaller and its steps more)."""
+
+    def p90(values: list[int]) -> int:
+        ranked = sorted(values)
+        return ranked[min(len(ranked) - 1, (9 * len(ranked)) // 10)]
+
+    return {"steps": len(steps), "seqs_p90": p90([s["seqs"] for s in steps]),
+            "kv_read_p90": p90([s["kv_read"] for s in steps])}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--serving", type=Path, required=True, help="bench/serving.py's JSON")
@@ -72,9 +86,16 @@ def main() -> None:
                   f"{r['roofline_s']:>10.2f} {r['roofline_share']:>5.2f} "
                   f"{r['phase_floor_s']:>7.2f} {r['phase_share']:>5.2f}")  # fmt: skip
     print("(run: trace adapters:pass; share: the floor's time over the GPU time)")
+    full = {}
+    print(f"\n{'run':>16} {'steps':>5} {'seqs p90':>8} {'KV read p90':>11}")
+    for (trace, n, pas), run in runs.items():
+        name = f"{trace} {n}:{pas}"
+        o = full[name] = occupancy(run)
+        print(f"{name:>16} {o['steps']:>5} {o['seqs_p90']:>8} {o['kv_read_p90']:>11}")
+    print("(p90: a step's sequences and KV tokens read, 90th percentile over the run's steps)")
     if args.out:
         write_result(args.out, "step_kinds.py", {"serving_commit": serving.get("commit"),
-                                                 "runs": report})  # fmt: skip
+                                                 "runs": report, "occupancy": full})  # fmt: skip
 
 
 if __name__ == "__main__":

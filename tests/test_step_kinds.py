@@ -35,3 +35,14 @@ def test_steps_are_grouped_by_kind_against_both_floors():
     assert d["phase_floor_s"] == pytest.approx(0.004)  # decode: GEMMs and KV both bytes
     assert m["roofline_s"] == pytest.approx(0.002) and m["phase_floor_s"] == pytest.approx(0.003)
     assert (m["roofline_share"], m["phase_share"]) == (0.5, 0.75)
+
+
+def test_occupancy_is_the_runs_fullest_steps():
+    """The 90th percentile of a step's sequences and KV tokens read: a run whose KV cache held
+    fewer tokens (a LoRA run's adapters take pool pages) shows it, however its steps split."""
+    from bench.step_kinds import occupancy
+
+    full = [_step(seqs, seqs, 0, 400 * seqs, gpu_ms=1.0) for seqs in range(1, 513)]
+    capped = [_step(min(seqs, 400), seqs, 0, 400 * min(seqs, 400), 1.0) for seqs in range(1, 513)]
+    assert occupancy(full) == {"steps": 512, "seqs_p90": 461, "kv_read_p90": 184400}
+    assert occupancy(capped) == {"steps": 512, "seqs_p90": 400, "kv_read_p90": 160000}
