@@ -16,6 +16,7 @@ from pathlib import Path
 
 from services.flag_env import flag_values
 from services.inference.engine.limits import RequestLimits
+from services.inference.models.config import LOAD_FORMATS
 
 ENV_PREFIX = "LORAFLEET_INFERENCE_"
 DEVICES = ("cpu", "cuda", "auto")
@@ -24,7 +25,6 @@ ENGINE_MODES = ("process", "thread")
 SCHEDULING = ("fair", "fcfs")
 PRELOAD = ("pool", "host", "off")
 ON_OFF = ("on", "off")
-LOAD_FORMATS = ("safetensors", "random")
 # Flags that take one of a few words: the parser's choices and __post_init__'s check.
 _CHOICES = {
     "device": DEVICES, "engine": ENGINE_MODES, "scheduling": SCHEDULING,

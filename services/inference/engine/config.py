@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from services.inference.engine.limits import RequestLimits
+from services.inference.models.config import LOAD_FORMATS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-LOAD_FORMATS = ("safetensors", "random")  # models/loader.py: a checkpoint, or drawn weights
 
 
 def decode_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:

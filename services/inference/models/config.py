@@ -13,6 +13,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_ROPE_THETA = 10000.0
 CONFIG = "config.json"
+# How models/loader.py gets the weights: the directory's checkpoint, or drawn at load.
+LOAD_FORMATS = ("safetensors", "random")
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.inference.engine.config import LOAD_FORMATS
 from services.inference.engine.errors import ModelLoadError
-from services.inference.models.config import ModelConfig
+from services.inference.models.config import LOAD_FORMATS, ModelConfig
 from services.inference.models.llama import Transformer
 from services.inference.models.shard import Shard, shard_model_config
 
