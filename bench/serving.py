@@ -224,6 +224,20 @@ def wait_idle(address: str, timeout: float = 600.0) -> None:
     raise TimeoutError("the service did not go idle")
 
 
+def device_memory(address: str) -> dict:
+    """The service's device memory and pool size now (GetStats), GiB: what a larger page pool
+    could still take."""
+    with grpc.insecure_channel(address) as channel:
+        s = pb_grpc.InferenceStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
+    m = s.device_memory
+    return {
+        "total_gib": round(m.total_bytes / 2**30, 2),
+        "free_gib": round(m.free_bytes / 2**30, 2),
+        "peak_reserved_gib": round(m.peak_reserved_bytes / 2**30, 2),
+        "pool_pages": s.pool.total_pages,
+    }
+
+
 # ------------------------------------------------------------------ one run
 
 
@@ -414,6 +428,7 @@ def main() -> None:
                            **analyse(results, steps, roof)}  # fmt: skip
                     if in_pool is not None:
                         row["in_pool_at_start"] = in_pool
+                    row["device_memory"] = device_memory(address)
                     key = run, pas, via
                     if n == 0:
                         base_tps[key] = row["output_tokens_per_s"]

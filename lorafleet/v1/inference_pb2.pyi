@@ -219,8 +219,18 @@ class HostCacheStats(_message.Message):
     pinned_memory: bool
     def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., entries: _Optional[int] = ..., pinned_memory: _Optional[bool] = ...) -> None: ...
 
+class DeviceMemory(_message.Message):
+    __slots__ = ("total_bytes", "free_bytes", "peak_reserved_bytes")
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    total_bytes: int
+    free_bytes: int
+    peak_reserved_bytes: int
+    def __init__(self, total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., peak_reserved_bytes: _Optional[int] = ...) -> None: ...
+
 class GetStatsResponse(_message.Message):
-    __slots__ = ("queued_requests", "running_requests", "waiting_for_adapter", "pool", "tokens_per_second", "generated_tokens", "resident_adapters", "host_cache", "adapter_fetch", "adapter_copy", "adapter_load", "adapter_evictions_gpu", "adapter_evictions_host", "model", "device")
+    __slots__ = ("queued_requests", "running_requests", "waiting_for_adapter", "pool", "tokens_per_second", "generated_tokens", "resident_adapters", "host_cache", "adapter_fetch", "adapter_copy", "adapter_load", "adapter_evictions_gpu", "adapter_evictions_host", "model", "device", "device_memory")
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_ADAPTER_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +246,7 @@ class GetStatsResponse(_message.Message):
     ADAPTER_EVICTIONS_HOST_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_FIELD_NUMBER: _ClassVar[int]
     queued_requests: int
     running_requests: int
     waiting_for_adapter: int
@@ -251,7 +262,8 @@ class GetStatsResponse(_message.Message):
     adapter_evictions_host: int
     model: str
     device: str
-    def __init__(self, queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_for_adapter: _Optional[int] = ..., pool: _Optional[_Union[PoolStats, _Mapping]] = ..., tokens_per_second: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., resident_adapters: _Optional[int] = ..., host_cache: _Optional[_Union[HostCacheStats, _Mapping]] = ..., adapter_fetch: _Optional[_Union[LatencySummary, _Mapping]] = ..., adapter_copy: _Optional[_Union[LatencySummary, _Mapping]] = ..., adapter_load: _Optional[_Union[LatencySummary, _Mapping]] = ..., adapter_evictions_gpu: _Optional[int] = ..., adapter_evictions_host: _Optional[int] = ..., model: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    device_memory: DeviceMemory
+    def __init__(self, queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_for_adapter: _Optional[int] = ..., pool: _Optional[_Union[PoolStats, _Mapping]] = ..., tokens_per_second: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., resident_adapters: _Optional[int] = ..., host_cache: _Optional[_Union[HostCacheStats, _Mapping]] = ..., adapter_fetch: _Optional[_Union[LatencySummary, _Mapping]] = ..., adapter_copy: _Optional[_Union[LatencySummary, _Mapping]] = ..., adapter_load: _Optional[_Union[LatencySummary, _Mapping]] = ..., adapter_evictions_gpu: _Optional[int] = ..., adapter_evictions_host: _Optional[int] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., device_memory: _Optional[_Union[DeviceMemory, _Mapping]] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

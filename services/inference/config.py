@@ -50,6 +50,8 @@ class ServiceConfig:
     max_num_seqs: int | None = None  # requests in the running batch at once; None: from memory
     num_pages: int | None = None  # page pool size; None = derived from pool_memory_mb
     pool_memory_mb: int | None = None  # page pool budget; None = the engine's default
+    # share of the GPU's memory the engine may fill (the pool takes what the rest leaves)
+    gpu_memory_utilization: float = 0.85
     max_loras: int | None = None  # adapters resident in the page pool at once; None: from memory
     max_lora_rank: int = 128
     tensor_parallel_size: int = 1  # ranks the model is sharded over (engine/tensor_parallel.py)
@@ -130,6 +132,9 @@ class ServiceConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{_flag(name)} must be at least 1, got {value}")
+        share = self.gpu_memory_utilization
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {share}")
         for name in ("store_timeout_s", "fetch_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
@@ -237,6 +242,7 @@ _TYPES = {
     "max_num_seqs": int,
     "num_pages": int,
     "pool_memory_mb": int,
+    "gpu_memory_utilization": float,
     "max_loras": int,
     "max_lora_rank": int,
     "tensor_parallel_size": int,
@@ -270,7 +276,11 @@ _HELP = {
     "max_num_seqs": "requests in the running batch at once (default: as many as the page pool "
     "holds at 400 tokens each, 16 to 512, on a GPU; 64 on the CPU)",
     "num_pages": "pages in the unified KV/adapter pool (default: from --pool-memory-mb)",
-    "pool_memory_mb": "memory for the unified page pool in MiB (default: the engine's choice)",
+    "pool_memory_mb": "memory for the unified page pool in MiB (default: what "
+    "--gpu-memory-utilization leaves)",
+    "gpu_memory_utilization": "share of the GPU's memory the engine may fill (default 0.85): "
+    "the page pool gets what the weights and the activations leave of it; GetStats and the "
+    "metrics report what stays free",
     "max_loras": "adapters resident in the page pool at once (default: from memory, a LoRA "
     "index row per pool page within 1%% of the pool's bytes, at least 16)",
     "max_lora_rank": "largest adapter rank accepted (default 128)",

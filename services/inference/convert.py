@@ -111,4 +111,9 @@ def stats_response(s: StatsSnapshot, model: str, device: str) -> pb.GetStatsResp
         adapter_evictions_host=s.evictions_host,
         model=model,
         device=device,
+        device_memory=pb.DeviceMemory(
+            total_bytes=s.memory_total,
+            free_bytes=s.memory_free,
+            peak_reserved_bytes=s.memory_peak_reserved,
+        ),  # fmt: skip
     )

@@ -79,6 +79,16 @@ class _SnapshotCollector(Collector):
             "Starts of the fetch worker process; more than one means it died and was restarted",
             value=s.fetch_worker_starts,
         )
+        memory = GaugeMetricFamily(
+            "lorafleet_device_memory_bytes",
+            "The engine's device memory: total, free (any process's use counted), and the most "
+            "its allocator held at once (peak_reserved); 0 on the CPU",
+            labels=["kind"],
+        )
+        memory.add_metric(["total"], s.memory_total)
+        memory.add_metric(["free"], s.memory_free)
+        memory.add_metric(["peak_reserved"], s.memory_peak_reserved)
+        yield memory
 
 
 class ServiceMetrics:

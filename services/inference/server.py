@@ -52,6 +52,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 def engine_config(config: ServiceConfig) -> EngineConfig:
     return EngineConfig(
         model_dir=config.model,
+        gpu_memory_utilization=config.gpu_memory_utilization,
         device=config.device,
         num_pages=config.num_pages,
         pool_memory_bytes=None if config.pool_memory_mb is None else config.pool_memory_mb << 20,

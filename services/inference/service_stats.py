@@ -98,3 +98,7 @@ class StatsSnapshot(NamedTuple):
     evictions_gpu: int
     evictions_host: int
     fetch_worker_starts: int  # 0 without a store; above 1 after the worker died
+    # The engine's device memory in bytes (0 on the CPU): EngineStats' memory fields.
+    memory_total: int = 0
+    memory_free: int = 0
+    memory_peak_reserved: int = 0

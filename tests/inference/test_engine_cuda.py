@@ -14,6 +14,7 @@ import torch
 
 from kernels import lora_paths
 from services.inference.engine.api import AdapterKey, GenerationRequest
+from services.inference.engine.model_runner import ATTENTION
 from services.inference.engine.sampling_params import SamplingParams
 from tests.inference.engine_harness import Recorder, make_core, relative_error, run
 from tests.inference.models import PARITY_ADAPTERS
@@ -37,7 +38,11 @@ def _mixed_run(tiny_models, preset: str, dtype: str, overlap: bool = False, **ov
     assert any(r.graph and r.prefill_tokens == 0 for r in records)
     assert any(r.graph and r.prefill_tokens > 0 and r.tokens > r.prefill_tokens for r in records)
     core.check_integrity()
-    assert core.stats().kv_pages == 0
+    stats = core.stats()
+    assert stats.kv_pages == 0
+    # the device's memory, as GetStats and the metrics report it
+    assert 0 < stats.memory_free < stats.memory_total
+    assert core.pool.tensor.nbytes < stats.memory_peak_reserved < stats.memory_total
     return model_dir, requests, results, core
 
 
@@ -130,13 +135,13 @@ def test_cuda_wide_fused_mixed_steps_match_hf_peft(tiny_models, monkeypatch):
 
 
 @pytest.mark.parametrize("path", ["two launches", "fused", "fused, one-token tiles"])
-def test_cuda_attention_only_decode_graphs_match_hf_peft(tiny_models, monkeypatch, path):
-    """Decode steps whose adapters adapt attention only (r4: q and v; r8: q/k/v/o), beside the
-    base model, replay the graphs without MLP LoRA calls, of two launches (the one-token
-    tiles' rule switched off), of the fused kernel ("fused", that rule off and the fused
-    rule's threshold lowered so that the parity run's distinct adapters take it), or, the
-    default for these steps of rank <= 8 adapters, of the fused kernel on one-token tiles
-    (ONE_TOKEN); every token against HF + PEFT."""
+def test_cuda_attention_only_graphs_match_hf_peft(tiny_models, monkeypatch, path):
+    """Steps whose adapters adapt attention only (r4: q and v; r8: q/k/v/o), beside the base
+    model, replay the graphs without MLP LoRA calls: mixed steps on their path's, decode steps
+    on those of two launches (the one-token tiles' rule switched off), of the fused kernel
+    ("fused", that rule off and the fused rule's threshold lowered so that the parity run's
+    distinct adapters take it), or, the default for these steps of rank <= 8 adapters, of the
+    fused kernel on one-token tiles (ONE_TOKEN); every token against HF + PEFT."""
     fused = path == "fused"
     if path != "fused, one-token tiles":  # no ONE_TOKEN steps
         monkeypatch.setattr(lora_paths, "one_token_step_fuses", lambda *_: False)
@@ -150,8 +155,19 @@ def test_cuda_attention_only_decode_graphs_match_hf_peft(tiny_models, monkeypatc
         core.add_adapter_dir(AdapterKey(name, 1), tiny_models.adapter("tiny-llama", name))
     requests = [(r, n) for r, n in _requests(core.model_config.vocab_size)
                 if n in (None, "r4", "r8")]  # fmt: skip
+    picked = []
+    pick = core.runner._graph_for
+
+    def spy(entries, step):
+        picked.append(pick(entries, step))
+        return picked[-1]
+
+    core.runner._graph_for = spy
     results = run(core, {0: [r for r, _ in requests]}, recorder)
     assert core.runner.attention_graph_sizes and core.runner.attention_steps > 0
+    twins = [k for k in picked if k is not None and k.modules == ATTENTION]
+    assert any(k.tokens == k.seqs for k in twins)  # decode
+    assert any(k.tokens > k.seqs for k in twins)  # mixed
     assert (core.runner.fused_steps > 0) == fused
     graph_paths = {r.lora for r in core.step_log.recent if r.graph and r.prefill_tokens == 0}
     assert path in graph_paths

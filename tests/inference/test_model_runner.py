@@ -71,7 +71,9 @@ def test_each_step_finds_its_graph(tiny_models):
                for mode in (LoraMode.NONE, LoraMode.SHAPES)]  # fmt: skip
     wide = LoraMode.WIDE
     graphs += [GraphKey(32, 8, LoraMode.NARROW), GraphKey(8, 8, wide),
-               GraphKey(8, 8, wide, ATTENTION), GraphKey(32, 8, wide)]  # fmt: skip
+               GraphKey(8, 8, wide, ATTENTION), GraphKey(32, 8, wide),
+               GraphKey(32, 8, LoraMode.NARROW, ATTENTION), GraphKey(16, 8, LoraMode.SHAPES,
+               ATTENTION)]  # fmt: skip
     graphs += [GraphKey(4, 4, LoraMode.ONE_TOKEN), GraphKey(4, 4, LoraMode.ONE_TOKEN, ATTENTION)]
     runner._graphs = dict.fromkeys(graphs, (None, None))
     runner._decode_sizes, runner._mixed_sizes = (4, 8), (16, 32)
@@ -102,8 +104,15 @@ def test_each_step_finds_its_graph(tiny_models):
     assert pick(decode(6, row=0), fused, q_v | gate) == GraphKey(8, 8, fused)
     assert pick(decode(9), none) is None  # more sequences than any graph
     assert pick([*decode(2), chunk(9)], none) == GraphKey(16, 8, none)
-    assert pick([*decode(2, row=1), chunk(9)], two, q_v) == GraphKey(16, 8, shapes)
+    assert pick([*decode(2, row=1), chunk(9)], two, None) == GraphKey(16, 8, shapes)
     assert pick([*decode(2, row=1), chunk(20)], narrow) == GraphKey(32, 8, narrow)
+    # mixed steps too: their twins without MLP calls, where there is one
+    assert pick([*decode(2, row=1), chunk(20)], narrow, q_v | o) == GraphKey(
+        32, 8, narrow, ATTENTION
+    )
+    assert pick([*decode(2, row=1), chunk(20)], narrow, q_v | gate) == GraphKey(32, 8, narrow)
+    assert pick([*decode(2, row=1), chunk(9)], fused, q_v) == GraphKey(16, 8, shapes, ATTENTION)
+    assert pick([*decode(2, row=1), chunk(20)], LoraMode.WIDE, o) == GraphKey(32, 8, LoraMode.WIDE)
     assert pick([*decode(3), chunk(20)], none) == GraphKey(32, 8, none)
     assert pick([chunk(1, sample=False), *decode(2)], none) == GraphKey(16, 8, none)
     assert pick([*decode(5), chunk(28)], shapes) is None  # 33 tokens: more than any graph

@@ -103,3 +103,8 @@ class EngineStats:
     preemptions: int
     adapter_loads: int
     adapter_evictions: int
+    # The device's memory in bytes (0 on the CPU): its size, free (any process's use counted;
+    # read at most once a second), the most this process's allocator held at once.
+    memory_total: int = 0
+    memory_free: int = 0
+    memory_peak_reserved: int = 0

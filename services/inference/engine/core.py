@@ -49,6 +49,7 @@ from services.inference.engine.model_runner import ModelRunner
 from services.inference.engine.page_allocator import OwnerKind
 from services.inference.engine.page_pool import PagePool, page_bytes, pages_needed
 from services.inference.engine.pool_sizing import (
+    DeviceMemoryReader,
     context_window,
     engine_limits,
     lora_row_bytes,
@@ -157,6 +158,7 @@ class EngineCore:
             mc.num_layers, width, num_pages, config.page_size, self.dtype, self.device
         )
         self.adapters = AdapterManager(self.pool, max_loras, capacity)
+        self._memory = DeviceMemoryReader(self.device)
         self.scheduler = Scheduler(
             self.pool, self.adapters, max_seqs, config.max_num_batched_tokens, self.max_len,
             config.scheduling, config.fair_prefill_tokens,
@@ -565,6 +567,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         alloc = self.pool.allocator
         states = self.adapters.state_counts()
+        memory = self._memory.read()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -581,6 +584,9 @@ class EngineCore:
             preemptions=self.scheduler.preemptions,
             adapter_loads=self.adapters.loads,
             adapter_evictions=self.adapters.evictions,
+            memory_total=memory.total,
+            memory_free=memory.free,
+            memory_peak_reserved=memory.peak_reserved,
         )
 
 

@@ -89,7 +89,7 @@ class LoraMode(enum.Enum):
 SIDE_STREAM_MAX_TOKENS = 32
 
 # The attention projections' modules as bits (LoraContext.modules): the module set of the
-# decode graphs without MLP calls.
+# graphs without MLP calls (every LoRA graph, decode or mixed, has such a twin).
 ATTENTION = sum(1 << m for m in (Q, K, V, O))
 
 
@@ -224,7 +224,8 @@ class ModelRunner:
 
     @property
     def attention_graph_sizes(self) -> tuple[int, ...]:
-        """Decode batch sizes with a graph whose LoRA calls cover the attention modules only."""
+        """Step sizes (decode batch sizes and mixed steps' token counts) with a graph whose LoRA
+        calls cover the attention modules only."""
         return tuple(sorted({k.tokens for k in self._graphs if k.modules == ATTENTION}))
 
     def _narrows(self, tokens: int) -> bool:
@@ -331,8 +332,11 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_graphs(self, decode_sizes: Sequence[int], mixed_sizes: Sequence[int] = ()) -> None:
         """Capture the decode step for each batch size and the mixed step for each token count,
-        each without LoRA kernels (base-model steps) and with them (largest first, so smaller
-        graphs reuse its memory from the shared pool). Takes one pool page for padding rows.
+        each without LoRA kernels (base-model steps) and with them on each path that may serve
+        it, each such graph also without the MLP modules' calls (a twin replayed for steps whose
+        adapters adapt attention only; it reuses its full graph's warm-up run); largest first,
+        so smaller graphs reuse its memory from the shared pool. Takes one pool page for
+        padding rows.
         Every graph writes its logits into one buffer (one graph replays at a time, and a step's
         logits are read before the next step's replay, as execute() says), so no graph holds
         logits of its own. Each did before: 65 MB for a 2048-token mixed graph at a 32000-token
@@ -357,13 +361,13 @@ class ModelRunner:
                 keys += [GraphKey(size, size, mode), GraphKey(size, size, mode, ATTENTION)]
         for tokens in mixed_sizes:
             seqs = self.mixed_seqs(tokens)
-            keys += [GraphKey(tokens, seqs, LoraMode.NONE), GraphKey(tokens, seqs, LoraMode.SHAPES)]
-            if self._narrows(tokens):
-                keys.append(GraphKey(tokens, seqs, LoraMode.NARROW))
-            if self._wide_fuses(tokens):
-                keys.append(GraphKey(tokens, seqs, LoraMode.WIDE_FUSED))
-            if self._wides():
-                keys.append(GraphKey(tokens, seqs, LoraMode.WIDE))
+            keys.append(GraphKey(tokens, seqs, LoraMode.NONE))
+            modes = [LoraMode.SHAPES]
+            modes += [LoraMode.NARROW] if self._narrows(tokens) else []
+            modes += [LoraMode.WIDE_FUSED] if self._wide_fuses(tokens) else []
+            modes += [LoraMode.WIDE] if self._wides() else []
+            for mode in modes:  # each also without the MLP calls, as the decode graphs
+                keys += [GraphKey(tokens, seqs, mode), GraphKey(tokens, seqs, mode, ATTENTION)]
         vocab = self.model.lm_head.shape[0]
         shared = torch.empty(max(k.seqs for k in keys), vocab, dtype=torch.float32,
                              device=self.pool.tensor.device)  # fmt: skip
@@ -439,18 +443,18 @@ class ModelRunner:
             key = GraphKey(size, size, lora)
             if key not in self._graphs and lora in (LoraMode.FUSED, LoraMode.ONE_TOKEN):
                 key = key._replace(lora=LoraMode.TWO)  # no fused graph at this size
-            attention = key._replace(modules=ATTENTION)
-            if step.modules is not None and not step.modules & ~ATTENTION:
-                if attention in self._graphs:  # the step's adapters adapt attention only
-                    return attention
-            return key if key in self._graphs else None
-        tokens = sum(len(e.token_ids) for e in entries)
-        size = next((n for n in self._mixed_sizes if n >= tokens), None)
-        if size is None or len(entries) > self.mixed_seqs(size):
-            return None
-        key = GraphKey(size, self.mixed_seqs(size), lora)
-        if lora in (LoraMode.TWO, LoraMode.FUSED, LoraMode.ONE_TOKEN):  # decode-sized: by shapes
-            key = key._replace(lora=LoraMode.SHAPES)
+        else:
+            tokens = sum(len(e.token_ids) for e in entries)
+            size = next((n for n in self._mixed_sizes if n >= tokens), None)
+            if size is None or len(entries) > self.mixed_seqs(size):
+                return None
+            key = GraphKey(size, self.mixed_seqs(size), lora)
+            if lora in (LoraMode.TWO, LoraMode.FUSED, LoraMode.ONE_TOKEN):  # decode-sized paths
+                key = key._replace(lora=LoraMode.SHAPES)  # a mixed step's: by shapes
+        attention = key._replace(modules=ATTENTION)
+        if step.modules is not None and not step.modules & ~ATTENTION:
+            if attention in self._graphs:  # the step's adapters adapt attention only
+                return attention
         return key if key in self._graphs else None
 
     def _forward(

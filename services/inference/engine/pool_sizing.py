@@ -5,6 +5,7 @@ requests in flight, and the rows of the LoRA index (adapters resident in the poo
 from __future__ import annotations
 
 import logging
+import time
 from typing import NamedTuple
 
 import torch
@@ -140,3 +141,30 @@ def pool_pages(
             f"{per_page} bytes; give more memory or set num_pages"
         )
     return int(pages)
+
+
+class DeviceMemory(NamedTuple):
+    """The device's memory in bytes (all 0 on the CPU): its size, what is free on it (any
+    process's use counted), and the most this process's allocator has held at once."""
+
+    total: int = 0
+    free: int = 0
+    peak_reserved: int = 0
+
+
+class DeviceMemoryReader:
+    """DeviceMemory of one device, the driver asked at most once a ``every`` seconds (stats are
+    taken every 50 ms while the engine is busy)."""
+
+    def __init__(self, device: torch.device, every: float = 1.0) -> None:
+        self._device, self._every = device, every
+        self._free_total, self._at = (0, 0), float("-inf")
+
+    def read(self) -> DeviceMemory:
+        if self._device.type != "cuda":
+            return DeviceMemory()
+        now = time.monotonic()
+        if now - self._at >= self._every:
+            self._free_total, self._at = torch.cuda.mem_get_info(self._device), now
+        free, total = self._free_total
+        return DeviceMemory(total, free, torch.cuda.max_memory_reserved(self._device))

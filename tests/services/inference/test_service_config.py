@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from services.inference.config import ServiceConfig
+from services.inference.engine.config import EngineConfig
 from services.inference.engine.errors import AdapterLoadFailed
 from services.inference.errors import QueueFull, StoreUnavailable, status_for
 from services.inference.server import engine_config
@@ -39,8 +40,13 @@ def test_engine_config_follows_the_service_config():
     assert own.fair_prefill_tokens == 64
     side = engine_config(ServiceConfig.from_args(["--model", "m", "--lora-side-stream", "off"]))
     assert not side.lora_side_stream
+    share = ["--model", "m", "--gpu-memory-utilization", "0.9"]
+    assert engine_config(ServiceConfig.from_args(share)).gpu_memory_utilization == 0.9
     defaults = engine_config(ServiceConfig(model=Path("m")))
     assert defaults.lora_side_stream
+    # the service's default share is the engine's own
+    engine_default = EngineConfig(model_dir=Path("m")).gpu_memory_utilization
+    assert defaults.gpu_memory_utilization == engine_default
     assert defaults.max_num_seqs is None and defaults.max_waiting is None  # derived by the engine
 
 
@@ -58,6 +64,8 @@ def test_engine_config_follows_the_service_config():
         (["--model", "m", "--fair-prefill-tokens", "0"], "--fair-prefill-tokens"),
         (["--model", "m", "--max-fetches", "0"], "--max-fetches"),
         (["--model", "m", "--lora-side-stream", "yes"], "--lora-side-stream"),
+        (["--model", "m", "--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
+        (["--model", "m", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
     ],
 )
 def test_bad_settings_exit_with_a_message_naming_them(argv, fragment, capsys):

@@ -233,6 +233,9 @@ def test_health_reflection_and_metrics(stack):
         'lorafleet_adapter_load_seconds_bucket{le="0.001",phase="fetch"}',
         'lorafleet_adapter_evictions_total{tier="gpu"}',
         "lorafleet_host_cache_waiting_fetches 0.0",
+        # a CPU service: no device memory to report
+        'lorafleet_device_memory_bytes{kind="total"} 0.0',
+        'lorafleet_device_memory_bytes{kind="peak_reserved"} 0.0',
     ):  # fmt: skip
         assert name in body, name
     # The service follows the store from its start, so its fetch worker runs, once.
