@@ -51,7 +51,7 @@ class ServiceConfig:
     num_pages: int | None = None  # page pool size; None = derived from pool_memory_mb
     pool_memory_mb: int | None = None  # page pool budget; None = the engine's default
     # share of the GPU's memory the engine may fill (the pool takes what the rest leaves)
-    gpu_memory_utilization: float = 0.85
+    gpu_memory_utilization: float = 0.93
     max_loras: int | None = None  # adapters resident in the page pool at once; None: from memory
     max_lora_rank: int = 128
     tensor_parallel_size: int = 1  # ranks the model is sharded over (engine/tensor_parallel.py)
@@ -278,7 +278,7 @@ _HELP = {
     "num_pages": "pages in the unified KV/adapter pool (default: from --pool-memory-mb)",
     "pool_memory_mb": "memory for the unified page pool in MiB (default: what "
     "--gpu-memory-utilization leaves)",
-    "gpu_memory_utilization": "share of the GPU's memory the engine may fill (default 0.85): "
+    "gpu_memory_utilization": "share of the GPU's memory the engine may fill (default 0.93): "
     "the page pool gets what the weights and the activations leave of it; GetStats and the "
     "metrics report what stays free",
     "max_loras": "adapters resident in the page pool at once (default: from memory, a LoRA "

@@ -26,17 +26,19 @@ LLAMA_7B = BaseModelShape(
 
 
 def test_the_h200_serving_case():
-    """Llama-7B shape in bf16 with pages of 16 tokens (8 MiB each) and the H200's 13136 pages,
-    max_lora_rank 128: a row per page, 13136 rows; the slot table is 70.6 MiB (72.0 MiB with
-    ranks, offsets and scales), 0.07% of the 102.6 GiB pool."""
+    """Llama-7B shape in bf16 with pages of 16 tokens (8 MiB each) and the H200's 14568 pages
+    (at the default memory share), max_lora_rank 128: a row per page, 14568 rows; the slot
+    table is 78.2 MiB (79.8 MiB with ranks, offsets and scales), 0.07% of the 113.8 GiB
+    pool."""
     capacity = slot_capacity(LLAMA_7B, 128, LLAMA_7B.num_kv_heads * LLAMA_7B.head_dim, 16)
     per_page = page_bytes(32, 4096, 16, torch.bfloat16)
     assert capacity == 1408 and per_page == 8 * 2**20
-    limits = engine_limits(EngineConfig(model_dir="m"), 13136, CUDA, per_page, capacity)
-    assert limits.max_loras == 13136
-    assert round(limits.max_loras * capacity * 4 / 2**20, 1) == 70.6
+    limits = engine_limits(EngineConfig(model_dir="m"), 14568, CUDA, per_page, capacity)
+    assert limits.max_loras == 14568
+    assert limits.max_num_seqs == 512  # 233k tokens at 400 a sequence: the cap
+    assert round(limits.max_loras * capacity * 4 / 2**20, 1) == 78.2
     index = limits.max_loras * lora_row_bytes(capacity)
-    assert round(index / 2**20, 1) == 72.0 and index / (13136 * per_page) < 0.0007
+    assert round(index / 2**20, 1) == 79.8 and index / (14568 * per_page) < 0.0007
 
 
 def test_rows_within_the_pool_share_and_at_least_16():

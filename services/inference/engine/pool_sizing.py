@@ -23,8 +23,9 @@ CPU_MAX_NUM_SEQS = 64
 # On CUDA, max_num_seqs follows the pool: a running sequence is assumed to hold this many
 # tokens on average (prompt and output so far; the serving benchmark's sequences hold ~390 at
 # their middle), so that many fit before preemption starts; rounded down to 16, within these
-# bounds. On the H200 with a 7B model (213k pool tokens: 512 sequences) the saturating trace
-# ran at 9700 output tokens/s, against 9773 with 416 and 9551 with 272 (bench/serving.py).
+# bounds. On the H200 with a 7B model (213k pool tokens, at a 0.85 memory share: 512
+# sequences) the saturating trace ran at 9700 output tokens/s, against 9773 with 416 and 9551
+# with 272 (bench/serving.py); at 0.93 (233k tokens) it holds 512 too.
 _TOKENS_PER_SEQ = 400
 _MIN_SEQS, _MAX_SEQS = 16, 512
 # Requests that may wait per running slot, and at least, when neither max_queue nor max_waiting
@@ -35,8 +36,8 @@ _MIN_WAITING = 1024
 # pool page, so the pool's page count bounds the rows it can ever use; the index's bytes stay
 # within this share of the pool's, and it has at least _MIN_LORA_ROWS rows. For the serving
 # benchmark on the H200 (Llama-7B shape in bf16: 32 layers, W = 4096, pages of 16 tokens are
-# 8 MiB, 13136 pages; max_lora_rank 128 on all seven modules is 1408 slots a row) that is a
-# row per page: 13136 rows, a 70.6 MiB slot table (72.0 MiB with ranks, offsets and scales),
+# 8 MiB, 14568 pages; max_lora_rank 128 on all seven modules is 1408 slots a row) that is a
+# row per page: 14568 rows, a 78.2 MiB slot table (79.8 MiB with ranks, offsets and scales),
 # 0.07% of the pool (tests/inference/test_lora_rows.py).
 _LORA_INDEX_SHARE = 0.01
 _MIN_LORA_ROWS = 16
