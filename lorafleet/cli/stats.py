@@ -28,6 +28,17 @@ def _latency_line(name: str, s) -> str:
     )
 
 
+def memory_line(m) -> str | None:
+    """GetStats' device_memory as one line, or None on the CPU (all zeros)."""
+    if not m.total_bytes:
+        return None
+    gib = 2**30
+    return (
+        f"memory    {m.free_bytes / gib:.1f} of {m.total_bytes / gib:.1f} GiB free on the "
+        f"device, the engine's allocator at most {m.peak_reserved_bytes / gib:.1f} GiB"
+    )
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
@@ -72,6 +83,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
         f"host      {h.used_bytes / 2**20:.1f} of {h.capacity_bytes / 2**20:.0f} MiB, "
         f"{h.entries} adapters{' (pinned memory)' if h.pinned_memory else ''}"
     )
+    memory = memory_line(stats.device_memory)
+    if memory is not None:
+        print(memory)
     print(
         f"evictions {stats.adapter_evictions_gpu} from the pool, "
         f"{stats.adapter_evictions_host} from the host cache"

@@ -1,11 +1,14 @@
-"""The engine's device memory report (GetStats' device_memory, lorafleet_device_memory_bytes):
-zeros on the CPU; on CUDA the driver's free and total at most once a period and the allocator's
-peak at every read (the CUDA tests check the values on a GPU: test_engine_cuda.py)."""
+"""The engine's device memory report (GetStats' device_memory, lorafleet_device_memory_bytes,
+`lorafleet stats`): zeros on the CPU; on CUDA the driver's free and total at most once a period
+and the allocator's peak at every read (the CUDA tests check the values on a GPU:
+test_engine_cuda.py)."""
 
 from __future__ import annotations
 
 import torch
 
+from lorafleet.cli.stats import memory_line
+from lorafleet.v1 import inference_pb2 as pb
 from services.inference.engine.pool_sizing import DeviceMemory, DeviceMemoryReader
 
 
@@ -31,3 +34,14 @@ def test_the_driver_is_asked_at_most_once_a_period(monkeypatch):
     clock[0] += 0.5
     assert reader.read().free == 20 << 30 and len(asked) == 2
     assert asked == [torch.device("cuda", 0)] * 2
+
+
+def test_the_cli_prints_the_device_memory_on_a_gpu_only():
+    assert memory_line(pb.DeviceMemory()) is None  # the CPU reports zeros
+    gib = 2**30
+    m = pb.DeviceMemory(
+        total_bytes=int(139.8 * gib), free_bytes=int(5.8 * gib), peak_reserved_bytes=128 * gib
+    )
+    assert memory_line(m) == (
+        "memory    5.8 of 139.8 GiB free on the device, the engine's allocator at most 128.0 GiB"
+    )
