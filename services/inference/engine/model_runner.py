@@ -371,7 +371,10 @@ class ModelRunner:
         vocab = self.model.lm_head.shape[0]
         shared = torch.empty(max(k.seqs for k in keys), vocab, dtype=torch.float32,
                              device=self.pool.tensor.device)  # fmt: skip
-        held = torch.cuda.memory_reserved(self.pool.tensor.device)
+        device = self.pool.tensor.device
+        # What the capture takes beyond the allocator (the compiled kernels, the instantiated
+        # graphs) shows as free memory lost that the allocator did not take.
+        free_before, held = torch.cuda.mem_get_info(device)[0], torch.cuda.memory_reserved(device)
         warmed: set[tuple] = set()
         for key in sorted(keys, key=lambda k: (k.tokens, k.seqs), reverse=True):
             self._fill_for(key, [self._pad])
@@ -392,16 +395,19 @@ class ModelRunner:
         self._decode_sizes = tuple(sorted(set(decode_sizes)))
         self._mixed_sizes = tuple(sorted(set(mixed_sizes)))
         torch.cuda.synchronize()
+        grown = torch.cuda.memory_reserved(device) - held
+        free = torch.cuda.mem_get_info(device)[0]
         log.info(
             "captured %d CUDA graphs in %.1f s (their memory and the warm-up runs' cache %.2f "
-            "GiB, their logits buffer %.2f GiB): decode steps of %s sequences (with fused LoRA "
-            "kernels from %s, on one-token tiles up to %s; each LoRA graph also without MLP "
-            "LoRA calls), mixed steps of %s tokens (sized for %d rank rows from %s); two "
-            "launches of %d rank rows for adapters above %d: %s, fused at %d rows in mixed "
-            "steps of many such adapters from %s tokens",
+            "GiB, their logits buffer %.2f GiB, outside the allocator %.2f GiB: kernels and "
+            "instantiated graphs; %.2f GiB left free on the device): decode steps of %s "
+            "sequences (with fused LoRA kernels from %s, on one-token tiles up to %s; each LoRA "
+            "graph also without MLP LoRA calls), mixed steps of %s tokens (sized for %d rank "
+            "rows from %s); two launches of %d rank rows for adapters above %d: %s, fused at %d "
+            "rows in mixed steps of many such adapters from %s tokens",
             len(self._graphs), time.perf_counter() - start,
-            (torch.cuda.memory_reserved(self.pool.tensor.device) - held) / 2**30,
-            shared.nbytes / 2**30,
+            grown / 2**30, shared.nbytes / 2**30, (free_before - free - grown) / 2**30,
+            free / 2**30,
             list(self._decode_sizes),
             min(self.fused_graph_sizes, default=None),
             max(self.one_token_graph_sizes, default=None),
