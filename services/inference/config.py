@@ -279,8 +279,8 @@ _HELP = {
     "pool_memory_mb": "memory for the unified page pool in MiB (default: what "
     "--gpu-memory-utilization leaves)",
     "gpu_memory_utilization": "share of the GPU's memory the engine may fill (default 0.93): "
-    "the page pool gets what the weights and the activations leave of it; GetStats and the "
-    "metrics report what stays free",
+    "the page pool gets what the weights and the activations leave of it, leaving at least 6 "
+    "GiB per 32 layers for the CUDA graphs; GetStats and the metrics report what stays free",
     "max_loras": "adapters resident in the page pool at once (default: from memory, a LoRA "
     "index row per pool page within 1%% of the pool's bytes, at least 16)",
     "max_lora_rank": "largest adapter rank accepted (default 128)",

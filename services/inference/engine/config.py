@@ -30,9 +30,10 @@ class EngineConfig:
     num_pages: int | None = None  # None: derived from the pool memory budget below
     pool_memory_bytes: int | None = None  # None: cpu 128 MiB; cuda a share of free memory
     # Share of the GPU the engine may fill (cuda only): the pool takes what the weights and the
-    # activation reserve (pool_sizing.pool_pages) leave of it. What lies beyond the allocator
-    # (CUDA context, kernels, captured graphs) takes the rest: H200, Llama-7B shape in bf16 at
-    # the service's defaults, 0.93 left 5.8 of 139.8 GiB free after the saturating S2 trace
+    # activation reserve leave of it. What lies beyond the allocator (CUDA context, kernels,
+    # captured graphs) takes the rest, which is at least 6 GiB per 32 layers where graphs are
+    # captured (pool_sizing.beyond_pool_reserve): H200, Llama-7B shape in bf16 at the
+    # service's defaults, 0.93 left 5.8 of 139.8 GiB free after the saturating S2 trace
     # (allocator peak 128.0 GiB, 14,568 pages; bench/results/serving_s2_share.json), where
     # 0.85's 13,136 pages left adapters of the running batch too little room beside the KV.
     gpu_memory_utilization: float = 0.93

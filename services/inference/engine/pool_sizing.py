@@ -99,6 +99,16 @@ def engine_limits(
 # Activations of one step are a few times the widest layer output per token; this many
 # float32 copies of it are kept out of the pool budget on CUDA.
 _ACTIVATION_COPIES = 8
+# What the captured CUDA graphs and the kernels they launch take outside the allocator grows
+# with the layers each graph runs, not with the GPU: so the memory left beyond the pool, the
+# weights and the activation reserve is the gpu_memory_utilization share's rest, and at least
+# this much per 32 layers where graphs are captured. H200, Llama-7B shape (32 layers) at the
+# service's defaults (688 graphs): after the saturating traces 5.8 of 139.8 GiB stayed free
+# with the allocator's peak at 128.0 GiB, so what came after the sizing took about 3.8-5.5 GiB
+# outside the allocator (bench/results/serving_s2_share.json; the capture's log line now
+# reports it); the share's rest there, 9.8 GiB, is above this floor, which keeps a smaller GPU
+# (an 80 GB card's 7% is 5.5 GiB) or a deeper model from running out at the capture.
+_GRAPH_RESERVE_PER_32_LAYERS = 6 * 2**30
 
 
 def context_window(mc: ModelConfig, max_model_len: int | None) -> int:
@@ -114,6 +124,17 @@ def context_window(mc: ModelConfig, max_model_len: int | None) -> int:
             f"max_model_len {max_model_len} exceeds what the model attends over ({limit})"
         )
     return max_model_len
+
+
+def beyond_pool_reserve(config: EngineConfig, mc: ModelConfig, total: int) -> int:
+    """Bytes of a ``total``-byte GPU kept beyond the pool, the weights and the activation
+    reserve: the gpu_memory_utilization share's rest, and where CUDA graphs are captured (one
+    process: tensor-parallel ranks run eagerly) at least _GRAPH_RESERVE_PER_32_LAYERS per 32
+    of the model's layers."""
+    rest = int((1.0 - config.gpu_memory_utilization) * total)
+    if not config.cuda_graphs or config.tensor_parallel_size > 1:
+        return rest
+    return max(rest, _GRAPH_RESERVE_PER_32_LAYERS * mc.num_layers // 32)
 
 
 def pool_pages(
@@ -132,14 +153,15 @@ def pool_pages(
             config.max_num_batched_tokens * widest * 4 * _ACTIVATION_COPIES
             + (config.max_num_seqs or _MAX_SEQS) * mc.vocab_size * 4 * 2
         )
-        budget = free - int((1.0 - config.gpu_memory_utilization) * total) - activations
+        budget = free - beyond_pool_reserve(config, mc, total) - activations
     else:
         budget = CPU_POOL_BYTES
     pages = budget // per_page
     if pages < 2:
         raise ValueError(
             f"the page pool budget of {budget} bytes holds {max(pages, 0)} pages of "
-            f"{per_page} bytes; give more memory or set num_pages"
+            f"{per_page} bytes; raise gpu_memory_utilization (now "
+            f"{config.gpu_memory_utilization}), give more memory or set num_pages"
         )
     return int(pages)
 
