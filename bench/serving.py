@@ -212,23 +212,22 @@ def wait_preloaded(
     }
 
 
-def wait_idle(address: str, timeout: float = 600.0) -> None:
+def wait_idle(address: str, timeout: float = 600.0) -> pb.GetStatsResponse:
+    """Waits until nothing runs or waits; returns the service's stats then."""
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.InferenceStub(channel)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             s = stub.GetStats(pb.GetStatsRequest(), timeout=10)
             if s.running_requests == 0 and s.queued_requests == 0:
-                return
+                return s
             time.sleep(0.2)
     raise TimeoutError("the service did not go idle")
 
 
-def device_memory(address: str) -> dict:
-    """The service's device memory and pool size now (GetStats), GiB: what a larger page pool
+def device_memory(s: pb.GetStatsResponse) -> dict:
+    """The service's device memory and pool size in its stats, GiB: what a larger page pool
     could still take."""
-    with grpc.insecure_channel(address) as channel:
-        s = pb_grpc.InferenceStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
     m = s.device_memory
     return {
         "total_gib": round(m.total_bytes / 2**30, 2),
@@ -422,13 +421,13 @@ def main() -> None:
                     tag = f"r{run}-p{pas}-n{n}-{via}".replace(":", "_")
                     results = run_trace(args, address, trace, names[:n], tag, shape.vocab, work,
                                         http if via == "gateway" else None)  # fmt: skip
-                    wait_idle(address)
+                    idle = wait_idle(address)
                     steps = step_reader.read()
                     row = {"run": run, "pass": pas, "adapters": n, "via": via,
                            **analyse(results, steps, roof)}  # fmt: skip
                     if in_pool is not None:
                         row["in_pool_at_start"] = in_pool
-                    row["device_memory"] = device_memory(address)
+                    row["device_memory"] = device_memory(idle)
                     key = run, pas, via
                     if n == 0:
                         base_tps[key] = row["output_tokens_per_s"]

@@ -78,8 +78,9 @@ def main() -> None:
     report = {}
     print(f"{'run':>16} {'kind':>10} {'steps':>5} {'GPU s':>7} {'roofline s':>10} {'share':>5} "
           f"{'phase s':>7} {'share':>5}")  # fmt: skip
-    for (trace, n, pas), run in runs.items():
-        name = f"{trace} {n}:{pas}"
+    names = {key: "{} {}:{}".format(*key) for key in runs}  # trace adapters:pass
+    for key, run in runs.items():
+        name = names[key]
         rows = report[name] = group(run, roof)
         for r in rows:
             print(f"{name:>16} {r['kind']:>10} {r['steps']:>5} {r['gpu_s']:>7.2f} "
@@ -88,8 +89,8 @@ def main() -> None:
     print("(run: trace adapters:pass; share: the floor's time over the GPU time)")
     full = {}
     print(f"\n{'run':>16} {'steps':>5} {'seqs p90':>8} {'KV read p90':>11}")
-    for (trace, n, pas), run in runs.items():
-        name = f"{trace} {n}:{pas}"
+    for key, run in runs.items():
+        name = names[key]
         o = full[name] = occupancy(run)
         print(f"{name:>16} {o['steps']:>5} {o['seqs_p90']:>8} {o['kv_read_p90']:>11}")
     print("(p90: a step's sequences and KV tokens read, 90th percentile over the run's steps)")

@@ -112,8 +112,8 @@ def stats_response(s: StatsSnapshot, model: str, device: str) -> pb.GetStatsResp
         model=model,
         device=device,
         device_memory=pb.DeviceMemory(
-            total_bytes=s.memory_total,
-            free_bytes=s.memory_free,
-            peak_reserved_bytes=s.memory_peak_reserved,
+            total_bytes=s.memory.total,
+            free_bytes=s.memory.free,
+            peak_reserved_bytes=s.memory.peak_reserved,
         ),  # fmt: skip
     )

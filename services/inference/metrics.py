@@ -85,9 +85,8 @@ class _SnapshotCollector(Collector):
             "its allocator held at once (peak_reserved); 0 on the CPU",
             labels=["kind"],
         )
-        memory.add_metric(["total"], s.memory_total)
-        memory.add_metric(["free"], s.memory_free)
-        memory.add_metric(["peak_reserved"], s.memory_peak_reserved)
+        for kind, value in s.memory._asdict().items():
+            memory.add_metric([kind], value)
         yield memory
 
 

@@ -8,6 +8,8 @@ from collections import deque
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from services.inference.engine.api import DeviceMemory
+
 
 class LatencySummary(NamedTuple):
     count: int  # events since start
@@ -98,7 +100,4 @@ class StatsSnapshot(NamedTuple):
     evictions_gpu: int
     evictions_host: int
     fetch_worker_starts: int  # 0 without a store; above 1 after the worker died
-    # The engine's device memory in bytes (0 on the CPU): EngineStats' memory fields.
-    memory_total: int = 0
-    memory_free: int = 0
-    memory_peak_reserved: int = 0
+    memory: DeviceMemory = DeviceMemory()  # the engine's (EngineStats.memory)

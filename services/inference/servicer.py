@@ -306,9 +306,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             evictions_gpu=e.adapter_evictions,
             evictions_host=c.evictions,
             fetch_worker_starts=store.fetch_worker_starts if store is not None else 0,
-            memory_total=e.memory_total,
-            memory_free=e.memory_free,
-            memory_peak_reserved=e.memory_peak_reserved,
+            memory=e.memory,
         )
 
     # --- shutdown ---------------------------------------------------------------------------

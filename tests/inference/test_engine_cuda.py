@@ -41,8 +41,8 @@ def _mixed_run(tiny_models, preset: str, dtype: str, overlap: bool = False, **ov
     stats = core.stats()
     assert stats.kv_pages == 0
     # the device's memory, as GetStats and the metrics report it
-    assert 0 < stats.memory_free < stats.memory_total
-    assert core.pool.tensor.nbytes < stats.memory_peak_reserved < stats.memory_total
+    assert 0 < stats.memory.free < stats.memory.total
+    assert core.pool.tensor.nbytes < stats.memory.peak_reserved < stats.memory.total
     return model_dir, requests, results, core
 
 

@@ -65,5 +65,5 @@ def test_without_graphs_the_share_alone(monkeypatch):
 
 
 def test_a_share_that_leaves_no_pool_names_the_budget(monkeypatch):
-    with pytest.raises(ValueError, match="page pool budget .* gpu_memory_utilization"):
+    with pytest.raises(ValueError, match="page pool budget .* gpu_memory_utilization 0.5's"):
         _pages(monkeypatch, 24.0, 10.5, EngineConfig(model_dir="m", gpu_memory_utilization=0.5))

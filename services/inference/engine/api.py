@@ -84,6 +84,15 @@ class GenerationOutput:
         return self.finish_reason is not None
 
 
+class DeviceMemory(NamedTuple):
+    """The engine's device memory in bytes (all 0 on the CPU): its size, what is free on it (any
+    process's use counted), and the most the engine's allocator has held at once."""
+
+    total: int = 0
+    free: int = 0
+    peak_reserved: int = 0
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot taken after the latest step."""
@@ -103,8 +112,4 @@ class EngineStats:
     preemptions: int
     adapter_loads: int
     adapter_evictions: int
-    # The device's memory in bytes (0 on the CPU): its size, free (any process's use counted;
-    # read at most once a second), the most this process's allocator held at once.
-    memory_total: int = 0
-    memory_free: int = 0
-    memory_peak_reserved: int = 0
+    memory: DeviceMemory = DeviceMemory()  # read at most once a second (DeviceMemoryReader)

@@ -567,7 +567,6 @@ class EngineCore:
     def stats(self) -> EngineStats:
         alloc = self.pool.allocator
         states = self.adapters.state_counts()
-        memory = self._memory.read()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -584,9 +583,7 @@ class EngineCore:
             preemptions=self.scheduler.preemptions,
             adapter_loads=self.adapters.loads,
             adapter_evictions=self.adapters.evictions,
-            memory_total=memory.total,
-            memory_free=memory.free,
-            memory_peak_reserved=memory.peak_reserved,
+            memory=self._memory.read(),
         )
 
 

@@ -24,9 +24,9 @@ WIDE_RANK_ROWS rank rows (kernels.lora_paths.step_is_wide), one more graph per s
 engine whose max_lora_rank allows such adapters; prefill-sized ones of many adapters, none
 above WIDE_FUSED_ROWS, run every call fused at those rows (prefill_step_fuses_wide), another
 mixed graph per size in an engine whose max_lora_rank reaches them. A step makes no call for
-modules none of its adapters has: eagerly for any module; every decode graph with LoRA calls
-also comes without the MLP calls, for steps whose adapters adapt attention only (H200, 16
-decode tokens on 13 adapters, one layer's S1 calls: 19.6 µs, 26.3 with the masked MLP
+modules none of its adapters has: eagerly for any module; every graph with LoRA calls, decode
+or mixed, also comes without the MLP calls, for steps whose adapters adapt attention only (H200,
+16 decode tokens on 13 adapters, one layer's S1 calls: 19.6 µs, 26.3 with the masked MLP
 launches; bench/results/lora_engine_calls_steps.json).
 """
 

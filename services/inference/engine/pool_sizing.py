@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 
 from kernels.lora_layout import MODULES, NUM_MODULES, plan_adapter
+from services.inference.engine.api import DeviceMemory
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.page_pool import page_bytes, pages_needed
 from services.inference.models.config import ModelConfig
@@ -144,6 +145,7 @@ def pool_pages(
     if config.num_pages is not None:
         return config.num_pages
     per_page = page_bytes(mc.num_layers, mc.kv_dim, config.page_size, dtype)
+    kept = ""  # what the budget left aside, for the error below
     if config.pool_memory_bytes is not None:
         budget = config.pool_memory_bytes
     elif device.type == "cuda":
@@ -153,41 +155,36 @@ def pool_pages(
             config.max_num_batched_tokens * widest * 4 * _ACTIVATION_COPIES
             + (config.max_num_seqs or _MAX_SEQS) * mc.vocab_size * 4 * 2
         )
-        budget = free - beyond_pool_reserve(config, mc, total) - activations
+        reserve = beyond_pool_reserve(config, mc, total)
+        budget = free - reserve - activations
+        share = config.gpu_memory_utilization
+        kept = f" ({reserve} bytes kept beyond it: gpu_memory_utilization {share}'s rest, or "
+        kept += "room for the CUDA graphs)"
     else:
         budget = CPU_POOL_BYTES
     pages = budget // per_page
     if pages < 2:
         raise ValueError(
             f"the page pool budget of {budget} bytes holds {max(pages, 0)} pages of "
-            f"{per_page} bytes; raise gpu_memory_utilization (now "
-            f"{config.gpu_memory_utilization}), give more memory or set num_pages"
+            f"{per_page} bytes{kept}; give more memory or set num_pages"
         )
     return int(pages)
 
 
-class DeviceMemory(NamedTuple):
-    """The device's memory in bytes (all 0 on the CPU): its size, what is free on it (any
-    process's use counted), and the most this process's allocator has held at once."""
-
-    total: int = 0
-    free: int = 0
-    peak_reserved: int = 0
-
-
 class DeviceMemoryReader:
-    """DeviceMemory of one device, the driver asked at most once a ``every`` seconds (stats are
-    taken every 50 ms while the engine is busy)."""
+    """DeviceMemory of one device, read from the driver and the allocator at most once a
+    ``every`` seconds (the engine takes stats every 50 ms while busy, on its step thread)."""
 
     def __init__(self, device: torch.device, every: float = 1.0) -> None:
         self._device, self._every = device, every
-        self._free_total, self._at = (0, 0), float("-inf")
+        self._last, self._at = DeviceMemory(), float("-inf")
 
     def read(self) -> DeviceMemory:
         if self._device.type != "cuda":
             return DeviceMemory()
         now = time.monotonic()
         if now - self._at >= self._every:
-            self._free_total, self._at = torch.cuda.mem_get_info(self._device), now
-        free, total = self._free_total
-        return DeviceMemory(total, free, torch.cuda.max_memory_reserved(self._device))
+            free, total = torch.cuda.mem_get_info(self._device)
+            peak = torch.cuda.max_memory_reserved(self._device)
+            self._last, self._at = DeviceMemory(total, free, peak), now
+        return self._last
