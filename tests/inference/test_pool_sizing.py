@@ -55,13 +55,20 @@ def test_a_smaller_gpu_or_a_deeper_model_keeps_the_graphs_floor(monkeypatch):
 
 
 def test_without_graphs_the_share_alone(monkeypatch):
-    """No graphs (cuda_graphs off, or tensor-parallel ranks, which run eagerly): no floor."""
+    """No graphs (cuda_graphs off): no floor."""
     rest = int(0.07 * int(79.1 * GiB))
-    for config in (EngineConfig(model_dir="m", cuda_graphs=False),
-                   EngineConfig(model_dir="m", tensor_parallel_size=2)):  # fmt: skip
-        assert _pages(monkeypatch, 79.1, 66.0, config) == (66 * GiB - rest - ACT) // _page()
-        assert beyond_pool_reserve(config, _llama(32), int(79.1 * GiB)) == rest
+    config = EngineConfig(model_dir="m", cuda_graphs=False)
+    assert _pages(monkeypatch, 79.1, 66.0, config) == (66 * GiB - rest - ACT) // _page()
+    assert beyond_pool_reserve(config, _llama(32), int(79.1 * GiB)) == rest
     assert beyond_pool_reserve(EngineConfig(model_dir="m"), _llama(32), int(79.1 * GiB)) == 6 * GiB
+
+
+def test_tensor_parallel_ranks_keep_the_floor_of_every_layer():
+    """Each rank captures graphs that run all the layers (on its share of the width): 80
+    layers keep 15 GiB on every rank, as on one GPU."""
+    config = EngineConfig(model_dir="m", tensor_parallel_size=2)
+    assert beyond_pool_reserve(config, _llama(80), int(139.8 * GiB)) == 15 * GiB
+    assert beyond_pool_reserve(config, _llama(32), int(79.1 * GiB)) == 6 * GiB
 
 
 def test_a_share_that_leaves_no_pool_names_the_budget(monkeypatch):

@@ -196,6 +196,27 @@ def test_block_tables_are_rewritten_whole():
     assert b.block_tables.tolist() == [[7, 0, 0, 0, 0], [5, 6, 0, 0, 0]]
 
 
+def test_a_rank_that_receives_the_wire_bytes_sees_the_same_step():
+    """What a tensor-parallel step sends (wire: every tensor but the block tables, then the
+    step's rows of them) makes another rank's batch, whatever its buffer held, the same step."""
+    entries = [
+        BatchEntry([7, 8, 9, 10, 11], 0, [3, 1], None, True),
+        BatchEntry([42], 6, [0, 2], 1, True),
+    ]
+    sent, got = _batch(), _batch()
+    sent.fill(entries, pad_tokens=8, pad_seqs=3)
+    wire = sent.wire(sent.num_seqs)
+    assert wire.numel() == sent.packed.numel() - (4 - 3) * 5 * 4  # one unused row of 5 pages
+    got.packed.fill_(0x7F)  # stale bytes of earlier steps
+    got.packed[: wire.numel()].copy_(wire)
+    got.adopt(sent.counts)
+    for name in ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens",
+                 "query_starts", "logits_indices"):  # fmt: skip
+        assert torch.equal(getattr(got, name), getattr(sent, name)), name
+    assert torch.equal(got.lora_tokens.tiles, sent.lora_tokens.tiles)
+    assert torch.equal(got.lora_tokens.seg_lora, sent.lora_tokens.seg_lora)
+
+
 def test_capacity_and_consistency_errors():
     b = _batch()
     with pytest.raises(ValueError, match="at least one sequence"):

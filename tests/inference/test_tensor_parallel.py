@@ -17,8 +17,9 @@ from services.inference.engine.api import AdapterKey, GenerationRequest
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.engine import Engine
 from services.inference.engine.errors import EngineStopped, ModelLoadError
+from services.inference.engine.model_runner import ATTENTION, NO_GRAPH, GraphKey, LoraMode
 from services.inference.engine.sampling_params import SamplingParams
-from services.inference.engine.tensor_parallel import WorkerDied
+from services.inference.engine.tensor_parallel import HEADER, WorkerDied
 from tests.inference.engine_harness import Recorder, make_core, run
 from tests.inference.models import PARITY_ADAPTERS
 from tests.inference.test_engine_parity import _requests, assert_matches_hf, plan_arrivals
@@ -128,6 +129,22 @@ def test_a_worker_out_of_step_is_found(tiny_models, tp_core):
     core.adapters.index.scales[core.adapters.row(R4), 0] += 1.0  # rank 0's row, not the worker's
     with pytest.raises(AssertionError, match=r"ranks \[1\] are out of step"):
         core.check_integrity()
+
+
+def test_graph_keys_cross_in_the_step_header():
+    """The graph rank 0 replays reaches the workers as four header fields, each key whole."""
+    keys = [
+        GraphKey(tokens, seqs, mode, modules)
+        for tokens, seqs in ((16, 16), (2048, 512))
+        for mode in LoraMode
+        for modules in (None, ATTENTION, 0)
+    ]
+    for key in keys:
+        fields = key.encode()
+        assert len(fields) == 4 and all(isinstance(f, int) for f in fields)
+        assert GraphKey.decode(fields) == key
+    assert GraphKey.decode(NO_GRAPH) is None
+    assert 1 + 5 + 2 + len(NO_GRAPH) <= HEADER  # STEP, the batch's counts, StepLora, the key
 
 
 def test_a_model_that_does_not_split_is_refused(tiny_models):

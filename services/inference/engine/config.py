@@ -105,6 +105,11 @@ class EngineConfig:
                 f"max_num_seqs ({self.max_num_seqs}): every running request decodes each step"
             )
 
+    def graph_sizes(self, max_num_seqs: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The CUDA graphs' decode batch sizes and mixed-step token counts, given the engine's
+        max_num_seqs (every tensor-parallel rank captures these, from rank 0's limits)."""
+        return decode_graph_sizes(max_num_seqs), self.mixed_graph_tokens
+
     @property
     def mixed_graph_tokens(self) -> tuple[int, ...]:
         """Token counts captured as CUDA graphs of mixed (prefill + decode) steps: a step of n

@@ -32,7 +32,7 @@ from services.inference.engine.api import (
     TopLogprob,
 )
 from services.inference.engine.batch import BatchEntry
-from services.inference.engine.config import EngineConfig, decode_graph_sizes
+from services.inference.engine.config import EngineConfig
 from services.inference.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from services.inference.engine.errors import (
     AdapterLoadFailed,
@@ -172,10 +172,8 @@ class EngineCore:
             self.model.join_group(self.tp.group.all_reduce)
             self.tp.ready(WorkerLayout(num_pages, max_seqs, max_loras, capacity, self.max_len))
             self.adapters.copier.mirror = self.runner.tp = self.tp
-            if config.cuda_graphs and self.device.type == "cuda":
-                log.info("CUDA graphs are off under tensor parallelism: steps run eagerly")
-        elif config.cuda_graphs and self.device.type == "cuda":
-            self.runner.capture_graphs(decode_graph_sizes(max_seqs), config.mixed_graph_tokens)
+        if config.cuda_graphs and self.device.type == "cuda":  # the workers capture the same
+            self.runner.capture_graphs(*config.graph_sizes(max_seqs))
         self.sampler = Sampler()
         self._tokens = TokenTransfer(self.runner.batch.prev_tokens)
         self.step_log = StepLog(self.device, config.step_log)
@@ -559,10 +557,14 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         """The allocator's invariants; with tensor parallelism, also that every worker's LoRA
-        index and pool geometry equal this rank's (step thread: it sends a command)."""
+        index, pool geometry and count of graph replays equal this rank's (step thread: it
+        sends a command)."""
         self.pool.check_integrity()
         if self.tp is not None:
-            self.tp.check(self.adapters.index, self.pool.num_pages, self.pool.page_size)
+            self.tp.check(
+                self.adapters.index, self.pool.num_pages, self.pool.page_size,
+                self.runner.graph_steps,
+            )  # fmt: skip
 
     def stats(self) -> EngineStats:
         alloc = self.pool.allocator

@@ -99,6 +99,21 @@ class GraphKey(NamedTuple):
     lora: LoraMode
     modules: int | None = None  # the modules its LoRA calls cover (bits); None: every module
 
+    def encode(self) -> tuple[int, int, int, int]:
+        """As four ints (a tensor-parallel command header's fields); NO_GRAPH: none."""
+        modules = -1 if self.modules is None else self.modules
+        return self.tokens, self.seqs, list(LoraMode).index(self.lora), modules
+
+    @classmethod
+    def decode(cls, fields: Sequence[int]) -> GraphKey | None:
+        tokens, seqs, mode, modules = fields
+        if tokens == 0:
+            return None
+        return cls(tokens, seqs, list(LoraMode)[mode], None if modules < 0 else modules)
+
+
+NO_GRAPH = (0, 0, 0, -1)  # GraphKey.encode() of an eager step
+
 
 class StepLora(NamedTuple):
     """A step's LoRA calls: their path, the modules its adapters have (bits; None: all), and
@@ -188,8 +203,9 @@ class ModelRunner:
         self.apart_steps = 0  # NARROW steps whose decode tokens took one-token tiles
         self.last_lora = LoraMode.NONE  # the latest step's LoRA path (the step log's "lora")
         # Under tensor parallelism, this rank's end of the group (engine/tensor_parallel.py):
-        # rank 0 sends each filled step to the workers, every rank receives the step's
-        # sampled inputs from rank 0. Steps run eagerly then (no CUDA graphs).
+        # rank 0 sends each filled step and the graph it replays (if any) to the workers, which
+        # replay the same graph (every rank captures the same ones, in the same order: their
+        # collectives are in them); every rank receives the step's sampled inputs from rank 0.
         self.tp = None
 
     @property
@@ -376,6 +392,10 @@ class ModelRunner:
         # graphs) shows as free memory lost that the allocator did not take.
         free_before, held = torch.cuda.mem_get_info(device)[0], torch.cuda.memory_reserved(device)
         warmed: set[tuple] = set()
+        # Under tensor parallelism NCCL's watchdog thread queries its events meanwhile, which a
+        # capture in the default (global) mode forbids of every thread; none of this engine's
+        # other threads touches the device then.
+        mode = "global" if self.tp is None else "thread_local"
         for key in sorted(keys, key=lambda k: (k.tokens, k.seqs), reverse=True):
             self._fill_for(key, [self._pad])
             lora = self._lora_for(key.lora, key.modules)
@@ -389,7 +409,7 @@ class ModelRunner:
                 torch.cuda.current_stream().wait_stream(side)
                 warmed.add(key[:3])
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=memory):
+            with torch.cuda.graph(graph, pool=memory, capture_error_mode=mode):
                 logits = self._forward(lora, shared)  # [key.seqs, vocab]: rows of shared
             self._graphs[key] = (graph, logits)
         self._decode_sizes = tuple(sorted(set(decode_sizes)))
@@ -474,11 +494,19 @@ class ModelRunner:
         return self.model(self.batch, self.pool.tensor, lora, logits_out)
 
     @torch.inference_mode()
-    def forward_adopted(self, step: StepLora) -> None:
+    def forward_adopted(self, step: StepLora, key: GraphKey | None = None) -> None:
         """A tensor-parallel worker's step: rank 0 filled the batch, which this rank adopted
-        (StepBatch.adopt), and chose its LoRA path; its logits are rank 0's to sample, so they
-        are dropped here."""
-        self._forward(self._lora_for(step.mode, step.modules))
+        (StepBatch.adopt), and chose its LoRA path and the graph it replays (``key``; None:
+        eager); its logits are rank 0's to sample, so they are dropped here."""
+        if key is None:
+            self._forward(self._lora_for(step.mode, step.modules))
+            return
+        entry = self._graphs.get(key)
+        if entry is None:  # its collectives would meet other ones on rank 0
+            raise RuntimeError(f"rank 0 replays CUDA graph {key}, which this rank did not capture")
+        entry[0].replay()
+        self.graph_steps += 1
+        self.attention_steps += key.modules is not None
 
     @torch.inference_mode()
     def execute(self, entries: Sequence[BatchEntry]) -> torch.Tensor:
@@ -494,6 +522,8 @@ class ModelRunner:
             self._fill_for(key, entries, apart)
             self.apart_steps += self.batch.tiles_apart and key.lora is LoraMode.NARROW
             graph, logits = self._graphs[key]
+            if self.tp is not None:
+                self.tp.send_step(self.batch, step, key)
             graph.replay()
             self.graph_steps += 1
             self.fused_steps += key.lora is LoraMode.FUSED

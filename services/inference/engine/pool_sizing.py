@@ -129,11 +129,11 @@ def context_window(mc: ModelConfig, max_model_len: int | None) -> int:
 
 def beyond_pool_reserve(config: EngineConfig, mc: ModelConfig, total: int) -> int:
     """Bytes of a ``total``-byte GPU kept beyond the pool, the weights and the activation
-    reserve: the gpu_memory_utilization share's rest, and where CUDA graphs are captured (one
-    process: tensor-parallel ranks run eagerly) at least _GRAPH_RESERVE_PER_32_LAYERS per 32
-    of the model's layers."""
+    reserve: the gpu_memory_utilization share's rest, and where CUDA graphs are captured at
+    least _GRAPH_RESERVE_PER_32_LAYERS per 32 of the model's layers (every tensor-parallel rank
+    runs all the layers, each on its share of the width)."""
     rest = int((1.0 - config.gpu_memory_utilization) * total)
-    if not config.cuda_graphs or config.tensor_parallel_size > 1:
+    if not config.cuda_graphs:
         return rest
     return max(rest, _GRAPH_RESERVE_PER_32_LAYERS * mc.num_layers // 32)
 

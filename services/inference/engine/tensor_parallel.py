@@ -10,21 +10,25 @@ all-reduces of the forward pass and the step's sampled inputs.
 Every command starts with one broadcast of a fixed header ([HEADER] int64: the command and its
 arguments), then its payload:
 
-- STEP: the StepBatch's host tensors, packed in one buffer (one broadcast); then in the forward,
-  on the compute group, the tokens the previous step sampled (StepBatch.prev_tokens) and the
-  two all-reduces of each layer.
+- STEP: the step's counts, LoRA path and CUDA graph in the header, then what the step wrote of
+  the StepBatch's host tensors, packed in one buffer (one broadcast: StepBatch.wire); then in
+  the forward (or the graph's replay: every rank captured the same graphs, collectives
+  included, in the same order), on the compute group, the tokens the previous step sampled
+  (StepBatch.prev_tokens) and the two all-reduces of each layer.
 - LOAD: the adapter's description (pickled HostAdapter, less its bytes), its slot table, then
   the adapter file's bytes; each worker writes its shard into the same slots and index row as
   rank 0 (the plan of the sharded shapes is the same on every rank, so rank 0 allocates for all).
 - CLEAR: an index row given back (eviction, removal): its ranks zeroed as on rank 0.
-- CHECK: rank 0's LoRA index and pool geometry; each worker compares its own (integrity).
+- CHECK: rank 0's LoRA index, pool geometry and graph replays; each worker compares its own
+  (integrity).
 - STOP: the workers exit.
 
 Rank 0's allocator decides every page, slot and row; workers only follow, so the pools stay in
 step. Commands go out on the engine's step thread only: a row cleared from another thread is
 queued and sent before the next command. A worker that dies makes rank 0's next collective
-fail (or is found dead before it): the step fails, and the engine stops as when its own
-process dies.
+fail (or is found dead before it; on CUDA, a thread that watches the workers aborts the NCCL
+group, whose kernels would otherwise wait for the dead rank for good): the step fails, and the
+engine stops as when its own process dies.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
@@ -47,16 +52,24 @@ from kernels import LoraIndex
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.errors import ModelLoadError
 from services.inference.engine.host_adapter import HostAdapter
+from services.inference.engine.model_runner import NO_GRAPH
 
 log = logging.getLogger(__name__)
 
-HEADER = 8  # int64 fields of a command header
+HEADER = 12  # int64 fields of a command header
 STEP, LOAD, CLEAR, CHECK, STOP = range(1, 6)
 # A collective that has not completed by then fails (a hung peer). Workers wait for commands
 # without a limit: the engine may be idle for hours.
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 IDLE_TIMEOUT = timedelta(days=365)
 _REPO = Path(__file__).resolve().parents[3]
+
+
+def cpu_threads(size: int) -> int:
+    """Threads of each rank's CPU kernels: the cores shared out. More would spin against each
+    other (two ranks of two threads each on two cores: a tiny model's decode step 76 ms,
+    against 12 with one thread each; bench/tp_decode.py)."""
+    return max(1, (os.cpu_count() or 1) // size)
 
 
 class WorkerDied(RuntimeError):
@@ -166,11 +179,16 @@ class TensorParallel:
         self._lock = threading.Lock()
         self._cleared: list[int] = []  # rows cleared off the step thread, sent before the next
         self._closed = False
+        self._threads = torch.get_num_threads()
+        if config.torch_device.type == "cpu":  # the workers take as many (tp_worker.main)
+            torch.set_num_threads(cpu_threads(n))
         try:
             self.group = Group(self._store, 0, n, config.torch_device)
         except BaseException:
             self._kill()
             raise
+        if config.torch_device.type == "cuda":
+            threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
         log.info("tensor parallel: %d ranks (workers %s)", n, [p.pid for p in self.workers])
 
     def ready(self, layout: WorkerLayout) -> None:
@@ -194,11 +212,13 @@ class TensorParallel:
             self.group.header([CLEAR, row])
         self.group.header(fields)
 
-    def send_step(self, batch, step) -> None:
-        """The filled StepBatch and its LoRA path (ModelRunner's StepLora) to every worker; the
-        forward pass follows on every rank."""
-        self._command([STEP, *map(int, batch.counts), *step.encode()])
-        self.group.host(batch.packed)
+    def send_step(self, batch, step, graph=None) -> None:
+        """The filled StepBatch, its LoRA path (ModelRunner's StepLora) and the CUDA graph that
+        runs it (ModelRunner's GraphKey; None: eager) to every worker; the forward pass (or
+        the same graph's replay) follows on every rank."""
+        key = NO_GRAPH if graph is None else graph.encode()
+        self._command([STEP, *map(int, batch.counts), *step.encode(), *key])
+        self.group.host(batch.wire(batch.num_seqs))
 
     def broadcast(self, x: torch.Tensor) -> None:
         """The step's sampled inputs from this rank to the workers (ModelRunner._forward)."""
@@ -218,10 +238,11 @@ class TensorParallel:
         with self._lock:
             self._cleared.append(row)
 
-    def check(self, index: LoraIndex, num_pages: int, page_size: int) -> None:
-        """AssertionError unless every worker's LoRA index equals rank 0's and its pool has
-        the same pages and slots (the KV pages and slots are the step's, sent to all)."""
-        self._command([CHECK, num_pages, page_size])
+    def check(self, index: LoraIndex, num_pages: int, page_size: int, graph_steps: int) -> None:
+        """AssertionError unless every worker's LoRA index equals rank 0's, its pool has the
+        same pages and slots (the KV pages and slots are the step's, sent to all) and it
+        replayed as many CUDA graphs."""
+        self._command([CHECK, num_pages, page_size, graph_steps])
         for t in index_tensors(index):
             self.group.host(t)
         bad = [r for r, f in enumerate(self.group.flags(0)) if f]
@@ -235,7 +256,7 @@ class TensorParallel:
         if any(p.poll() is not None for p in self.workers):
             self._kill()  # the others are stuck in a collective with the one that is gone
             return
-        self._closed = True
+        self._end()
         try:
             self.group.header([STOP])
         except Exception:  # noqa: BLE001 (they are killed below if they do not exit)
@@ -256,15 +277,34 @@ class TensorParallel:
             return died
         return WorkerDied(f"the tensor-parallel group failed: {cause}")
 
+    def _watch(self) -> None:
+        """CUDA: a worker that exits leaves this rank's NCCL kernels waiting for it (a step's
+        collectives, or a capture's warm-up) and the host's waits for the device with them, for
+        good: a collective inside a CUDA graph has no timeout. So the compute group is aborted
+        then: its kernels end, the next command finds the worker gone and the engine stops, as
+        on the CPU, where gloo's connections fail by themselves."""
+        while not self._closed:
+            dead = self._dead()
+            if dead:
+                if not self._closed:
+                    log.error("tensor-parallel workers exited (rank, exit code): %s; aborting "
+                              "the NCCL group", dead)  # fmt: skip
+                    try:
+                        self.group.compute.abort()
+                    except Exception:  # noqa: BLE001 (the engine still finds the worker gone)
+                        log.exception("could not abort the NCCL group")
+                return
+            time.sleep(0.5)
+
     def _kill(self) -> None:
-        self._closed = True
+        self._end()
         for p in self.workers:
             if p.poll() is None:
                 p.kill()
             p.wait()
 
     def _reap(self) -> None:
-        self._closed = True
+        self._end()
         for p in self.workers:
             try:
                 p.wait(timeout=10)
@@ -272,7 +312,16 @@ class TensorParallel:
                 p.kill()
                 p.wait()
 
+    def _end(self) -> None:
+        """The group is over: this process's threads as they were."""
+        self._closed = True
+        torch.set_num_threads(self._threads)
+
+    def _dead(self) -> list[tuple[int, int]]:
+        """(rank, exit code) of each worker that exited."""
+        return [(r + 1, p.returncode) for r, p in enumerate(self.workers) if p.poll() is not None]
+
     def _check_alive(self) -> None:
-        dead = [(r + 1, p.returncode) for r, p in enumerate(self.workers) if p.poll() is not None]
+        dead = self._dead()
         if dead:
             raise WorkerDied(f"tensor-parallel workers exited (rank, exit code): {dead}")

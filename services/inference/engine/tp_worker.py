@@ -2,7 +2,8 @@
 
 ``python -m services.inference.engine.tp_worker RANK SIZE PORT``: meets rank 0 through the TCP
 store on PORT, reads the EngineConfig there, loads its shard of the weights, builds its pool,
-LoRA index and step batch with rank 0's layout, then follows rank 0's commands until STOP. It
+LoRA index and step batch with rank 0's layout, captures the same CUDA graphs as rank 0 (on
+CUDA), then follows rank 0's commands until STOP. It
 has no scheduler, sampler or allocator: every page, slot and row is rank 0's choice. It exits
 when its parent (the engine) does.
 """
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from services.inference.engine.adapter_copy import to_device, warm_up, write_adapter, write_row
 from services.inference.engine.adapter_manager import new_lora_index
 from services.inference.engine.config import EngineConfig
-from services.inference.engine.model_runner import ModelRunner, StepLora
+from services.inference.engine.model_runner import GraphKey, ModelRunner, StepLora
 from services.inference.engine.page_pool import PagePool
 from services.inference.engine.pool_sizing import context_window
 from services.inference.engine.tensor_parallel import (
@@ -36,6 +37,7 @@ from services.inference.engine.tensor_parallel import (
     STOP,
     Group,
     WorkerLayout,
+    cpu_threads,
     index_tensors,
     send_bytes,
 )  # fmt: skip
@@ -73,6 +75,12 @@ class Worker:
             [0] * layout.max_loras, lora_side_stream=self.config.lora_side_stream,
         )  # fmt: skip
         self.runner.tp = self.group
+        self.max_num_seqs = layout.max_num_seqs
+
+    def capture(self) -> None:
+        """Rank 0's CUDA graphs, captured in step with it (their collectives meet its)."""
+        if self.config.cuda_graphs and self.device.type == "cuda":
+            self.runner.capture_graphs(*self.config.graph_sizes(self.max_num_seqs))
 
     @torch.inference_mode()
     def loop(self) -> None:
@@ -82,15 +90,16 @@ class Worker:
             if cmd == STEP:
                 batch = self.runner.batch
                 batch.wait_staging()
-                g.host(batch.packed)
+                g.host(batch.wire(args[1]))  # the step's sequences: counts[1]
                 batch.adopt((*args[:4], bool(args[4])))
-                self.runner.forward_adopted(StepLora.decode(args[5], args[6]))
+                step, key = StepLora.decode(args[5], args[6]), GraphKey.decode(args[7:11])
+                self.runner.forward_adopted(step, key)
             elif cmd == LOAD:
                 self._load(*args[:4])
             elif cmd == CLEAR:
                 self.index.ranks[args[0]].zero_()
             elif cmd == CHECK:
-                g.flags(0 if self._in_step(*args[:2]) else 1)
+                g.flags(0 if self._in_step(*args[:3]) else 1)
             elif cmd == STOP:
                 return
             else:
@@ -110,18 +119,21 @@ class Worker:
         table = self.index.slot_table[row, :num_slots]  # the slots, on the device
         write_adapter(self.pool.tensor, host, table, to_device(raw, self.pool.tensor.device))
 
-    def _in_step(self, num_pages: int, page_size: int) -> bool:
-        """Whether this rank's LoRA index and pool geometry equal rank 0's (sent now)."""
+    def _in_step(self, num_pages: int, page_size: int, graph_steps: int) -> bool:
+        """Whether this rank's LoRA index, pool geometry and graph replays equal rank 0's (sent
+        now)."""
         mine = index_tensors(self.index)
         theirs = [torch.empty_like(t) for t in mine]
         for t in theirs:
             self.group.host(t)
         same = all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
         pool = (self.pool.num_pages, self.pool.page_size) == (num_pages, page_size)
-        if not (same and pool):
-            log.error("rank %d is out of step: index equal %s, pool equal %s",
-                      self.group.rank, same, pool)  # fmt: skip
-        return same and pool
+        graphs = self.runner.graph_steps == graph_steps
+        if not (same and pool and graphs):
+            log.error("rank %d is out of step: index equal %s, pool equal %s, graph replays "
+                      "%d against rank 0's %d", self.group.rank, same, pool,
+                      self.runner.graph_steps, graph_steps)  # fmt: skip
+        return same and pool and graphs
 
 
 def _exit_with_parent() -> None:
@@ -152,6 +164,8 @@ def main(argv: list[str]) -> int:
     if device.type == "cuda":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(cpu_threads(size))
     group = Group(store, rank, size, device)
     error, worker = None, None
     try:
@@ -170,6 +184,7 @@ def main(argv: list[str]) -> int:
         store.set(f"error{rank}", error)
     if any(group.flags(0 if error is None else 1)):
         return 1
+    worker.capture()
     worker.loop()
     return 0
 
