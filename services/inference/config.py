@@ -29,6 +29,7 @@ ON_OFF = ("on", "off")
 _CHOICES = {
     "device": DEVICES, "engine": ENGINE_MODES, "scheduling": SCHEDULING,
     "preload_adapters": PRELOAD, "lora_side_stream": ON_OFF, "load_format": LOAD_FORMATS,
+    "cuda_graphs": ON_OFF,
 }  # fmt: skip
 _FILES = (
     "auth_tokens", "tls_cert", "tls_key", "tls_client_ca",
@@ -48,6 +49,8 @@ class ServiceConfig:
     # requests waiting (for an adapter or a batch slot) before refusals; None: 16 per slot
     max_queue: int | None = None
     max_num_seqs: int | None = None  # requests in the running batch at once; None: from memory
+    # tokens one step computes (prefill chunks + decodes); None: 2048, or max_num_seqs if more
+    max_num_batched_tokens: int | None = None
     num_pages: int | None = None  # page pool size; None = derived from pool_memory_mb
     pool_memory_mb: int | None = None  # page pool budget; None = the engine's default
     # share of the GPU's memory the engine may fill (the pool takes what the rest leaves)
@@ -92,6 +95,7 @@ class ServiceConfig:
     fair_prefill_tokens: int = 256  # per tenant and step while tenants share (fair only)
     lora_side_stream: str = "on"  # on: small decode steps' LoRA beside the base GEMMs (CUDA)
     load_format: str = "safetensors"  # or random: weights drawn at load (benchmarks)
+    cuda_graphs: str = "on"  # on: steps replay CUDA graphs captured at start-up; off: eager
 
     def __post_init__(self) -> None:
         if not str(self.model):
@@ -126,12 +130,17 @@ class ServiceConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
         optional = (
-            "num_pages", "pool_memory_mb", "max_queue", "max_num_seqs", "max_loras", "host_cache_mb"
+            "num_pages", "pool_memory_mb", "max_queue", "max_num_seqs", "max_loras",
+            "host_cache_mb", "max_num_batched_tokens",
         )  # fmt: skip
         for name in optional:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{_flag(name)} must be at least 1, got {value}")
+        step, seqs = self.max_num_batched_tokens, self.max_num_seqs
+        if step is not None and seqs is not None and step < seqs:
+            raise ValueError(f"--max-num-batched-tokens ({step}) must be at least --max-num-seqs "
+                             f"({seqs}): every running request decodes each step")  # fmt: skip
         share = self.gpu_memory_utilization
         if not 0.0 < share <= 1.0:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {share}")
@@ -240,6 +249,7 @@ _TYPES = {
     "metrics_port": int,
     "max_queue": int,
     "max_num_seqs": int,
+    "max_num_batched_tokens": int,
     "num_pages": int,
     "pool_memory_mb": int,
     "gpu_memory_utilization": float,
@@ -336,6 +346,11 @@ _HELP = {
     "(first come, first served)",
     "fair_prefill_tokens": "with --scheduling fair and several tenants active: prefill tokens "
     "each tenant gets per step, keeping steps short for the others' first tokens (default 256)",
+    "max_num_batched_tokens": "tokens one step computes, prefill chunks and decodes (default "
+    "2048, or --max-num-seqs if more); the largest mixed step's CUDA graph",
+    "cuda_graphs": "on (default): decode and mixed steps replay CUDA graphs captured at start-up "
+    "(a few minutes on a large model); off: every step runs eagerly (a faster start, slower "
+    "steps)",
     "lora_side_stream": "on (default): decode steps of up to 32 tokens compute their LoRA deltas "
     "on a second CUDA stream beside the base model's GEMMs, then add them; off: the LoRA "
     "kernels run after each GEMM, in place",

@@ -57,7 +57,7 @@ def engine_config(config: ServiceConfig) -> EngineConfig:
         num_pages=config.num_pages,
         pool_memory_bytes=None if config.pool_memory_mb is None else config.pool_memory_mb << 20,
         max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=max(2048, config.max_num_seqs or 0),
+        max_num_batched_tokens=config.max_num_batched_tokens or max(2048, config.max_num_seqs or 0),
         max_lora_rank=config.max_lora_rank,
         max_loras=config.max_loras,
         max_waiting=config.max_queue,
@@ -68,6 +68,7 @@ def engine_config(config: ServiceConfig) -> EngineConfig:
         tensor_parallel_size=config.tensor_parallel_size,
         lora_side_stream=config.lora_side_stream == "on",
         load_format=config.load_format,
+        cuda_graphs=config.cuda_graphs == "on",
     )
 
 

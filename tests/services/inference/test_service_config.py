@@ -43,7 +43,15 @@ def test_engine_config_follows_the_service_config():
     share = ["--model", "m", "--gpu-memory-utilization", "0.9"]
     assert engine_config(ServiceConfig.from_args(share)).gpu_memory_utilization == 0.9
     defaults = engine_config(ServiceConfig(model=Path("m")))
-    assert defaults.lora_side_stream
+    assert defaults.lora_side_stream and defaults.cuda_graphs
+    assert defaults.max_num_batched_tokens == 2048
+    eager = ["--model", "m", "--cuda-graphs", "off", "--max-num-batched-tokens", "1024"]
+    own = engine_config(ServiceConfig.from_args(eager))
+    assert not own.cuda_graphs and own.max_num_batched_tokens == 1024
+    assert (
+        engine_config(ServiceConfig(model=Path("m"), max_num_seqs=4096)).max_num_batched_tokens
+        == 4096
+    )
     # the service's default share is the engine's own
     engine_default = EngineConfig(model_dir=Path("m")).gpu_memory_utilization
     assert defaults.gpu_memory_utilization == engine_default
@@ -66,6 +74,12 @@ def test_engine_config_follows_the_service_config():
         (["--model", "m", "--lora-side-stream", "yes"], "--lora-side-stream"),
         (["--model", "m", "--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
         (["--model", "m", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+        (["--model", "m", "--cuda-graphs", "maybe"], "--cuda-graphs"),
+        (["--model", "m", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+        (
+            ["--model", "m", "--max-num-seqs", "64", "--max-num-batched-tokens", "32"],
+            "--max-num-batched-tokens (32) must be at least --max-num-seqs (64)",
+        ),
     ],
 )
 def test_bad_settings_exit_with_a_message_naming_them(argv, fragment, capsys):
