@@ -50,6 +50,7 @@ from services.inference.engine.api import AdapterKey, EngineStats, GenerationOut
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.engine import Abort, CommandKind, Engine, Load, request_names
 from services.inference.engine.pool_sizing import EngineLimits
+from services.inference.engine.tensor_parallel import SharedArena
 from store.peft import BaseModelShape
 
 log = logging.getLogger(__name__)
@@ -116,10 +117,14 @@ def _command(msg: tuple) -> _Command:
 class ProcessEngine(Engine):
     """An Engine whose outputs and news go to the service over ``conn``."""
 
-    def __init__(self, config: EngineConfig, conn: Connection) -> None:
-        super().__init__(config)
+    def __init__(
+        self, config: EngineConfig, conn: Connection, arena: SharedArena | None = None
+    ) -> None:
+        """``arena``: the service's host arena, mapped here (tensor-parallel workers map it
+        too), where "add" commands name adapter bytes (serve() gives it)."""
+        super().__init__(config, arena=arena)
         self._conn = conn
-        self.arena = None  # the shared host arena, mapped by serve()
+        self.arena = None if arena is None else arena.buffer
         # The step thread's alone, except after it stopped (the final report).
         self._applied = 0
         self._reported = 0
@@ -256,9 +261,9 @@ class ProcessEngine(Engine):
 def serve(conn: Connection, arena_fd: int, arena_bytes: int) -> int:
     config: EngineConfig = conn.recv()
     try:
-        engine = ProcessEngine(config, conn)
-        pinned = engine.device.type == "cuda"
-        engine.arena = map_shared(arena_fd, arena_bytes, pin=pinned)
+        pinned = config.torch_device.type == "cuda"
+        arena = SharedArena(arena_fd, map_shared(arena_fd, arena_bytes, pin=pinned))
+        engine = ProcessEngine(config, conn, arena)  # tensor-parallel workers inherit the fd
         os.close(arena_fd)
     except Exception as exc:
         log.exception("the engine could not start")

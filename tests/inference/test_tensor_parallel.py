@@ -13,13 +13,15 @@ import shutil
 import pytest
 import torch
 
+from services.inference.arena import HostArena
 from services.inference.engine.api import AdapterKey, GenerationRequest
 from services.inference.engine.config import EngineConfig
+from services.inference.engine.core import EngineCore
 from services.inference.engine.engine import Engine
 from services.inference.engine.errors import EngineStopped, ModelLoadError
 from services.inference.engine.model_runner import ATTENTION, NO_GRAPH, GraphKey, LoraMode
 from services.inference.engine.sampling_params import SamplingParams
-from services.inference.engine.tensor_parallel import HEADER, WorkerDied
+from services.inference.engine.tensor_parallel import HEADER, SharedArena, WorkerDied
 from tests.inference.engine_harness import Recorder, make_core, run
 from tests.inference.models import PARITY_ADAPTERS
 from tests.inference.test_engine_parity import _requests, assert_matches_hf, plan_arrivals
@@ -59,6 +61,33 @@ def test_two_ranks_match_hf_peft(tiny_models, tp_core, preset, side_stream):
     assert_matches_hf(tiny_models, preset, model_dir, requests, results)
     core.check_integrity()
     assert core.stats().kv_pages == 0
+
+
+def test_workers_read_adapters_where_they_lie_in_the_shared_arena(tiny_models):
+    """Adapter bytes in the engine's host arena (a memfd the workers map, as the engine process
+    has it) are named by their offset, not sent: the same tokens as HF + PEFT, no bytes sent."""
+    preset = "tiny-llama"
+    host = HostArena(64 << 20, pin=False)
+    recorder = Recorder()
+    config = EngineConfig(model_dir=tiny_models.model(preset), device="cpu", page_size=4,
+                          num_pages=1024, max_num_seqs=16, max_loras=8,
+                          max_num_batched_tokens=48, tensor_parallel_size=2)  # fmt: skip
+    core = EngineCore(config, recorder.hook, SharedArena(host.fd, host.buffer))
+    try:
+        for name in PARITY_ADAPTERS:
+            path = tiny_models.adapter(preset, name)
+            body = (path / "adapter_model.safetensors").read_bytes()
+            block = host.alloc(len(body))
+            view = host.buffer[block.offset : block.offset + len(body)]
+            view.copy_(torch.frombuffer(bytearray(body), dtype=torch.uint8))
+            core.add_adapter(AdapterKey(name, 1), (path / "adapter_config.json").read_bytes(), view)
+        requests = _requests(core.model_config.vocab_size)
+        results = run(core, plan_arrivals(requests), recorder, overlap=True)
+        assert core.tp.shared_loads == len(PARITY_ADAPTERS) and core.tp.sent_loads == 0
+        core.check_integrity()
+    finally:
+        core.close()
+    assert_matches_hf(tiny_models, preset, tiny_models.model(preset), requests, results)
 
 
 R4, R8, R16 = AdapterKey("r4", 1), AdapterKey("r8", 1), AdapterKey("r16", 1)

@@ -60,7 +60,7 @@ from services.inference.engine.request import Sequence, SequenceStatus
 from services.inference.engine.sampler import Sampler, make_generator, to_device
 from services.inference.engine.scheduler import Scheduler
 from services.inference.engine.step_log import StepLog, StepRecord
-from services.inference.engine.tensor_parallel import TensorParallel, WorkerLayout
+from services.inference.engine.tensor_parallel import SharedArena, TensorParallel, WorkerLayout
 from services.inference.engine.token_output import append_token
 from services.inference.engine.token_transfer import TokenTicket, TokenTransfer
 from services.inference.models.config import CONFIG, ModelConfig, read_config_json
@@ -91,7 +91,14 @@ class LaunchedStep(NamedTuple):
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, logits_hook: LogitsHook | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        logits_hook: LogitsHook | None = None,
+        arena: SharedArena | None = None,
+    ) -> None:
+        """``arena``: the host arena adapter bytes are added from (the engine process's), which
+        tensor-parallel workers then map too: their loads read the bytes there."""
         self.config = config
         self.device, self.dtype = config.torch_device, config.torch_dtype
         model_dir = Path(config.model_dir)
@@ -114,7 +121,7 @@ class EngineCore:
         except ValueError as e:
             raise ModelLoadError(str(e)) from e
         # Ranks 1..n-1 load their shards while this one loads its own.
-        self.tp = TensorParallel(config) if n > 1 else None
+        self.tp = TensorParallel(config, arena) if n > 1 else None
         try:
             self._build(config, mc, Shard(0, n))
         except BaseException:

@@ -45,6 +45,7 @@ from services.inference.engine.host_adapter import HostAdapter
 from services.inference.engine.output_router import OutputRouter
 from services.inference.engine.pool_sizing import EngineLimits
 from services.inference.engine.request import Sequence
+from services.inference.engine.tensor_parallel import SharedArena
 from store.peft import BaseModelShape
 
 log = logging.getLogger(__name__)
@@ -131,9 +132,14 @@ def resolve(future: asyncio.Future, error: BaseException | None) -> None:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, logits_hook: LogitsHook | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        logits_hook: LogitsHook | None = None,
+        arena: SharedArena | None = None,
+    ) -> None:
         self.config = config
-        self.core = EngineCore(config, logits_hook)
+        self.core = EngineCore(config, logits_hook, arena)
         self.tokenizer = self.core.tokenizer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outputs = OutputRouter()

@@ -16,8 +16,10 @@ arguments), then its payload:
   included, in the same order), on the compute group, the tokens the previous step sampled
   (StepBatch.prev_tokens) and the two all-reduces of each layer.
 - LOAD: the adapter's description (pickled HostAdapter, less its bytes), its slot table, then
-  the adapter file's bytes; each worker writes its shard into the same slots and index row as
-  rank 0 (the plan of the sharded shapes is the same on every rank, so rank 0 allocates for all).
+  the adapter file's bytes, or, where they lie in the engine's host arena (a memfd every worker
+  maps: SharedArena), their offset, and each worker's word once it has read them; each worker
+  writes its shard into the same slots and index row as rank 0 (the plan of the sharded shapes
+  is the same on every rank, so rank 0 allocates for all).
 - CLEAR: an index row given back (eviction, removal): its ranks zeroed as on rank 0.
 - CHECK: rank 0's LoRA index, pool geometry and graph replays; each worker compares its own
   (integrity).
@@ -86,6 +88,14 @@ class WorkerLayout(NamedTuple):
     max_len: int
 
 
+class SharedArena(NamedTuple):
+    """The host arena adapter bytes lie in (a memfd mapped shared: services/inference/arena.py),
+    shared with the workers: a LOAD then names where its bytes lie instead of sending them."""
+
+    fd: int
+    buffer: torch.Tensor  # this process's mapping, uint8
+
+
 class Group:
     """One rank's end of the control and compute groups."""
 
@@ -152,9 +162,13 @@ def index_tensors(index: LoraIndex) -> list[torch.Tensor]:
 class TensorParallel:
     """Rank 0's end: starts the workers, sends them the engine's commands."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, arena: SharedArena | None = None) -> None:
+        """``arena``: where the engine's adapter bytes lie (the engine process's host arena),
+        mapped by the workers too."""
         n = config.tensor_parallel_size
         self.size = n
+        self._arena = arena
+        self.shared_loads = self.sent_loads = 0  # LOADs whose bytes were named, or sent
         self._store = dist.TCPStore(
             "127.0.0.1", 0, n, True, timedelta(hours=1), wait_for_workers=False
         )  # port 0: a free one
@@ -171,8 +185,10 @@ class TensorParallel:
                     str(rank),
                     str(n),
                     str(port),
+                    *([] if arena is None else [str(arena.fd), str(arena.buffer.numel())]),
                 ],
                 env=env,
+                pass_fds=() if arena is None else (arena.fd,),
             )  # fmt: skip
             for rank in range(1, n)
         ]
@@ -225,13 +241,29 @@ class TensorParallel:
         self.group.broadcast(x)
 
     def load(self, host: HostAdapter, row: int, slots: torch.Tensor) -> None:
-        """Every worker writes its shard of ``host`` into ``slots`` and index ``row``."""
+        """Every worker writes its shard of ``host`` into ``slots`` and index ``row``. Bytes in
+        the shared arena are named (their offset), and this returns once every worker has read
+        them (the block may be reused after); others are sent whole."""
         meta = pickle.dumps(dataclasses.replace(host, raw=torch.empty(0, dtype=torch.uint8)))
-        self._command([LOAD, row, slots.numel(), len(meta), host.raw.numel()])
+        offset = self._arena_offset(host.raw)
+        self._command([LOAD, row, slots.numel(), len(meta), host.raw.numel(), offset])
         self.group.host(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
         self.group.host(slots.to(torch.int64).contiguous())
-        raw = host.raw if host.raw.is_contiguous() else host.raw.contiguous()
-        self.group.host(raw)
+        if offset < 0:
+            raw = host.raw if host.raw.is_contiguous() else host.raw.contiguous()
+            self.group.host(raw)
+            self.sent_loads += 1
+        else:
+            self.group.flags(0)  # each worker's, once its copy has read the block
+            self.shared_loads += 1
+
+    def _arena_offset(self, raw: torch.Tensor) -> int:
+        """Where ``raw`` lies in the shared arena, or -1 where it does not."""
+        if self._arena is None or raw.device.type != "cpu" or not raw.is_contiguous():
+            return -1
+        offset = raw.data_ptr() - self._arena.buffer.data_ptr()
+        inside = 0 <= offset and offset + raw.numel() <= self._arena.buffer.numel()
+        return offset if inside else -1
 
     def clear_row(self, row: int) -> None:
         """An index row was given back (any thread): sent before the next command."""
@@ -314,6 +346,9 @@ class TensorParallel:
 
     def _end(self) -> None:
         """The group is over: this process's threads as they were."""
+        if not self._closed:
+            log.info("tensor parallel: %d adapter loads read by the workers from the shared "
+                     "arena, %d sent to them", self.shared_loads, self.sent_loads)  # fmt: skip
         self._closed = True
         torch.set_num_threads(self._threads)
 

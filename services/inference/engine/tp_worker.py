@@ -1,11 +1,11 @@
 """A tensor-parallel worker: ranks 1..N-1 of an engine (engine/tensor_parallel.py is rank 0's end).
 
-``python -m services.inference.engine.tp_worker RANK SIZE PORT``: meets rank 0 through the TCP
-store on PORT, reads the EngineConfig there, loads its shard of the weights, builds its pool,
-LoRA index and step batch with rank 0's layout, captures the same CUDA graphs as rank 0 (on
-CUDA), then follows rank 0's commands until STOP. It
-has no scheduler, sampler or allocator: every page, slot and row is rank 0's choice. It exits
-when its parent (the engine) does.
+``python -m services.inference.engine.tp_worker RANK SIZE PORT [ARENA_FD ARENA_BYTES]``: meets
+rank 0 through the TCP store on PORT, reads the EngineConfig there, loads its shard of the
+weights, builds its pool, LoRA index and step batch with rank 0's layout, maps the engine's host
+arena if given (LOADs may name their bytes there), captures the same CUDA graphs as rank 0 (on
+CUDA), then follows rank 0's commands until STOP. It has no scheduler, sampler or allocator:
+every page, slot and row is rank 0's choice. It exits when its parent (the engine) does.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from services.inference.arena import map_shared
 from services.inference.engine.adapter_copy import to_device, warm_up, write_adapter, write_row
 from services.inference.engine.adapter_manager import new_lora_index
 from services.inference.engine.config import EngineConfig
@@ -49,8 +50,9 @@ log = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, group: Group) -> None:
-        self.config, self.group = config, group
+    def __init__(self, config: EngineConfig, group: Group, arena: torch.Tensor | None) -> None:
+        """``arena``: the engine's host arena mapped here (where LOADs may name their bytes)."""
+        self.config, self.group, self.arena = config, group, arena
         self.shard = Shard(group.rank, group.size)
         self.device, self.dtype = group.device, config.torch_dtype
         self.model_config = ModelConfig.from_model_dir(config.model_dir)
@@ -95,7 +97,7 @@ class Worker:
                 step, key = StepLora.decode(args[5], args[6]), GraphKey.decode(args[7:11])
                 self.runner.forward_adopted(step, key)
             elif cmd == LOAD:
-                self._load(*args[:4])
+                self._load(*args[:5])
             elif cmd == CLEAR:
                 self.index.ranks[args[0]].zero_()
             elif cmd == CHECK:
@@ -105,19 +107,30 @@ class Worker:
             else:
                 raise RuntimeError(f"unknown tensor-parallel command {cmd}")
 
-    def _load(self, row: int, num_slots: int, meta_len: int, raw_len: int) -> None:
+    def _load(self, row: int, num_slots: int, meta_len: int, raw_len: int, offset: int) -> None:
+        """Write this rank's shard of an adapter; its bytes come over the group, or lie in the
+        shared arena at ``offset`` (>= 0): then rank 0 waits for this rank's word that they
+        were read, since the block may be reused after."""
         g = self.group
         meta = torch.empty(meta_len, dtype=torch.uint8)
         g.host(meta)
         slots = torch.empty(num_slots, dtype=torch.int64)
         g.host(slots)
-        raw = torch.empty(raw_len, dtype=torch.uint8)
-        g.host(raw)
+        if offset < 0:
+            raw = torch.empty(raw_len, dtype=torch.uint8)
+            g.host(raw)
+        else:
+            raw = self.arena[offset : offset + raw_len]
         host = pickle.loads(meta.numpy().tobytes())
         host = dataclasses.replace(host, raw=raw, shard=self.shard)
         write_row(self.index, row, host, slots)
         table = self.index.slot_table[row, :num_slots]  # the slots, on the device
-        write_adapter(self.pool.tensor, host, table, to_device(raw, self.pool.tensor.device))
+        device = self.pool.tensor.device
+        write_adapter(self.pool.tensor, host, table, to_device(raw, device))
+        if offset >= 0:
+            if device.type == "cuda":  # the copy out of the block has completed
+                torch.cuda.current_stream(device).synchronize()
+            g.flags(0)
 
     def _in_step(self, num_pages: int, page_size: int, graph_steps: int) -> bool:
         """Whether this rank's LoRA index, pool geometry and graph replays equal rank 0's (sent
@@ -150,6 +163,7 @@ def _exit_with_parent() -> None:
 
 def main(argv: list[str]) -> int:
     rank, size, port = (int(a) for a in argv[:3])
+    shared = [int(a) for a in argv[3:5]]  # the engine's host arena: its fd and size, if any
     # The engine process handles signals and stops this worker in order (STOP, or its exit).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -169,7 +183,8 @@ def main(argv: list[str]) -> int:
     group = Group(store, rank, size, device)
     error, worker = None, None
     try:
-        worker = Worker(config, group)
+        arena = map_shared(*shared, pin=device.type == "cuda") if shared else None
+        worker = Worker(config, group, arena)
     except Exception as exc:  # noqa: BLE001 (reported to rank 0, which raises it)
         log.exception("could not load the shard")
         error = f"{type(exc).__name__}: {exc}"
