@@ -32,6 +32,7 @@ from services.inference.config import (
 from services.inference.engine import gc_pacing
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.engine import Engine
+from services.inference.engine.tensor_parallel import SharedArena
 from services.inference.engine_client import RemoteEngine
 from services.inference.errors import status_for
 from services.inference.host_cache import HostCache
@@ -159,10 +160,12 @@ class InferenceServer:
             )
             await self.engine.start()
         else:
-            self.engine = await asyncio.to_thread(Engine, engine_config(cfg))
+            config = engine_config(cfg)
+            arena = HostArena(cfg.host_cache_bytes, pin=config.torch_device.type == "cuda")
+            shared = SharedArena(arena.fd, arena.buffer)  # tensor-parallel workers map it too
+            self.engine = await asyncio.to_thread(Engine, config, arena=shared)
             await self.engine.start()
             gc_pacing.pace_collections()  # the step thread collects from now on
-            arena = HostArena(cfg.host_cache_bytes, pin=self.engine.device.type == "cuda")
         device = self.engine.device
         cache = HostCache(arena)
         if cfg.adapter_store is not None:

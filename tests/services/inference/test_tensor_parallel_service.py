@@ -10,6 +10,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import pytest
 
 from lorafleet.v1 import inference_pb2 as pb
 from tests.services.inference.reference import assert_matches, mixed_requests
@@ -25,13 +26,22 @@ def _worker_pid(stack) -> int:
     return int(found.group(1))
 
 
-def test_two_ranks_serve_mixed_streams(stack_factory, reference):
-    stack = stack_factory(flags=TP)
+@pytest.mark.parametrize("engine", ["process", "thread"])
+def test_two_ranks_serve_mixed_streams(stack_factory, reference, engine):
+    """The worker reads every adapter's bytes from the host arena it maps, where the fetch put
+    them: none is sent to it (its count is logged when the group ends)."""
+    stack = stack_factory(flags=(*TP, "--engine", engine))
     requests = mixed_requests(40)[::5]  # base model and adapters a, b, c; greedy and seeded
     with ThreadPoolExecutor(len(requests)) as pool:
         streams = list(pool.map(lambda r: collect(stack.stub, r), requests))
     for request, stream in zip(requests, streams, strict=True):
         assert_matches(stream, reference.expect(request, version=1), request)
+    stack.inference.popen.send_signal(signal.SIGTERM)
+    assert stack.inference.popen.wait(30) == 0
+    loads = re.search(r"(\d+) adapter loads read by the workers from the shared arena, (\d+) "
+                      r"sent", stack.inference.log())  # fmt: skip
+    assert loads, "the tensor-parallel group did not report its loads"
+    assert int(loads.group(1)) >= 3 and int(loads.group(2)) == 0  # adapters a, b and c
 
 
 def test_service_exits_when_a_worker_dies(stack_factory):
