@@ -8,6 +8,7 @@ mid-run, which fails the step and stops the engine.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 
 import pytest
@@ -200,5 +201,34 @@ async def test_a_killed_worker_ends_the_streams_and_stops_the_engine(tiny_models
                 pass
         assert not engine.running and isinstance(engine.failure, WorkerDied)
         assert worker.wait(timeout=10) is not None
+    finally:
+        await engine.stop()
+
+
+async def test_a_worker_that_dies_while_the_engine_is_idle_stops_it(tiny_models):
+    """No step runs, so no collective fails: the step loop's own look at the workers (each
+    turn, every 0.5 s while idle) finds it, and the engine stops for its supervisor."""
+    engine = Engine(EngineConfig(
+        model_dir=tiny_models.model("tiny-llama"), device="cpu", page_size=4, num_pages=256,
+        max_num_seqs=4, tensor_parallel_size=2,
+    ))  # fmt: skip
+    await engine.start()
+    try:
+        worker = engine.core.tp.workers[0]
+        worker.kill()
+        worker.wait(timeout=10)
+        for _ in range(100):
+            if not engine.running:
+                break
+            await asyncio.sleep(0.05)
+        assert not engine.running and isinstance(engine.failure, WorkerDied)
+        assert "tensor-parallel workers exited" in str(engine.failure)
+        stream = engine.generate(
+            GenerationRequest(
+                "late", prompt_token_ids=[5], sampling=SamplingParams(max_new_tokens=3)
+            )
+        )
+        with pytest.raises(EngineStopped):
+            await anext(stream)
     finally:
         await engine.stop()

@@ -185,6 +185,12 @@ class EngineCore:
         self._tokens = TokenTransfer(self.runner.batch.prev_tokens)
         self.step_log = StepLog(self.device, config.step_log)
 
+    def check_workers(self) -> None:
+        """WorkerDied if a tensor-parallel worker exited: the engine cannot step any more, so it
+        stops at once, idle or not (its service exits for its supervisor)."""
+        if self.tp is not None:
+            self.tp.check_alive()
+
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (the engine calls this when it stops)."""
         if self.tp is not None:

@@ -296,6 +296,7 @@ class Engine:
                     self._drain(timeout=_STALLED_WAIT_S)  # only copies to wait for
                 else:
                     self._drain(timeout=_IDLE_WAIT_S)
+                core.check_workers()
                 self._advance_loads()
                 launched = None
                 if core.has_work and not self._stopping.is_set():

@@ -210,7 +210,7 @@ class TensorParallel:
     def ready(self, layout: WorkerLayout) -> None:
         """Send the layout; once every worker has built its pool, return (ModelLoadError with
         the workers' reasons if one could not)."""
-        self._check_alive()
+        self.check_alive()
         send_bytes(self.group, pickle.dumps(layout))
         failed = [r for r, f in enumerate(self.group.flags(0)) if f]
         if failed:
@@ -221,7 +221,7 @@ class TensorParallel:
     # --- commands (the step thread) ----------------------------------------------------------
 
     def _command(self, fields: list[int]) -> None:
-        self._check_alive()
+        self.check_alive()
         with self._lock:
             cleared, self._cleared = self._cleared, []
         for row in cleared:
@@ -304,7 +304,7 @@ class TensorParallel:
             except subprocess.TimeoutExpired:
                 continue
         try:
-            self._check_alive()
+            self.check_alive()
         except WorkerDied as died:
             return died
         return WorkerDied(f"the tensor-parallel group failed: {cause}")
@@ -356,7 +356,8 @@ class TensorParallel:
         """(rank, exit code) of each worker that exited."""
         return [(r + 1, p.returncode) for r, p in enumerate(self.workers) if p.poll() is not None]
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """WorkerDied if a worker exited (the step loop asks each turn, idle or not)."""
         dead = self._dead()
         if dead:
             raise WorkerDied(f"tensor-parallel workers exited (rank, exit code): {dead}")

@@ -1,6 +1,7 @@
 """The inference service with --tensor-parallel-size 2 on the CPU, through its real processes:
 mixed streams over adapters fetched from the store equal the engine alone (one rank); a worker
-killed mid-stream ends the stream with UNAVAILABLE and the service exits for its supervisor."""
+killed mid-stream ends the stream with UNAVAILABLE and the service exits for its supervisor, as
+one killed while no stream runs makes it exit."""
 
 from __future__ import annotations
 
@@ -57,3 +58,12 @@ def test_service_exits_when_a_worker_dies(stack_factory):
     assert "tensor-parallel workers exited" in stream.details
     assert stack.inference.popen.wait(30) == 1
     assert "ended unexpectedly" in stack.inference.log()
+
+
+def test_service_exits_when_a_worker_dies_while_idle(stack_factory):
+    """No stream runs: the engine's step loop finds the dead worker by itself, and the service
+    exits for its supervisor rather than wait for a request to fail."""
+    stack = stack_factory(uploads=(), flags=TP)
+    os.kill(_worker_pid(stack), signal.SIGKILL)
+    assert stack.inference.popen.wait(30) == 1
+    assert "tensor-parallel workers exited" in stack.inference.log()
