@@ -345,6 +345,30 @@ class ModelRunner:
         two tokens or more, so it has fewer sequences than tokens."""
         return min(self._max_seqs, tokens - 1)
 
+    def graph_keys(self, decode_sizes: Sequence[int], mixed_sizes: Sequence[int]) -> list[GraphKey]:
+        """The graphs capture_graphs() captures: for each decode batch size and mixed-step token
+        count, one without LoRA kernels and one on each LoRA path that may serve it, each of
+        those also without the MLP modules' calls."""
+        keys = []
+        for size in decode_sizes:
+            keys.append(GraphKey(size, size, LoraMode.NONE))
+            modes = [LoraMode.TWO]
+            modes += [LoraMode.FUSED] if self._fusable(size) else []
+            modes += [LoraMode.ONE_TOKEN] if self._one_token(size) else []
+            modes += [LoraMode.WIDE] if self._wides() else []
+            for mode in modes:  # each also without the MLP calls
+                keys += [GraphKey(size, size, mode), GraphKey(size, size, mode, ATTENTION)]
+        for tokens in mixed_sizes:
+            seqs = self.mixed_seqs(tokens)
+            keys.append(GraphKey(tokens, seqs, LoraMode.NONE))
+            modes = [LoraMode.SHAPES]
+            modes += [LoraMode.NARROW] if self._narrows(tokens) else []
+            modes += [LoraMode.WIDE_FUSED] if self._wide_fuses(tokens) else []
+            modes += [LoraMode.WIDE] if self._wides() else []
+            for mode in modes:  # each also without the MLP calls, as the decode graphs
+                keys += [GraphKey(tokens, seqs, mode), GraphKey(tokens, seqs, mode, ATTENTION)]
+        return keys
+
     @torch.inference_mode()
     def capture_graphs(self, decode_sizes: Sequence[int], mixed_sizes: Sequence[int] = ()) -> None:
         """Capture the decode step for each batch size and the mixed step for each token count,
@@ -366,24 +390,7 @@ class ModelRunner:
         memory = torch.cuda.graph_pool_handle()
         start = time.perf_counter()
         side = torch.cuda.Stream()
-        keys = []
-        for size in decode_sizes:
-            keys.append(GraphKey(size, size, LoraMode.NONE))
-            modes = [LoraMode.TWO]
-            modes += [LoraMode.FUSED] if self._fusable(size) else []
-            modes += [LoraMode.ONE_TOKEN] if self._one_token(size) else []
-            modes += [LoraMode.WIDE] if self._wides() else []
-            for mode in modes:  # each also without the MLP calls
-                keys += [GraphKey(size, size, mode), GraphKey(size, size, mode, ATTENTION)]
-        for tokens in mixed_sizes:
-            seqs = self.mixed_seqs(tokens)
-            keys.append(GraphKey(tokens, seqs, LoraMode.NONE))
-            modes = [LoraMode.SHAPES]
-            modes += [LoraMode.NARROW] if self._narrows(tokens) else []
-            modes += [LoraMode.WIDE_FUSED] if self._wide_fuses(tokens) else []
-            modes += [LoraMode.WIDE] if self._wides() else []
-            for mode in modes:  # each also without the MLP calls, as the decode graphs
-                keys += [GraphKey(tokens, seqs, mode), GraphKey(tokens, seqs, mode, ATTENTION)]
+        keys = self.graph_keys(decode_sizes, mixed_sizes)
         vocab = self.model.lm_head.shape[0]
         shared = torch.empty(max(k.seqs for k in keys), vocab, dtype=torch.float32,
                              device=self.pool.tensor.device)  # fmt: skip

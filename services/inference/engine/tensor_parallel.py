@@ -174,6 +174,11 @@ class TensorParallel:
         )  # port 0: a free one
         port = self._store.port
         self._store.set("config", pickle.dumps(config))
+        # NVLink multicast (NCCL's NVLS) off unless the operator says otherwise, in this process
+        # and the workers: a step's all-reduces are small (its activations), where it gains
+        # little, and on a host whose GPUs others share, a program that uses it can put them
+        # out of service.
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env.get("PYTHONPATH")]))
         self.workers = [
