@@ -180,7 +180,12 @@ class EngineCore:
             self.tp.ready(WorkerLayout(num_pages, max_seqs, max_loras, capacity, self.max_len))
             self.adapters.copier.mirror = self.runner.tp = self.tp
         if config.cuda_graphs and self.device.type == "cuda":  # the workers capture the same
-            self.runner.capture_graphs(*config.graph_sizes(max_seqs))
+            try:
+                self.runner.capture_graphs(*config.graph_sizes(max_seqs))
+            except Exception as exc:
+                if self.tp is not None:  # a worker that failed its capture is the cause
+                    raise self.tp.failure(exc) from exc
+                raise
         self.sampler = Sampler()
         self._tokens = TokenTransfer(self.runner.batch.prev_tokens)
         self.step_log = StepLog(self.device, config.step_log)
