@@ -70,7 +70,7 @@ _REPO = Path(__file__).resolve().parents[3]
 def cpu_threads(size: int) -> int:
     """Threads of each rank's CPU kernels: the cores shared out. More would spin against each
     other (two ranks of two threads each on two cores: a tiny model's decode step 76 ms,
-    against 12 with one thread each; bench/tp_decode.py)."""
+    against 12-15 with one thread each; bench/tp_decode.py)."""
     return max(1, (os.cpu_count() or 1) // size)
 
 
