@@ -78,6 +78,7 @@ class Worker:
         )  # fmt: skip
         self.runner.tp = self.group
         self.max_num_seqs = layout.max_num_seqs
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def capture(self) -> None:
         """Rank 0's CUDA graphs, captured in step with it (their collectives meet its)."""
@@ -126,11 +127,18 @@ class Worker:
         write_row(self.index, row, host, slots)
         table = self.index.slot_table[row, :num_slots]  # the slots, on the device
         device = self.pool.tensor.device
-        write_adapter(self.pool.tensor, host, table, to_device(raw, device))
+        if offset >= 0 and device.type == "cuda":
+            # The block is read on a stream of its own, so that the word to rank 0 waits for
+            # this copy only, not for the step this rank's GPU may still be computing.
+            with torch.cuda.stream(self._copy_stream):
+                staged = to_device(raw, device)
+            self._copy_stream.synchronize()
+            staged.record_stream(torch.cuda.current_stream(device))  # the write below reads it
+        else:
+            staged = to_device(raw, device)
         if offset >= 0:
-            if device.type == "cuda":  # the copy out of the block has completed
-                torch.cuda.current_stream(device).synchronize()
-            g.flags(0)
+            g.flags(0)  # the block is read (on the CPU, copied already)
+        write_adapter(self.pool.tensor, host, table, staged)
 
     def _in_step(self, num_pages: int, page_size: int, graph_steps: int) -> bool:
         """Whether this rank's LoRA index, pool geometry and graph replays equal rank 0's (sent
