@@ -8,7 +8,9 @@ and random weights (--load-format random). For each batch size, that many reques
 adapters (S1r16's; ``--adapter-files`` distinct weight files, cycled over the adapters, which
 are distinct to the engine all the same); once all of them decode, ``--steps`` decode steps are
 driven as the engine's step loop drives them (step t + 1 launched before step t's tokens are
-read). TPOT is the median time between two steps' tokens reaching the host.
+read). TPOT is the median time between two steps' tokens reaching the host. On CUDA, the rows
+of ``--profile-batch`` (64) run as many steps again under the torch profiler, which gives rank
+0's kernel time per step and the NCCL kernels' part of it (all-reduces, sampled tokens).
 
 Each row's bound is the step's bytes (every weight, the KV cache read and written, each distinct
 adapter's A and B) over N times one GPU's copy bandwidth, measured in the same run: each rank
@@ -39,7 +41,7 @@ import torch  # noqa: E402
 from bench.bench_models import SHAPES, make_model  # noqa: E402
 from bench.provenance import write_result  # noqa: E402
 from bench.roofline import Ceilings, Roofline, measure_ceilings  # noqa: E402
-from bench.step_profile import submit, until_decoding  # noqa: E402
+from bench.step_profile import kernel_table, submit, until_decoding  # noqa: E402
 from services.inference.engine.api import AdapterKey  # noqa: E402
 from services.inference.engine.config import EngineConfig  # noqa: E402
 from services.inference.engine.core import EngineCore  # noqa: E402
@@ -48,10 +50,25 @@ from store.synthetic import synthetic_adapter  # noqa: E402
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
+def device_ms(prof, name_part: str) -> float:
+    """GPU time in ms of the profiled kernels whose name holds ``name_part`` (the attribute's
+    name differs between torch versions)."""
+    total = 0.0
+    for evt in prof.key_averages():
+        if name_part in evt.key.lower():
+            us = getattr(evt, "self_device_time_total", None)
+            total += getattr(evt, "self_cuda_time_total", 0.0) if us is None else us
+    return total / 1e3
+
+
 def decode_tpot(core: EngineCore, args, batch: int, adapters, gen, vocab: int) -> dict:
-    """``batch`` requests decoding together; the overlapped loop's time per step."""
+    """``batch`` requests decoding together; the overlapped loop's time per step, and on CUDA at
+    --profile-batch the kernels of as many more steps under the profiler: the NCCL kernels'
+    share (the all-reduces and the sampled tokens' broadcast) beside all kernels'."""
     label = "lora" if adapters else "base"
-    submit(core, f"b{batch}-{label}", batch, args.context, args.steps + 8, gen, vocab, adapters)
+    profiled = core.device.type == "cuda" and batch == args.profile_batch
+    new = args.steps * (2 if profiled else 1) + 8
+    submit(core, f"b{batch}-{label}", batch, args.context, new, gen, vocab, adapters)
     until_decoding(core)
     if len(core.scheduler.running) != batch:
         raise RuntimeError(f"{len(core.scheduler.running)} of {batch} requests run: a larger "
@@ -64,6 +81,21 @@ def decode_tpot(core: EngineCore, args, batch: int, adapters, gen, vocab: int) -
         core.finish(launched)
         done.append(time.perf_counter())
         launched = following
+    kernels = {}
+    if profiled:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                following = core.launch()
+                core.finish(launched)
+                launched = following
+            torch.cuda.synchronize()
+        kernels = {
+            "kernel_ms_per_step": device_ms(prof, "") / args.steps,
+            "nccl_ms_per_step": device_ms(prof, "nccl") / args.steps,
+            "kernels": kernel_table(prof, 15),
+        }
     if launched is not None:
         core.finish(launched)
     path = core.runner.last_lora.value
@@ -75,6 +107,7 @@ def decode_tpot(core: EngineCore, args, batch: int, adapters, gen, vocab: int) -
         "gaps_ms": gaps,
         "graph_steps": core.runner.graph_steps - graphs,
         "lora_path": path,
+        **kernels,
     }
 
 
@@ -136,6 +169,12 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--adapter-files", type=int, default=8)
     parser.add_argument(
+        "--profile-batch",
+        type=int,
+        default=64,
+        help="CUDA: this batch's steps also run under the profiler",
+    )
+    parser.add_argument(
         "--step-tokens",
         type=int,
         default=1024,
@@ -170,7 +209,7 @@ def main() -> None:
         command = [sys.executable, __file__, "--child", str(n), "--part", str(part),
                    "--model-dir", str(model_dir)]  # fmt: skip
         for flag in ("shape", "device", "context", "steps", "rank", "adapter_files",
-                     "step_tokens", "pool_gib"):  # fmt: skip
+                     "step_tokens", "pool_gib", "profile_batch"):  # fmt: skip
             value = getattr(args, flag)
             if value is not None:
                 command += [f"--{flag.replace('_', '-')}", str(value)]
