@@ -141,11 +141,13 @@ def child(args) -> None:
                 row = {"batch": b, "adapters": len(adapters or ())}
                 row.update(decode_tpot(core, args, b, adapters, gen, shape.vocab))
                 rows.append(row)
-                print(
-                    f"tp {args.child} batch {b:>4} adapters {row['adapters']:>4}: "
-                    f"{row['tpot_ms']:.3f} ms ({row['graph_steps']} graph steps)",
-                    flush=True,
-                )
+                nccl = ""
+                if "nccl_ms_per_step" in row:
+                    nccl = (f"; kernels {row['kernel_ms_per_step']:.3f} ms a step, NCCL's "
+                            f"{row['nccl_ms_per_step']:.3f}")  # fmt: skip
+                print(f"tp {args.child} batch {b:>4} adapters {row['adapters']:>4}: "
+                      f"{row['tpot_ms']:.3f} ms ({row['graph_steps']} graph steps{nccl})",
+                      flush=True)  # fmt: skip
     finally:
         core.close()
     args.part.write_text(json.dumps({"rows": rows, "graphs": core.runner.graph_sizes}) + "\n")
