@@ -184,11 +184,15 @@ def test_a_model_that_does_not_split_is_refused(tiny_models):
         EngineConfig(model_dir="m", tensor_parallel_size=0)
 
 
-async def test_a_killed_worker_ends_the_streams_and_stops_the_engine(tiny_models):
-    engine = Engine(EngineConfig(
+def _two_rank_engine(tiny_models) -> Engine:
+    return Engine(EngineConfig(
         model_dir=tiny_models.model("tiny-llama"), device="cpu", page_size=4, num_pages=256,
         max_num_seqs=4, tensor_parallel_size=2,
     ))  # fmt: skip
+
+
+async def test_a_killed_worker_ends_the_streams_and_stops_the_engine(tiny_models):
+    engine = _two_rank_engine(tiny_models)
     await engine.start()
     try:
         long = SamplingParams(max_new_tokens=10_000 // 100, ignore_eos=True)
@@ -208,10 +212,7 @@ async def test_a_killed_worker_ends_the_streams_and_stops_the_engine(tiny_models
 async def test_a_worker_that_dies_while_the_engine_is_idle_stops_it(tiny_models):
     """No step runs, so no collective fails: the step loop's own look at the workers (each
     turn, every 0.5 s while idle) finds it, and the engine stops for its supervisor."""
-    engine = Engine(EngineConfig(
-        model_dir=tiny_models.model("tiny-llama"), device="cpu", page_size=4, num_pages=256,
-        max_num_seqs=4, tensor_parallel_size=2,
-    ))  # fmt: skip
+    engine = _two_rank_engine(tiny_models)
     await engine.start()
     try:
         worker = engine.core.tp.workers[0]
@@ -223,11 +224,8 @@ async def test_a_worker_that_dies_while_the_engine_is_idle_stops_it(tiny_models)
             await asyncio.sleep(0.05)
         assert not engine.running and isinstance(engine.failure, WorkerDied)
         assert "tensor-parallel workers exited" in str(engine.failure)
-        stream = engine.generate(
-            GenerationRequest(
-                "late", prompt_token_ids=[5], sampling=SamplingParams(max_new_tokens=3)
-            )
-        )
+        late = SamplingParams(max_new_tokens=3)
+        stream = engine.generate(GenerationRequest("late", prompt_token_ids=[5], sampling=late))
         with pytest.raises(EngineStopped):
             await anext(stream)
     finally:
