@@ -177,6 +177,22 @@ def test_graph_keys_cross_in_the_step_header():
     assert 1 + 5 + 2 + len(NO_GRAPH) <= HEADER  # STEP, the batch's counts, StepLora, the key
 
 
+def test_ranks_that_would_capture_other_graphs_fail_the_start(tiny_models, monkeypatch):
+    """Every rank lists the graphs it would capture before any capture (on the CPU too):
+    rank 0's list changed here alone, so the worker's differs, and the start fails at once
+    rather than pair one rank's captured collectives with another's."""
+    from services.inference.engine.model_runner import ModelRunner
+
+    every = ModelRunner.graph_keys
+
+    def fewer(runner, decode, mixed):
+        return every(runner, decode[:-1], mixed)
+
+    monkeypatch.setattr(ModelRunner, "graph_keys", fewer, raising=True)
+    with pytest.raises(ModelLoadError, match=r"ranks \[1\] would capture other CUDA graphs"):
+        make_core(tiny_models.model("tiny-llama"), tensor_parallel_size=2)
+
+
 def test_a_model_that_does_not_split_is_refused(tiny_models):
     with pytest.raises(ModelLoadError, match="must divide the model's num_kv_heads"):
         make_core(tiny_models.model("tiny-llama"), tensor_parallel_size=4)

@@ -179,6 +179,7 @@ class EngineCore:
             self.model.join_group(self.tp.group.all_reduce)
             self.tp.ready(WorkerLayout(num_pages, max_seqs, max_loras, capacity, self.max_len))
             self.adapters.copier.mirror = self.runner.tp = self.tp
+            self.tp.agree_graphs(self.runner.graph_keys(*config.graph_sizes(max_seqs)))
         if config.cuda_graphs and self.device.type == "cuda":  # the workers capture the same
             try:
                 self.runner.capture_graphs(*config.graph_sizes(max_seqs))

@@ -43,6 +43,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
@@ -142,6 +143,11 @@ class Group:
         return f.tolist()
 
 
+def graphs_digest(keys: list) -> int:
+    """A digest of a list of graph keys, the same in every process (TensorParallel.agree_graphs)."""
+    return zlib.crc32(repr(keys).encode())
+
+
 def send_bytes(group: Group, data: bytes | None) -> bytes:
     """Rank 0's ``data`` to every rank: its length in a header, then the bytes (the others
     wait without limit: rank 0 may take long to get there, loading its own shard)."""
@@ -222,6 +228,19 @@ class TensorParallel:
             reasons = [self._store.get(f"error{r}").decode() for r in failed]
             self._reap()  # the workers exit on their own after a failed start
             raise ModelLoadError(f"tensor-parallel workers {failed} could not start: {reasons}")
+
+    def agree_graphs(self, keys: list) -> None:
+        """Before any capture: every worker lists the graphs it would capture (ModelRunner.
+        graph_keys, on any device) and compares them with rank 0's ``keys``, in order. Graphs
+        that differ would pair one rank's captured collectives with another's and hang the
+        start; this fails it with ModelLoadError instead."""
+        self.group.header([graphs_digest(keys)])
+        differ = [r for r, f in enumerate(self.group.flags(0)) if f]
+        if differ:
+            self._reap()  # the workers exit on their own after a failed start
+            raise ModelLoadError(
+                f"tensor-parallel ranks {differ} would capture other CUDA graphs than rank 0"
+            )
 
     # --- commands (the step thread) ----------------------------------------------------------
 

@@ -3,9 +3,10 @@
 ``python -m services.inference.engine.tp_worker RANK SIZE PORT [ARENA_FD ARENA_BYTES]``: meets
 rank 0 through the TCP store on PORT, reads the EngineConfig there, loads its shard of the
 weights, builds its pool, LoRA index and step batch with rank 0's layout, maps the engine's host
-arena if given (LOADs may name their bytes there), captures the same CUDA graphs as rank 0 (on
-CUDA), then follows rank 0's commands until STOP. It has no scheduler, sampler or allocator:
-every page, slot and row is rank 0's choice. It exits when its parent (the engine) does.
+arena if given (LOADs may name their bytes there), agrees with rank 0 on the CUDA graphs to
+capture and captures them (on CUDA), then follows rank 0's commands until STOP. It has no
+scheduler, sampler or allocator: every page, slot and row is rank 0's choice. It exits when its
+parent (the engine) does.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from services.inference.engine.tensor_parallel import (
     Group,
     WorkerLayout,
     cpu_threads,
+    graphs_digest,
     index_tensors,
     send_bytes,
 )  # fmt: skip
@@ -80,10 +82,19 @@ class Worker:
         self.max_num_seqs = layout.max_num_seqs
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
-    def capture(self) -> None:
-        """Rank 0's CUDA graphs, captured in step with it (their collectives meet its)."""
+    def capture(self) -> bool:
+        """Rank 0's CUDA graphs, captured in step with it (their collectives meet its), once
+        both sides agree on the list (TensorParallel.agree_graphs); False if they do not."""
+        sizes = self.config.graph_sizes(self.max_num_seqs)
+        theirs = self.group.header()[0]
+        same = graphs_digest(self.runner.graph_keys(*sizes)) == theirs
+        self.group.flags(0 if same else 1)
+        if not same:
+            log.error("rank %d would capture other CUDA graphs than rank 0", self.group.rank)
+            return False
         if self.config.cuda_graphs and self.device.type == "cuda":
-            self.runner.capture_graphs(*self.config.graph_sizes(self.max_num_seqs))
+            self.runner.capture_graphs(*sizes)
+        return True
 
     @torch.inference_mode()
     def loop(self) -> None:
@@ -207,7 +218,8 @@ def main(argv: list[str]) -> int:
         store.set(f"error{rank}", error)
     if any(group.flags(0 if error is None else 1)):
         return 1
-    worker.capture()
+    if not worker.capture():
+        return 1
     worker.loop()
     return 0
 
