@@ -7,6 +7,10 @@ meet it through a TCP store on a free loopback port and load their own shard of 
 rank 0's commands, and the compute group (NCCL on CUDA, the same gloo group on the CPU) the
 all-reduces of the forward pass and the step's sampled inputs.
 
+At start, rank 0 sends its layout (ready: every worker builds the same pool, index and batch),
+then the digest of the CUDA graphs it will capture (agree_graphs: every worker compares its own
+list), and then every rank captures them, in the same order (on CUDA).
+
 Every command starts with one broadcast of a fixed header ([HEADER] int64: the command and its
 arguments), then its payload:
 
