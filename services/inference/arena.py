@@ -76,6 +76,14 @@ def map_shared(fd: int, size: int, pin: bool) -> torch.Tensor:
     return buffer
 
 
+class SharedArena(NamedTuple):
+    """A process's mapping of the arena with the memfd behind it: what another process needs to
+    map the same memory (tensor-parallel workers read adapter bytes where they lie)."""
+
+    fd: int
+    buffer: torch.Tensor  # this process's mapping, uint8
+
+
 class HostArena:
     """Contiguous blocks of one preallocated host buffer. Not thread-safe: one owner (the
     service's event loop) allocates and frees; readers only view blocks they were given."""
@@ -92,6 +100,10 @@ class HostArena:
         self._free: list[tuple[int, int]] = [(0, capacity)]
         self._live: dict[int, int] = {}  # offset -> reserved size of each allocated block
         log.info("host arena: %.1f MiB%s", capacity / 2**20, " pinned" if pin else "")
+
+    @property
+    def shared(self) -> SharedArena:
+        return SharedArena(self.fd, self.buffer)
 
     @property
     def capacity(self) -> int:

@@ -43,14 +43,13 @@ import time
 from multiprocessing.connection import Connection
 from typing import NamedTuple
 
-from services.inference.arena import map_shared
+from services.inference.arena import SharedArena, map_shared
 from services.inference.engine import gc_pacing
 from services.inference.engine.adapter_manager import AdapterEntryStatus
 from services.inference.engine.api import AdapterKey, EngineStats, GenerationOutput
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.engine import Abort, CommandKind, Engine, Load, request_names
 from services.inference.engine.pool_sizing import EngineLimits
-from services.inference.engine.tensor_parallel import SharedArena
 from store.peft import BaseModelShape
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,6 @@ from services.inference.config import (
 from services.inference.engine import gc_pacing
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.engine import Engine
-from services.inference.engine.tensor_parallel import SharedArena
 from services.inference.engine_client import RemoteEngine
 from services.inference.errors import status_for
 from services.inference.host_cache import HostCache
@@ -162,8 +161,8 @@ class InferenceServer:
         else:
             config = engine_config(cfg)
             arena = HostArena(cfg.host_cache_bytes, pin=config.torch_device.type == "cuda")
-            shared = SharedArena(arena.fd, arena.buffer)  # tensor-parallel workers map it too
-            self.engine = await asyncio.to_thread(Engine, config, arena=shared)
+            # tensor-parallel workers map it too
+            self.engine = await asyncio.to_thread(Engine, config, arena=arena.shared)
             await self.engine.start()
             gc_pacing.pace_collections()  # the step thread collects from now on
         device = self.engine.device

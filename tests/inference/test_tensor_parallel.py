@@ -22,7 +22,7 @@ from services.inference.engine.engine import Engine
 from services.inference.engine.errors import EngineStopped, ModelLoadError
 from services.inference.engine.model_runner import ATTENTION, NO_GRAPH, GraphKey, LoraMode
 from services.inference.engine.sampling_params import SamplingParams
-from services.inference.engine.tensor_parallel import HEADER, SharedArena, WorkerDied
+from services.inference.engine.tensor_parallel import HEADER, WorkerDied
 from tests.inference.engine_harness import Recorder, make_core, run
 from tests.inference.models import PARITY_ADAPTERS
 from tests.inference.test_engine_parity import _requests, assert_matches_hf, plan_arrivals
@@ -73,7 +73,7 @@ def test_workers_read_adapters_where_they_lie_in_the_shared_arena(tiny_models):
     config = EngineConfig(model_dir=tiny_models.model(preset), device="cpu", page_size=4,
                           num_pages=1024, max_num_seqs=16, max_loras=8,
                           max_num_batched_tokens=48, tensor_parallel_size=2)  # fmt: skip
-    core = EngineCore(config, recorder.hook, SharedArena(host.fd, host.buffer))
+    core = EngineCore(config, recorder.hook, host.shared)
     try:
         for name in PARITY_ADAPTERS:
             path = tiny_models.adapter(preset, name)

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from services.inference.arena import SharedArena
 from services.inference.engine.adapter_manager import AdapterManager, AdapterState
 from services.inference.engine.adapter_spec import AdapterSpec
 from services.inference.engine.api import (
@@ -60,7 +61,7 @@ from services.inference.engine.request import Sequence, SequenceStatus
 from services.inference.engine.sampler import Sampler, make_generator, to_device
 from services.inference.engine.scheduler import Scheduler
 from services.inference.engine.step_log import StepLog, StepRecord
-from services.inference.engine.tensor_parallel import SharedArena, TensorParallel, WorkerLayout
+from services.inference.engine.tensor_parallel import TensorParallel, WorkerLayout
 from services.inference.engine.token_output import append_token
 from services.inference.engine.token_transfer import TokenTicket, TokenTransfer
 from services.inference.models.config import CONFIG, ModelConfig, read_config_json
@@ -175,14 +176,15 @@ class EngineCore:
             max_seqs, config.max_num_batched_tokens, self.max_len, max_loras,
             self.adapters.row_ranks, self.adapters.row_modules, config.lora_side_stream,
         )  # fmt: skip
+        graph_sizes = config.graph_sizes(max_seqs)
         if self.tp is not None:
             self.model.join_group(self.tp.group.all_reduce)
             self.tp.ready(WorkerLayout(num_pages, max_seqs, max_loras, capacity, self.max_len))
             self.adapters.copier.mirror = self.runner.tp = self.tp
-            self.tp.agree_graphs(self.runner.graph_keys(*config.graph_sizes(max_seqs)))
+            self.tp.agree_graphs(self.runner.graph_keys(*graph_sizes))
         if config.cuda_graphs and self.device.type == "cuda":  # the workers capture the same
             try:
-                self.runner.capture_graphs(*config.graph_sizes(max_seqs))
+                self.runner.capture_graphs(*graph_sizes)
             except Exception as exc:
                 if self.tp is not None:  # a worker that failed its capture is the cause
                     raise self.tp.failure(exc) from exc

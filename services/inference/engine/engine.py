@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import torch
 
+from services.inference.arena import SharedArena
 from services.inference.engine.adapter_manager import AdapterState, AdapterStatus
 from services.inference.engine.adapter_spec import AdapterSpec
 from services.inference.engine.api import (
@@ -45,7 +46,6 @@ from services.inference.engine.host_adapter import HostAdapter
 from services.inference.engine.output_router import OutputRouter
 from services.inference.engine.pool_sizing import EngineLimits
 from services.inference.engine.request import Sequence
-from services.inference.engine.tensor_parallel import SharedArena
 from store.peft import BaseModelShape
 
 log = logging.getLogger(__name__)

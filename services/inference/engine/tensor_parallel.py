@@ -21,7 +21,7 @@ arguments), then its payload:
   (StepBatch.prev_tokens) and the two all-reduces of each layer.
 - LOAD: the adapter's description (pickled HostAdapter, less its bytes), its slot table, then
   the adapter file's bytes, or, where they lie in the engine's host arena (a memfd every worker
-  maps: SharedArena), their offset, and each worker's word once it has read them; each worker
+  maps: arena.SharedArena), their offset, and each worker's word once it has read them; each worker
   writes its shard into the same slots and index row as rank 0 (the plan of the sharded shapes
   is the same on every rank, so rank 0 allocates for all).
 - CLEAR: an index row given back (eviction, removal): its ranks zeroed as on rank 0.
@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from kernels import LoraIndex
+from services.inference.arena import SharedArena
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.errors import ModelLoadError
 from services.inference.engine.host_adapter import HostAdapter
@@ -91,14 +92,6 @@ class WorkerLayout(NamedTuple):
     max_loras: int
     slot_capacity: int
     max_len: int
-
-
-class SharedArena(NamedTuple):
-    """The host arena adapter bytes lie in (a memfd mapped shared: services/inference/arena.py),
-    shared with the workers: a LOAD then names where its bytes lie instead of sending them."""
-
-    fd: int
-    buffer: torch.Tensor  # this process's mapping, uint8
 
 
 class Group:
