@@ -12,9 +12,15 @@ is bound / measured time.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+_REPO = Path(__file__).resolve().parents[1]
 
 
 class Ceilings(NamedTuple):
@@ -59,6 +65,19 @@ def measure_ceilings(device: torch.device) -> Ceilings:
     b = torch.randn(n, n, device=device, dtype=dtype)
     mm_ms = _time_ms(lambda: a @ b, device, 20 if cuda else 3)
     return Ceilings(2 * n_bytes / (copy_ms / 1e3), 2 * n**3 / (mm_ms / 1e3))
+
+
+def measure_ceilings_subprocess(device: str) -> Ceilings:
+    """measure_ceilings in a process of its own: its memory (and its CUDA context) is gone
+    before the service or engine measured takes the device."""
+    code = (
+        "import json, sys, torch; sys.path.insert(0, sys.argv[1]);"
+        "from bench.roofline import measure_ceilings;"
+        "print(json.dumps(measure_ceilings(torch.device(sys.argv[2]))._asdict()))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(_REPO), device], check=True,
+                         capture_output=True, text=True).stdout  # fmt: skip
+    return Ceilings(**json.loads(out.strip().splitlines()[-1]))
 
 
 class Roofline(NamedTuple):

@@ -146,19 +146,6 @@ def upload(address: str, shape, workload: str, n: int) -> list[str]:
     return names
 
 
-def measure_ceilings_subprocess(device: str) -> dict:
-    """Copy bandwidth and matmul rate, measured in a process of their own (its memory is gone
-    before the service takes the device)."""
-    code = (
-        "import json, sys, torch; sys.path.insert(0, sys.argv[1]);"
-        "from bench.roofline import measure_ceilings;"
-        "print(json.dumps(measure_ceilings(torch.device(sys.argv[2]))._asdict()))"
-    )
-    out = subprocess.run([sys.executable, "-c", code, str(REPO), device], check=True,
-                         capture_output=True, text=True).stdout  # fmt: skip
-    return json.loads(out.strip().splitlines()[-1])
-
-
 def wait_gateway(address: str, proc: subprocess.Popen, timeout: float) -> str:
     """Wait until the gateway answers /health; return the base model's id (/v1/models)."""
     import urllib.error
@@ -295,7 +282,7 @@ def write_result(args, ceilings, rows: list[dict], preload: dict | None = None) 
 
 def main() -> None:
     from bench.bench_models import SHAPES, make_model
-    from bench.roofline import Ceilings, Roofline
+    from bench.roofline import Ceilings, Roofline, measure_ceilings_subprocess
     from bench.serving_report import StepLogReader, analyse, table
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -357,7 +344,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     model = make_model(work / f"model-{args.shape}", shape, torch.device(args.device),
                        weights=not args.random_weights)  # fmt: skip
-    one = Ceilings(**measure_ceilings_subprocess(args.device))
+    one = measure_ceilings_subprocess(args.device)
     tp = args.tensor_parallel_size  # each rank moves 1/tp of the bytes and does 1/tp of the work
     ceilings = Ceilings(one.copy_bytes_per_s * tp, one.matmul_flops_per_s * tp)
     roof = Roofline.for_shape(shape, ceilings, dtype_bytes=2 if args.device == "cuda" else 4)

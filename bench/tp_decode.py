@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from bench.bench_models import SHAPES, make_model  # noqa: E402
 from bench.provenance import write_result  # noqa: E402
-from bench.roofline import Ceilings, Roofline, measure_ceilings  # noqa: E402
+from bench.roofline import Ceilings, Roofline, measure_ceilings_subprocess  # noqa: E402
 from bench.step_profile import kernel_table, submit, until_decoding  # noqa: E402
 from services.inference.engine.api import AdapterKey  # noqa: E402
 from services.inference.engine.config import EngineConfig  # noqa: E402
@@ -61,6 +61,18 @@ def device_ms(prof, name_part: str) -> float:
     return total / 1e3
 
 
+def overlapped(core: EngineCore, launched, steps: int, done: list[float] | None = None):
+    """``steps`` steps as the engine's step loop runs them: step t + 1 launched before step t
+    is finished; ``done`` gets the time each finish returned. The step still in flight."""
+    for _ in range(steps):
+        following = core.launch()
+        core.finish(launched)
+        if done is not None:
+            done.append(time.perf_counter())
+        launched = following
+    return launched
+
+
 def decode_tpot(core: EngineCore, args, batch: int, adapters, gen, vocab: int) -> dict:
     """``batch`` requests decoding together; the overlapped loop's time per step, and on CUDA at
     --profile-batch the kernels of as many more steps under the profiler: the NCCL kernels'
@@ -75,21 +87,13 @@ def decode_tpot(core: EngineCore, args, batch: int, adapters, gen, vocab: int) -
                            "--pool-gib or a shorter --context")  # fmt: skip
     graphs = core.runner.graph_steps
     done: list[float] = []
-    launched = core.launch()
-    for _ in range(args.steps):
-        following = core.launch()
-        core.finish(launched)
-        done.append(time.perf_counter())
-        launched = following
+    launched = overlapped(core, core.launch(), args.steps, done)
     kernels = {}
     if profiled:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.steps):
-                following = core.launch()
-                core.finish(launched)
-                launched = following
+            launched = overlapped(core, launched, args.steps)
             torch.cuda.synchronize()
         kernels = {
             "kernel_ms_per_step": device_ms(prof, "") / args.steps,
@@ -203,8 +207,7 @@ def main() -> None:
     shape = SHAPES[args.shape]
     model_dir = args.model_dir or Path(tempfile.gettempdir()) / f"lorafleet-tp-{args.shape}"
     make_model(model_dir, shape, torch.device(args.device), weights=False)
-    one = measure_ceilings(torch.device(args.device))
-    torch.cuda.empty_cache() if args.device == "cuda" else None
+    one = measure_ceilings_subprocess(args.device)  # this process keeps off the GPUs
     results = {}
     for n in args.tensor_parallel:
         part = Path(tempfile.mkdtemp()) / f"tp{n}.json"
@@ -238,7 +241,7 @@ def table(args, shape, one: Ceilings, results: dict) -> list[dict]:
     head += "".join(f" {f'{n}/{first}':>6}" for n in sizes[1:])
     print(f"{'batch':>5} {'adapters':>8}{head}")
     out = []
-    kv_dtype = 2 if args.device == "cuda" else 4
+    dtype_bytes = 2 if args.device == "cuda" else 4
     for i, base in enumerate(results[first]["rows"]):
         b, n_adapters = base["batch"], base["adapters"]
         kv_read = b * (args.context + args.steps // 2 + 1)  # the middle timed step's context
@@ -248,7 +251,7 @@ def table(args, shape, one: Ceilings, results: dict) -> list[dict]:
         for n in sizes:
             got = results[n]["rows"][i]
             ceil = Ceilings(one.copy_bytes_per_s * n, one.matmul_flops_per_s * n)
-            roof = Roofline.for_shape(shape, ceil, dtype_bytes=kv_dtype)
+            roof = Roofline.for_shape(shape, ceil, dtype_bytes=dtype_bytes)
             bound = roof.step_bound_ms(b, kv_read, b, adapter_bytes=lora)
             got = {**got, "bound_ms": bound, "share": bound / got["tpot_ms"]}
             row["by_tp"][n] = got
