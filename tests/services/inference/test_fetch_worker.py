@@ -8,7 +8,10 @@ every test the arena is intact and holds no block that is not a cache entry: not
 from __future__ import annotations
 
 import asyncio
+import errno
+import mmap
 import os
+import resource
 import signal
 import socket
 
@@ -21,7 +24,7 @@ from services.inference.arena import ALIGN, HostArena
 from services.inference.engine.adapter_spec import AdapterSpec
 from services.inference.engine.api import AdapterKey
 from services.inference.errors import AdapterNotFound, StoreUnavailable
-from services.inference.fetch_worker import AdapterCheck
+from services.inference.fetch_worker import MEMORY_ENV, AdapterCheck, Populator, keep_freed_memory
 from services.inference.host_cache import HostCache, HostCacheFull
 from services.inference.store_client import StoreClient
 from store.peft import BaseModelMismatch, BaseModelShape
@@ -136,6 +139,65 @@ async def test_bytes_land_in_the_shared_arena(server):
         _no_leak(cache)
     finally:
         await client.close()
+
+
+async def test_bytes_land_with_glibcs_defaults_too(server, monkeypatch):
+    """The fetch worker as bench/fetch_burst.py runs it for comparison (MEMORY_ENV=default)."""
+    monkeypatch.setenv(MEMORY_ENV, "default")
+    script, address = server
+    script.steps = WHOLE
+    client, cache = _client(address)
+    try:
+        await _fetch_intact(client, cache)
+        _no_leak(cache)
+    finally:
+        await client.close()
+
+
+def test_freed_memory_is_kept_on_glibc():
+    assert keep_freed_memory()  # Linux with glibc, as the service's images and CI run
+
+
+def _faults_writing(view: memoryview) -> int:
+    """This thread's minor page faults while it writes every byte of ``view``."""
+    data = b"\x01" * len(view)  # written, so in memory, before the count starts
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    view[:] = data
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+
+def test_a_populated_block_takes_no_faults_as_it_is_written():
+    pages = 64
+    fd = os.memfd_create("test-arena")
+    try:
+        os.ftruncate(fd, pages * mmap.PAGESIZE)
+        mapping = mmap.mmap(fd, pages * mmap.PAGESIZE)
+    finally:
+        os.close(fd)
+    view = memoryview(mapping)
+    populate = Populator(mapping)
+    size = 20 * mmap.PAGESIZE
+    assert _faults_writing(view[0:size]) >= 20  # each page faulted in by its first write
+    offset = 30 * mmap.PAGESIZE + 100  # not page-aligned: the page it starts in is included
+    populate(offset, size)
+    assert populate.enabled and _faults_writing(view[offset : offset + size]) == 0
+    view.release()
+    mapping.close()
+
+
+def test_populate_gives_up_where_the_kernel_lacks_it():
+    class OldKernel:
+        calls = 0
+
+        def madvise(self, *args):
+            self.calls += 1
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+    mapping = OldKernel()
+    populate = Populator(mapping)  # type: ignore[arg-type]
+    populate(0, 4096)
+    populate(4096, 4096)
+    assert not populate.enabled and mapping.calls == 1
 
 
 async def test_fetches_beyond_the_slots_wait_in_order_and_may_leave(server):
