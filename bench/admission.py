@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,7 +37,7 @@ from bench.provenance import write_result  # noqa: E402
 from bench.serving import make_trace, parse_run  # noqa: E402
 from bench.serving_report import pct  # noqa: E402
 from bench.step_compare import load_runs  # noqa: E402
-from services.inference.engine.api import GenerationRequest  # noqa: E402
+from services.inference.engine.api import AdapterKey, GenerationRequest  # noqa: E402
 from services.inference.engine.config import EngineConfig  # noqa: E402
 from services.inference.engine.core import EngineCore  # noqa: E402
 from services.inference.engine.sampling_params import SamplingParams  # noqa: E402
@@ -87,15 +88,29 @@ class StepModel:
         return sum(c * v for c, v in zip(coef, x, strict=True))
 
 
-def simulate(model_dir: Path, run: str, reserve: bool, cost: StepModel, num_pages: int) -> dict:
-    """One trace through the engine's scheduler on the CPU, timed by ``cost``."""
+def simulate(
+    model_dir: Path,
+    run: str,
+    reserve: bool,
+    cost: Callable[[dict], float],
+    num_pages: int,
+    adapter_of: Callable[[int], AdapterKey | None] = lambda i: None,
+    setup: Callable[[EngineCore], None] = lambda core: None,
+    **engine: object,
+) -> dict:
+    """One trace through the engine's scheduler on the CPU, each step's time ``cost(record)``
+    ms. ``adapter_of``: the adapter of the trace's request i (default: the base model);
+    ``setup``: called with the engine before the trace (to add those adapters); ``engine``:
+    more EngineConfig fields."""
     rate, count, seconds = parse_run(run)
     cfg = EngineConfig(
         model_dir=model_dir, device="cpu", page_size=PAGE_SIZE, num_pages=num_pages,
         max_num_seqs=512, max_num_batched_tokens=2048, max_model_len=1100, max_queue=8192,
+        **engine,
     )  # fmt: skip
     core = EngineCore(cfg, None)
     core.scheduler.decode_reserve = reserve
+    setup(core)
     trace = make_trace(rate, count, seconds, seed=0)
     gen = torch.Generator().manual_seed(0)
     vocab = core.model_config.vocab_size
@@ -104,6 +119,7 @@ def simulate(model_dir: Path, run: str, reserve: bool, cost: StepModel, num_page
         ids = torch.randint(3, vocab, (r.prompt_len,), generator=gen).tolist()
         sampling = SamplingParams(max_new_tokens=r.output_len, ignore_eos=True)
         arrivals.append((r.arrival_s, GenerationRequest(f"r{i}", prompt_token_ids=ids,
+                                                        adapter=adapter_of(i),
                                                         sampling=sampling)))  # fmt: skip
     clock, k, steps = 0.0, 0, []
     first: dict[str, float] = {}
@@ -119,18 +135,23 @@ def simulate(model_dir: Path, run: str, reserve: bool, cost: StepModel, num_page
         outputs = core.step()
         record = core.step_log.recent[-1].public()
         steps.append(record)
-        clock += cost.ms(record) / 1e3
+        clock += cost(record) / 1e3
         for out in outputs:
             first.setdefault(out.request_id, clock)
             last = clock
     arrival = {f"r{i}": r.arrival_s for i, r in enumerate(trace)}
     ttft = [first[rid] - arrival[rid] for rid in first]
     prompts = sum(r.prompt_len for r in trace)
-    gpu_s = sum(cost.ms(s) for s in steps) / 1e3
+    gpu_s = sum(cost(s) for s in steps) / 1e3
+    fullest = sorted(steps, key=lambda s: s["kv_read"])[int(0.9 * (len(steps) - 1))]
     return {
         "run": run, "decode_reserve": reserve, "requests": len(trace), "steps": len(steps),
         "steps_with_prefill": sum(1 for s in steps if s["prefill_tokens"] > 0),
         "median_batch": statistics.median(s["seqs"] for s in steps),
+        # how full the steps got: the 90th percentile of context tokens read, and that step's
+        # sequences and adapters (bench/step_kinds.py's occupancy)
+        "kv_read_p90": fullest["kv_read"], "seqs_at_kv_p90": fullest["seqs"],
+        "adapters_at_kv_p90": fullest["adapters"],
         "preemptions": core.scheduler.preemptions,
         "recomputed_tokens": sum(s["prefill_tokens"] for s in steps) - prompts,
         "modeled_gpu_s": round(gpu_s, 3),
@@ -171,7 +192,7 @@ def main() -> None:
         model_dir = make_model(Path(tmp) / "model", preset="tiny-llama")
         for run in args.runs:
             for reserve in (False, True):
-                row = simulate(model_dir, run, reserve, cost, args.num_pages)
+                row = simulate(model_dir, run, reserve, cost.ms, args.num_pages)
                 print(row, flush=True)
                 rows.append(row)
     print(

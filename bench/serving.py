@@ -264,7 +264,8 @@ def parse_run(text: str) -> tuple[float, int | None, float | None]:
     return float(rate), None, float(amount)
 
 
-def write_result(args, ceilings, rows: list[dict], preload: dict | None = None) -> None:
+def write_result(args, ceilings, rows: list[dict], preload: dict | None = None,
+                 uploaded: dict | None = None) -> None:  # fmt: skip
     """The JSON so far (written after every run, so a failure keeps what was measured)."""
     from bench.adapter_load import machine
 
@@ -273,7 +274,7 @@ def write_result(args, ceilings, rows: list[dict], preload: dict | None = None) 
         "benchmark": "serving workload of DESIGN.md through the deployed gRPC services",
         "shape": args.shape, "workload": args.workload, "alpha": args.alpha, "seed": args.seed,
         "serve_flags": args.serve_flag, "tensor_parallel_size": args.tensor_parallel_size,
-        "random_weights": args.random_weights, "preload": preload,
+        "random_weights": args.random_weights, "upload": uploaded, "preload": preload,
         "ceilings": ceilings._asdict(),
         "machine": machine(),
         "command": "python bench/serving.py " + " ".join(sys.argv[1:]), "results": rows,
@@ -364,7 +365,13 @@ def main() -> None:
     rows = []
     try:
         wait_serving(f"127.0.0.1:{store_port}", store, 60)
+        start = time.monotonic()
         names = upload(f"127.0.0.1:{store_port}", shape, args.workload, max(args.adapters))
+        uploaded = {"adapters": len(names), "seconds": round(time.monotonic() - start, 1),
+                    "store_bytes": sum(f.stat().st_size for f in store_dir.rglob("*")
+                                       if f.is_file())}  # fmt: skip
+        log.info("uploaded %d adapters in %.1f s (%.1f GB in the store)", len(names),
+                 uploaded["seconds"], uploaded["store_bytes"] / 1e9)  # fmt: skip
         service = subprocess.Popen([
             sys.executable, "-m", "services.inference", "--model", str(model), "--port", str(port),
             "--adapter-store", f"127.0.0.1:{store_port}", "--device", args.device,
@@ -431,7 +438,7 @@ def main() -> None:
                         row["ttft_p50_added_s"] = row["ttft_p50_s"] - g["ttft_p50_s"]
                     rows.append(row)
                     print(table(rows[-1:]).splitlines()[1], flush=True)
-                    write_result(args, ceilings, rows, preload)
+                    write_result(args, ceilings, rows, preload, uploaded)
     finally:
         for p in (gateway, service, store):
             if p is not None and p.poll() is None:

@@ -50,8 +50,8 @@ def test_the_reserve_spares_a_small_pool_its_preemptions(tiny_models):
         s["gpu_ms"] = 1.0 + s["tokens"] * 0.01 + s["kv_read"] * 1e-4
     cost = StepModel(steps)
     model = tiny_models.model("tiny-llama")
-    off = simulate(model, "inf:30", False, cost, num_pages=200)
-    on = simulate(model, "inf:30", True, cost, num_pages=200)
+    off = simulate(model, "inf:30", False, cost.ms, num_pages=200)
+    on = simulate(model, "inf:30", True, cost.ms, num_pages=200)
     assert off["requests"] == on["requests"] == 30
     assert off["preemptions"] > on["preemptions"]
     assert off["recomputed_tokens"] > on["recomputed_tokens"] >= 0
