@@ -21,6 +21,8 @@ free page and the running sequences' growth then preempts the newest, to be reco
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import statistics
 import sys
 import tempfile
@@ -96,12 +98,15 @@ def simulate(
     num_pages: int,
     adapter_of: Callable[[int], AdapterKey | None] = lambda i: None,
     setup: Callable[[EngineCore], None] = lambda core: None,
+    compute: bool = True,
     **engine: object,
 ) -> dict:
     """One trace through the engine's scheduler on the CPU, each step's time ``cost(record)``
     ms. ``adapter_of``: the adapter of the trace's request i (default: the base model);
-    ``setup``: called with the engine before the trace (to add those adapters); ``engine``:
-    more EngineConfig fields."""
+    ``setup``: called with the engine before the trace (to add those adapters); ``compute``:
+    False skips the model's forward pass, every sampled token's logits zeros (what the
+    scheduler decides depends on tokens and pages, not on the tokens' values: every request
+    ignores EOS); ``engine``: more EngineConfig fields."""
     rate, count, seconds = parse_run(run)
     cfg = EngineConfig(
         model_dir=model_dir, device="cpu", page_size=PAGE_SIZE, num_pages=num_pages,
@@ -110,6 +115,10 @@ def simulate(
     )  # fmt: skip
     core = EngineCore(cfg, None)
     core.scheduler.decode_reserve = reserve
+    if not compute:
+        vocab_size = core.model_config.vocab_size
+        core.runner.execute = lambda entries: torch.zeros(sum(e.sample for e in entries),
+                                                          vocab_size)  # fmt: skip
     setup(core)
     trace = make_trace(rate, count, seconds, seed=0)
     gen = torch.Generator().manual_seed(0)
@@ -143,6 +152,7 @@ def simulate(
     ttft = [first[rid] - arrival[rid] for rid in first]
     prompts = sum(r.prompt_len for r in trace)
     gpu_s = sum(cost(s) for s in steps) / 1e3
+    fingerprint = [(s["seqs"], s["tokens"], s["kv_read"], s["adapters"]) for s in steps]
     fullest = sorted(steps, key=lambda s: s["kv_read"])[int(0.9 * (len(steps) - 1))]
     return {
         "run": run, "decode_reserve": reserve, "requests": len(trace), "steps": len(steps),
@@ -160,6 +170,9 @@ def simulate(
         "modeled_ttft_p99_s": round(pct(ttft, 99), 4),
         "modeled_last_end_after_last_arrival_s": round(last - max(arrival.values()), 3),
         "cpu_s": round(time.perf_counter() - start, 1),
+        # each step's sequences, tokens, context read and adapters, hashed: equal runs decided
+        # alike
+        "steps_hash": hashlib.sha256(json.dumps(fingerprint).encode()).hexdigest()[:16],
     }  # fmt: skip
 
 

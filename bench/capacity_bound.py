@@ -20,7 +20,11 @@ This bound counts both:
   (bench/admission.py's StepModel), plus the Llama-7B bytes of its distinct adapters at the copy
   bandwidth the serving run measured: LoRA kernels that cost exactly their bytes.
 - The base model's trace runs the same way. The ratio of the two modeled throughputs is the
-  bound; the same LoRA trace with its adapters' bytes free gives the pool's share of it alone.
+  bound, for LoRA kernels that run in turn with the base model's (as the engine's do). Two more
+  runs of the LoRA trace bound what overlapping could reach: with the bytes of steps with
+  prefill hidden (those steps' GEMMs are compute-bound; decode steps are memory-bound, so their
+  adapters' bytes add whatever runs beside them), and with every step's bytes free, which
+  leaves the pool pages' share alone.
 
 Figures are modeled, not measured; the modeled LoRA run's steps and fullest step compare with
 the serving run's (printed beside them).
@@ -106,6 +110,13 @@ def same_headers(files: dict[int, AdapterFiles]) -> dict[int, AdapterFiles]:
     return out
 
 
+# Which steps pay their adapters' bytes at the copy bandwidth: every step (LoRA kernels that
+# run in turn with the base model's, as the engine's do), decode steps only (the bytes of steps
+# with prefill hidden under their compute-bound GEMMs: what overlapping them could reach at
+# best), or none (the pool pages alone).
+BYTES_IN = ("every step", "decode steps", "no step")
+
+
 class Bound:
     """The trace on the tiny model with stand-ins for ``real``'s adapters of ``workload``."""
 
@@ -146,9 +157,11 @@ class Bound:
         """The real adapters' weight bytes of a step record of the stand-ins."""
         return (record["adapter_bytes"] - record["adapters"] * self.header) * self.scale
 
-    def run(self, n: int, bytes_cost: bool = True) -> dict:
+    def run(self, n: int, bytes_in: str = "every step") -> dict:
         """The trace with n adapters (0: the base model), each step at the base model's cost
-        plus (``bytes_cost``) its adapters' real bytes at the copy bandwidth."""
+        plus its adapters' real bytes at the copy bandwidth in ``bytes_in`` (BYTES_IN)."""
+        if bytes_in not in BYTES_IN:
+            raise ValueError(f"bytes_in must be one of {BYTES_IN}, got {bytes_in!r}")
 
         def setup(core) -> None:
             for i in range(n):
@@ -161,7 +174,10 @@ class Bound:
                     raise AssertionError(f"rank {r}'s stand-in counts other bytes")
 
         def step_ms(record: dict) -> float:
-            extra = self.real_bytes(record) / self.copy_bw * 1e3 if bytes_cost else 0.0
+            paid = bytes_in == "every step" or (
+                bytes_in == "decode steps" and record["prefill_tokens"] == 0
+            )
+            extra = self.real_bytes(record) / self.copy_bw * 1e3 if paid else 0.0
             return self.cost(record) + extra
 
         # each request's adapter as bench/serving.py draws it (its trace, its seed 0)
@@ -170,7 +186,8 @@ class Bound:
         return simulate(
             self.model_dir, self.trace_run, True, step_ms, self.pool_pages,
             adapter_of=lambda i: None if picks[i] is None else AdapterKey(f"a{picks[i]}", 1),
-            setup=setup, max_loras=self.pool_pages,  # the H200 service's: a row per page
+            setup=setup, compute=False,
+            max_loras=self.pool_pages,  # the H200 service's: a row per page
         )  # fmt: skip
 
     def rows(self, ns: list[int]) -> tuple[dict, list[dict]]:
@@ -180,16 +197,21 @@ class Bound:
               f"{base['steps']} steps, fullest {base['kv_read_p90']} context tokens",
               flush=True)  # fmt: skip
         rows = []
+        tps = base["modeled_output_tokens_per_s"]
         for n in ns:
-            lora, pages_only = self.run(n), self.run(n, bytes_cost=False)
-            tps = base["modeled_output_tokens_per_s"]
+            runs = {where: self.run(n, where) for where in BYTES_IN}
+            lora = runs["every step"]
             rows.append({
-                "adapters": n, "lora": lora, "lora_bytes_free": pages_only,
+                "adapters": n, "runs": runs,
                 "bound": round(lora["modeled_output_tokens_per_s"] / tps, 4),
-                "pages_alone": round(pages_only["modeled_output_tokens_per_s"] / tps, 4),
+                "bound_hidden_in_prefill": round(
+                    runs["decode steps"]["modeled_output_tokens_per_s"] / tps, 4),
+                "pages_alone": round(runs["no step"]["modeled_output_tokens_per_s"] / tps, 4),
             })  # fmt: skip
-            print(f"n = {n}: bound {rows[-1]['bound']:.3f}, the pages alone "
-                  f"{rows[-1]['pages_alone']:.3f}; {lora['steps']} steps, fullest "
+            r = rows[-1]
+            print(f"n = {n}: bound {r['bound']:.3f} ({r['bound_hidden_in_prefill']:.3f} with "
+                  f"the bytes hidden in steps with prefill), the pages alone "
+                  f"{r['pages_alone']:.3f}; {lora['steps']} steps, fullest "
                   f"{lora['kv_read_p90']} context tokens", flush=True)  # fmt: skip
         return base, rows
 
@@ -234,19 +256,22 @@ def main() -> None:
         if got is not None and steps is not None:
             row["measured"] = {"vs_base": got.get("vs_base"), "steps": len(steps),
                                "kv_read_p90": p90_kv(steps)}  # fmt: skip
-    print(f"\n{'n':>5} {'bound':>6} {'pages':>6} {'measured':>8}  steps (modeled, measured; "
-          f"base {base['steps']}, {real['base']['steps']}); fullest step's context tokens "
-          f"(base {base['kv_read_p90']}, {real['base']['kv_read_p90']})")  # fmt: skip
+    print(f"\n{'n':>5} {'bound':>6} {'hidden':>6} {'pages':>6} {'measured':>8}  steps (modeled, "
+          f"measured; base {base['steps']}, {real['base']['steps']}); fullest step's context "
+          f"tokens (base {base['kv_read_p90']}, {real['base']['kv_read_p90']})")  # fmt: skip
     for row in rows:
         m = row.get("measured") or {}
         print(
-            f"{row['adapters']:>5} {row['bound']:>6.3f} {row['pages_alone']:>6.3f} "
-            f"{m.get('vs_base') or float('nan'):>8.3f}  {row['lora']['steps']}, "
-            f"{m.get('steps', '-')}; {row['lora']['kv_read_p90']}, {m.get('kv_read_p90', '-')}"
+            f"{row['adapters']:>5} {row['bound']:>6.3f} {row['bound_hidden_in_prefill']:>6.3f} "
+            f"{row['pages_alone']:>6.3f} "
+            f"{m.get('vs_base') or float('nan'):>8.3f}  {row['runs']['every step']['steps']}, "
+            f"{m.get('steps', '-')}; {row['runs']['every step']['kv_read_p90']}, "
+            f"{m.get('kv_read_p90', '-')}"
         )
     print(
-        "(bound: modeled LoRA / base throughput with the adapters' pages and bytes; pages: "
-        "with their pages only)"
+        "(bound: modeled LoRA / base throughput with the adapters' pages and bytes; hidden: "
+        "with the bytes of steps with prefill hidden under their GEMMs; pages: with their "
+        "pages only)"
     )
     write_result(args.out, "capacity_bound.py", {
         "benchmark": "a throughput bound for n adapters that counts the pool pages the running "

@@ -56,3 +56,18 @@ def test_the_reserve_spares_a_small_pool_its_preemptions(tiny_models):
     assert off["preemptions"] > on["preemptions"]
     assert off["recomputed_tokens"] > on["recomputed_tokens"] >= 0
     assert on["modeled_gpu_s"] > 0 and on["modeled_ttft_p99_s"] >= on["modeled_ttft_p50_s"]
+
+
+def test_without_the_forward_pass_the_scheduler_decides_alike(tiny_models):
+    """The trace's steps (sequences, tokens, context read, adapters) are the same whether the
+    model runs or every logit is zero: requests ignore EOS, so tokens' values decide nothing."""
+    steps = [_step(8, 8, 0, 1000 * k) for k in range(1, 5)]
+    steps += [_step(8, 100 * k, 90 * k, 1000 * k, 500 * k) for k in range(1, 6)]
+    for s in steps:
+        s["gpu_ms"] = 1.0 + s["tokens"] * 0.01 + s["kv_read"] * 1e-4
+    cost = StepModel(steps)
+    model = tiny_models.model("tiny-llama")
+    run = simulate(model, "inf:12", True, cost.ms, num_pages=200)
+    skip = simulate(model, "inf:12", True, cost.ms, num_pages=200, compute=False)
+    assert run["steps"] == skip["steps"] > 12 and run["steps_hash"] == skip["steps_hash"]
+    assert run["modeled_gpu_s"] == skip["modeled_gpu_s"]
