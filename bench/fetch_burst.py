@@ -14,9 +14,12 @@ adapter at once, in order, and records when each lands. Prints a table and write
 With --worker-memory default tuned each burst runs twice, side by side: with glibc's defaults in
 the fetch worker and as the service runs it (fetch_worker.py: freed buffers kept, blocks
 populated before they are written); each burst starts a fresh worker, so every burst's writes
-are its mapping's first, as the service's first fill of its host cache is.
+are its mapping's first, as the service's first fill of its host cache is. With --preload N...
+the service's preloader (host cache only) also takes every adapter, as the store's watch would
+name them, N at a time (preload.PRELOAD_STREAMS is the service's), after each repeat's bursts.
 
-    python bench/fetch_burst.py [--adapters 256] [--slots 0 4 8 16 32 64] [--repeats 2]
+    python bench/fetch_burst.py [--adapters 256] [--slots 0 4 8 16 32 64] [--repeats 2] \
+        [--worker-memory default tuned] [--preload 1 4]
 
 The store's peak resident memory is a high-water mark: put the slot counts to compare in
 ascending order of their expected peak (e.g. --slots 8 16 0 --repeats 1) to read each one's.

@@ -308,7 +308,7 @@ _HELP = {
     "first come first served, so a burst of cold adapters arrives one after another rather "
     "than all at the end",
     "preload_adapters": "pool (default): fetch the store's adapters (each one's latest "
-    "version) into the host cache's free room ahead of their first request, one at a time while "
+    "version) into the host cache's free room ahead of their first request, four at a time while "
     "no request's fetch runs, evicting nothing, and copy each into the page pool while half of "
     "its pages stay free; host: the host cache only; off: fetch an adapter when a request wants "
     "it",
