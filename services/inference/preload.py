@@ -87,7 +87,9 @@ class Preloader:
         # adapter id -> its latest version the watch named and that version's bytes
         self._latest: dict[str, tuple[int, int]] = {}
         # adapters whose latest version is not preloaded yet, in the order the watch named them
+        # (those put back after a preload that did not land first)
         self._pending: OrderedDict[str, None] = OrderedDict()
+        self._returned: dict[str, int] = {}  # put back at the front -> the order started
         self._wake = asyncio.Event()
         self.preloaded = 0  # landed in the cache
         self.failed = 0  # skipped after a store error
@@ -111,6 +113,7 @@ class Preloader:
         elif not event.created and event.version == latest:
             del self._latest[event.adapter_id]
             self._pending.pop(event.adapter_id, None)
+            self._returned.pop(event.adapter_id, None)
 
     async def run(self) -> None:
         """Preloads until cancelled."""
@@ -140,6 +143,7 @@ class Preloader:
                 and not self._store.demand_fetches  # requests' fetches first
             ):
                 adapter_id = self._pending.popitem(last=False)[0]
+                self._returned.pop(adapter_id, None)
                 version, nbytes = self._latest[adapter_id]
                 key = AdapterKey(adapter_id, version)
                 if key in self._cache:
@@ -180,12 +184,19 @@ class Preloader:
                         "host cache (%d adapters named by the store wait for room)",
                         key, nbytes, len(self._pending) + len(back),
                     )  # fmt: skip
-            for _, key, _ in sorted(back, reverse=True):  # in the order they were started
-                if self._is_latest(key) and key.adapter_id not in self._pending:
-                    self._pending[key.adapter_id] = None
-                    self._pending.move_to_end(key.adapter_id, last=False)
+            self._put_back(back)
             await self._place_unplaced()
         await self._place_unplaced()
+
+    def _put_back(self, back: list[tuple[int, AdapterKey, int]]) -> None:
+        """Preloads that did not land go back to the queue's front, with those put back before
+        them, in the order they were started: the next pass starts them first."""
+        for started, key, _ in back:
+            if self._is_latest(key) and key.adapter_id not in self._pending:
+                self._pending[key.adapter_id] = None
+                self._returned[key.adapter_id] = started
+        for adapter_id in sorted(self._returned, key=self._returned.__getitem__, reverse=True):
+            self._pending.move_to_end(adapter_id, last=False)
 
     def _unplaced_add(self, key: AdapterKey) -> None:
         """A version now in the host cache: queued to be placed in the pool (with ``place``)."""

@@ -107,6 +107,22 @@ async def test_preloads_stream_a_few_at_once_and_stop_at_the_first_without_room(
         await client.close()
 
 
+def test_preloads_put_back_keep_the_order_they_were_started_in():
+    """Preloads that did not land, in two passes of the loop (the second's started first):
+    back at the queue's front in the order started, ahead of those never started."""
+    preloader = Preloader(store=None, cache=None)  # type: ignore[arg-type]
+    for name in ("a", "b", "c", "d", "e"):
+        preloader.on_event(AdapterEvent(True, name, 1, len(BODY)))
+    for _ in range(3):  # a, b and c start, as _preload_pending starts them
+        preloader._returned.pop(preloader._pending.popitem(last=False)[0], None)
+    preloader._put_back([(3, AdapterKey("c", 1), len(BODY))])
+    preloader._put_back([(1, AdapterKey("a", 1), len(BODY))])
+    assert list(preloader._pending) == ["a", "c", "d", "e"]
+    preloader.on_event(AdapterEvent(False, "c", 1, len(BODY)))  # deleted meanwhile
+    preloader._put_back([(2, AdapterKey("b", 1), len(BODY))])
+    assert list(preloader._pending) == ["a", "b", "d", "e"]
+
+
 def _stats(stack) -> pb.GetStatsResponse:
     return stack.stub.GetStats(pb.GetStatsRequest(), timeout=10)
 
