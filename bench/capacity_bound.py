@@ -226,6 +226,9 @@ def main() -> None:
     ap.add_argument("--run", default="inf:1000", help="the trace (bench/serving.py's --runs)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-7b")
     ap.add_argument("--alpha", type=float, default=1.0, help="popularity power law")
+    ap.add_argument("--pool-pages", type=int, default=None,
+                    help="the pool's pages (default: the serving run's): what a larger or "
+                    "smaller pool would allow")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/capacity_bound.json")
     args = ap.parse_args()
     steps_path = args.serving.with_name(args.serving.stem + "_steps.jsonl.gz")
@@ -236,8 +239,9 @@ def main() -> None:
     cost = StepModel(base_steps)
     copy_bw = serving["ceilings"]["copy_bytes_per_s"]
     pool_pages = max(r.get("device_memory", {}).get("pool_pages") or 0 for r in serving["results"])
+    pool_pages = args.pool_pages or pool_pages
     if not pool_pages:
-        ap.error(f"{args.serving} does not report the pool's pages (device_memory)")
+        ap.error(f"{args.serving} does not report the pool's pages (device_memory): --pool-pages")
     measured = {(r["run"], r["adapters"]): r for r in serving["results"] if r.get("pass", 1) == 1}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(Path(tmp) / "model", preset=TINY)
