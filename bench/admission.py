@@ -60,6 +60,18 @@ def saturating_base(runs: dict[tuple, list[dict]]) -> list[dict] | None:
     return None
 
 
+def fit_to(serving: Path) -> tuple[dict, dict[tuple, list[dict]], list[dict], StepModel]:
+    """A serving run's JSON, its runs' steps (its step log beside it, NAME_steps.jsonl.gz),
+    the base model's steps of its trace of requests all at once, and the StepModel fit to
+    them. Raises ValueError when it has no such trace."""
+    result, runs = load_runs(serving, serving.with_name(serving.stem + "_steps.jsonl.gz"))
+    base = saturating_base(runs)
+    if base is None:
+        raise ValueError(f"{serving} has no base-model run of requests all at once (inf:N, "
+                         "pass 1)")  # fmt: skip
+    return result, runs, base, StepModel(base)
+
+
 class StepModel:
     """Modeled GPU ms of a step record, fit to a serving run's steps."""
 
@@ -188,12 +200,10 @@ def main() -> None:
                          "(NAME_steps.jsonl.gz)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/admission.json")
     args = ap.parse_args()
-    steps_path = args.serving.with_name(args.serving.stem + "_steps.jsonl.gz")
-    _, runs = load_runs(args.serving, steps_path)
-    base = saturating_base(runs)
-    if base is None:
-        ap.error(f"{args.serving} has no base-model run of requests all at once (inf:N, pass 1)")
-    cost = StepModel(base)
+    try:
+        _, _, base, cost = fit_to(args.serving)
+    except ValueError as exc:
+        ap.error(str(exc))
     real = sum(s["gpu_ms"] for s in base) / 1e3
     modeled = sum(cost.ms(s) for s in base) / 1e3
     print(

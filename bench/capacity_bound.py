@@ -45,11 +45,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.admission import StepModel, saturating_base, simulate  # noqa: E402
+from bench.admission import fit_to, simulate  # noqa: E402
 from bench.bench_models import SHAPES  # noqa: E402
 from bench.provenance import write_result  # noqa: E402
 from bench.serving import WORKLOADS, make_trace, parse_run, with_adapters  # noqa: E402
-from bench.step_compare import load_runs  # noqa: E402
 from kernels.lora_layout import MODULES, plan_adapter  # noqa: E402
 from services.inference.engine.api import AdapterKey  # noqa: E402
 from services.inference.engine.page_pool import pages_needed  # noqa: E402
@@ -231,12 +230,10 @@ def main() -> None:
                     "smaller pool would allow")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/capacity_bound.json")
     args = ap.parse_args()
-    steps_path = args.serving.with_name(args.serving.stem + "_steps.jsonl.gz")
-    serving, runs = load_runs(args.serving, steps_path)
-    base_steps = saturating_base(runs)
-    if base_steps is None:
-        ap.error(f"{args.serving} has no base-model run of requests all at once (inf:N, pass 1)")
-    cost = StepModel(base_steps)
+    try:
+        serving, runs, base_steps, cost = fit_to(args.serving)
+    except ValueError as exc:
+        ap.error(str(exc))
     copy_bw = serving["ceilings"]["copy_bytes_per_s"]
     pool_pages = max(r.get("device_memory", {}).get("pool_pages") or 0 for r in serving["results"])
     pool_pages = args.pool_pages or pool_pages

@@ -41,14 +41,19 @@ def test_step_model_recovers_a_linear_cost():
     assert cost.ms(_step(200, 200, 0, 50_000)) == pytest.approx(4.0 + 5.0 + 5.0)
 
 
-def test_the_reserve_spares_a_small_pool_its_preemptions(tiny_models):
-    """Thirty requests at once on a pool of 200 pages: every request completes either way; with
-    the scheduler's decode reserve fewer are preempted and fewer tokens recomputed."""
+def _small_cost() -> StepModel:
+    """A fit to a few small steps of a known linear cost."""
     steps = [_step(8, 8, 0, 1000 * k) for k in range(1, 5)]
     steps += [_step(8, 100 * k, 90 * k, 1000 * k, 500 * k) for k in range(1, 6)]
     for s in steps:
         s["gpu_ms"] = 1.0 + s["tokens"] * 0.01 + s["kv_read"] * 1e-4
-    cost = StepModel(steps)
+    return StepModel(steps)
+
+
+def test_the_reserve_spares_a_small_pool_its_preemptions(tiny_models):
+    """Thirty requests at once on a pool of 200 pages: every request completes either way; with
+    the scheduler's decode reserve fewer are preempted and fewer tokens recomputed."""
+    cost = _small_cost()
     model = tiny_models.model("tiny-llama")
     off = simulate(model, "inf:30", False, cost.ms, num_pages=200)
     on = simulate(model, "inf:30", True, cost.ms, num_pages=200)
@@ -61,11 +66,7 @@ def test_the_reserve_spares_a_small_pool_its_preemptions(tiny_models):
 def test_without_the_forward_pass_the_scheduler_decides_alike(tiny_models):
     """The trace's steps (sequences, tokens, context read, adapters) are the same whether the
     model runs or every logit is zero: requests ignore EOS, so tokens' values decide nothing."""
-    steps = [_step(8, 8, 0, 1000 * k) for k in range(1, 5)]
-    steps += [_step(8, 100 * k, 90 * k, 1000 * k, 500 * k) for k in range(1, 6)]
-    for s in steps:
-        s["gpu_ms"] = 1.0 + s["tokens"] * 0.01 + s["kv_read"] * 1e-4
-    cost = StepModel(steps)
+    cost = _small_cost()
     model = tiny_models.model("tiny-llama")
     run = simulate(model, "inf:12", True, cost.ms, num_pages=200)
     skip = simulate(model, "inf:12", True, cost.ms, num_pages=200, compute=False)
