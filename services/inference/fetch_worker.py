@@ -31,7 +31,7 @@ bench/fetch_burst.py, which compares them with glibc's defaults):
   gives the top of a heap back to the kernel once more than twice the last large block is
   free, which several 4 MiB messages in flight keep doing, and every page it gave back comes
   back as a page fault that zeroes it: 70,000-120,000 faults a GB received on 2 cores.
-- Each block is populated in one call before its first chunk lands (``populate``): the page
+- Each block is populated in one call before its first chunk lands (``Populator``): the page
   faults of this process's first writes into its mapping of the arena cost more than the copy.
 """
 
@@ -90,20 +90,29 @@ def keep_freed_memory() -> bool:
 
 class Populator:
     """Faults a block of the arena in for writing before the stream fills it, in one madvise
-    call, where that call exists (once it fails, it is not tried again)."""
+    call, where that call exists (once it fails, it is not tried again). The call goes through
+    ctypes, which lets go of the GIL meanwhile: a block of a rank-64 adapter takes milliseconds,
+    in which the other fetches' threads go on."""
 
-    def __init__(self, mapping: mmap.mmap, enabled: bool = True) -> None:
-        self._mapping = mapping
-        self.enabled = enabled and hasattr(mapping, "madvise")
+    def __init__(self, address: int, madvise: Callable[..., int] | None = None) -> None:
+        """``address``: where this process maps the arena; ``madvise``: libc's (the default)."""
+        self._address = address
+        if madvise is None:
+            try:
+                madvise = ctypes.CDLL(None, use_errno=True).madvise
+                madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                madvise.restype = ctypes.c_int
+            except (OSError, AttributeError):
+                madvise = None
+        self._madvise = madvise
+        self.enabled = madvise is not None
 
     def __call__(self, offset: int, size: int) -> None:
         if not self.enabled or size <= 0:
             return
         start = offset - offset % mmap.PAGESIZE
-        try:
-            self._mapping.madvise(MADV_POPULATE_WRITE, start, offset + size - start)
-        except OSError:  # an older kernel: the writes fault the pages in as they come
-            self.enabled = False
+        if self._madvise(self._address + start, offset + size - start, MADV_POPULATE_WRITE):
+            self.enabled = False  # an older kernel: the writes fault the pages in as they come
 
 
 class AdapterCheck(NamedTuple):
@@ -137,7 +146,7 @@ class _Worker:
         access: StoreAccess,
         arena: np.ndarray,
         conn: Connection,
-        populate: Callable[[int, int], None] = lambda offset, size: None,
+        populate: Callable[[int, int], None] | None = None,
     ) -> None:
         self.arena = arena
         self.conn = conn
@@ -229,7 +238,8 @@ class _Worker:
                 if size != msg.info.size_bytes or offset + size > len(self.arena):
                     raise _ProtocolError(f"block ({offset}, {size}) does not fit the adapter")
                 view = self.arena[offset : offset + size]
-                self.populate(offset, size)
+                if self.populate is not None:
+                    self.populate(offset, size)
                 continue
             if view is None:
                 raise _ProtocolError("the store sent bytes before AdapterInfo")
@@ -261,13 +271,14 @@ def main(argv: list[str]) -> int:
     )
     conn_fd, arena_fd, size = int(argv[0]), int(argv[1]), int(argv[2])
     access = StoreAccess.decode(argv[3])
-    tuned = os.environ.get(MEMORY_ENV, "tuned") != "default"
-    if tuned:
-        keep_freed_memory()
     mapping = mmap.mmap(arena_fd, size)
     os.close(arena_fd)
     arena = np.frombuffer(mapping, dtype=np.uint8)
-    _Worker(access, arena, Connection(conn_fd), Populator(mapping, tuned)).serve()
+    populate = None
+    if os.environ.get(MEMORY_ENV, "tuned") != "default":
+        keep_freed_memory()
+        populate = Populator(arena.ctypes.data)
+    _Worker(access, arena, Connection(conn_fd), populate).serve()
     return 0
 
 

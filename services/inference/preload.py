@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 IDLE_RECHECK_S = 2.0  # how often a preloader that found no room looks again
 # Preloads streaming at once. One at a time the fetch path idles between adapters: on the H200
-# host the preloader moved 0.5 GB/s alone against the 1.05 GB/s of four streams at once
+# host the preloader moved 0.5 GB/s, where bursts four at a time moved 1.04-1.05 GB/s
 # (bench/fetch_burst.py). A request's fetch that comes meanwhile shares the path with at most
 # this many preloads' remaining bytes.
 PRELOAD_STREAMS = 4

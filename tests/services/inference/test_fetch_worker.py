@@ -8,7 +8,6 @@ every test the arena is intact and holds no block that is not a cache entry: not
 from __future__ import annotations
 
 import asyncio
-import errno
 import mmap
 import os
 import resource
@@ -16,6 +15,7 @@ import signal
 import socket
 
 import grpc
+import numpy as np
 import pytest
 
 from lorafleet.v1 import adapter_store_pb2 as pb
@@ -174,30 +174,31 @@ def test_a_populated_block_takes_no_faults_as_it_is_written():
         mapping = mmap.mmap(fd, pages * mmap.PAGESIZE)
     finally:
         os.close(fd)
+    arena = np.frombuffer(mapping, dtype=np.uint8)
     view = memoryview(mapping)
-    populate = Populator(mapping)
+    populate = Populator(arena.ctypes.data)
     size = 20 * mmap.PAGESIZE
     assert _faults_writing(view[0:size]) >= 20  # each page faulted in by its first write
     offset = 30 * mmap.PAGESIZE + 100  # not page-aligned: the page it starts in is included
     populate(offset, size)
     assert populate.enabled and _faults_writing(view[offset : offset + size]) == 0
+    assert bytes(arena[offset : offset + size]) == b"\x01" * size
     view.release()
+    del arena
     mapping.close()
 
 
 def test_populate_gives_up_where_the_kernel_lacks_it():
-    class OldKernel:
-        calls = 0
+    calls = []
 
-        def madvise(self, *args):
-            self.calls += 1
-            raise OSError(errno.EINVAL, "Invalid argument")
+    def old_kernel(address, length, advice):
+        calls.append((address, length, advice))
+        return -1  # EINVAL
 
-    mapping = OldKernel()
-    populate = Populator(mapping)  # type: ignore[arg-type]
-    populate(0, 4096)
+    populate = Populator(4096 * 1000, madvise=old_kernel)
+    populate(100, 4096)
     populate(4096, 4096)
-    assert not populate.enabled and mapping.calls == 1
+    assert not populate.enabled and calls == [(4096 * 1000, 4196, 23)]
 
 
 async def test_fetches_beyond_the_slots_wait_in_order_and_may_leave(server):
