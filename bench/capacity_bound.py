@@ -225,9 +225,9 @@ def main() -> None:
     ap.add_argument("--run", default="inf:1000", help="the trace (bench/serving.py's --runs)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-7b")
     ap.add_argument("--alpha", type=float, default=1.0, help="popularity power law")
-    ap.add_argument("--pool-pages", type=int, default=None,
-                    help="the pool's pages (default: the serving run's): what a larger or "
-                    "smaller pool would allow")  # fmt: skip
+    ap.add_argument("--pool-pages", type=int, nargs="+", default=None,
+                    help="the pool's pages (default: the serving run's); several: each in "
+                    "turn, what a larger or smaller pool would allow")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/capacity_bound.json")
     args = ap.parse_args()
     try:
@@ -235,38 +235,44 @@ def main() -> None:
     except ValueError as exc:
         ap.error(str(exc))
     copy_bw = serving["ceilings"]["copy_bytes_per_s"]
-    pool_pages = max(r.get("device_memory", {}).get("pool_pages") or 0 for r in serving["results"])
-    pool_pages = args.pool_pages or pool_pages
-    if not pool_pages:
+    served = max(r.get("device_memory", {}).get("pool_pages") or 0 for r in serving["results"])
+    pools = args.pool_pages or [served]
+    if not all(pools):
         ap.error(f"{args.serving} does not report the pool's pages (device_memory): --pool-pages")
     measured = {(r["run"], r["adapters"]): r for r in serving["results"] if r.get("pass", 1) == 1}
+    real = {"base": {"steps": len(base_steps), "kv_read_p90": p90_kv(base_steps)}}
+    bases, rows = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(Path(tmp) / "model", preset=TINY)
-        bound = Bound(model_dir, SHAPES[args.shape].base(), args.workload, cost.ms, copy_bw,
-                      pool_pages, args.run, args.alpha)  # fmt: skip
-        print(f"{args.shape} adapters (rank: pool pages, MB; the stand-in's rank): "
-              + ", ".join(f"{r}: {p}, {b / 1e6:.1f}; {t}"
-                          for r, (p, b, t) in bound.stand_in.items()), flush=True)  # fmt: skip
-        base, rows = bound.rows(args.adapters)
-    real = {"base": {"steps": len(base_steps), "kv_read_p90": p90_kv(base_steps)}}
+        for pool_pages in pools:
+            bound = Bound(model_dir, SHAPES[args.shape].base(), args.workload, cost.ms, copy_bw,
+                          pool_pages, args.run, args.alpha)  # fmt: skip
+            if not rows:
+                print(f"{args.shape} adapters (rank: pool pages, MB; the stand-in's rank): "
+                      + ", ".join(f"{r}: {p}, {b / 1e6:.1f}; {t}"
+                                  for r, (p, b, t) in bound.stand_in.items()),
+                      flush=True)  # fmt: skip
+            print(f"a pool of {pool_pages} pages", flush=True)
+            bases[pool_pages], pool_rows = bound.rows(args.adapters)
+            for row in pool_rows:
+                row["pool_pages"] = pool_pages
+                got = measured.get((args.run, row["adapters"]))
+                steps = runs.get((args.run, row["adapters"], 1))
+                if got is not None and steps is not None and pool_pages == served:
+                    row["measured"] = {"vs_base": got.get("vs_base"), "steps": len(steps),
+                                       "kv_read_p90": p90_kv(steps)}  # fmt: skip
+            rows += pool_rows
+    print(f"\n{'pages':>6} {'n':>5} {'bound':>6} {'hidden':>6} {'pages':>6} {'measured':>8}  "
+          f"steps (modeled, measured; base {real['base']['steps']} measured); fullest step's "
+          f"context tokens (base {real['base']['kv_read_p90']} measured)")  # fmt: skip
     for row in rows:
-        got, steps = (
-            measured.get((args.run, row["adapters"])),
-            runs.get((args.run, row["adapters"], 1)),
-        )
-        if got is not None and steps is not None:
-            row["measured"] = {"vs_base": got.get("vs_base"), "steps": len(steps),
-                               "kv_read_p90": p90_kv(steps)}  # fmt: skip
-    print(f"\n{'n':>5} {'bound':>6} {'hidden':>6} {'pages':>6} {'measured':>8}  steps (modeled, "
-          f"measured; base {base['steps']}, {real['base']['steps']}); fullest step's context "
-          f"tokens (base {base['kv_read_p90']}, {real['base']['kv_read_p90']})")  # fmt: skip
-    for row in rows:
-        m = row.get("measured") or {}
+        m, lora = row.get("measured") or {}, row["runs"]["every step"]
+        base = bases[row["pool_pages"]]
         print(
-            f"{row['adapters']:>5} {row['bound']:>6.3f} {row['bound_hidden_in_prefill']:>6.3f} "
-            f"{row['pages_alone']:>6.3f} "
-            f"{m.get('vs_base') or float('nan'):>8.3f}  {row['runs']['every step']['steps']}, "
-            f"{m.get('steps', '-')}; {row['runs']['every step']['kv_read_p90']}, "
+            f"{row['pool_pages']:>6} {row['adapters']:>5} {row['bound']:>6.3f} "
+            f"{row['bound_hidden_in_prefill']:>6.3f} {row['pages_alone']:>6.3f} "
+            f"{m.get('vs_base') or float('nan'):>8.3f}  {lora['steps']} (base {base['steps']}), "
+            f"{m.get('steps', '-')}; {lora['kv_read_p90']} (base {base['kv_read_p90']}), "
             f"{m.get('kv_read_p90', '-')}"
         )
     print(
@@ -282,9 +288,9 @@ def main() -> None:
         "serving_run": str(args.serving.relative_to(REPO)) if args.serving.is_relative_to(REPO)
         else str(args.serving),
         "workload": args.workload, "shape": args.shape, "run": args.run,
-        "pool_pages": pool_pages, "copy_bytes_per_s": copy_bw,
+        "served_pool_pages": served, "copy_bytes_per_s": copy_bw,
         "cost_model": {"decode": cost.decode, "mixed": cost.mixed},
-        "base": base, "measured": real, "rows": rows,
+        "base_by_pool_pages": bases, "measured": real, "rows": rows,
     })  # fmt: skip
 
 
