@@ -308,10 +308,10 @@ _HELP = {
     "first come first served, so a burst of cold adapters arrives one after another rather "
     "than all at the end",
     "preload_adapters": "pool (default): fetch the store's adapters (each one's latest "
-    "version) into the host cache's free room ahead of their first request, four at a time while "
-    "no request's fetch runs, evicting nothing, and copy each into the page pool while half of "
-    "its pages stay free; host: the host cache only; off: fetch an adapter when a request wants "
-    "it",
+    "version) into the host cache's free room ahead of their first request, up to four at a "
+    "time (128 MiB between them) while no request's fetch runs, evicting nothing, and copy each "
+    "into the page pool while half of its pages stay free; host: the host cache only; off: "
+    "fetch an adapter when a request wants it",
     "shutdown_grace_s": "seconds in-flight streams may finish after SIGTERM (default 5)",
     "log_level": "DEBUG, INFO, WARNING or ERROR (also LORAFLEET_LOG_LEVEL)",
     "engine": "where the engine's step loop runs: 'process' (default: its own process, so no "

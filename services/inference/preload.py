@@ -6,15 +6,16 @@ rank-8 Llama-7B adapter alone, seconds in a burst of cold adapters); one whose b
 host cache waits for the copy into the page pool (a step or two of the engine's loop); one whose
 adapter is in the pool waits for nothing. The service follows the store's watch anyway
 (store_client.py), which names every adapter's latest version and size; the preloader
-fetches those versions, PRELOAD_STREAMS at a time, into the host cache while it has free room,
-as S-LoRA keeps every adapter in host memory, and (``place``, --preload-adapters pool) then
-copies each into the page pool while at least engine.PRELOAD_FREE_SHARE of its pages stay
-free, as S-LoRA's unified pool keeps adapters resident in pages the KV cache does not need (the
-engine evicts an idle one when KV needs its pages). It never takes room from a request:
+fetches those versions, up to PRELOAD_STREAMS at a time (PRELOAD_BYTES between them), into
+the host cache while it has free room, as S-LoRA keeps every adapter in host memory, and
+(``place``, --preload-adapters pool) then copies each into the page pool while at least
+engine.PRELOAD_FREE_SHARE of its pages stay free, as S-LoRA's unified pool keeps adapters
+resident in pages the KV cache does not need (the engine evicts an idle one when KV needs its
+pages). It never takes room from a request:
 
 - it starts a preload only while no request's fetch is in flight, so it does not share the
   store's or the fetch worker's bandwidth with one (those it started may run beside a request's
-  that came later: at most PRELOAD_STREAMS adapters' transfers);
+  that came later: at most PRELOAD_STREAMS adapters' transfers, PRELOAD_BYTES between them);
 - a preload takes free room only, never evicts, and never takes room fetches wait for; the
   cache lists a preloaded adapter least recently used, so that room for a request's fetch is
   made from preloaded adapters first;
@@ -48,9 +49,12 @@ log = logging.getLogger(__name__)
 IDLE_RECHECK_S = 2.0  # how often a preloader that found no room looks again
 # Preloads streaming at once. One at a time the fetch path idles between adapters: on the H200
 # host the preloader moved 0.5 GB/s, where bursts four at a time moved 1.04-1.05 GB/s
-# (bench/fetch_burst.py). A request's fetch that comes meanwhile shares the path with at most
-# this many preloads' remaining bytes.
+# (bench/fetch_burst.py). A request's fetch that comes meanwhile shares the path with what is
+# left of them, so they also hold at most PRELOAD_BYTES between them (one always may start):
+# four rank-8 Llama-7B adapters, one of rank 64, as much as one preload of that rank held back
+# a request's fetch before there were several.
 PRELOAD_STREAMS = 4
+PRELOAD_BYTES = 128 * 2**20
 BUSY_RECHECK_S = 0.02  # how often it looks whether requests' fetches are still in flight
 
 
@@ -62,16 +66,19 @@ class Preloader:
         place: Callable[[AdapterKey], Awaitable[bool]] | None = None,
         in_pool: Callable[[AdapterKey], bool] | None = None,
         streams: int = PRELOAD_STREAMS,
+        max_bytes: int = PRELOAD_BYTES,
     ) -> None:
         """``place``: copies an adapter whose bytes are in the host cache into free pool pages
         (AdapterRegistry.place): True once it is there, False when the pool has no free room;
         None: host cache only. ``in_pool``: whether an adapter is in the page pool now; with
         it, placed adapters that left the pool are placed again. ``streams``: preloads at once
-        (they also take the store client's fetch slots)."""
+        (they also take the store client's fetch slots); ``max_bytes``: their bytes, at most,
+        once more than one streams."""
         if streams < 1:
             raise ValueError(f"streams must be at least 1, got {streams}")
         self._store = store
         self._streams = streams
+        self._max_bytes = max_bytes
         # preloads streaming now -> (the order started, the version, its bytes)
         self._flights: dict[asyncio.Future, tuple[int, AdapterKey, int]] = {}
         self._started = 0
@@ -145,9 +152,13 @@ class Preloader:
                 and len(self._flights) < self._streams
                 and not self._store.demand_fetches  # requests' fetches first
             ):
-                adapter_id = self._pending.popitem(last=False)[0]
-                self._returned.pop(adapter_id, None)
+                adapter_id = next(iter(self._pending))
                 version, nbytes = self._latest[adapter_id]
+                streaming = sum(b for _, _, b in self._flights.values())
+                if self._flights and streaming + nbytes > self._max_bytes:
+                    break  # more once one has landed
+                del self._pending[adapter_id]
+                self._returned.pop(adapter_id, None)
                 key = AdapterKey(adapter_id, version)
                 if key in self._cache:
                     self._unplaced_add(key)

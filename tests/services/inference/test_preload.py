@@ -107,6 +107,40 @@ async def test_preloads_stream_a_few_at_once_and_stop_at_the_first_without_room(
         await client.close()
 
 
+async def test_preloads_at_once_hold_at_most_their_bytes(server):  # noqa: F811
+    """With room for two adapters' bytes in flight, two stream at once, not four; one always
+    may, however large."""
+    script, address = server
+    script.steps = PAUSED
+    cache = HostCache(HostArena(8 * -(-len(BODY) // ALIGN) * ALIGN, pin=False))  # 8 adapters
+    client = StoreClient(address, cache, lookup_timeout=5, fetch_timeout=10, max_fetches=8)
+    preloader = Preloader(client, cache, max_bytes=2 * len(BODY))
+    alone = Preloader(client, cache, max_bytes=1)
+    runner = asyncio.create_task(preloader.run())
+    try:
+        for name in ("a", "b", "c", "d"):
+            preloader.on_event(AdapterEvent(True, name, 1, len(BODY)))
+        await _until(lambda: len(script.requested) == 2, "two streams")
+        await asyncio.sleep(0.3)
+        assert sorted(script.requested) == ["a", "b"] and client.streaming == 2
+        script.release.set()
+        await _until(lambda: preloader.preloaded == 4, "every adapter preloaded")
+        assert preloader.pending == 0
+        runner.cancel()
+        script.release.clear()
+        runner = asyncio.create_task(alone.run())
+        for name in ("e", "f"):
+            alone.on_event(AdapterEvent(True, name, 1, len(BODY)))
+        await _until(lambda: len(script.requested) == 5, "one stream")
+        await asyncio.sleep(0.3)
+        assert script.requested[4] == "e" and client.streaming == 1
+        script.release.set()
+        await _until(lambda: alone.preloaded == 2, "e and f preloaded")
+    finally:
+        runner.cancel()
+        await client.close()
+
+
 def test_preloads_put_back_keep_the_order_they_were_started_in():
     """Preloads that did not land, in two passes of the loop (the second's started first):
     back at the queue's front in the order started, ahead of those never started."""
