@@ -141,9 +141,9 @@ class Preloader:
                 self._placer.cancel()
 
     async def _preload_pending(self) -> None:
-        """Preloads the queue's versions in order, up to ``streams`` at once, until the queue is
-        empty or one finds no room; each that lands is placed in the pool (in the order they
-        land) while the others stream and more start."""
+        """Preloads the queue's versions in order, up to ``streams`` at once (and ``max_bytes``
+        between them), until the queue is empty or one finds no room; each that lands is placed
+        in the pool (in the order they land) while the others stream and more start."""
         stalled = False
         while (self._pending and not stalled) or self._flights:
             while (
