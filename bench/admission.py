@@ -60,6 +60,12 @@ def saturating_base(runs: dict[tuple, list[dict]]) -> list[dict] | None:
     return None
 
 
+def fullest_step(steps: list[dict]) -> dict:
+    """The step at the 90th percentile of context tokens read: how full a run's steps got
+    (bench/step_kinds.py's occupancy)."""
+    return sorted(steps, key=lambda s: s["kv_read"])[int(0.9 * (len(steps) - 1))]
+
+
 def fit_to(serving: Path) -> tuple[dict, dict[tuple, list[dict]], list[dict], StepModel]:
     """A serving run's JSON, its runs' steps (its step log beside it, NAME_steps.jsonl.gz),
     the base model's steps of its trace of requests all at once, and the StepModel fit to
@@ -165,7 +171,7 @@ def simulate(
     prompts = sum(r.prompt_len for r in trace)
     gpu_s = sum(cost(s) for s in steps) / 1e3
     fingerprint = [(s["seqs"], s["tokens"], s["kv_read"], s["adapters"]) for s in steps]
-    fullest = sorted(steps, key=lambda s: s["kv_read"])[int(0.9 * (len(steps) - 1))]
+    fullest = fullest_step(steps)
     return {
         "run": run, "decode_reserve": reserve, "requests": len(trace), "steps": len(steps),
         "steps_with_prefill": sum(1 for s in steps if s["prefill_tokens"] > 0),

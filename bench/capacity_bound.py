@@ -45,7 +45,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.admission import fit_to, simulate  # noqa: E402
+from bench.admission import fit_to, fullest_step, simulate  # noqa: E402
 from bench.bench_models import SHAPES  # noqa: E402
 from bench.provenance import write_result  # noqa: E402
 from bench.serving import WORKLOADS, make_trace, parse_run, with_adapters  # noqa: E402
@@ -89,11 +89,6 @@ def stand_in_rank(tiny: BaseModelShape, pages: int, modules: tuple[str, ...]) ->
     if found is None:
         raise ValueError(f"no rank of the tiny model's adapter takes exactly {pages} pages")
     return found
-
-
-def p90_kv(steps: list[dict]) -> int:
-    """Context tokens read by the step at the 90th percentile (bench/admission.py's measure)."""
-    return sorted(s["kv_read"] for s in steps)[int(0.9 * (len(steps) - 1))]
 
 
 def same_headers(files: dict[int, AdapterFiles]) -> dict[int, AdapterFiles]:
@@ -240,7 +235,7 @@ def main() -> None:
     if not all(pools):
         ap.error(f"{args.serving} does not report the pool's pages (device_memory): --pool-pages")
     measured = {(r["run"], r["adapters"]): r for r in serving["results"] if r.get("pass", 1) == 1}
-    real = {"base": {"steps": len(base_steps), "kv_read_p90": p90_kv(base_steps)}}
+    real = {"base": {"steps": len(base_steps), "kv_read_p90": fullest_step(base_steps)["kv_read"]}}
     bases, rows = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(Path(tmp) / "model", preset=TINY)
@@ -260,7 +255,7 @@ def main() -> None:
                 steps = runs.get((args.run, row["adapters"], 1))
                 if got is not None and steps is not None and pool_pages == served:
                     row["measured"] = {"vs_base": got.get("vs_base"), "steps": len(steps),
-                                       "kv_read_p90": p90_kv(steps)}  # fmt: skip
+                                       "kv_read_p90": fullest_step(steps)["kv_read"]}  # fmt: skip
             rows += pool_rows
     print(f"\n{'pages':>6} {'n':>5} {'bound':>6} {'hidden':>6} {'pages':>6} {'measured':>8}  "
           f"steps (modeled, measured; base {real['base']['steps']} measured); fullest step's "

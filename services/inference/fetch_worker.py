@@ -30,7 +30,7 @@ bench/fetch_burst.py, which compares them with glibc's defaults):
 - Freed message buffers stay in this process's heap (``keep_freed_memory``). By default glibc
   gives the top of a heap back to the kernel once more than twice the last large block is
   free, which several 4 MiB messages in flight keep doing, and every page it gave back comes
-  back as a page fault that zeroes it: 70,000-120,000 faults a GB received on 2 cores.
+  back as a page fault that zeroes it: 60,000-160,000 faults a GB received on 2 cores.
 - Each block is populated in one call before its first chunk lands (``Populator``): the page
   faults of this process's first writes into its mapping of the arena cost more than the copy.
 """
