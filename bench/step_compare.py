@@ -8,7 +8,9 @@ warm-up), then bins the decode steps (64 sequences and more) by batch and the mi
 (over 512 tokens) by tokens, and prints for each bin the median GPU time of the base run's
 steps and of the LoRA run's, their difference, and the time the LoRA run's adapter bytes take
 at the copy bandwidth the serving run measured (the least the difference could be); then the
-whole runs' GPU time and the throughput ratio the adapter bytes alone would allow (totals).
+whole runs' GPU time and the throughput ratio the adapter bytes alone would allow (totals); then
+every LoRA step against the base model's steps fit to its shape (over_fit), by kind of step and
+LoRA kernel path.
 
     python bench/step_compare.py --serving bench/results/serving_s1_n1000.json \
         --steps bench/results/serving_s1_n1000_steps.jsonl.gz --base 0:2 --lora 1000:2
@@ -96,6 +98,34 @@ def totals(base: list[dict], lora: list[dict], bandwidth: float) -> dict:
     }  # fmt: skip
 
 
+def over_fit(base: list[dict], lora: list[dict], bandwidth: float) -> dict:
+    """The LoRA run's steps against what the base model's steps would cost at their shape: a
+    least-squares fit to the base run's steps (bench/admission.py's StepModel: decode steps by
+    sequences and context tokens read, mixed steps by tokens, context read and attention pairs)
+    applied to each LoRA step. ``schedule_s``: the fit over the LoRA run's steps against the
+    base run's GPU time (what its different step mix costs, adapters aside); each row (kind of
+    step, its LoRA path): the steps' GPU time beyond the fit (the LoRA kernels' cost in the
+    step) and their adapter bytes at the copy bandwidth (the least that cost could be)."""
+    from bench.admission import StepModel
+
+    model = StepModel(base)
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for s in lora:
+        kind = "mixed" if s["prefill_tokens"] else "decode"
+        groups.setdefault((kind, s.get("lora", "none")), []).append(s)
+    rows = [
+        {
+            "kind": kind, "path": path, "steps": len(steps),
+            "extra_s": round(sum(s["gpu_ms"] - model.ms(s) for s in steps) / 1e3, 3),
+            "adapter_bytes_s": round(sum(s["adapter_bytes"] for s in steps) / bandwidth, 3),
+        }
+        for (kind, path), steps in sorted(groups.items())
+    ]  # fmt: skip
+    base_s = sum(s["gpu_ms"] for s in base) / 1e3
+    fit_s = sum(model.ms(s) for s in lora) / 1e3
+    return {"schedule_s": round(fit_s - base_s, 3), "rows": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--serving", type=Path, required=True, help="bench/serving.py's JSON")
@@ -132,6 +162,13 @@ def main() -> None:
           f"({t['gpu_ratio']:.3f}), the LoRA run's adapter bytes {t['adapter_bytes_s']:.2f} s: "
           f"the ratio they alone would allow {t['bytes_bound_ratio']:.3f}; the LoRA run's extra "
           f"time is {t['extra_over_bytes']:.1f}x its adapter bytes' time")  # fmt: skip
+    report["over_fit"] = f = over_fit(base, lora, bandwidth)
+    print(f"against the base model's steps fit to their shape: the LoRA run's step mix "
+          f"{f['schedule_s']:+.2f} s; beyond the fit, by kind of step and LoRA path:")  # fmt: skip
+    print(f"{'kind':>6} {'path':>26} {'steps':>5} {'extra s':>7} {'bytes s':>7}")
+    for r in f["rows"]:
+        print(f"{r['kind']:>6} {r['path']:>26} {r['steps']:>5} {r['extra_s']:>7.2f} "
+              f"{r['adapter_bytes_s']:>7.2f}")  # fmt: skip
     if args.out:
         write_result(args.out, "step_compare.py", {"serving_commit": serving.get("commit"),
                                                    **report})  # fmt: skip

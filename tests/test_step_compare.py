@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from bench.step_compare import compare, split_runs, totals
+from bench.step_compare import compare, over_fit, split_runs, totals
 
 
-def _step(seqs, gpu_ms, prefill=0, tokens=None, adapters=0, nbytes=0):
+def _step(seqs, gpu_ms, prefill=0, tokens=None, adapters=0, nbytes=0, kv=0, pairs=0):
     return {"seqs": seqs, "tokens": tokens or seqs, "prefill_tokens": prefill, "gpu_ms": gpu_ms,
-            "adapters": adapters, "adapter_bytes": nbytes}  # fmt: skip
+            "adapters": adapters, "adapter_bytes": nbytes, "kv_read": kv,
+            "attn_pairs": pairs}  # fmt: skip
 
 
 def test_runs_are_split_by_their_step_counts_after_the_warm_up():
@@ -49,3 +50,37 @@ def test_totals_say_what_the_adapter_bytes_alone_would_allow():
     assert t["gpu_ratio"] == 0.8 and t["bytes_bound_ratio"] == round(40 / 44, 4)
     assert t["extra_over_bytes"] == 2.5
     assert totals(base, base, 1e12)["extra_over_bytes"] is None  # no adapters, no bytes
+
+
+def test_over_fit_charges_each_lora_step_beyond_the_base_models_cost_at_its_shape():
+    # Base decode steps cost 2 + 0.01 a sequence + 0.001 a context token; mixed ones 5 + 0.02 a
+    # token + 0.0005 a context token + 0.00001 an attention pair (exact, so the fit is too).
+    def dec(seqs, kv):
+        return 2 + 0.01 * seqs + 0.001 * kv
+
+    def mix(tokens, kv, pairs):
+        return 5 + 0.02 * tokens + 0.0005 * kv + 0.00001 * pairs
+
+    base = [_step(s, dec(s, kv), kv=kv) for s, kv in ((64, 9000), (128, 30000), (300, 50000),
+                                                      (200, 70000))]  # fmt: skip
+    base += [_step(300, mix(t, kv, p), prefill=t - 300, tokens=t, kv=kv, pairs=p)
+             for t, kv, p in ((1000, 40000, 10**6), (2048, 60000, 3 * 10**6),
+                              (700, 20000, 5 * 10**5), (1500, 80000, 2 * 10**6),
+                              (1200, 30000, 4 * 10**6))]  # fmt: skip
+    lora = [_step(100, dec(100, 20000) + 1.5, kv=20000, nbytes=5 * 10**9)]
+    lora += [_step(250, dec(250, 40000) + 0.5, kv=40000, nbytes=2 * 10**9)]
+    lora += [_step(300, mix(900, 30000, 10**6) + 3.0, prefill=600, tokens=900, kv=30000,
+                   pairs=10**6, nbytes=10**9)]  # fmt: skip
+    paths = ("fused, one-token tiles", "fused, one-token tiles", "fused, narrow")
+    for s, path in zip(lora, paths, strict=True):
+        s["lora"] = path
+    f = over_fit(base, lora, bandwidth=1e12)
+    decode, mixed = f["rows"]
+    assert (decode["kind"], decode["path"], decode["steps"]) == ("decode", paths[0], 2)
+    assert decode["extra_s"] == pytest.approx(0.002, abs=1e-6)
+    assert decode["adapter_bytes_s"] == pytest.approx(0.007)
+    assert (mixed["kind"], mixed["steps"]) == ("mixed", 1)
+    assert mixed["extra_s"] == pytest.approx(0.003, abs=1e-6)
+    # The LoRA steps' shapes at the base model's cost, against the base run's own GPU time.
+    fit = dec(100, 20000) + dec(250, 40000) + mix(900, 30000, 10**6)
+    assert f["schedule_s"] == round((fit - sum(s["gpu_ms"] for s in base)) / 1e3, 3)
