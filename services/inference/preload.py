@@ -48,11 +48,12 @@ log = logging.getLogger(__name__)
 
 IDLE_RECHECK_S = 2.0  # how often a preloader that found no room looks again
 # Preloads streaming at once. One at a time the fetch path idles between adapters: on the H200
-# host the preloader moved 0.5 GB/s, where bursts four at a time moved 1.04-1.05 GB/s
-# (bench/fetch_burst.py). A request's fetch that comes meanwhile shares the path with what is
-# left of them, so they also hold at most PRELOAD_BYTES between them (one always may start):
-# four rank-8 Llama-7B adapters, one of rank 64, as much as one preload of that rank held back
-# a request's fetch before there were several.
+# host four at a time moved 1.28-1.29 GB/s against 0.71-0.79 one at a time, side by side
+# (bench/fetch_burst.py --preload 1 4, bench/results/fetch_burst_worker.json). A request's
+# fetch that comes meanwhile shares the path with what is left of them, so they also hold at
+# most PRELOAD_BYTES between them (one always may start): four rank-8 Llama-7B adapters, one of
+# rank 64, as much as one preload of that rank held back a request's fetch before there were
+# several.
 PRELOAD_STREAMS = 4
 PRELOAD_BYTES = 128 * 2**20
 BUSY_RECHECK_S = 0.02  # how often it looks whether requests' fetches are still in flight
