@@ -93,6 +93,7 @@ class ServiceConfig:
     tenant_tokens_per_second: float | None = None  # prompt + generated tokens
     scheduling: str = "fair"  # fair: tenants share the batch (engine/fairness.py); fcfs
     fair_prefill_tokens: int = 256  # per tenant and step while tenants share (fair only)
+    adapter_affinity: int | None = None  # engine/affinity.py's bound; 0 off; None max_num_seqs
     lora_side_stream: str = "on"  # on: small decode steps' LoRA beside the base GEMMs (CUDA)
     load_format: str = "safetensors"  # or random: weights drawn at load (benchmarks)
     cuda_graphs: str = "on"  # on: steps replay CUDA graphs captured at start-up; off: eager
@@ -137,6 +138,10 @@ class ServiceConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{_flag(name)} must be at least 1, got {value}")
+        if self.adapter_affinity is not None and self.adapter_affinity < 0:
+            raise ValueError(
+                f"--adapter-affinity must be 0 (off) or positive, got {self.adapter_affinity}"
+            )
         step, seqs = self.max_num_batched_tokens, self.max_num_seqs
         if step is not None and seqs is not None and step < seqs:
             raise ValueError(f"--max-num-batched-tokens ({step}) must be at least --max-num-seqs "
@@ -257,6 +262,7 @@ _TYPES = {
     "max_lora_rank": int,
     "tensor_parallel_size": int,
     "fair_prefill_tokens": int,
+    "adapter_affinity": int,
     "host_cache_mb": int,
     "store_timeout_s": float,
     "fetch_timeout_s": float,
@@ -346,6 +352,10 @@ _HELP = {
     "(first come, first served)",
     "fair_prefill_tokens": "with --scheduling fair and several tenants active: prefill tokens "
     "each tenant gets per step, keeping steps short for the others' first tokens (default 256)",
+    "adapter_affinity": "queued requests whose adapter the running batch already uses join "
+    "before others (fewer distinct adapters a step); each request is passed at most this many "
+    "times, and only the first this many of a tenant's queue are looked at (default "
+    "--max-num-seqs; 0: arrival order)",
     "max_num_batched_tokens": "tokens one step computes, prefill chunks and decodes (default "
     "2048, or --max-num-seqs if more); the largest mixed step's CUDA graph",
     "cuda_graphs": "on (default): decode and mixed steps replay CUDA graphs captured at start-up "

@@ -65,6 +65,7 @@ def engine_config(config: ServiceConfig) -> EngineConfig:
         limits=config.limits,
         scheduling=config.scheduling,
         fair_prefill_tokens=config.fair_prefill_tokens,
+        adapter_affinity=config.adapter_affinity,
         tensor_parallel_size=config.tensor_parallel_size,
         lora_side_stream=config.lora_side_stream == "on",
         load_format=config.load_format,

@@ -54,6 +54,9 @@ class EngineConfig:
     # Under "fair", while several tenants are active: prefill tokens per step for each tenant,
     # so steps stay short for the others' first tokens (fairness.py).
     fair_prefill_tokens: int = 256
+    # Adapter affinity in admission (engine/affinity.py): how often a queued request may be
+    # passed by later ones whose adapter the batch already runs; 0: off; None: max_num_seqs.
+    adapter_affinity: int | None = None
     # Ranks the model is sharded over (engine/tensor_parallel.py); its heads, kv heads and MLP
     # width must divide by it. On CUDA rank r uses GPU r; CUDA graphs are off when above 1.
     tensor_parallel_size: int = 1
@@ -91,6 +94,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        affinity = self.adapter_affinity
+        if affinity is not None and (not isinstance(affinity, int) or affinity < 0):
+            raise ValueError(
+                f"adapter_affinity must be 0 (off), positive or None, got {affinity!r}"
+            )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.scheduling not in ("fair", "fcfs"):

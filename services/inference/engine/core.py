@@ -170,6 +170,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.pool, self.adapters, max_seqs, config.max_num_batched_tokens, self.max_len,
             config.scheduling, config.fair_prefill_tokens,
+            max_seqs if config.adapter_affinity is None else config.adapter_affinity,
         )  # fmt: skip
         self.runner = ModelRunner(
             self.model, self.pool, self.adapters.index, config.max_lora_rank,

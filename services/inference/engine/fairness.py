@@ -18,7 +18,9 @@ leave. A tenant is a request's ``tenant`` (None: anonymous or admin, one tenant 
   at a batch filled by another waits for a slot to free: a whole generation of the other's.
 - Admission: queued sequences are offered tenant by tenant, first from tenants below their
   share, then from the rest; among those, the tenant with the smallest counter first; within a
-  tenant in queue order. Sequences preempted in this step are not offered again in it.
+  tenant in queue order, except that a sequence whose adapter the batch already runs may go
+  first, within a bound (engine/affinity.py). Sequences preempted in this step are not offered
+  again in it.
 - Short steps while tenants share: while several tenants are active, each tenant's prefill
   tokens per step are limited (``limits_prefill``; the scheduler's fair_prefill_tokens). A
   step's length is mostly its prefill, and an arriving request's first token waits for the
@@ -28,7 +30,8 @@ leave. A tenant is a request's ``tenant`` (None: anonymous or admin, one tenant 
   one's; a tenant alone is not limited.
 - Work-conserving: a tenant that has nothing ready does not hold slots back; with one active
   tenant the order is the queue's, exactly as FCFS.
-``FirstComeFirstServed`` is the same interface without any of this (--scheduling fcfs).
+``FirstComeFirstServed`` is the same interface without any of this (--scheduling fcfs): the
+queue's order, adapter affinity included.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
+
+from services.inference.engine.affinity import Affinity
 
 PREFILL_WEIGHT = 1.0
 DECODE_WEIGHT = 2.0
@@ -46,6 +51,8 @@ Tenant = str | None
 class _Seq(Protocol):  # the parts of engine/request.Sequence this module reads
     seq_id: int
     tenant: Tenant
+    adapter: object  # read, with passed_over, only with adapter affinity (engine/affinity.py)
+    passed_over: int
     prompt_ids: list[int]
     output_ids: list[int]
     num_computed: int
@@ -131,9 +138,15 @@ class FairShare:
         return victims
 
     def admission(
-        self, waiting: Iterable[_Seq], running: list[_Seq], max_num_seqs: int, skip=()
+        self,
+        waiting: Iterable[_Seq],
+        running: list[_Seq],
+        max_num_seqs: int,
+        skip=(),
+        affinity: int = 0,
     ) -> Admission:
-        return Admission(self, waiting, running, max_num_seqs, skip)
+        """This step's admission order; ``affinity``: engine/affinity.py's bound (0: off)."""
+        return Admission(self, waiting, running, max_num_seqs, skip, affinity)
 
 
 class Admission:
@@ -142,8 +155,11 @@ class Admission:
     once the batch is full, and the queue is read only when something may be admitted (most
     steps of a busy engine admit nothing)."""
 
-    def __init__(self, policy: FairShare, waiting, running, max_num_seqs: int, skip) -> None:
+    def __init__(
+        self, policy: FairShare, waiting, running, max_num_seqs: int, skip, affinity: int
+    ) -> None:
         self._policy = policy
+        self._affinity = Affinity(running, affinity)
         self._share = policy.share(max_num_seqs)
         self._count = Counter(s.tenant for s in running)
         self._room = max_num_seqs - len(running)
@@ -181,12 +197,13 @@ class Admission:
             key=lambda t: (self._count[t] >= self._share, self._counter[t], self._first[t]),
         )
         queue = self._queues[tenant]
-        seq = queue.popleft()
+        seq = self._affinity.take(queue)
         if not queue:
             del self._queues[tenant]
         return seq
 
     def admitted(self, seq: _Seq, num_tokens: int) -> None:
+        self._affinity.admitted(seq)
         self._room -= 1
         self._count[seq.tenant] += 1
         if seq.tenant in self._counter:
@@ -216,13 +233,28 @@ class FirstComeFirstServed:
     def limits_prefill(self) -> bool:
         return False
 
-    def admission(self, waiting, running, max_num_seqs, skip=()) -> _InOrder:
-        return _InOrder(list(waiting))
+    def admission(self, waiting, running, max_num_seqs, skip=(), affinity: int = 0) -> _InOrder:
+        return _InOrder(waiting, running, affinity)
 
 
-class _InOrder(list):
+class _InOrder:
+    """The queue's order (a copy: the scheduler removes whom it admits), with adapter
+    affinity."""
+
+    def __init__(self, waiting: Iterable[_Seq], running: list[_Seq], affinity: int) -> None:
+        self._queue = deque(waiting)
+        self._affinity = Affinity(running, affinity)
+
+    def __iter__(self) -> Iterator[_Seq]:
+        return self
+
+    def __next__(self) -> _Seq:
+        if not self._queue:
+            raise StopIteration
+        return self._affinity.take(self._queue)
+
     def admitted(self, seq: _Seq, num_tokens: int) -> None:
-        pass
+        self._affinity.admitted(seq)
 
     def pass_over(self, tenant: Tenant) -> None:  # never asked: FCFS limits no prefill
         pass

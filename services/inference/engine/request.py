@@ -45,6 +45,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     tenant: str | None = None  # GenerationRequest.tenant: whose share of the batch it uses
+    passed_over: int = 0  # queued requests admitted before it by adapter affinity (affinity.py)
 
     @property
     def num_known(self) -> int:

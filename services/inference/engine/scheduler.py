@@ -16,13 +16,16 @@ Order of each step (0 and the order of 3 are the fairness policy's, engine/fairn
 2. Loads start for the adapters of queued sequences, in queue order, without waiting for the
    sequence to reach the head.
 3. Queued sequences join once their adapter is in the pool: tenants below their share first, the
-   least served tenant first, each tenant's in arrival order; a sequence whose adapter is still
-   loading is passed over (the others keep running). A sequence joins only if its chunk's pages
-   leave a free page for each running sequence (their decode growth, as the adapter loads of 2
-   leave); one that lacks them stops admission, after idle adapters were evicted for it. Without
-   that reserve, admission filled every page its sequences freed, the running sequences' next
-   pages then came from preempting the newest, and those were recomputed: on the saturating
-   trace of DESIGN.md (H200 defaults, 1000 requests at once) 6-9% of the prompt tokens again.
+   least served tenant first, each tenant's in arrival order, except that a sequence whose
+   adapter the batch already runs may go ahead of others, each passed at most ``affinity`` times
+   (engine/affinity.py: fewer distinct adapters a step, so fewer adapter bytes read); a sequence
+   whose adapter is still loading is passed over (the others keep running). A sequence joins
+   only if its chunk's pages leave a free page for each running sequence (their decode growth,
+   as the adapter loads of 2 leave); one that lacks them stops admission, after idle adapters
+   were evicted for it. Without that reserve, admission filled every page its sequences freed,
+   the running sequences' next pages then came from preempting the newest, and those were
+   recomputed: on the saturating trace of DESIGN.md (H200 defaults, 1000 requests at once) 6-9%
+   of the prompt tokens again.
 In 1 and 3, while several tenants are active, each tenant gets at most fair_prefill_tokens
 prefill tokens per step (fairness.py: short steps while tenants share); decode tokens are never
 limited.
@@ -62,9 +65,13 @@ class Scheduler:
         max_len: int,
         scheduling: str = "fair",
         fair_prefill_tokens: int = 256,
+        affinity: int = 0,
     ) -> None:
         if fair_prefill_tokens <= 0:
             raise ValueError(f"fair_prefill_tokens must be positive, got {fair_prefill_tokens}")
+        if affinity < 0:
+            raise ValueError(f"adapter affinity must be 0 (off) or positive, got {affinity}")
+        self.affinity = affinity
         self.pool, self.adapters = pool, adapters
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
         self.fair_prefill_tokens = fair_prefill_tokens
@@ -174,7 +181,9 @@ class Scheduler:
 
         # 3. Admission among sequences whose adapter is ready, in the fairness policy's order
         # (first come first served within a tenant); this step's victims wait.
-        admission = self.fair.admission(self.waiting, self.running, self.max_num_seqs, victims)
+        admission = self.fair.admission(
+            self.waiting, self.running, self.max_num_seqs, victims, self.affinity
+        )
         for seq in admission:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break

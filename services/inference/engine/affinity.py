@@ -1,0 +1,69 @@
+"""Adapter affinity in admission: a queued request whose adapter the running batch already uses
+joins before requests that would bring another adapter into the batch, within a bound.
+
+Why: every step reads the weights of each distinct adapter in its batch once (the LoRA kernels
+group a step's tokens by adapter), so a step's LoRA cost grows with its distinct adapters, not
+its tokens. Under a deep queue, admitting in arrival order fills the batch with as many
+adapters as the queue's head happens to hold; preferring requests of adapters already running
+packs the same tokens on fewer adapters. On DESIGN.md's saturating trace (1000 requests at
+once, uniform over n adapters) a simulation of the scheduler counts the adapters summed over
+steps: n = 100 75.1k in queue order against 55.1k with the default bound (-27%), n = 1000
+215.5k against 191.0k (-11%), at the same number of steps and the same TTFT p50/p99 in steps;
+with no queue (arrivals below capacity) nothing changes.
+
+The bound (``limit``, the engine's adapter_affinity; 0 turns this off): only the first
+``limit`` requests of a tenant's queue are looked at, and a request that requests behind it have
+passed ``limit`` times is taken next whatever its adapter, so no request waits more than
+``limit`` admissions beyond its place. Base-model requests (no adapter) add no adapter to a
+step: they count as having affinity. The order between tenants stays the fairness policy's
+(engine/fairness.py); this only reorders within one tenant's queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Iterable
+from itertools import islice
+from typing import Protocol
+
+
+class _Seq(Protocol):  # the parts of engine/request.Sequence this module reads and writes
+    adapter: Hashable | None
+    passed_over: int  # how many requests behind it in its queue were taken before it
+
+
+class Affinity:
+    """One step's admission: ``take`` the next request of a queue, ``admitted`` each request
+    that joined (its adapter then counts as running for the rest of the step)."""
+
+    def __init__(self, running: Iterable[_Seq], limit: int) -> None:
+        if limit < 0:
+            raise ValueError(f"adapter affinity must be 0 (off) or positive, got {limit}")
+        self.limit = limit
+        self._running = running
+        self._active: set | None = None  # the batch's adapters, read at the first take
+
+    def _has_affinity(self, seq: _Seq) -> bool:
+        if seq.adapter is None:
+            return True
+        if self._active is None:
+            self._active = {s.adapter for s in self._running}
+        return seq.adapter in self._active
+
+    def take(self, queue: deque) -> _Seq:
+        """Remove and return the next request of a non-empty queue: the first of its first
+        ``limit`` that has affinity or has been passed ``limit`` times, else its head."""
+        if self.limit:
+            for k, seq in enumerate(islice(queue, self.limit)):
+                if self._has_affinity(seq) or seq.passed_over >= self.limit:
+                    if k:
+                        for ahead in islice(queue, k):
+                            ahead.passed_over += 1
+                        del queue[k]
+                        return seq
+                    break
+        return queue.popleft()
+
+    def admitted(self, seq: _Seq) -> None:
+        if self._active is not None:
+            self._active.add(seq.adapter)
