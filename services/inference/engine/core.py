@@ -140,11 +140,11 @@ class EngineCore:
         log.info(
             "engine ready: %d pages of %d tokens (%.1f MiB), context %d, up to %d sequences "
             "per step and %d requests in flight, %d resident adapters (LoRA index %.1f MiB), "
-            "device %s, %s",
+            "adapter affinity %d, device %s, %s",
             self.pool.num_pages, config.page_size, self.pool.tensor.nbytes / 2**20, self.max_len,
             self.limits.max_num_seqs, self.limits.max_queue, self.limits.max_loras,
-            self.limits.max_loras * lora_row_bytes(self.slot_capacity) / 2**20, self.device,
-            self.dtype,
+            self.limits.max_loras * lora_row_bytes(self.slot_capacity) / 2**20,
+            self.scheduler.affinity, self.device, self.dtype,
         )  # fmt: skip
 
     def _build(self, config: EngineConfig, mc: ModelConfig, shard: Shard) -> None:
