@@ -68,7 +68,7 @@ WIDE_RANK_ROWS = 32
 # these run every call fused at these rows when they hold at least WIDE_FUSED_MIN_ADAPTERS
 # distinct adapters (prefill_step_fuses_wide).
 WIDE_FUSED_ROWS = 64
-WIDE_FUSED_MIN_ADAPTERS = 64
+WIDE_FUSED_MIN_ADAPTERS = 48
 
 
 def fused_rank_rows(max_rank: int) -> int:
@@ -204,10 +204,13 @@ def prefill_step_fuses_wide(step_rank: int, distinct: int) -> bool:
     153.3, 180.9 -> 166.7, 201.8 -> 174.2, 318.0 -> 269.7 µs; 400 beside four 400-token
     prompts on 30 / 335 165.4 -> 166.8, 370.0 -> 281.7; 400 beside three 200-token prompts on 98
     / 342 150.7 -> 160.3, 322.9 -> 267.3; two 1024-token prompts of 2 adapters 158.5 -> 152.1.
-    The gains grow with the adapters; the one loss of many adapters is the short-prompt step
-    at 98, which one rule by adapters keeps (S2 n = 100 through the services: the mixed steps'
-    time over the base model's 1.17 -> 1.04 s by bench/step_compare.py's bins, below what two
-    runs resolve end to end; docs/benchmarks.md)."""
+    The gains grow with the adapters. The threshold lies between 30 (a loss of 1.5%) and 59 (a
+    gain of 8%), a range that adapter affinity in admission (services/inference/engine/
+    affinity.py) makes common: it packs S2 n = 100's steps on 57 adapters on average where
+    arrival order gave 79 (bench/affinity_sim.py). The one loss of many adapters is the
+    short-prompt step at 98, which one rule by adapters keeps (S2 n = 100 through the services:
+    the mixed steps' time over the base model's 1.17 -> 1.04 s by bench/step_compare.py's bins,
+    below what two runs resolve end to end; docs/benchmarks.md)."""
     rows = fused_rank_rows(step_rank)
     return FUSED_PREFILL_MAX_ROWS < rows <= WIDE_FUSED_ROWS and distinct >= WIDE_FUSED_MIN_ADAPTERS
 
