@@ -18,7 +18,6 @@ timed. The defaults are the H200 engine's: 512 sequences, 2048 tokens a step, an
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -30,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.provenance import write_result  # noqa: E402
 from bench.serving import make_trace, with_adapters  # noqa: E402
 from services.inference.engine.affinity import Affinity  # noqa: E402
 
@@ -137,16 +137,12 @@ def main() -> None:
             print(f"{n:>8} {bound:>8} {r['steps']:>6} {r['adapter_steps']:>13} {vs:>8} "
                   f"{r['mean_adapters_per_step']:>8.1f} "
                   f"{r['ttft_steps_p50']:>10.0f}/{r['ttft_steps_p99']:<9}")  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = {
+    write_result(args.out, "affinity_sim.py", {
         "benchmark": "adapters summed over the steps of a saturating trace, by admission order",
         "model": "scheduler model (no timing): token budget, sequence cap, KV capacity",
-        "config": {k: v for k, v in vars(args).items() if k not in ("out",)},
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
         "rows": rows,
-        "command": "python " + " ".join(sys.argv),
-    }
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    })  # fmt: skip
 
 
 if __name__ == "__main__":

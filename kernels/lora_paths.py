@@ -206,11 +206,11 @@ def prefill_step_fuses_wide(step_rank: int, distinct: int) -> bool:
     / 342 150.7 -> 160.3, 322.9 -> 267.3; two 1024-token prompts of 2 adapters 158.5 -> 152.1.
     The gains grow with the adapters. The threshold lies between 30 (a loss of 1.5%) and 59 (a
     gain of 8%), a range that adapter affinity in admission (services/inference/engine/
-    affinity.py) makes common: it packs S2 n = 100's steps on 57 adapters on average where
-    arrival order gave 79 (bench/affinity_sim.py). The one loss of many adapters is the
-    short-prompt step at 98, which one rule by adapters keeps (S2 n = 100 through the services:
-    the mixed steps' time over the base model's 1.17 -> 1.04 s by bench/step_compare.py's bins,
-    below what two runs resolve end to end; docs/benchmarks.md)."""
+    affinity.py) makes more common: S2 n = 100's steps of 64 sequences or more held 72
+    adapters on average with it, 90 without (bench/results/serving_s2_f7c5ece*.json). The one
+    loss of many adapters is the short-prompt step at 98, which one rule by adapters keeps (S2
+    n = 100 through the services: the mixed steps' time over the base model's 1.17 -> 1.04 s by
+    bench/step_compare.py's bins, below what two runs resolve end to end; docs/benchmarks.md)."""
     rows = fused_rank_rows(step_rank)
     return FUSED_PREFILL_MAX_ROWS < rows <= WIDE_FUSED_ROWS and distinct >= WIDE_FUSED_MIN_ADAPTERS
 
