@@ -39,7 +39,6 @@ class _Seq:
     adapter: int | None
     prompt: int
     output: int
-    arrived: int = 0
     prefilled: int = 0
     generated: int = 0
     passed_over: int = 0
@@ -72,7 +71,7 @@ def simulate(trace, affinity: int, max_seqs: int, budget: int, kv_tokens: int, p
         while queue and len(running) < max_seqs and tokens < budget:
             seq = admission.take(queue)
             if kv + seq.prompt + page * len(running) > kv_tokens:
-                queue.appendleft(seq)  # no room: it stays first, nothing else joins
+                queue.appendleft(seq)  # no room: it goes back first; nothing more joins now
                 break
             seq.prefilled = min(seq.prompt, budget - tokens)
             tokens += seq.prefilled
