@@ -38,6 +38,9 @@ def test_engine_config_follows_the_service_config():
     assert ec.max_queue is None  # the engine adds the running batch: 14 in flight at most
     own = engine_config(ServiceConfig.from_args(["--model", "m", "--fair-prefill-tokens", "64"]))
     assert own.fair_prefill_tokens == 64
+    off = engine_config(ServiceConfig.from_args(["--model", "m", "--adapter-affinity", "0"]))
+    assert off.adapter_affinity == 0
+    assert engine_config(ServiceConfig(model=Path("m"))).adapter_affinity is None  # max_num_seqs
     side = engine_config(ServiceConfig.from_args(["--model", "m", "--lora-side-stream", "off"]))
     assert not side.lora_side_stream
     share = ["--model", "m", "--gpu-memory-utilization", "0.9"]
@@ -70,6 +73,7 @@ def test_engine_config_follows_the_service_config():
         (["--model", "m", "--fetch-timeout-s", "0"], "--fetch-timeout-s"),
         (["--model", "m", "--log-level", "chatty"], "--log-level"),
         (["--model", "m", "--fair-prefill-tokens", "0"], "--fair-prefill-tokens"),
+        (["--model", "m", "--adapter-affinity", "-1"], "--adapter-affinity"),
         (["--model", "m", "--max-fetches", "0"], "--max-fetches"),
         (["--model", "m", "--lora-side-stream", "yes"], "--lora-side-stream"),
         (["--model", "m", "--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
