@@ -89,6 +89,7 @@ def simulate(trace, affinity: int, max_seqs: int, budget: int, kv_tokens: int, p
         running = [s for s in running if s.prefilled < s.prompt or s.generated < s.output]
     ttft.sort()
     return {
+        "admitted": len(ttft),
         "steps": steps,
         "mixed_steps": mixed,
         "adapter_steps": adapter_steps,
