@@ -169,3 +169,39 @@ def test_the_engine_packs_a_full_batch_on_fewer_adapters_with_the_same_tokens(
     assert set(adapters_per_step[2]) == {1}
     # The default bound is max_num_seqs.
     assert make_core(model_dir, max_num_seqs=3).scheduler.affinity == 3
+
+
+def _reference_take(queue: deque, active: set, limit: int):
+    """The order take promises, looking at every request each time."""
+    for k, seq in enumerate(list(queue)[:limit]):
+        if seq.adapter is None or seq.adapter in active or seq.passed_over >= limit:
+            for ahead in list(queue)[:k]:
+                ahead.passed_over += 1
+            del queue[k]
+            return seq
+    return queue.popleft()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_take_remembers_what_it_passed_without_changing_the_order(seed):
+    """take skips the head requests it already found without affinity (until the batch's
+    adapters change): the same order as looking at every request every time."""
+    import random
+
+    rng = random.Random(seed)
+    limit = rng.choice([1, 2, 3, 5, 8])
+    adapters = [None, "a", "b", "c", "d", "e", "f"]
+    spec = [(rng.choice(adapters), rng.randrange(limit + 1)) for _ in range(rng.randrange(1, 40))]
+    mine, ref = deque(), deque()
+    for i, (adapter, passed) in enumerate(spec):
+        mine.append(_Seq(f"s{i}", adapter, passed_over=passed))
+        ref.append(_Seq(f"s{i}", adapter, passed_over=passed))
+    running = [_Seq("r", rng.choice(adapters[1:]))]
+    affinity, active = Affinity(running, limit), {running[0].adapter}
+    while mine:
+        got, want = affinity.take(mine), _reference_take(ref, active, limit)
+        assert got.name == want.name
+        assert [s.passed_over for s in mine] == [s.passed_over for s in ref]
+        if rng.random() < 0.3:  # joined (the others were offered but not ready)
+            affinity.admitted(got)
+            active.add(got.adapter)

@@ -36,7 +36,14 @@ class _Seq(Protocol):  # the parts of engine/request.Sequence this module reads 
 
 class Affinity:
     """One step's admission: ``take`` the next request of a queue, ``admitted`` each request
-    that joined (its adapter then counts as running for the rest of the step)."""
+    that joined (its adapter then counts as running for the rest of the step).
+
+    A scheduler offers a queue's requests one after another, many of them not admitted (their
+    adapter still loading), so ``take`` does not look at the same requests again: for each
+    queue it keeps how many at its head are known to have no affinity and not to be due (passed
+    fewer than ``limit`` times), until the batch's adapters change: between such changes each
+    request is checked once, as arrival order checks it, not once for every request offered
+    before it."""
 
     def __init__(self, running: Iterable[_Seq], limit: int) -> None:
         if limit < 0:
@@ -44,6 +51,9 @@ class Affinity:
         self.limit = limit
         self._running = running
         self._active: set | None = None  # the batch's adapters, read at the first take
+        # id(queue) -> how many of its head requests are known to be passed over (the queues
+        # live as long as the step's admission that owns them and this)
+        self._plain: dict[int, int] = {}
 
     def _has_affinity(self, seq: _Seq) -> bool:
         if seq.adapter is None:
@@ -55,17 +65,30 @@ class Affinity:
     def take(self, queue: deque) -> _Seq:
         """Remove and return the next request of a non-empty queue: the first of its first
         ``limit`` that has affinity or has been passed ``limit`` times, else its head."""
-        if self.limit:
-            for k, seq in enumerate(islice(queue, self.limit)):
-                if self._has_affinity(seq) or seq.passed_over >= self.limit:
-                    if k:
-                        for ahead in islice(queue, k):
-                            ahead.passed_over += 1
-                        del queue[k]
-                        return seq
-                    break
-        return queue.popleft()
+        if not self.limit:
+            return queue.popleft()
+        window = min(self.limit, len(queue))
+        for i in range(self._plain.get(id(queue), 0), window):  # a deque index hops blocks
+            seq = queue[i]
+            if self._has_affinity(seq) or seq.passed_over >= self.limit:
+                k = i
+                break
+        else:
+            self._plain[id(queue)] = window - 1  # all passed over; the head goes
+            return queue.popleft()
+        if k == 0:
+            return queue.popleft()  # the head itself has affinity or is due
+        due = k
+        for i, ahead in enumerate(islice(queue, k)):
+            ahead.passed_over += 1
+            if ahead.passed_over >= self.limit:
+                due = min(due, i)
+        self._plain[id(queue)] = due
+        seq = queue[k]
+        del queue[k]
+        return seq
 
     def admitted(self, seq: _Seq) -> None:
-        if self._active is not None:
+        if self._active is not None and seq.adapter not in self._active:
             self._active.add(seq.adapter)
+            self._plain.clear()  # requests of this adapter now have affinity
