@@ -1,17 +1,16 @@
 """Adapter affinity in admission: a queued request whose adapter the running batch already uses
 joins before requests that would bring another adapter into the batch, within a bound.
 
-Why: every step reads the weights of each distinct adapter in its batch once (the LoRA kernels
-group a step's tokens by adapter), so a step's LoRA cost grows with its distinct adapters, not
-its tokens. Under a deep queue, admitting in arrival order fills the batch with as many
-adapters as the queue's head happens to hold; preferring requests of adapters already running
-packs the same tokens on fewer adapters. On DESIGN.md's saturating trace (1000 requests at
-once, uniform over n adapters) bench/affinity_sim.py counts the adapters summed over steps:
-n = 100 75.1k in queue order against 54.5k with the default bound (-27%; -4% with half of it),
-n = 1000 215.6k against 191.0k (-11%), at the same number of steps and the same TTFT p50/p99
-in steps; with no queue (arrivals below capacity) nothing changes. Through the services on the
-H200, S2 n = 100 (ranks 8-64) ran at 0.905 of the base model with it, 0.890 without; S1's
-rank-8 ratios did not move (README, *Benchmarks*).
+Why: every step reads the weights of each distinct adapter in its batch once (the LoRA kernels group
+a step's tokens by adapter), so a step's LoRA cost grows with its distinct adapters, not its tokens.
+Under a deep queue, admitting in arrival order fills the batch with as many adapters as the queue's
+head happens to hold; preferring requests of adapters already running packs the same tokens on fewer
+adapters. On DESIGN.md's saturating trace (1000 requests at once, uniform over n adapters)
+bench/affinity_sim.py counts the adapters summed over steps: n = 100 75.1k in queue order against
+54.5k with the default bound (-27%; -4% with half of it), n = 1000 215.6k against 191.0k (-11%), the
+number of steps within 1% and TTFT in steps within 2 at p50, 5 at p99; with no queue (arrivals below
+capacity) nothing changes. Through the services on the H200, S2 n = 100 (ranks 8-64) ran at 0.905 of
+the base model with it, 0.890 without; S1's rank-8 ratios did not move (README, *Benchmarks*).
 
 The bound (``limit``, the engine's adapter_affinity; 0 turns this off): only the first
 ``limit`` requests of a tenant's queue are looked at, and a request that requests behind it have
