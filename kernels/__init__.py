@@ -79,17 +79,22 @@ def lora_apply(
     workspace: torch.Tensor | None = None,
     fused: bool | None = None,
     rank_block: int = 16,
+    delta: bool = False,
 ) -> None:
     """The model's LoRA hook: y[:, slices] += scale · x · Aᵀ · Bᵀ in place. ``fused`` and
     ``rank_block`` pick the Triton path and its blocks (kernels/lora.py, lora_apply); the result
-    is the same either way."""
+    is the same either way. ``delta``: y[:, slices] = the delta instead (zeros for tokens
+    without one), on the fused kernel, whose tile tables must then list every token
+    (kernels/lora.py)."""
     if y.is_cuda:
         _triton_lora().lora_apply(
             y, x, pool_layer, index, tokens, modules, out_widths, max_rank,
-            workspace=workspace, fused=fused, rank_block=rank_block,
+            workspace=workspace, fused=fused, rank_block=rank_block, delta=delta,
         )  # fmt: skip
     else:
-        lora_ref.lora_apply(y, x, pool_layer, index, tokens, modules, out_widths, max_rank)
+        lora_ref.lora_apply(
+            y, x, pool_layer, index, tokens, modules, out_widths, max_rank, delta=delta
+        )
 
 
 def write_kv(pool_layer, k, v, slot_mapping) -> None:

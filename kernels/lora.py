@@ -666,7 +666,7 @@ def _expand(y, h, pool_layer, index, tokens, modules, out_widths, max_rank, cfg,
     )  # fmt: skip
 
 
-def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, call):
+def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, call, delta=False):
     if cfg.shrink_r < max_rank:
         raise ValueError(f"a fused config holds {cfg.shrink_r} rank rows, max_rank is {max_rank}")
     gemv_rows = cfg.gemv_r or cfg.shrink_r
@@ -699,7 +699,7 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
         PART_N=max(cfg.expand_n, _gemv_blocks(cfg, gemv_rows)) if cfg.gemv_max else cfg.expand_n,
         GEMV_MAX=cfg.gemv_max, GEMV_K=cfg.gemv_k, GEMV_N=cfg.gemv_n,
         GEMV_R=gemv_rows, GEMV_NARROW_R=cfg.gemv_narrow,
-        GEMV_HOIST=gemv_hoists(cfg, call.d_in, call.width, out_widths),
+        GEMV_HOIST=gemv_hoists(cfg, call.d_in, call.width, out_widths), DELTA=delta,
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules, out_widths),
     )  # fmt: skip
@@ -801,8 +801,15 @@ def lora_apply(
     config=None,
     fused: bool | None = None,
     rank_block: int = 16,
+    delta: bool = False,
 ):
     """The model's LoRA hook: y[:, slices] += scale · x · Aᵀ · Bᵀ, two launches or one.
+
+    ``delta``: y[:, slices] = scale · x · Aᵀ · Bᵀ instead, y's contents never read, on the fused
+    kernel (the call must take it): every token's rows are written, zeros where the token has
+    no delta, so the step's tile tables must list its tokens without an adapter too
+    (tile_table.block_tiles' zeros: rows ZERO_ROW; make_lora_tokens(zeros=True),
+    StepBatch.fill(zero_tiles=True)). The base GEMM then adds onto it (models/llama.py).
 
     ``workspace`` (optional): a contiguous fp32 device buffer of at least
     ``workspace_size(T, len(modules), max_rank)`` elements; without it one is allocated
@@ -836,10 +843,18 @@ def lora_apply(
             f"workspace must be a contiguous float32 buffer of at least {need} "
             f"elements on {x.device}, got {workspace.numel()} {workspace.dtype}"
         )
+    if delta and not cfg.fused:
+        raise ValueError(
+            f"delta=True writes the delta on the fused kernel; this call ({t} tokens, max_rank "
+            f"{max_rank}, fused={fused}) takes the two launches"
+        )
     if t == 0:
         return
     if cfg.fused:  # one launch, h stays in registers: no workspace
-        _fused(y, x, pool_layer, index, tokens, modules, tuple(out_widths), max_rank, cfg, call)
+        _fused(
+            y, x, pool_layer, index, tokens, modules, tuple(out_widths), max_rank, cfg, call,
+            delta,
+        )  # fmt: skip
         return
     if workspace is None:
         workspace = torch.empty(need, dtype=torch.float32, device=x.device)

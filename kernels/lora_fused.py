@@ -40,7 +40,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.tile_table import ZERO_ROW
 from kernels.tiles import table_tile
+
+_ZERO_ROW = tl.constexpr(ZERO_ROW)
 
 
 @triton.jit
@@ -71,25 +74,38 @@ def lora_fused_kernel(
     GEMV_R: tl.constexpr = 16,  # the GEMV body's rank rows (>= MAX_RANK; no dot: 8 is allowed)
     GEMV_NARROW_R: tl.constexpr = 0,  # with GEMV_R twice this: the rows of small-rank tiles
     GEMV_HOIST: tl.constexpr = False,  # one-token tiles whose slice fits one block: loads first
+    DELTA: tl.constexpr = False,  # y = the delta (every token: ZERO_ROW tiles) rather than y +=
 ):  # fmt: skip
     q = tl.program_id(0)
     s = q // PARTS
     p = q % PARTS
-    if MASKED:
-        if tl.load(mods_ptr + _pick3(s, M0, M1, M2)) == 0:  # no adapter of the step has it
-            return
+    m = _pick3(s, M0, M1, M2)
+    if not DELTA:
+        if MASKED:
+            if tl.load(mods_ptr + m) == 0:  # no adapter of the step has it
+                return
     a, m_start, m_end = table_tile(tiles_ptr, tl.program_id(1))
     if a < 0:
-        return
+        if not DELTA:
+            return
+        if a != _ZERO_ROW:  # past the step's last tile
+            return
     width = _pick3(s, N0, N1, N2)
     per = tl.cdiv(tl.cdiv(width, PART_N), PARTS) * PART_N
     lo = p * per
     hi = tl.minimum(lo + per, width)
     if lo >= hi:  # a narrow slice (GQA k, v) has fewer blocks than parts
         return
-    a64 = a.to(tl.int64)
-    m = _pick3(s, M0, M1, M2)
+    y_base = y_ptr + _pick3(s, 0, N0, N0 + N1)
+    a64 = tl.maximum(a, 0).to(tl.int64)
     rank = tl.minimum(tl.load(ranks_ptr + a64 * stride_idx + m), MAX_RANK)
+    if DELTA:  # tokens without this module's delta get zeros: no adapter, rank 0, none has it
+        rank = tl.where(a < 0, 0, rank)
+        if MASKED:
+            rank = tl.where(tl.load(mods_ptr + m) == 0, 0, rank)
+        if rank == 0:
+            _store_zeros(y_base, stride_yt, m_start, m_end, lo, hi, BLOCK_M, BLOCK_N)
+            return
     if rank == 0:
         return
     table_row = table_ptr + a64 * stride_table
@@ -97,13 +113,12 @@ def lora_fused_kernel(
     a_base = table_row + tl.load(a_off_ptr + a64 * stride_idx + m)
     b_base = table_row + tl.load(b_off_ptr + a64 * stride_idx + m)
     scale = tl.load(scales_ptr + a64 * stride_scale + m)
-    y_base = y_ptr + _pick3(s, 0, N0, N0 + N1)
     if GEMV_HOIST:  # the host checked that a slice's A and Bᵀ rows fit one GEMV block
         if m_end - m_start == 1:
             _token_gemv(
                 x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
                 a_base, b_base, scale, rank, width, m_start, lo, hi,
-                D_IN, W, GEMV_K, GEMV_N, GEMV_R,
+                D_IN, W, GEMV_K, GEMV_N, GEMV_R, DELTA,
             )  # fmt: skip
             return
     if GEMV_MAX > 0:
@@ -114,19 +129,35 @@ def lora_fused_kernel(
                         x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
                         a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
                         D_IN, W, IN_CHUNKS, GEMV_MAX, 2 * GEMV_K, 2 * GEMV_N, GEMV_NARROW_R,
+                        DELTA,
                     )  # fmt: skip
                     return
             _tile_gemv(
                 x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
                 a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
-                D_IN, W, IN_CHUNKS, GEMV_MAX, GEMV_K, GEMV_N, GEMV_R,
+                D_IN, W, IN_CHUNKS, GEMV_MAX, GEMV_K, GEMV_N, GEMV_R, DELTA,
             )  # fmt: skip
             return
     _tile_dot(
         x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
         a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
-        D_IN, W, IN_CHUNKS, BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_R, DOT_F32,
+        D_IN, W, IN_CHUNKS, BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_R, DOT_F32, DELTA,
     )  # fmt: skip
+
+
+@triton.jit
+def _store_zeros(
+    y_base, stride_yt, m_start, m_end, lo, hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """A tile's rows of columns [lo, hi) of a delta are zeros (a DELTA launch's tile of tokens
+    without this slice's delta)."""
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    y_rows = y_base + offs_m[:, None].to(tl.int64) * stride_yt
+    m_ok = (offs_m < m_end)[:, None]
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=y_base.dtype.element_ty)
+    for n0 in range(lo, hi, BLOCK_N):
+        nn = n0 + tl.arange(0, BLOCK_N)
+        tl.store(y_rows + nn[None, :], zeros, mask=m_ok & (nn < hi)[None, :])
 
 
 @triton.jit
@@ -135,9 +166,10 @@ def _tile_dot(
     a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
     D_IN: tl.constexpr, W: tl.constexpr, IN_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, DELTA: tl.constexpr,
 ):  # fmt: skip
-    """A tile's shrink and expand as dots of its BLOCK_M-row token block (tensor cores)."""
+    """A tile's shrink and expand as dots of its BLOCK_M-row token block (tensor cores); with
+    DELTA the tile's rows of y are written, not read."""
     rows = tl.arange(0, BLOCK_R)  # every rank row at once: BLOCK_R >= MAX_RANK
     row_ok = rows < rank
     a_pos = a_base + rows * IN_CHUNKS
@@ -180,12 +212,13 @@ def _tile_dot(
             n_ok = nn < c_end
             bt = tl.load(bt_rows + nn[None, :], mask=row_ok[:, None] & n_ok[None, :], other=0.0)
             y_ok = m_ok[:, None] & n_ok[None, :]
-            yb = tl.load(y_rows + nn[None, :], mask=y_ok, other=0.0)
             if DOT_F32:
                 acc = tl.dot(hd, bt.to(tl.float32), input_precision="ieee")
             else:
                 acc = tl.dot(hd, bt.to(hd.dtype))  # [M, R] x [R, N]
-            out = yb.to(tl.float32) + acc * scale
+            out = acc * scale
+            if not DELTA:
+                out += tl.load(y_rows + nn[None, :], mask=y_ok, other=0.0).to(tl.float32)
             tl.store(y_rows + nn[None, :], out.to(y_base.dtype.element_ty), mask=y_ok)
 
 
@@ -195,7 +228,7 @@ def _tile_gemv(
     a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
     D_IN: tl.constexpr, W: tl.constexpr, IN_CHUNKS: tl.constexpr,
     GEMV_MAX: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr, DELTA: tl.constexpr,
 ):  # fmt: skip
     """A tile of at most GEMV_MAX tokens, token by token against each weight block held in
     registers (CUDA cores). BLOCK_R (the launch's GEMV_R) >= MAX_RANK: every rank row at once."""
@@ -242,8 +275,9 @@ def _tile_gemv(
                 ht = tl.sum(tl.where(toks[:, None] == t, h, 0.0), axis=0)  # [R]: token t's h
                 acc = tl.sum(ht[:, None] * bt, axis=0)  # [N]
                 y_ptrs = y_base + (m_start + t).to(tl.int64) * stride_yt + nn
-                yb = tl.load(y_ptrs, mask=n_ok, other=0.0)
-                out = yb.to(tl.float32) + acc * scale
+                out = acc * scale
+                if not DELTA:
+                    out += tl.load(y_ptrs, mask=n_ok, other=0.0).to(tl.float32)
                 tl.store(y_ptrs, out.to(y_base.dtype.element_ty), mask=n_ok)
 
 
@@ -252,7 +286,7 @@ def _token_gemv(
     x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
     a_base, b_base, scale, rank, width, m, lo, hi,
     D_IN: tl.constexpr, W: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DELTA: tl.constexpr,
 ):  # fmt: skip
     """_tile_gemv for a tile of one token (row m) whose slice's A and Bᵀ rows each fit one
     weight block in one pool chunk (D_IN <= BLOCK_K and W; [lo, hi) within BLOCK_N columns of
@@ -275,10 +309,13 @@ def _token_gemv(
     bt = tl.load(bt_rows + nn[None, :], mask=row_ok[:, None] & n_ok[None, :], other=0.0)
     xv = tl.load(x_ptr + m.to(tl.int64) * stride_xt + kk, mask=k_ok, other=0.0)
     y_ptrs = y_base + m.to(tl.int64) * stride_yt + nn
-    yb = tl.load(y_ptrs, mask=n_ok, other=0.0)
+    if not DELTA:
+        yb = tl.load(y_ptrs, mask=n_ok, other=0.0)
     h = tl.sum(w.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)  # [R]
     if y_base.dtype.element_ty != tl.float32:  # rounded once, as the two-launch path rounds h
         h = h.to(y_base.dtype.element_ty).to(tl.float32)
     acc = tl.sum(h[:, None] * bt.to(tl.float32), axis=0)  # [N]
-    out = yb.to(tl.float32) + acc * scale
+    out = acc * scale
+    if not DELTA:
+        out += yb.to(tl.float32)
     tl.store(y_ptrs, out.to(y_base.dtype.element_ty), mask=n_ok)

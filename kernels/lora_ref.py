@@ -58,6 +58,7 @@ def make_lora_tokens(
     modules: Sequence[int] | None = None,
     one_token_tiles: bool = False,
     entries: Sequence[int] | None = None,
+    zeros: bool = False,
 ) -> LoraTokens:
     """Build LoraTokens from per-token rows; pads to ``capacity`` segments with empty ones.
     ``modules``: the module ids some adapter of these rows has (None: every module).
@@ -93,10 +94,10 @@ def make_lora_tokens(
                 raise ValueError(f"the entries end at token {cuts[-1]}, the step has {t}")
             per_token = tl.tolist()
             flat = tile_table.block_tiles(
-                cuts, [per_token[c] if c < t else -1 for c in cuts[:-1]], block
+                cuts, [per_token[c] if c < t else -1 for c in cuts[:-1]], block, zeros
             )
         else:
-            flat = tile_table.block_tiles(starts, rows, block)
+            flat = tile_table.block_tiles(starts, rows, block, zeros)
         if flat:
             tiles[b, : len(flat) // 3] = torch.tensor(flat, dtype=torch.int32).view(-1, 3)
     mask = None
@@ -188,7 +189,11 @@ def lora_apply(
     modules: tuple[int, ...],
     out_widths: tuple[int, ...],
     max_rank: int,
+    delta: bool = False,
 ) -> None:
-    """The model's LoRA hook: y[:, slices] += scale · x · Aᵀ · Bᵀ for every token's adapter."""
+    """The model's LoRA hook: y[:, slices] += scale · x · Aᵀ · Bᵀ for every token's adapter;
+    with ``delta``, y[:, slices] = that delta (zeros for tokens without one)."""
     h = lora_shrink(x, pool_layer, index, tokens, modules, max_rank)
+    if delta:
+        y.zero_()
     lora_expand(y, h, pool_layer, index, tokens, modules, out_widths)

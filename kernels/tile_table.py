@@ -31,6 +31,10 @@ from collections.abc import Sequence
 TILE_BLOCKS = (16, 32, 64)  # the BLOCK_M values a launch may use; one table each
 FIELDS = 3  # row, first token, end token
 EMPTY = (-1, 0, 0)
+# The row of a tile of tokens without an adapter (base-model tokens, a graph's padding), listed
+# only where a fused launch writes the LoRA delta rather than adding it (block_tiles' zeros):
+# its programs write zeros there, so that the delta covers every token.
+ZERO_ROW = -2
 # Query rows per tile of the prefill attention kernel (kernels/attention.py), whose table the
 # engine writes beside the LoRA ones: (sequence, first row, end row) for the sequences of two
 # query rows or more.
@@ -48,10 +52,15 @@ def table_rows(num_tokens: int, num_segments: int) -> int:
     return max(1, max_tiles(num_tokens, TILE_BLOCKS[0], num_segments))
 
 
-def block_tiles(starts: Sequence[int], rows: Sequence[int], block: int) -> list[int]:
+def block_tiles(
+    starts: Sequence[int], rows: Sequence[int], block: int, zeros: bool = False
+) -> list[int]:
     """The tiles of segments ``rows`` (segment g covers tokens starts[g]:starts[g+1]) with an
     adapter (row >= 0), flattened (row, start, end, ...): the tiles of two tokens or more
-    first, then those of one, each kind in token order.
+    first, then those of one, each kind in token order. With ``zeros`` the segments without an
+    adapter are tiles too, of row ZERO_ROW, listed first (a launch that writes the delta
+    instead of adding it: kernels/lora.py lora_apply's delta); they count toward max_tiles'
+    bound like the others.
 
     Why that order: programs start roughly in table order, and in the fused LoRA kernel a tile of
     several tokens (a prompt's, its dot body) takes several times as long as one of one token (a
@@ -66,17 +75,21 @@ def block_tiles(starts: Sequence[int], rows: Sequence[int], block: int) -> list[
     whose two-launch rows, which neither change touches, agree within 1%)."""
     out: list[int] = []
     ones: list[int] = []
+    zero: list[int] = []
     for g, row in enumerate(rows):
-        if row < 0:
-            continue
         end = starts[g + 1]
+        if row < 0:
+            if zeros:
+                for s in range(starts[g], end, block):
+                    zero.extend((ZERO_ROW, s, min(s + block, end)))
+            continue
         if end - starts[g] == 1:
             ones += (row, starts[g], end)
             continue
         for s in range(starts[g], end, block):
             e = min(s + block, end)
             (out if e - s > 1 else ones).extend((row, s, e))
-    return out + ones
+    return zero + out + ones
 
 
 def query_tiles(starts: Sequence[int], block: int = ATTENTION_BLOCK) -> list[int]:

@@ -102,14 +102,16 @@ def lora_tokens(
     capacity: int | None = None,
     one_token: bool = False,
     entries: list[int] | None = None,
+    zeros: bool = False,
 ) -> LoraTokens:
     """LoraTokens with a fixed segment capacity, larger than needed (empty padding segments);
     by default three more than the tokens. ``one_token``: the smallest block's tiles cut each
     of ``entries`` (their first tokens and the end) apart, by default every token
-    (make_lora_tokens' one_token_tiles)."""
+    (make_lora_tokens' one_token_tiles); ``zeros``: the tokens without an adapter are tiles
+    too (a delta launch's)."""
     cap = capacity or max(1, rows.numel()) + 3
     return make_lora_tokens(
-        rows.to(device), capacity=cap, one_token_tiles=one_token, entries=entries
+        rows.to(device), capacity=cap, one_token_tiles=one_token, entries=entries, zeros=zeros
     )
 
 

@@ -91,24 +91,30 @@ def _ranks(
 
 def _check_apply(
     shape, ranks, rows, dtype, gen, config=SMALL, workspace=None, path=None, masked=False,
-    one_token=False, entries=None,
+    one_token=False, entries=None, delta=False,
 ):  # fmt: skip
     """lora_apply against the reference; ``masked``: the tokens list the modules the rows'
     adapters have, as the engine's steps do (LoraTokens.modules); ``one_token``: the 16-token
     tile table lists every token as its own tile (a decode step's on one-token tiles), or with
-    ``entries`` (their first tokens and the end) each entry's tokens apart (a mixed step's)."""
+    ``entries`` (their first tokens and the end) each entry's tokens apart (a mixed step's);
+    ``delta``: the launch writes the delta into y, which starts as NaN, so every element it
+    leaves unwritten shows (tokens without an adapter must get zeros)."""
     max_rank = max(max(r.values()) for r in ranks)
     if path is not None:
         config = _config(path, shape, rows.numel(), max_rank, parts=1 + rows.numel() % 3)
     dims = {m: (shape.d_in, w) for m, w in zip(shape.modules, shape.widths, strict=True)}
     setup = build_adapters(ranks, dims, shape.width, dtype, DEVICE, gen)
-    tokens = lora_tokens(rows, DEVICE, SEG_CAPACITY, one_token=one_token, entries=entries)
+    tokens = lora_tokens(
+        rows, DEVICE, SEG_CAPACITY, one_token=one_token, entries=entries, zeros=delta
+    )
     if masked:
         used = {m for row in rows.tolist() if row >= 0 for m, r in ranks[row].items() if r}
         tokens = tokens._replace(modules=_module_mask(used))
     t = rows.numel()
     x = torch.randn(t, shape.d_in, generator=gen).to(dtype).to(DEVICE)
     y0 = torch.randn(t, sum(shape.widths), generator=gen).to(dtype).to(DEVICE)
+    if delta:
+        y0.fill_(float("nan"))
     y = y0.clone()
     lora.lora_apply(
         y,
@@ -121,14 +127,20 @@ def _check_apply(
         max_rank,
         config=config,
         workspace=workspace,
+        delta=delta,
     )
     ref = y0.double()
     lora_ref.lora_apply(
-        ref, x.double(), setup.pool[0], setup.index, tokens, shape.modules, shape.widths, max_rank
-    )
+        ref, x.double(), setup.pool[0], setup.index, tokens, shape.modules, shape.widths, max_rank,
+        delta=delta,
+    )  # fmt: skip
     assert_close(y, ref, dtype)
     base = rows.to(DEVICE) < 0
-    assert torch.equal(y[base], y0[base]), "base-only rows must stay untouched"
+    if delta:
+        assert not y.isnan().any(), "a delta launch must write every token's rows"
+        assert torch.equal(y[base], torch.zeros_like(y[base])), "tokens without an adapter: 0"
+    else:
+        assert torch.equal(y[base], y0[base]), "base-only rows must stay untouched"
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -399,6 +411,79 @@ def test_apply_prefill_segments(dtype, path):
     rows = torch.cat([torch.full((b - a,), r) for a, b, r in spans])
     rows[n // 2] = 3  # a one-token run inside a long one
     _check_apply(shape, ranks, rows.to(torch.int32), dtype, gen, path=path)
+
+
+@pytest.mark.parametrize("path", ("fused", "gemv"))
+@pytest.mark.parametrize("popularity", ("base_mix", "zipf"))
+@pytest.mark.parametrize("masked", (False, True))
+def test_apply_delta_writes_every_token(path, popularity, masked):
+    """delta=True (the engine's prefill-sized steps, whose base GEMM then adds onto it): y =
+    the delta for every token, zeros for tokens without an adapter and for modules an adapter
+    lacks, whatever y held; tiles on the dot and GEMV bodies, parts sharing columns."""
+    i = ("fused", "gemv").index(path) * 4 + ("base_mix", "zipf").index(popularity) * 2 + masked
+    gen = torch.Generator().manual_seed(300 + i)
+    shape = LORA_SHAPES[i % 2]
+    ranks = _ranks(ADAPTERS, shape.modules, RANKS, gen)
+    rows = token_rows(popularity, POP_BATCH, ADAPTERS, gen, grouped=True)
+    _check_apply(shape, ranks, rows, DTYPES[i % len(DTYPES)], gen, path=path, masked=masked,
+                 delta=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ("fused", "gemv"))
+def test_apply_delta_of_a_mixed_step_apart_and_padded(path):
+    """A mixed step's delta with its decode tokens apart (one-token tiles), a base-model
+    entry among them and padding tokens after (a CUDA graph's): every token written."""
+    gen = torch.Generator().manual_seed(17)
+    shape = LORA_SHAPES[0]
+    ranks = _ranks(4, shape.modules, RANKS, gen)
+    prompt = PREFILL_TOKENS // 2
+    rows = torch.tensor([0, 1, 1, -1, 2] + [3] * prompt + [-1] * 5, dtype=torch.int32)
+    entries = [0, 1, 2, 3, 4, 5, 5 + prompt, rows.numel()]  # the padding: one entry
+    _check_apply(shape, ranks, rows, DTYPES[0], gen, path=path, one_token=True,
+                 entries=entries, delta=True)  # fmt: skip
+
+
+def test_apply_delta_of_a_module_marked_unused_is_zero():
+    """A module no adapter of the step has (LoraTokens.modules): its slice of the delta is
+    zeros for every token, adapters or not."""
+    gen = torch.Generator().manual_seed(19)
+    shape = next(s for s in LORA_SHAPES if s.modules == (GATE, UP))
+    ranks = [{GATE: RANKS[i % len(RANKS)], UP: 8} for i in range(ADAPTERS)]
+    rows = token_rows("base_mix", POP_BATCH, ADAPTERS, gen, grouped=True)
+    max_rank = max(RANKS)
+    dims = {m: (shape.d_in, w) for m, w in zip(shape.modules, shape.widths, strict=True)}
+    setup = build_adapters(ranks, dims, shape.width, DTYPES[0], DEVICE, gen)
+    tokens = lora_tokens(rows, DEVICE, SEG_CAPACITY, zeros=True)._replace(
+        modules=_module_mask({GATE})
+    )
+    x = torch.randn(rows.numel(), shape.d_in, generator=gen).to(DTYPES[0]).to(DEVICE)
+    y = torch.full((rows.numel(), sum(shape.widths)), float("nan"), dtype=DTYPES[0], device=DEVICE)
+    config = _config("fused", shape, rows.numel(), max_rank)
+    lora.lora_apply(
+        y, x, setup.pool[0], setup.index, tokens, shape.modules, shape.widths, max_rank,
+        config=config, delta=True,
+    )  # fmt: skip
+    up = y[:, shape.widths[0] :]
+    assert torch.equal(up, torch.zeros_like(up))
+    assert not y.isnan().any() and y[rows.to(DEVICE) >= 0, : shape.widths[0]].abs().sum() > 0
+
+
+def test_apply_delta_refuses_the_two_launches():
+    """The two launches add into y; a delta call that would take them is refused by name."""
+    gen = torch.Generator().manual_seed(23)
+    shape = LORA_SHAPES[0]
+    ranks = _ranks(ADAPTERS, shape.modules, RANKS, gen)
+    rows = token_rows("uniform", POP_BATCH, ADAPTERS, gen, grouped=True)
+    dims = {m: (shape.d_in, w) for m, w in zip(shape.modules, shape.widths, strict=True)}
+    setup = build_adapters(ranks, dims, shape.width, DTYPES[0], DEVICE, gen)
+    x = torch.randn(rows.numel(), shape.d_in, generator=gen).to(DTYPES[0]).to(DEVICE)
+    y = torch.zeros(rows.numel(), sum(shape.widths), dtype=DTYPES[0], device=DEVICE)
+    tokens = lora_tokens(rows, DEVICE, SEG_CAPACITY, zeros=True)
+    with pytest.raises(ValueError, match="delta=True writes the delta on the fused kernel"):
+        lora.lora_apply(
+            y, x, setup.pool[0], setup.index, tokens, shape.modules, shape.widths, max(RANKS),
+            fused=False, delta=True,
+        )  # fmt: skip
 
 
 def _module_mask(modules) -> torch.Tensor:
