@@ -100,33 +100,39 @@ def test_cuda_fused_decode_path_matches_hf_peft(tiny_models, monkeypatch, single
     assert_matches_hf(tiny_models, "tiny-llama", *run[:3])
 
 
-def test_cuda_narrow_mixed_steps_match_hf_peft(tiny_models, monkeypatch):
+@pytest.mark.parametrize(
+    "preset, addend", [("tiny-llama", False), ("tiny-llama", True), ("tiny-qwen2", True)]
+)
+def test_cuda_narrow_mixed_steps_match_hf_peft(tiny_models, monkeypatch, preset, addend):
     """Mixed steps sized for FUSED_PREFILL_MAX_ROWS rank rows (NARROW: every adapter of the step
     fits them; every call fused), with the prefill-sized threshold lowered so that the parity
     run's mixed steps count as prefill-sized and the single-slice threshold so that their o and
     down calls fuse at these sizes too, in an engine sized for rank 64; steps of the rank-32
-    adapter keep the engine's rows, on two launches of 32-row programs (WIDE). Every step
-    against HF + PEFT."""
+    adapter keep the engine's rows, on two launches of 32-row programs (WIDE). ``addend``
+    (EngineConfig.lora_addend): the NARROW steps' calls write their deltas, every token's (the
+    base model's and the graphs' padding as zeros), and the GEMMs add onto them, q/k/v biases
+    included. Every step against HF + PEFT."""
     monkeypatch.setattr(lora_paths, "FUSED_MAX_TOKENS", 16)
     monkeypatch.setattr(lora_paths, "FUSED_SINGLE_SLICE_MIN_ROWS", 16)
-    run = _mixed_run(tiny_models, "tiny-llama", "float32", max_lora_rank=64)
+    run = _mixed_run(tiny_models, preset, "float32", max_lora_rank=64, lora_addend=addend)
     core = run[3]
     assert core.runner.narrow_graph_sizes
     paths = {(r.graph, r.lora) for r in core.step_log.recent}
     assert (True, "fused, narrow") in paths and (True, "two launches, wide") in paths
-    assert_matches_hf(tiny_models, "tiny-llama", *run[:3])
+    assert_matches_hf(tiny_models, preset, *run[:3])
 
 
-def test_cuda_wide_fused_mixed_steps_match_hf_peft(tiny_models, monkeypatch):
+@pytest.mark.parametrize("addend", [False, True])
+def test_cuda_wide_fused_mixed_steps_match_hf_peft(tiny_models, monkeypatch, addend):
     """Mixed steps with the rank-32 adapter among several (WIDE_FUSED_MIN_ADAPTERS lowered to
     2, the prefill-sized threshold to 16 tokens) run every call fused at WIDE_FUSED_ROWS rank
     rows in an engine sized for rank 64 (kernels.lora_paths.prefill_step_fuses_wide; the
-    single-slice threshold lowered so that o and down fuse too), graphs included; every step
-    against HF + PEFT."""
+    single-slice threshold lowered so that o and down fuse too), graphs included; ``addend``:
+    their GEMMs add onto the deltas (EngineConfig.lora_addend). Every step against HF + PEFT."""
     monkeypatch.setattr(lora_paths, "FUSED_MAX_TOKENS", 16)
     monkeypatch.setattr(lora_paths, "FUSED_SINGLE_SLICE_MIN_ROWS", 16)
     monkeypatch.setattr(lora_paths, "WIDE_FUSED_MIN_ADAPTERS", 2)
-    run = _mixed_run(tiny_models, "tiny-llama", "float32", max_lora_rank=64)
+    run = _mixed_run(tiny_models, "tiny-llama", "float32", max_lora_rank=64, lora_addend=addend)
     core = run[3]
     assert core.runner.wide_fused_graph_sizes == core.runner.narrow_graph_sizes
     paths = {(r.graph, r.lora) for r in core.step_log.recent}
@@ -223,19 +229,25 @@ def test_cuda_large_decode_steps_on_one_token_tiles_match_hf_peft(tiny_models):
     assert_matches_hf(tiny_models, "tiny-llama", model_dir, requests, results)
 
 
-def test_cuda_narrow_mixed_steps_with_decode_tokens_apart_match_hf_peft(tiny_models, monkeypatch):
+@pytest.mark.parametrize("addend", [False, True])
+def test_cuda_narrow_mixed_steps_with_decode_tokens_apart_match_hf_peft(
+    tiny_models, monkeypatch, addend
+):
     """Mixed steps of rank-4 and rank-8 adapters in an engine sized for rank 64 (NARROW, with
     the prefill-sized threshold lowered so that these steps count), whose decode tokens share
     adapters a few to one beside new prompts on the same adapters: each decode token takes a
     one-token tile (lora_paths.mixed_decodes_apart) in graphs and eagerly; every token against
     HF + PEFT, the pool intact. (max_loras 32: the batch's segment capacity, max_loras + 2,
-    bounds the tiles a step's table holds; with the default 8 most steps keep the segments'.)"""
+    bounds the tiles a step's table holds; with the default 8 most steps keep the segments'.)
+    ``addend``: the deltas written first, the base-model entries and the padding as zero
+    tiles among the one-token ones."""
     monkeypatch.setattr(lora_paths, "FUSED_MAX_TOKENS", 16)
     monkeypatch.setattr(lora_paths, "FUSED_SINGLE_SLICE_MIN_ROWS", 16)
     model_dir = tiny_models.model("tiny-llama")
     recorder = Recorder()
     core = make_core(model_dir, recorder, device="cuda", dtype="float32", max_num_seqs=32,
-                     max_num_batched_tokens=96, max_lora_rank=64, max_loras=32)  # fmt: skip
+                     max_num_batched_tokens=96, max_lora_rank=64, max_loras=32,
+                     lora_addend=addend)  # fmt: skip
     # 27 on six adapters, 3 on the base model; ten arrive every 3 steps
     keys = [i % 6 if i % 10 != 9 else None for i in range(30)]
     lens = [5 + 3 * (i % 5) for i in range(30)]
@@ -253,11 +265,24 @@ def test_cuda_narrow_mixed_steps_with_decode_tokens_apart_match_hf_peft(tiny_mod
 
 @pytest.mark.parametrize("preset, overlap, side_stream", MIXED_RUNS, ids=MIXED_IDS)
 def test_cuda_bfloat16_mixed_batch_tracks_hf_peft(tiny_models, preset, overlap, side_stream):
+    run = _mixed_run(tiny_models, preset, "bfloat16", overlap=overlap, lora_side_stream=side_stream)
+    _assert_tracks_hf(tiny_models, preset, *run[:3])
+
+
+def test_cuda_bfloat16_addend_steps_track_hf_peft(tiny_models, monkeypatch):
+    """bfloat16 with lora_addend: the NARROW steps' GEMMs add onto deltas rounded to bf16 (one
+    rounding of the sum, where in place rounds the GEMM's output and then the sum)."""
+    monkeypatch.setattr(lora_paths, "FUSED_MAX_TOKENS", 16)
+    monkeypatch.setattr(lora_paths, "FUSED_SINGLE_SLICE_MIN_ROWS", 16)
+    run = _mixed_run(tiny_models, "tiny-qwen2", "bfloat16", max_lora_rank=64, lora_addend=True)
+    assert any(r.graph and r.lora == "fused, narrow" for r in run[3].step_log.recent)
+    _assert_tracks_hf(tiny_models, "tiny-qwen2", *run[:3])
+
+
+def _assert_tracks_hf(tiny_models, preset, model_dir, requests, results) -> None:
+    """Teacher forcing: HF in float32 fed each request's own tokens, logits within BF16_RTOL."""
     from tests.inference.engine_harness import _hf_model
 
-    model_dir, requests, results, _ = _mixed_run(
-        tiny_models, preset, "bfloat16", overlap=overlap, lora_side_stream=side_stream
-    )
     for req, name in requests:
         adapter_dir = None if name is None else tiny_models.adapter(preset, name)
         got = results[req.request_id]

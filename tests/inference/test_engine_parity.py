@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import lora_paths
 from services.inference.engine.api import AdapterKey, GenerationRequest
-from services.inference.engine.model_runner import SIDE_STREAM_MAX_TOKENS
+from services.inference.engine.model_runner import ADDEND_MODES, SIDE_STREAM_MAX_TOKENS
 from services.inference.engine.sampling_params import SamplingParams
 from tests.inference.engine_harness import Recorder, hf_greedy, make_core, relative_error, run
 from tests.inference.models import PARITY_ADAPTERS
@@ -127,6 +128,43 @@ def test_mixed_batch_matches_hf_peft(tiny_models, preset, overlap, side_stream):
     assert all(b == (side_stream and n <= SIDE_STREAM_MAX_TOKENS) for n, b in beside)
     assert any(n <= SIDE_STREAM_MAX_TOKENS for n, _ in beside)  # both kinds of step ran
     assert any(n > SIDE_STREAM_MAX_TOKENS for n, _ in beside)
+    core.check_integrity()
+    assert core.stats().kv_pages == 0
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
+def test_addend_steps_match_hf_peft(tiny_models, monkeypatch, preset):
+    """With lora_addend, the prefill-sized steps whose calls are all fused (NARROW: every
+    adapter within 16 rank rows; WIDE_FUSED: the rank-32 adapter among several) write their
+    LoRA deltas first and the base GEMMs add onto them, q/k/v biases after the deltas; the
+    thresholds lowered so that the parity run's mixed steps count as prefill-sized. Every
+    request against HF + PEFT, and only those modes' steps take the addend."""
+    monkeypatch.setattr(lora_paths, "FUSED_MAX_TOKENS", 16)
+    monkeypatch.setattr(lora_paths, "FUSED_SINGLE_SLICE_MIN_ROWS", 16)
+    monkeypatch.setattr(lora_paths, "WIDE_FUSED_MIN_ADAPTERS", 2)
+    model_dir = tiny_models.model(preset)
+    recorder = Recorder()
+    core = make_core(model_dir, recorder, max_num_batched_tokens=48, max_lora_rank=64,
+                     lora_addend=True)  # fmt: skip
+    seen = []  # per step with LoRA calls: its mode, whether they took the addend
+    lora_for = core.runner._lora_for
+
+    def spy(mode, modules):
+        lora = lora_for(mode, modules)
+        if lora is not None:
+            seen.append((mode, lora.addend, lora.beside))
+        return lora
+
+    core.runner._lora_for = spy
+    for name in PARITY_ADAPTERS:
+        core.add_adapter_dir(AdapterKey(name, 1), tiny_models.adapter(preset, name))
+    requests = _requests(core.model_config.vocab_size)
+    results = run(core, plan_arrivals(requests), recorder)
+    assert_matches_hf(tiny_models, preset, model_dir, requests, results)
+    assert all(addend == (mode in ADDEND_MODES) for mode, addend, _ in seen)
+    assert {mode for mode, addend, _ in seen if addend} == set(ADDEND_MODES)
+    assert any(not addend for _, addend, _ in seen)  # decode-sized steps kept the in-place add
+    assert not any(addend and beside for _, addend, beside in seen)
     core.check_integrity()
     assert core.stats().kv_pages == 0
 

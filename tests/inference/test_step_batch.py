@@ -122,6 +122,52 @@ def test_one_token_tiles_of_a_mixed_step_cut_each_entry_apart():
     assert not b.tiles_apart
 
 
+def _cover(table: torch.Tensor, t: int) -> list[int]:
+    """Each token's tile row in a tile table (every token in exactly one tile), -1 if none."""
+    rows = [-1] * t
+    for row, start, end in table.tolist():
+        if row == -1:
+            break
+        for k in range(start, end):
+            assert rows[k] == -1, f"token {k} in two tiles"
+            rows[k] = row
+    return rows
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_zero_tiles_cover_every_token_padding_included(apart):
+    """fill(zero_tiles=True), a step whose fused LoRA calls write their deltas (the GEMMs add
+    onto them): every table lists every token exactly once, base-model tokens and a mixed
+    graph's padding as ZERO_ROW tiles (first), with or without the decode tokens apart; the
+    next fill without them lists adapter tokens only."""
+    from kernels.tile_table import TILE_BLOCKS, ZERO_ROW
+
+    b = StepBatch(
+        max_tokens=64, max_seqs=8, max_pages_per_seq=8, max_segments=6, page_size=4,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    entries = [
+        BatchEntry([7], 2, [0], None, True),  # a base-model decode
+        BatchEntry(list(range(18)), 0, list(range(1, 6)), None, False),  # a base prompt's chunk
+        BatchEntry([7], 2, [6], 2, True),
+        BatchEntry(list(range(20)), 0, list(range(7, 12)), 2, True),  # tokens 20..39
+        BatchEntry([7], 2, [12], 5, True),
+    ]
+    b.fill(entries, pad_tokens=48, pad_seqs=7, one_token_tiles=apart, zero_tiles=True)
+    want = [ZERO_ROW] * 19 + [2] * 21 + [5] + [ZERO_ROW] * 7
+    tiles = b.lora_tokens.tiles
+    for k, block in enumerate(TILE_BLOCKS):
+        assert _cover(tiles[k], 48) == want, block
+        listed = [r for r, _, _ in tiles[k].tolist() if r != -1]
+        assert listed == sorted(listed, key=lambda r: r != ZERO_ROW)  # the zero tiles first
+        assert all(e - s <= block for r, s, e in tiles[k].tolist() if r != -1)
+    assert b.tiles_apart == apart
+    if apart:  # the decode token on row 2 is a tile of its own
+        assert [2, 19, 20] in tiles[0].tolist()
+    b.fill(entries, pad_tokens=48, pad_seqs=7)
+    assert _cover(b.lora_tokens.tiles[0], 48) == [-1] * 19 + [2] * 21 + [5] + [-1] * 7
+
+
 def test_attention_tiles_list_the_prompts_and_forget_the_previous_step():
     """The prefill attention kernel's table (kernels/tile_table.query_tiles): the query rows
     of every sequence of two tokens or more, in 64-row tiles; a shorter step empties the rows

@@ -125,6 +125,7 @@ class StepBatch:
         pad_tokens: int | None = None,
         pad_seqs: int | None = None,
         one_token_tiles: bool = False,
+        zero_tiles: bool = False,
     ) -> None:
         """Write one step's metadata. Entries must be sorted by LoRA row (segments contiguous).
 
@@ -139,7 +140,9 @@ class StepBatch:
         step's fused calls on one-token tiles (kernels.lora_paths.one_token_step_fuses) and a
         mixed step's whose decode tokens take them (ModelRunner.step_lora). Steps of more
         adapter entries than their tiles' bound holds (tile_table.max_tiles over the segment
-        capacity) keep the segments' tiles."""
+        capacity) keep the segments' tiles. ``zero_tiles``: the LoRA tile tables also list the
+        tokens without an adapter, padding included (rows ZERO_ROW), for a step whose fused
+        calls write their deltas rather than add them (LoraContext.addend)."""
         if not entries:
             raise ValueError("a step needs at least one sequence")
         seqs = len(entries) if pad_seqs is None else pad_seqs
@@ -210,7 +213,9 @@ class StepBatch:
         entries_apart = None
         if one_token_tiles:
             entries_apart = (starts[: len(entry_rows) + 1], entry_rows)
-        self._write_tiles(seg_starts, seg_rows, starts, entries_apart)
+            if zero_tiles and t > real:  # the padding: one entry of no adapter
+                entries_apart = (entries_apart[0] + [t], entry_rows + [-1])
+        self._write_tiles(seg_starts, seg_rows, starts, entries_apart, zero_tiles)
         _write(h["lora_modules"], self._modules(seg_rows))
         # Unused segments are empty (start = end = t) and base-only, like make_lora_tokens pads.
         seg_starts += [t] * (self.max_segments + 1 - len(seg_starts))
@@ -335,20 +340,22 @@ class StepBatch:
         seg_rows: list[int],
         starts: list[int],
         entries: tuple[list[int], list[int]] | None,
+        zeros: bool = False,
     ) -> None:
         """Each block size's tiles of the step's adapter segments and the prefill attention
         tiles of its sequences (query ``starts``), into their host tables; the rows the previous
         step wrote past them go back to empty (row -1). With ``entries`` (each entry's query
         starts and LoRA row), the smallest block's tiles cut each entry apart instead (fill's
-        one_token_tiles), when the launches' tile bound holds them."""
+        one_token_tiles), when the launches' tile bound holds them. ``zeros``: the tokens
+        without an adapter are tiles too (fill's zero_tiles)."""
         lora = self._host["lora_tiles"]
-        apart = None if entries is None else block_tiles(*entries, TILE_BLOCKS[0])
+        apart = None if entries is None else block_tiles(*entries, TILE_BLOCKS[0], zeros)
         if apart is not None:
-            bound = max_tiles(starts[-1], TILE_BLOCKS[0], self.max_segments)
+            bound = max_tiles(entries[0][-1], TILE_BLOCKS[0], self.max_segments)
             if len(apart) // FIELDS > min(bound, lora.shape[1]):
                 apart = None
         self.tiles_apart = apart is not None
-        tables = [(lora[b], block_tiles(seg_starts, seg_rows, block) if b or apart is None
+        tables = [(lora[b], block_tiles(seg_starts, seg_rows, block, zeros) if b or apart is None
                    else apart) for b, block in enumerate(TILE_BLOCKS)]  # fmt: skip
         tables.append((self._host["attn_tiles"], query_tiles(starts, ATTENTION_BLOCK)))
         for i, (table, flat) in enumerate(tables):

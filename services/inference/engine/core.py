@@ -176,6 +176,7 @@ class EngineCore:
             self.model, self.pool, self.adapters.index, config.max_lora_rank,
             max_seqs, config.max_num_batched_tokens, self.max_len, max_loras,
             self.adapters.row_ranks, self.adapters.row_modules, config.lora_side_stream,
+            config.lora_addend,
         )  # fmt: skip
         graph_sizes = config.graph_sizes(max_seqs)
         if self.tp is not None:

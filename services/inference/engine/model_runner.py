@@ -77,6 +77,14 @@ class LoraMode(enum.Enum):
         }.get(self)  # fmt: skip
 
 
+# Steps whose LoRA deltas the base GEMMs add onto when the engine's lora_addend is on
+# (LoraContext.addend): the prefill-sized steps on which every call is fused. A prefill-sized
+# GEMM is compute-bound, so reading its addend in its epilogue mostly hides, where an in-place
+# LoRA call reads the GEMM's output back over HBM (at 2048 tokens 66 MB a layer for q/k/v and
+# o); the tokens without a delta (base model, padding) get zeros. Not measured on a GPU yet
+# (bench/lora_addend.py times it), so lora_addend is off by default.
+ADDEND_MODES = (LoraMode.NARROW, LoraMode.WIDE_FUSED)
+
 # Steps of at most this many tokens compute their LoRA deltas beside the base GEMMs when the
 # engine's lora_side_stream is on (LoraContext.beside): small decode steps, whose LoRA launches
 # are a few programs each and cost their latency. H200, Llama-7B shape, distinct rank-8 q/k/v/o
@@ -150,12 +158,15 @@ class ModelRunner:
         row_ranks: Sequence[int],
         row_modules: Sequence[int] | None = None,
         lora_side_stream: bool = False,
+        lora_addend: bool = False,
     ) -> None:
         """``row_ranks``: each LoRA index row's largest rank, kept current by the adapter
         manager (read per step to choose the kernel path); ``row_modules``: each row's modules
         as bits (StepBatch lists a step's modules from them; None: every module);
         ``lora_side_stream``: small decode steps (up to SIDE_STREAM_MAX_TOKENS tokens) compute
-        their LoRA deltas beside the base GEMMs (LoraContext), on a side stream on CUDA."""
+        their LoRA deltas beside the base GEMMs (LoraContext), on a side stream on CUDA;
+        ``lora_addend``: steps on ADDEND_MODES write their LoRA deltas first and their base GEMMs
+        add onto them (LoraContext.addend)."""
         self.model, self.pool = model, pool
         self.max_lora_rank = max_lora_rank
         self.row_ranks, self.row_modules = row_ranks, row_modules
@@ -163,6 +174,7 @@ class ModelRunner:
         # the step fits fewer (FUSED, NARROW): one shape per graph, whatever the step holds;
         # the kernels only compute up to each adapter's own rank.
         self.lora = LoraContext(lora_index, max_lora_rank)
+        self._addend = lora_addend
         self._side_tokens = 0
         if lora_side_stream:
             self._side_tokens = min(SIDE_STREAM_MAX_TOKENS, max_num_batched_tokens)
@@ -337,8 +349,15 @@ class ModelRunner:
         self.lora.fused, self.lora.rows, self.lora.modules = mode.fused, rows, modules
         self.lora.one_token = mode is LoraMode.ONE_TOKEN
         self.lora.rank_block = lora_paths.WIDE_RANK_ROWS if mode is LoraMode.WIDE else 16
-        self.lora.beside = 0 < self.batch.num_tokens <= self._side_tokens
+        self.lora.addend = self._zero_tiles(mode)
+        self.lora.beside = not self.lora.addend and 0 < self.batch.num_tokens <= self._side_tokens
         return self.lora
+
+    def _zero_tiles(self, mode: LoraMode) -> bool:
+        """Whether a step (or graph) of ``mode`` writes its LoRA deltas for its GEMMs to add
+        onto (LoraContext.addend), its tile tables listing every token (StepBatch.fill's
+        zero_tiles): with lora_addend, on ADDEND_MODES."""
+        return self._addend and mode in ADDEND_MODES
 
     def mixed_seqs(self, tokens: int) -> int:
         """Sequences a mixed graph of ``tokens`` tokens holds: a mixed step has a sequence of
@@ -452,15 +471,17 @@ class ModelRunner:
         ``one_token_tiles`` (StepBatch.fill; None: a ONE_TOKEN graph's)."""
         if one_token_tiles is None:
             one_token_tiles = key.lora is LoraMode.ONE_TOKEN
+        zeros = self._zero_tiles(key.lora)
         if key.tokens == key.seqs:  # a decode graph (a mixed one has fewer sequences than tokens)
             self.batch.fill(
                 [*entries, *[self._pad] * (key.seqs - len(entries))],
-                one_token_tiles=one_token_tiles,
-            )
+                one_token_tiles=one_token_tiles, zero_tiles=zeros,
+            )  # fmt: skip
         else:
             self.batch.fill(
-                entries, pad_tokens=key.tokens, pad_seqs=key.seqs, one_token_tiles=one_token_tiles
-            )
+                entries, pad_tokens=key.tokens, pad_seqs=key.seqs,
+                one_token_tiles=one_token_tiles, zero_tiles=zeros,
+            )  # fmt: skip
 
     def _graph_for(self, entries: Sequence[BatchEntry], step: StepLora) -> GraphKey | None:
         """The captured graph that serves this step, if any: one of its path (or the nearest
@@ -540,7 +561,9 @@ class ModelRunner:
             return logits[: sum(e.sample for e in entries)]
         self.last_graph, self.last_lora = False, step.mode
         self.fused_steps += step.mode is LoraMode.FUSED
-        self.batch.fill(entries, one_token_tiles=step.one_token_tiles)
+        self.batch.fill(
+            entries, one_token_tiles=step.one_token_tiles, zero_tiles=self._zero_tiles(step.mode)
+        )
         self.apart_steps += self.batch.tiles_apart and step.mode is LoraMode.NARROW
         if self.tp is not None:
             self.tp.send_step(self.batch, step)

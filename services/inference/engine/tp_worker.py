@@ -77,6 +77,7 @@ class Worker:
             self.model, self.pool, self.index, self.config.max_lora_rank, layout.max_num_seqs,
             self.config.max_num_batched_tokens, layout.max_len, layout.max_loras,
             [0] * layout.max_loras, lora_side_stream=self.config.lora_side_stream,
+            lora_addend=self.config.lora_addend,
         )  # fmt: skip
         self.runner.tp = self.group
         self.max_num_seqs = layout.max_num_seqs

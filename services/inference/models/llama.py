@@ -74,6 +74,14 @@ class LoraContext:
     kernels.lora_paths.one_token_step_fuses). A call none of whose modules is covered is not
     made: no adapter of the step has them.
 
+    ``addend`` (set per step by the engine: its prefill-sized steps whose calls are all fused):
+    each call writes its LoRA delta first, zeros for the tokens without one, and the base GEMM
+    adds x · Wᵀ onto it (cuBLAS's beta = 1, in the GEMM's epilogue), where otherwise the LoRA
+    kernel reads the GEMM's output back and writes it again. A prefill-sized GEMM is
+    compute-bound, so its extra read mostly hides, where the LoRA kernel's read of y is
+    bandwidth it waits on. The step's tile tables must then list its tokens without an adapter
+    too (StepBatch.fill's zero_tiles).
+
     ``beside`` (set per step by the engine, which gave the context a workspace with
     use_side_stream): the step's calls compute their LoRA delta into the zeroed workspace on a
     side stream while the base GEMM runs on the step's stream, which then adds it (linear_lora).
@@ -89,6 +97,7 @@ class LoraContext:
         self.modules: int | None = None
         self.rank_block = 16
         self.one_token = False
+        self.addend = False
         self.beside = False
         self._side: torch.cuda.Stream | None = None
         self._workspace: torch.Tensor | None = None  # 1-D, the output dtype
@@ -133,20 +142,27 @@ def linear_lora(
     widths: tuple[int, ...],
 ) -> torch.Tensor:
     """x · Wᵀ + b, then each token's LoRA delta added on the output slices ``modules`` (tokens
-    without an adapter cost the LoRA kernels nothing): in place after the GEMM, or with
-    ``lora.beside`` computed beside it into a buffer that is added after (LoraContext): [T,
-    d_out]."""
+    without an adapter cost the LoRA kernels nothing): in place after the GEMM, with
+    ``lora.addend`` written first for the GEMM to add onto, or with ``lora.beside`` computed
+    beside it into a buffer that is added after (LoraContext): [T, d_out]."""
     if lora is None or not lora.covers(modules):
         return F.linear(x, weight, bias)
 
-    def add_lora(out: torch.Tensor) -> None:
+    def add_lora(out: torch.Tensor, delta: bool = False) -> None:
         kernels.lora_apply(
             out, x, pool_layer, lora.index, batch.lora_tokens, modules, widths, lora.rows,
             fused=lora_paths.decode_call_fused(
                 lora.fused, x.shape[0], len(modules), lora.rows, lora.one_token
             ),
-            rank_block=lora.rank_block,
+            rank_block=lora.rank_block, delta=delta,
         )  # fmt: skip
+
+    if lora.addend:
+        y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        add_lora(y, delta=True)  # every row written: the delta, zeros without one
+        if bias is not None:
+            y.add_(bias)
+        return y.addmm_(x, weight.t())
 
     if not lora.beside:
         y = F.linear(x, weight, bias)
