@@ -1,0 +1,153 @@
+"""One decoder layer's attention projections with their LoRA calls, the LoRA delta added after
+the base GEMM (in place: the kernel reads the GEMM's output and writes it back) against the
+delta written first and the GEMM adding onto it (LoraContext.addend: cuBLAS's beta = 1), on the
+serving trace's prefill-sized mixed steps (CUDA).
+
+Each case is a step's composition: decode tokens on adapters drawn uniformly from n, beside
+prompts' prefill chunks each on an adapter of its own, optionally base-model tokens among them
+and padding after (a mixed CUDA graph's). Both variants run the engine's own hook
+(models/llama.py linear_lora) for q/k/v and o on Llama-2-7B shapes, bf16, every call fused as
+the engine's prefill-sized steps make them: S1 (rank 8) at 16 rank rows (LoraMode.NARROW), S2
+(ranks 8, 16, 32, 64 cycled) at 64 (LoraMode.WIDE_FUSED); and the base GEMMs alone. Times are
+µs a layer in a CUDA graph, over LAYERS copies of the layer so that one layer's weights do not
+stay in L2; the table gives each variant's LoRA time beyond the base GEMMs.
+
+    python bench/lora_addend.py [--out bench/results/lora_addend.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from bench import kernels as kb  # noqa: E402
+from bench.provenance import write_result  # noqa: E402
+from kernels import lora_paths  # noqa: E402
+from kernels.lora_layout import K, O, Q, V  # noqa: E402
+from kernels.lora_ref import make_lora_tokens  # noqa: E402
+from services.inference.models.llama import LoraContext, linear_lora  # noqa: E402
+
+LAYERS = 4
+H = kb.H
+# (workload, decode tokens, adapters they are drawn from, prefill chunks, base tokens, padded to)
+CASES = (
+    ("S1", 400, 1000, (400, 400, 400, 400), 0, 2048),
+    ("S1", 400, 1000, (200, 200, 200), 0, 1024),
+    ("S1", 300, 1000, (512, 512, 512), 0, 2048),
+    ("S1", 300, 100, (512, 512, 512), 0, 2048),
+    ("S1", 300, 5, (512, 512, 512), 0, 2048),
+    ("S1", 0, 5, (1024, 1024), 0, 2048),
+    ("S1", 200, 100, (300,), 0, 512 + 64),
+    ("S1", 200, 100, (512, 512), 300, 2048),
+    ("S1", 200, 100, (300,), 1200, 1728),  # mostly base-model tokens: their zeros cost
+    ("S2", 400, 1000, (400, 400, 400, 400), 0, 2048),
+    ("S2", 300, 100, (512, 512, 512), 0, 2048),
+    ("S2", 400, 100, (200, 200, 200), 0, 1024),
+)
+RANKS = {"S1": (8,), "S2": (8, 16, 32, 64)}
+ROWS = {"S1": lora_paths.FUSED_PREFILL_MAX_ROWS, "S2": lora_paths.WIDE_FUSED_ROWS}
+
+
+def case_rows(decode: int, n: int, prefill: tuple[int, ...], base: int, gen) -> torch.Tensor:
+    """Each token's adapter row (-1: base model), grouped by adapter as the engine's steps are:
+    base tokens first, then decode tokens and prompts' chunks by adapter."""
+    rows = torch.randint(0, n, (decode,), generator=gen)
+    prompts = torch.randperm(n, generator=gen)[: len(prefill)]
+    entries = [(int(r), 1) for r in rows]
+    entries += [(int(p), k) for p, k in zip(prompts, prefill, strict=True)]
+    entries.sort(key=lambda e: e[0])
+    out = [-1] * base + [r for r, k in entries for _ in range(k)]
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def time_case(workload, decode, n, prefill, base, padded, gen) -> dict:
+    rows = case_rows(decode, n, prefill, base, gen)
+    real = rows.numel()
+    t = max(padded, real)
+    rows = torch.cat([rows, torch.full((t - real,), -1, dtype=torch.int32)])
+    ranks = RANKS[workload]
+    case = kb.build_lora(n, ranks, LAYERS, rows)
+    cap = min(n, 512) + 2  # the engine's segment capacity: min(resident, max_num_seqs) + 2
+    wqkv = [torch.randn(3 * H, H, dtype=kb.DT, device=kb.DEV) * 0.02 for _ in range(LAYERS)]
+    wo = [torch.randn(H, H, dtype=kb.DT, device=kb.DEV) * 0.02 for _ in range(LAYERS)]
+    xs = [torch.randn(t, H, dtype=kb.DT, device=kb.DEV) for _ in range(LAYERS)]
+    os_ = [torch.randn(t, H, dtype=kb.DT, device=kb.DEV) for _ in range(LAYERS)]
+    out: dict[str, float] = {}
+    results: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    for variant in ("base", "in_place", "addend"):
+        tokens = make_lora_tokens(case.rows, capacity=cap, zeros=variant == "addend")
+        batch = SimpleNamespace(lora_tokens=tokens)
+        lora = None
+        if variant != "base":
+            lora = LoraContext(case.index, max(ranks))
+            lora.fused, lora.rows, lora.modules = True, ROWS[workload], None
+            lora.addend = variant == "addend"
+
+        def fn(lora=lora, batch=batch, variant=variant):
+            for i in range(LAYERS):
+                qkv = linear_lora(
+                    xs[i], wqkv[i], None, batch, case.pool[i], lora, (Q, K, V), (H, H, H)
+                )
+                o = linear_lora(os_[i], wo[i], None, batch, case.pool[i], lora, (O,), (H,))
+                results[(variant, i)] = (qkv, o)
+
+        out[variant] = kb.timed(fn, LAYERS, eager=False).graph_us
+    # the two variants compute the same projections (within the roundings' difference)
+    for i in range(LAYERS):
+        for a, b in zip(results[("in_place", i)], results[("addend", i)], strict=True):
+            err = (a.float() - b.float()).abs().max().item()
+            scale = a.float().abs().max().item()
+            if not err <= 0.02 * scale:
+                raise AssertionError(f"addend differs from in place by {err} (max |y| {scale})")
+    used = int(torch.unique(rows[rows >= 0]).numel())
+    row = dict(
+        workload=workload, tokens=t, real_tokens=real, decode_tokens=decode, adapters=n,
+        used=used, prefill=list(prefill), base_tokens=base, rows=ROWS[workload],
+        base_us=round(out["base"], 2), in_place_us=round(out["in_place"], 2),
+        addend_us=round(out["addend"], 2),
+        in_place_extra_us=round(out["in_place"] - out["base"], 2),
+        addend_extra_us=round(out["addend"] - out["base"], 2),
+    )  # fmt: skip
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=REPO / "bench/results/lora_addend.json")
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    head = (
+        f"{'case':<44} {'tokens':>6} {'used':>5} {'base':>8} {'in place':>9} {'addend':>8} "
+        f"{'extra':>7} {'extra':>7} {'ratio':>6}"
+    )
+    print("µs a layer (q/k/v and o GEMMs with their LoRA calls), CUDA graph")
+    print(head)
+    for c in CASES:
+        r = time_case(*c, gen)
+        rows.append(r)
+        name = f"{r['workload']} {r['decode_tokens']} on {r['adapters']} + {r['prefill']}"
+        name += f" + {r['base_tokens']} base" if r["base_tokens"] else ""
+        ratio = r["addend_extra_us"] / r["in_place_extra_us"] if r["in_place_extra_us"] else 0
+        print(
+            f"{name:<44} {r['tokens']:>6} {r['used']:>5} {r['base_us']:>8.1f} "
+            f"{r['in_place_us']:>9.1f} {r['addend_us']:>8.1f} {r['in_place_extra_us']:>7.1f} "
+            f"{r['addend_extra_us']:>7.1f} {ratio:>6.2f}",
+            flush=True,
+        )
+    write_result(
+        args.out,
+        "lora_addend.py",
+        {"benchmark": "lora_addend", "gpu": torch.cuda.get_device_name(), "rows": rows},
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""bench/lora_addend.py's premise: a step's projections are the same whether the LoRA delta is
+added after the GEMM (in place) or written first and the GEMM adds onto it (LoraContext.addend),
+for the step layouts it builds (base-model tokens first, then decode tokens and prompts by
+adapter, padding after): here on the CPU path, the reference kernels."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from bench import lora_addend
+from kernels.lora_layout import K, Q, V
+from kernels.lora_ref import make_lora_tokens
+from services.inference.models.llama import LoraContext, linear_lora
+from tests.kernels.pools import build_adapters
+
+
+def test_case_rows_group_the_step_as_the_engine_does():
+    gen = torch.Generator().manual_seed(0)
+    rows = lora_addend.case_rows(decode=6, n=4, prefill=(5, 3), base=2, gen=gen)
+    assert rows.numel() == 2 + 6 + 5 + 3
+    assert rows[:2].tolist() == [-1, -1]
+    assert rows[2:].tolist() == sorted(rows[2:].tolist())  # adapter runs, as steps are sorted
+    assert set(rows[2:].tolist()) <= set(range(4))
+
+
+def test_in_place_and_addend_give_the_same_projections():
+    gen = torch.Generator().manual_seed(1)
+    d, n = 32, 4
+    ranks = [{Q: 8, K: 4, V: 8}, {Q: 8, V: 2}, {Q: 4, K: 8, V: 8}, {Q: 8, K: 8, V: 8}]
+    dims = {m: (d, d) for m in (Q, K, V)}
+    setup = build_adapters(ranks, dims, d, torch.float32, torch.device("cpu"), gen)
+    rows = lora_addend.case_rows(decode=6, n=n, prefill=(9,), base=3, gen=gen)
+    rows = torch.cat([rows, torch.full((4,), -1, dtype=torch.int32)])  # padding
+    x = torch.randn(rows.numel(), d, generator=gen)
+    weight = torch.randn(3 * d, d, generator=gen)
+    bias = torch.randn(3 * d, generator=gen)
+    out = {}
+    for addend in (False, True):
+        batch = SimpleNamespace(lora_tokens=make_lora_tokens(rows, capacity=n + 2, zeros=addend))
+        lora = LoraContext(setup.index, 8)
+        lora.fused, lora.rows, lora.addend = True, 16, addend
+        out[addend] = linear_lora(x, weight, bias, batch, setup.pool[0], lora, (Q, K, V), (d,) * 3)
+    torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-5)
+    base = x @ weight.T + bias
+    assert torch.allclose(out[True][rows < 0], base[rows < 0], atol=1e-5)
+    assert not torch.allclose(out[True][rows >= 0], base[rows >= 0], atol=1e-3)  # deltas landed
