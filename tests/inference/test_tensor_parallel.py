@@ -64,6 +64,47 @@ def test_two_ranks_match_hf_peft(tiny_models, tp_core, preset, side_stream):
     assert core.stats().kv_pages == 0
 
 
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
+def test_two_ranks_with_the_addend_match_hf_peft(tiny_models, tp_core, preset):
+    """lora_addend under tensor parallelism: prefill-sized steps (over 512 tokens: a long
+    prompt beside short ones, adapters within 16 rank rows in an engine sized for 64, so NARROW)
+    write every rank's deltas first, the column-split q/k/v's and the row-split o's partial
+    ones alike, and each rank's GEMM adds onto them before o and down are summed. Token for
+    token against HF + PEFT, every rank's pool intact."""
+    model_dir = tiny_models.model(preset)
+    recorder = Recorder()
+    core = tp_core(preset, recorder, max_num_batched_tokens=640, max_lora_rank=64,
+                   lora_addend=True)  # fmt: skip
+    for name in ("r4", "r8", "r16"):
+        core.add_adapter_dir(AdapterKey(name, 1), tiny_models.adapter(preset, name))
+    gen = torch.Generator().manual_seed(5)
+    vocab = core.model_config.vocab_size
+    plan = [("r8", 540, 4), ("r4", 20, 5), (None, 30, 4), ("r16", 12, 5), ("r8", 9, 3)]
+    requests = []
+    for i, (name, length, new) in enumerate(plan):
+        req = GenerationRequest(
+            request_id=f"long{i}-{name or 'base'}",
+            prompt_token_ids=torch.randint(3, vocab, (length,), generator=gen).tolist(),
+            adapter=None if name is None else AdapterKey(name, 1),
+            sampling=SamplingParams(max_new_tokens=new, ignore_eos=True),
+        )
+        requests.append((req, name))
+    modes = []
+    lora_for = core.runner._lora_for
+
+    def spy(mode, modules):
+        lora = lora_for(mode, modules)
+        modes.append((mode, lora is not None and lora.addend))
+        return lora
+
+    core.runner._lora_for = spy
+    results = run(core, {0: [r for r, _ in requests]}, recorder)
+    assert (LoraMode.NARROW, True) in modes
+    assert_matches_hf(tiny_models, preset, model_dir, requests, results)
+    core.check_integrity()
+    assert core.stats().kv_pages == 0
+
+
 def test_workers_read_adapters_where_they_lie_in_the_shared_arena(tiny_models):
     """Adapter bytes in the engine's host arena (a memfd the workers map, as the engine process
     has it) are named by their offset, not sent: the same tokens as HF + PEFT, no bytes sent."""
