@@ -736,6 +736,16 @@ def workspace_size(
     return rows * max_rank
 
 
+def _no_zero_tiles(tokens, who: str) -> None:
+    """The two launches' programs stride over the tiles and stop at the first row below 0, so
+    tables that list tokens without an adapter (a delta step's) would cut their work short."""
+    if tokens.zero_tiles:
+        raise ValueError(
+            f"{who} cannot take tile tables that list tokens without an adapter "
+            "(LoraTokens.zero_tiles: a delta step's); use the fused kernel"
+        )
+
+
 def lora_shrink(x, pool_layer, index, tokens, modules, max_rank, *, out=None, config=None):
     """h = x · Aᵀ per slice, [T, slices, max_rank], zeros past each rank and for base tokens.
 
@@ -743,6 +753,7 @@ def lora_shrink(x, pool_layer, index, tokens, modules, max_rank, *, out=None, co
     """
     check_float("x", x)
     call = check_call(x, pool_layer, index, tokens, modules, max_rank, x.shape[1])
+    _no_zero_tiles(tokens, "lora_shrink")
     cfg = config or launch_config(x.shape[0], x.shape[1], call.width, max_rank, len(modules))
     cfg = cfg._replace(split_k=1)  # written straight into out
     shape = (x.shape[0], len(modules), max_rank)
@@ -770,6 +781,7 @@ def lora_expand(y, h, pool_layer, index, tokens, modules, out_widths, *, config=
         )
     max_rank = h.shape[2]
     call = check_call(y, pool_layer, index, tokens, modules, max_rank)
+    _no_zero_tiles(tokens, "lora_expand")
     cfg = config or launch_config(y.shape[0], 0, call.width, max_rank, len(modules))
     if call.num_tokens:
         _expand(
@@ -848,6 +860,13 @@ def lora_apply(
             f"delta=True writes the delta on the fused kernel; this call ({t} tokens, max_rank "
             f"{max_rank}, fused={fused}) takes the two launches"
         )
+    if delta and not tokens.zero_tiles:
+        raise ValueError(
+            "delta=True writes every token's rows: the tile tables must list the tokens "
+            "without an adapter too (LoraTokens.zero_tiles; make_lora_tokens(zeros=True))"
+        )
+    if not cfg.fused:
+        _no_zero_tiles(tokens, "the two launches")
     if t == 0:
         return
     if cfg.fused:  # one launch, h stays in registers: no workspace

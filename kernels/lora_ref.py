@@ -50,6 +50,10 @@ class LoraTokens(NamedTuple):
     # instead of walking the tiles (adapters on q/k/v/o cost the MLP's calls nothing). The
     # reference does not need it: a module no adapter has adds nothing.
     modules: torch.Tensor | None = None
+    # Whether the tile tables also list the tokens without an adapter (tile_table.ZERO_ROW
+    # tiles): what a delta launch needs (kernels/lora.py lora_apply's delta) and the two
+    # launches must not meet (their programs stop at the first row below 0).
+    zero_tiles: bool = False
 
 
 def make_lora_tokens(
@@ -111,6 +115,7 @@ def make_lora_tokens(
         torch.tensor(rows, dtype=torch.int32, device=dev),
         tiles.to(dev),
         mask,
+        zeros,
     )
 
 

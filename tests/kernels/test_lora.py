@@ -469,7 +469,8 @@ def test_apply_delta_of_a_module_marked_unused_is_zero():
 
 
 def test_apply_delta_refuses_the_two_launches():
-    """The two launches add into y; a delta call that would take them is refused by name."""
+    """The two launches add into y; a delta call that would take them is refused by name, as
+    are tables listing every token on the two launches and a delta call without them."""
     gen = torch.Generator().manual_seed(23)
     shape = LORA_SHAPES[0]
     ranks = _ranks(ADAPTERS, shape.modules, RANKS, gen)
@@ -483,6 +484,25 @@ def test_apply_delta_refuses_the_two_launches():
         lora.lora_apply(
             y, x, setup.pool[0], setup.index, tokens, shape.modules, shape.widths, max(RANKS),
             fused=False, delta=True,
+        )  # fmt: skip
+    # tables that list every token would stop the two launches' programs at their first zero
+    # tile: refused, in place too, and by the shrink and expand called alone
+    with pytest.raises(ValueError, match="the two launches cannot take tile tables"):
+        lora.lora_apply(
+            y, x, setup.pool[0], setup.index, tokens, shape.modules, shape.widths, max(RANKS),
+            fused=False,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="lora_shrink cannot take tile tables"):
+        lora.lora_shrink(x, setup.pool[0], setup.index, tokens, shape.modules, max(RANKS))
+    h = torch.zeros(rows.numel(), len(shape.modules), max(RANKS), dtype=DTYPES[0], device=DEVICE)
+    with pytest.raises(ValueError, match="lora_expand cannot take tile tables"):
+        lora.lora_expand(y, h, setup.pool[0], setup.index, tokens, shape.modules, shape.widths)
+    # and a delta launch needs them: without, the rows of base-model tokens would stay unwritten
+    plain = lora_tokens(rows, DEVICE, SEG_CAPACITY)
+    with pytest.raises(ValueError, match="the tile tables must list the tokens without"):
+        lora.lora_apply(
+            y, x, setup.pool[0], setup.index, plain, shape.modules, shape.widths, max(RANKS),
+            fused=True, delta=True,
         )  # fmt: skip
 
 
@@ -727,7 +747,8 @@ def test_apply_rank_block_reaches_the_two_launches(monkeypatch, fused):
 
 
 def _cpu(items):
-    return [type(i)(*(None if t is None else t.cpu() for t in i)) for i in items]
+    """The index and tokens' tensors on the CPU (their other fields as they are)."""
+    return [type(i)(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in i)) for i in items]
 
 
 def test_fused_config_must_hold_every_rank_row():
