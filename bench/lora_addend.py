@@ -1,16 +1,17 @@
 """One decoder layer's attention projections with their LoRA calls, the LoRA delta added after
 the base GEMM (in place: the kernel reads the GEMM's output and writes it back) against the
 delta written first and the GEMM adding onto it (LoraContext.addend: cuBLAS's beta = 1), on the
-serving trace's prefill-sized mixed steps (CUDA).
+serving trace's prefill-sized mixed steps and its decode steps of 256 tokens or more (CUDA).
 
 Each case is a step's composition: decode tokens on adapters drawn uniformly from n, beside
 prompts' prefill chunks each on an adapter of its own, optionally base-model tokens among them
 and padding after (a mixed CUDA graph's). Both variants run the engine's own hook
 (models/llama.py linear_lora) for q/k/v and o on Llama-2-7B shapes, bf16, every call fused as
-the engine's prefill-sized steps make them: S1 (rank 8) at 16 rank rows (LoraMode.NARROW), S2
-(ranks 8, 16, 32, 64 cycled) at 64 (LoraMode.WIDE_FUSED); and the base GEMMs alone. Times are
-µs a layer in a CUDA graph, over LAYERS copies of the layer so that one layer's weights do not
-stay in L2; the table gives each variant's LoRA time beyond the base GEMMs.
+the engine's steps make them: S1 (rank 8) at 16 rank rows (LoraMode.NARROW), S2 (ranks 8, 16,
+32, 64 cycled) at 64 (LoraMode.WIDE_FUSED), S1's decode steps at 8 rows with every token its own
+tile (LoraMode.ONE_TOKEN); and the base GEMMs alone. Times are µs a layer in a CUDA graph, over
+LAYERS copies of the layer so that one layer's weights do not stay in L2; the table gives each
+variant's LoRA time beyond the base GEMMs.
 
     python bench/lora_addend.py [--out bench/results/lora_addend.json]
 """
@@ -50,9 +51,19 @@ CASES = (
     ("S2", 400, 1000, (400, 400, 400, 400), 0, 2048),
     ("S2", 300, 100, (512, 512, 512), 0, 2048),
     ("S2", 400, 100, (200, 200, 200), 0, 1024),
+    # decode steps from ADDEND_MIN_TOKENS (the saturating trace's, of 256 sequences or more)
+    ("S1 decode", 256, 1000, (), 0, 256),
+    ("S1 decode", 512, 1000, (), 0, 512),
+    ("S1 decode", 384, 100, (), 0, 384),
+    ("S1 decode", 512, 100, (), 0, 512),
 )
-RANKS = {"S1": (8,), "S2": (8, 16, 32, 64)}
-ROWS = {"S1": lora_paths.FUSED_PREFILL_MAX_ROWS, "S2": lora_paths.WIDE_FUSED_ROWS}
+RANKS = {"S1": (8,), "S2": (8, 16, 32, 64), "S1 decode": (8,)}
+# The rank rows of the engine's calls: NARROW, WIDE_FUSED, ONE_TOKEN (one-token tiles)
+ROWS = {
+    "S1": lora_paths.FUSED_PREFILL_MAX_ROWS,
+    "S2": lora_paths.WIDE_FUSED_ROWS,
+    "S1 decode": lora_paths.ONE_TOKEN_ROWS,
+}
 
 
 def case_rows(decode: int, n: int, prefill: tuple[int, ...], base: int, gen) -> torch.Tensor:
@@ -67,14 +78,30 @@ def case_rows(decode: int, n: int, prefill: tuple[int, ...], base: int, gen) -> 
     return torch.tensor(out, dtype=torch.int32)
 
 
-def time_case(workload, decode, n, prefill, base, padded, gen) -> dict:
+# The engine's segment capacity at its defaults on the H200: min(max_loras, max_num_seqs) + 2,
+# max_loras sized from memory (thousands) and max_num_seqs 512.
+CAPACITY = 512 + 2
+
+
+def case_tokens(workload: str, rows: torch.Tensor, addend: bool):
+    """The step's LoraTokens as the engine writes them for the case's mode: one-token tiles for
+    decode steps, every token listed (zero tiles) for the addend."""
+    one_token = workload == "S1 decode"
+    return make_lora_tokens(rows, capacity=CAPACITY, one_token_tiles=one_token, zeros=addend)
+
+
+def padded_rows(decode, n, prefill, base, padded, gen) -> torch.Tensor:
     rows = case_rows(decode, n, prefill, base, gen)
     real = rows.numel()
-    t = max(padded, real)
-    rows = torch.cat([rows, torch.full((t - real,), -1, dtype=torch.int32)])
+    return torch.cat([rows, torch.full((max(padded, real) - real,), -1, dtype=torch.int32)])
+
+
+def time_case(workload, decode, n, prefill, base, padded, gen) -> dict:
+    rows = padded_rows(decode, n, prefill, base, padded, gen)
+    t = rows.numel()
+    real = decode + sum(prefill) + base
     ranks = RANKS[workload]
     case = kb.build_lora(n, ranks, LAYERS, rows)
-    cap = min(n, 512) + 2  # the engine's segment capacity: min(resident, max_num_seqs) + 2
     wqkv = [torch.randn(3 * H, H, dtype=kb.DT, device=kb.DEV) * 0.02 for _ in range(LAYERS)]
     wo = [torch.randn(H, H, dtype=kb.DT, device=kb.DEV) * 0.02 for _ in range(LAYERS)]
     xs = [torch.randn(t, H, dtype=kb.DT, device=kb.DEV) for _ in range(LAYERS)]
@@ -82,13 +109,13 @@ def time_case(workload, decode, n, prefill, base, padded, gen) -> dict:
     out: dict[str, float] = {}
     results: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
     for variant in ("base", "in_place", "addend"):
-        tokens = make_lora_tokens(case.rows, capacity=cap, zeros=variant == "addend")
-        batch = SimpleNamespace(lora_tokens=tokens)
+        one_token = workload == "S1 decode"
+        batch = SimpleNamespace(lora_tokens=case_tokens(workload, case.rows, variant == "addend"))
         lora = None
         if variant != "base":
             lora = LoraContext(case.index, max(ranks))
             lora.fused, lora.rows, lora.modules = True, ROWS[workload], None
-            lora.addend = variant == "addend"
+            lora.one_token, lora.addend = one_token, variant == "addend"
 
         def fn(lora=lora, batch=batch, variant=variant):
             for i in range(LAYERS):

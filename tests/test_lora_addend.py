@@ -25,6 +25,23 @@ def test_case_rows_group_the_step_as_the_engine_does():
     assert set(rows[2:].tolist()) <= set(range(4))
 
 
+def test_every_case_fits_the_engines_tables():
+    """Each case's tables as the engine writes them, in place and with every token listed: the
+    tiles fit the capacity, and the addend's cover every token once."""
+    gen = torch.Generator().manual_seed(2)
+    for workload, *shape in lora_addend.CASES:
+        rows = lora_addend.padded_rows(*shape, gen)
+        for addend in (False, True):
+            tokens = lora_addend.case_tokens(workload, rows, addend)
+            assert tokens.zero_tiles == addend
+            covered = torch.zeros(rows.numel(), dtype=torch.int32)
+            for row, start, end in tokens.tiles[0].tolist():
+                if row != -1:
+                    covered[start:end] += 1
+            want = torch.ones_like(covered) if addend else (rows >= 0).to(torch.int32)
+            assert torch.equal(covered, want), (workload, shape, addend)
+
+
 def test_in_place_and_addend_give_the_same_projections():
     gen = torch.Generator().manual_seed(1)
     d, n = 32, 4

@@ -84,16 +84,27 @@ def test_cuda_graphs_match_eager_steps(tiny_models):
             assert relative_error(a.cpu(), b.cpu().double()) <= 1e-5
 
 
-@pytest.mark.parametrize("single_slice_rows", [32, 1 << 20], ids=["all-fused", "mixed"])
-def test_cuda_fused_decode_path_matches_hf_peft(tiny_models, monkeypatch, single_slice_rows):
+@pytest.mark.parametrize(
+    "single_slice_rows, addend",
+    [(32, False), (1 << 20, False), (32, True), (1 << 20, True)],
+    ids=["all-fused", "mixed", "all-fused-addend", "mixed-addend"],
+)
+def test_cuda_fused_decode_path_matches_hf_peft(
+    tiny_models, monkeypatch, single_slice_rows, addend
+):
     """Decode steps on the fused LoRA kernel (the per-step choice, with the threshold lowered
     so that the parity run's small batches of distinct adapters take it), graphs included;
     "mixed": q/k/v and gate/up fused while o and down keep the two launches. The fused steps'
-    calls are sized for 32 rank rows (the parity set's largest rank) in an engine sized for 64."""
+    calls are sized for 32 rank rows (the parity set's largest rank) in an engine sized for 64.
+    ``addend`` (ADDEND_MIN_TOKENS lowered to 2): all-fused steps' GEMMs add onto the deltas;
+    "mixed" ones, whose o and down would take the two launches, keep the in-place add."""
+    from services.inference.engine import model_runner
+
     monkeypatch.setattr(lora_paths, "FUSED_DECODE_ROWS", 32)
     monkeypatch.setattr(lora_paths, "FUSED_DECODE_MIN_ROWS", 32)  # one adapter token suffices
     monkeypatch.setattr(lora_paths, "FUSED_SINGLE_SLICE_MIN_ROWS", single_slice_rows)
-    run = _mixed_run(tiny_models, "tiny-llama", "float32", max_lora_rank=64)
+    monkeypatch.setattr(model_runner, "ADDEND_MIN_TOKENS", 2)
+    run = _mixed_run(tiny_models, "tiny-llama", "float32", max_lora_rank=64, lora_addend=addend)
     core = run[3]
     assert core.runner.fused_graph_sizes and core.runner.fused_steps > 0
     assert core.runner.fused_steps < core.steps  # the others took the two launches
@@ -203,18 +214,25 @@ def _small_adapter_requests(tiny_models, core, keys, prompt_lens, max_new_tokens
     return requests
 
 
-def test_cuda_large_decode_steps_on_one_token_tiles_match_hf_peft(tiny_models):
+@pytest.mark.parametrize("addend", [False, True])
+def test_cuda_large_decode_steps_on_one_token_tiles_match_hf_peft(tiny_models, monkeypatch, addend):
     """Decode steps of 64 sequences and more whose rank-4 and rank-8 adapters are shared at most
     ONE_TOKEN_MAX_SHARING tokens to one (ten adapter keys over r4's and r8's weights, seven
     sequences each, beside the base model) replay the ONE_TOKEN graphs of their size (every call
     fused, a tile a token, 8 rank rows, every load issued first); every token against HF +
     PEFT, the pool intact. (max_loras 80: the batch's segment capacity, max_loras + 2, bounds
     the one-token tiles a step's table holds.) Steps this large add their deltas in place (the
-    side stream takes steps of up to SIDE_STREAM_MAX_TOKENS tokens)."""
+    side stream takes steps of up to SIDE_STREAM_MAX_TOKENS tokens); ``addend``: from 64
+    tokens (ADDEND_MIN_TOKENS lowered) their GEMMs add onto the deltas instead, the base-model
+    sequences and the graphs' padding as zero tiles."""
+    from services.inference.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "ADDEND_MIN_TOKENS", 64)
     model_dir = tiny_models.model("tiny-llama")
     recorder = Recorder()
     core = make_core(model_dir, recorder, device="cuda", dtype="float32", max_num_seqs=80,
-                     max_num_batched_tokens=640, max_loras=80, num_pages=2048)  # fmt: skip
+                     max_num_batched_tokens=640, max_loras=80, num_pages=2048,
+                     lora_addend=addend)  # fmt: skip
     # 70 on ten adapters, 6 on the base model
     keys = [i % 10 if i < 70 else None for i in range(76)]
     requests = _small_adapter_requests(tiny_models, core, keys, [5 + i % 4 for i in range(76)],

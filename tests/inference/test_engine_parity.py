@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from kernels import lora_paths
+from services.inference.engine import model_runner
 from services.inference.engine.api import AdapterKey, GenerationRequest
-from services.inference.engine.model_runner import ADDEND_MODES, SIDE_STREAM_MAX_TOKENS
+from services.inference.engine.model_runner import ADDEND_MODES, SIDE_STREAM_MAX_TOKENS, LoraMode
 from services.inference.engine.sampling_params import SamplingParams
 from tests.inference.engine_harness import Recorder, hf_greedy, make_core, relative_error, run
 from tests.inference.models import PARITY_ADAPTERS
@@ -134,25 +135,28 @@ def test_mixed_batch_matches_hf_peft(tiny_models, preset, overlap, side_stream):
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
 def test_addend_steps_match_hf_peft(tiny_models, monkeypatch, preset):
-    """With lora_addend, the prefill-sized steps whose calls are all fused (NARROW: every
-    adapter within 16 rank rows; WIDE_FUSED: the rank-32 adapter among several) write their
-    LoRA deltas first and the base GEMMs add onto them, q/k/v biases after the deltas; the
-    thresholds lowered so that the parity run's mixed steps count as prefill-sized. Every
-    request against HF + PEFT, and only those modes' steps take the addend."""
+    """With lora_addend, the steps whose calls are all fused (NARROW: every adapter within 16
+    rank rows; WIDE_FUSED: the rank-32 adapter among several; the decode steps' FUSED and
+    ONE_TOKEN) write their LoRA deltas first and the base GEMMs add onto them, q/k/v biases
+    after the deltas; the thresholds lowered so that the parity run's mixed steps count as
+    prefill-sized, its decode steps of a few distinct adapters fuse, and steps of 4 tokens or
+    more take the addend. Every request against HF + PEFT, and only those steps take it."""
     monkeypatch.setattr(lora_paths, "FUSED_MAX_TOKENS", 16)
     monkeypatch.setattr(lora_paths, "FUSED_SINGLE_SLICE_MIN_ROWS", 16)
     monkeypatch.setattr(lora_paths, "WIDE_FUSED_MIN_ADAPTERS", 2)
+    monkeypatch.setattr(lora_paths, "FUSED_DECODE_MIN_ROWS", 32)
+    monkeypatch.setattr(model_runner, "ADDEND_MIN_TOKENS", 4)
     model_dir = tiny_models.model(preset)
     recorder = Recorder()
     core = make_core(model_dir, recorder, max_num_batched_tokens=48, max_lora_rank=64,
                      lora_addend=True)  # fmt: skip
-    seen = []  # per step with LoRA calls: its mode, whether they took the addend
+    seen = []  # per step with LoRA calls: its mode, tokens, whether they took the addend
     lora_for = core.runner._lora_for
 
     def spy(mode, modules):
         lora = lora_for(mode, modules)
         if lora is not None:
-            seen.append((mode, lora.addend, lora.beside))
+            seen.append((mode, core.runner.batch.num_tokens, lora.addend, lora.beside))
         return lora
 
     core.runner._lora_for = spy
@@ -161,10 +165,12 @@ def test_addend_steps_match_hf_peft(tiny_models, monkeypatch, preset):
     requests = _requests(core.model_config.vocab_size)
     results = run(core, plan_arrivals(requests), recorder)
     assert_matches_hf(tiny_models, preset, model_dir, requests, results)
-    assert all(addend == (mode in ADDEND_MODES) for mode, addend, _ in seen)
-    assert {mode for mode, addend, _ in seen if addend} == set(ADDEND_MODES)
-    assert any(not addend for _, addend, _ in seen)  # decode-sized steps kept the in-place add
-    assert not any(addend and beside for _, addend, beside in seen)
+    assert all(addend == (mode in ADDEND_MODES and n >= 4) for mode, n, addend, _ in seen)
+    took = {mode for mode, _, addend, _ in seen if addend}
+    assert {LoraMode.NARROW, LoraMode.WIDE_FUSED} <= took
+    assert took & {LoraMode.FUSED, LoraMode.ONE_TOKEN}  # decode steps too
+    assert any(not addend for *_, addend, _ in seen)  # the others kept the in-place add
+    assert not any(addend and beside for *_, addend, beside in seen)
     core.check_integrity()
     assert core.stats().kv_pages == 0
 

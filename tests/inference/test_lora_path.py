@@ -283,3 +283,28 @@ def test_a_step_makes_no_call_for_modules_its_adapters_lack(tiny_models, monkeyp
     while core.has_work:
         core.step()
     assert calls and set(calls) == want
+
+
+def test_the_addend_takes_steps_whose_calls_all_fuse(tiny_models, monkeypatch):
+    """lora_addend (ModelRunner._zero_tiles): a step writes its deltas for its GEMMs to add onto
+    on a fused mode (NARROW, WIDE_FUSED, FUSED, ONE_TOKEN) from ADDEND_MIN_TOKENS tokens, and only
+    where its single-slice calls fuse too (a delta needs the fused kernel); never on the two
+    launches or by shapes, and never with the option off."""
+    from services.inference.engine.model_runner import ADDEND_MIN_TOKENS
+
+    on = make_core(tiny_models.model("tiny-llama"), max_lora_rank=64, lora_addend=True).runner
+    off = make_core(tiny_models.model("tiny-llama"), max_lora_rank=64).runner
+    big = max(ADDEND_MIN_TOKENS, lora_paths.FUSED_MAX_TOKENS + 1)
+    for mode in (LoraMode.NARROW, LoraMode.WIDE_FUSED, LoraMode.FUSED, LoraMode.ONE_TOKEN):
+        assert on._zero_tiles(mode, big) and not off._zero_tiles(mode, big)
+        assert not on._zero_tiles(mode, ADDEND_MIN_TOKENS - 1)
+    for mode in (LoraMode.NONE, LoraMode.TWO, LoraMode.SHAPES, LoraMode.WIDE):
+        assert not on._zero_tiles(mode, big)
+    # where a FUSED step's o and down calls would take the two launches, no addend
+    monkeypatch.setattr(lora_paths, "FUSED_SINGLE_SLICE_MIN_ROWS", 1 << 30)
+    assert not on._zero_tiles(LoraMode.FUSED, big)
+    assert on._zero_tiles(LoraMode.ONE_TOKEN, big)  # every call of it fuses
+    # the context the step's calls are made with, and its tables listing every token
+    on.batch.fill([BatchEntry(tuple(range(big)), 0, tuple(range(big // 4 + 1)), None, True)])
+    assert on._lora_for(LoraMode.ONE_TOKEN, None).addend
+    assert not on._lora_for(LoraMode.TWO, None).addend

@@ -118,6 +118,9 @@ class StepBatch:
         self.num_tokens = self.num_seqs = self.num_logits = self.num_sampled = 0
         self.has_lora = False
         self.tiles_apart = False  # whether the last fill cut its entries apart (one_token_tiles)
+        # whether the last fill listed the tokens without an adapter as tiles too (zero_tiles;
+        # a tensor-parallel worker that adopts a step sets it from the step's mode)
+        self.zero_tiles = False
 
     def fill(
         self,
@@ -216,6 +219,7 @@ class StepBatch:
             if zero_tiles and t > real:  # the padding: one entry of no adapter
                 entries_apart = (entries_apart[0] + [t], entry_rows + [-1])
         self._write_tiles(seg_starts, seg_rows, starts, entries_apart, zero_tiles)
+        self.zero_tiles = zero_tiles
         _write(h["lora_modules"], self._modules(seg_rows))
         # Unused segments are empty (start = end = t) and base-only, like make_lora_tokens pads.
         seg_starts += [t] * (self.max_segments + 1 - len(seg_starts))
@@ -317,7 +321,7 @@ class StepBatch:
         d = self._dev
         return LoraTokens(
             d["token_lora"][: self.num_tokens], d["seg_starts"], d["seg_lora"], d["lora_tiles"],
-            d["lora_modules"],
+            d["lora_modules"], self.zero_tiles,
         )  # fmt: skip
 
     def _modules(self, seg_rows: list[int]) -> list[int]:

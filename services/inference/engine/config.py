@@ -64,9 +64,10 @@ class EngineConfig:
     # the base GEMMs, on a second stream on CUDA (ModelRunner, LoraContext), rather than in
     # place after each GEMM.
     lora_side_stream: bool = True
-    # Prefill-sized steps whose LoRA calls are all fused write each call's delta first and the
-    # base GEMM adds onto it (ModelRunner.ADDEND_MODES, LoraContext.addend), rather than the
-    # LoRA kernel reading the GEMM's output back; off until measured on a GPU.
+    # Steps of ADDEND_MIN_TOKENS (256) tokens or more whose LoRA calls are all fused write each
+    # call's delta first and the base GEMM adds onto it (model_runner.ADDEND_MODES,
+    # LoraContext.addend), rather than the LoRA kernel reading the GEMM's output back; off
+    # until measured on a GPU.
     lora_addend: bool = False
     # "safetensors": the model directory's weights; "random": drawn at load from a seed of each
     # weight's name (models/loader.py RandomWeights), for benchmarks of shapes whose checkpoint

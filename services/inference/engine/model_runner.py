@@ -78,12 +78,17 @@ class LoraMode(enum.Enum):
 
 
 # Steps whose LoRA deltas the base GEMMs add onto when the engine's lora_addend is on
-# (LoraContext.addend): the prefill-sized steps on which every call is fused. A prefill-sized
-# GEMM is compute-bound, so reading its addend in its epilogue mostly hides, where an in-place
-# LoRA call reads the GEMM's output back over HBM (at 2048 tokens 66 MB a layer for q/k/v and
-# o); the tokens without a delta (base model, padding) get zeros. Not measured on a GPU yet
-# (bench/lora_addend.py times it), so lora_addend is off by default.
-ADDEND_MODES = (LoraMode.NARROW, LoraMode.WIDE_FUSED)
+# (LoraContext.addend): steps of ADDEND_MIN_TOKENS tokens or more on which every call is fused
+# (the prefill-sized NARROW and WIDE_FUSED, the decode-sized FUSED and ONE_TOKEN, each where
+# its single-slice calls fuse too: lora_paths.decode_call_fused, ModelRunner._zero_tiles). A
+# GEMM of that many tokens is about compute-bound on an H100 or H200 (Llama-7B's q/k/v at 256
+# tokens: 26 GFLOP against 100 MB of weights), so reading its addend in its epilogue mostly
+# hides, where
+# an in-place LoRA call reads the GEMM's output back over HBM (at 2048 tokens 66 MB a layer
+# for q/k/v and o); the tokens without a delta (base model, padding) get zeros. Not measured
+# on a GPU yet (bench/lora_addend.py times it), so lora_addend is off by default.
+ADDEND_MODES = (LoraMode.NARROW, LoraMode.WIDE_FUSED, LoraMode.FUSED, LoraMode.ONE_TOKEN)
+ADDEND_MIN_TOKENS = 256
 
 # Steps of at most this many tokens compute their LoRA deltas beside the base GEMMs when the
 # engine's lora_side_stream is on (LoraContext.beside): small decode steps, whose LoRA launches
@@ -337,6 +342,17 @@ class ModelRunner:
         """The LoRA context set up for a step (or a graph) of ``mode`` covering ``modules``."""
         if mode is LoraMode.NONE:
             return None
+        rows = self._rows(mode)
+        self.lora.fused, self.lora.rows, self.lora.modules = mode.fused, rows, modules
+        self.lora.one_token = mode is LoraMode.ONE_TOKEN
+        self.lora.rank_block = lora_paths.WIDE_RANK_ROWS if mode is LoraMode.WIDE else 16
+        self.lora.addend = self._zero_tiles(mode, self.batch.num_tokens)
+        self.lora.beside = not self.lora.addend and 0 < self.batch.num_tokens <= self._side_tokens
+        return self.lora
+
+    def _rows(self, mode: LoraMode) -> int:
+        """The rank rows a step of ``mode`` makes its calls with: the engine's max_lora_rank,
+        or fewer where step_lora found that every adapter of the step fits fewer."""
         rows = self.max_lora_rank
         if mode is LoraMode.FUSED:  # its adapters all fit FUSED_DECODE_ROWS (step_lora)
             rows = min(lora_paths.FUSED_DECODE_ROWS, rows)
@@ -346,18 +362,19 @@ class ModelRunner:
             rows = min(lora_paths.FUSED_PREFILL_MAX_ROWS, rows)
         elif mode is LoraMode.WIDE_FUSED:  # they all fit WIDE_FUSED_ROWS (step_lora)
             rows = min(lora_paths.WIDE_FUSED_ROWS, rows)
-        self.lora.fused, self.lora.rows, self.lora.modules = mode.fused, rows, modules
-        self.lora.one_token = mode is LoraMode.ONE_TOKEN
-        self.lora.rank_block = lora_paths.WIDE_RANK_ROWS if mode is LoraMode.WIDE else 16
-        self.lora.addend = self._zero_tiles(mode)
-        self.lora.beside = not self.lora.addend and 0 < self.batch.num_tokens <= self._side_tokens
-        return self.lora
+        return rows
 
-    def _zero_tiles(self, mode: LoraMode) -> bool:
-        """Whether a step (or graph) of ``mode`` writes its LoRA deltas for its GEMMs to add
-        onto (LoraContext.addend), its tile tables listing every token (StepBatch.fill's
-        zero_tiles): with lora_addend, on ADDEND_MODES."""
-        return self._addend and mode in ADDEND_MODES
+    def _zero_tiles(self, mode: LoraMode, tokens: int) -> bool:
+        """Whether a step (or graph) of ``mode`` and ``tokens`` tokens (padding included)
+        writes its LoRA deltas for its GEMMs to add onto (LoraContext.addend), its tile tables
+        listing every token (StepBatch.fill's zero_tiles): with lora_addend, on ADDEND_MODES
+        from ADDEND_MIN_TOKENS tokens, where its single-slice calls fuse too (its calls of
+        several slices do on every such mode: lora_paths.decode_call_fused), since a delta
+        needs the fused kernel."""
+        if not (self._addend and mode in ADDEND_MODES and tokens >= ADDEND_MIN_TOKENS):
+            return False
+        one_token = mode is LoraMode.ONE_TOKEN
+        return lora_paths.decode_call_fused(True, tokens, 1, self._rows(mode), one_token) is True
 
     def mixed_seqs(self, tokens: int) -> int:
         """Sequences a mixed graph of ``tokens`` tokens holds: a mixed step has a sequence of
@@ -471,7 +488,7 @@ class ModelRunner:
         ``one_token_tiles`` (StepBatch.fill; None: a ONE_TOKEN graph's)."""
         if one_token_tiles is None:
             one_token_tiles = key.lora is LoraMode.ONE_TOKEN
-        zeros = self._zero_tiles(key.lora)
+        zeros = self._zero_tiles(key.lora, key.tokens)
         if key.tokens == key.seqs:  # a decode graph (a mixed one has fewer sequences than tokens)
             self.batch.fill(
                 [*entries, *[self._pad] * (key.seqs - len(entries))],
@@ -527,6 +544,8 @@ class ModelRunner:
         (StepBatch.adopt), and chose its LoRA path and the graph it replays (``key``; None:
         eager); its logits are rank 0's to sample, so they are dropped here."""
         if key is None:
+            # the adopted tables list every token where rank 0's fill did (the same rule)
+            self.batch.zero_tiles = self._zero_tiles(step.mode, self.batch.num_tokens)
             self._forward(self._lora_for(step.mode, step.modules))
             return
         entry = self._graphs.get(key)
@@ -561,9 +580,11 @@ class ModelRunner:
             return logits[: sum(e.sample for e in entries)]
         self.last_graph, self.last_lora = False, step.mode
         self.fused_steps += step.mode is LoraMode.FUSED
+        tokens = sum(len(e.token_ids) for e in entries)
         self.batch.fill(
-            entries, one_token_tiles=step.one_token_tiles, zero_tiles=self._zero_tiles(step.mode)
-        )
+            entries, one_token_tiles=step.one_token_tiles,
+            zero_tiles=self._zero_tiles(step.mode, tokens),
+        )  # fmt: skip
         self.apart_steps += self.batch.tiles_apart and step.mode is LoraMode.NARROW
         if self.tp is not None:
             self.tp.send_step(self.batch, step)
