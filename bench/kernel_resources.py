@@ -1,6 +1,7 @@
 """Registers, shared memory and programs per SM of the LoRA kernels' decode launches.
 
     python -m bench.kernel_resources [--json bench/results/kernel_resources.json]
+    python -m bench.kernel_resources --delta [--json bench/results/kernel_resources_delta.json]
 
 No GPU needed: each launch is compiled for sm_90 (H100/H200) on the host with Triton's own
 toolchain, and the registers are read from the cubin with the cuobjdump Triton ships. The
@@ -14,7 +15,8 @@ count among the calls whose decode programs can reach the window on 132 SMs. The
 two-launch shrink and expand of each call at the engine's decode step (512 tokens, max_rank
 128), with the stack a thread spills to: the test checks that the expand's register cap
 (kernels/lora.py _EXPAND_MAX_REGISTERS) keeps the programs an SM without spilling the q/k/v
-call.
+call. With ``--delta``, instead, the fused launches of the steps that take the addend
+(LoraContext.addend), in place against writing the delta.
 
 A program count per SM is the least of what registers (64K a multiprocessor, allocated per warp
 in steps of 256), shared memory (228 KB, 1 KB of it reserved per program), warps (64) and
@@ -106,8 +108,9 @@ def compile_resources(kernel, constexprs: dict, ints: dict, options: dict) -> Re
     return Resources(registers, compiled.metadata.shared, options["num_warps"], stack)
 
 
-def fused_resources(launch: lora.LoraLaunch, call) -> Resources:
-    """Compile the fused kernel for one launch of one call (sm_90); read its resource usage."""
+def fused_resources(launch: lora.LoraLaunch, call, delta: bool = False) -> Resources:
+    """Compile the fused kernel for one launch of one call (sm_90); read its resource usage.
+    ``delta``: the launch that writes the delta (lora_apply's delta) rather than adding it."""
     mods, d_in, widths = call
     gemv_rows = launch.gemv_r or launch.shrink_r
     constexprs = dict(
@@ -118,7 +121,7 @@ def fused_resources(launch: lora.LoraLaunch, call) -> Resources:
         if launch.gemv_max else launch.expand_n,
         GEMV_MAX=launch.gemv_max, GEMV_K=launch.gemv_k, GEMV_N=launch.gemv_n,
         GEMV_R=gemv_rows, GEMV_NARROW_R=launch.gemv_narrow,
-        GEMV_HOIST=lora.gemv_hoists(launch, d_in, W, widths), DELTA=False,
+        GEMV_HOIST=lora.gemv_hoists(launch, d_in, W, widths), DELTA=delta,
     )  # fmt: skip
     ints = dict(INTS, stride_xt=d_in, stride_yt=sum(widths), MAX_RANK=launch.shrink_r)
     options = dict(num_warps=launch.shrink_warps, num_stages=launch.stages)
@@ -217,10 +220,50 @@ def measure_two_launch() -> list[dict]:
     return rows
 
 
+# --delta: the steps that take the addend (services/inference/engine/model_runner.py
+# ADDEND_MODES from ADDEND_MIN_TOKENS): (step, tokens, rank rows) as the engine sizes their calls
+DELTA_STEPS = (
+    ("ONE_TOKEN decode", 256, 8),
+    ("ONE_TOKEN decode", 512, 8),
+    ("NARROW mixed", 2048, 16),
+    ("WIDE_FUSED mixed", 2048, 64),
+)
+
+
+def measure_delta() -> list[dict]:
+    """Each addend step's q/k/v and o launches, in place against writing the delta."""
+    rows = []
+    for step, tokens, rank_rows in DELTA_STEPS:
+        for call_name, call in zip(CALL_NAMES[:2], CALLS[:2], strict=True):
+            mods, d_in, widths = call
+            launch = lora.fused_config(tokens, W, rank_rows, len(mods), max(widths), d_in=d_in)
+            for delta in (False, True):
+                res = fused_resources(launch, call, delta)
+                rows.append(dict(step=step, tokens=tokens, rank_rows=rank_rows, call=call_name,
+                                 delta=delta, registers=res.registers, stack_bytes=res.stack,
+                                 shared_bytes=res.shared, warps=res.warps,
+                                 programs_per_sm=res.programs_per_sm))  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument(
+        "--delta",
+        action="store_true",
+        help="instead: the addend steps' launches, in place against the delta",
+    )
     args = ap.parse_args()
+    if args.delta:
+        rows = measure_delta()
+        print(table(rows, list(rows[0])))
+        if args.json:
+            with open(args.json, "w") as f:
+                command = "python -m bench.kernel_resources " + " ".join(sys.argv[1:])
+                doc = {"command": command, "triton": triton.__version__, "target": "sm_90"}
+                json.dump(doc | {"rows": rows}, f, indent=1)
+        return
     rows = measure()
     print(table(rows, list(rows[0])))
     two = measure_two_launch()

@@ -343,12 +343,15 @@ def test_wide_gemv_body_takes_s2_ranks_on_one_token_tiles():
                  one_token=True)  # fmt: skip
 
 
-@pytest.mark.parametrize("one_token", [True, False])
-def test_one_token_tiles_issue_every_load_first(one_token):
+@pytest.mark.parametrize(
+    "one_token, delta", [(True, False), (False, False), (True, True), (False, True)]
+)
+def test_one_token_tiles_issue_every_load_first(one_token, delta):
     """Where a slice's A and Bᵀ rows fit one GEMV block and one pool chunk (lora.gemv_hoists),
     a one-token tile's program issues all its loads before its first sum (_token_gemv); tiles
     of more tokens (one_token False: adapters shared by runs of tokens) keep the GEMV and dot
-    bodies. Both against the reference, ranks up to 8 beside base-model rows."""
+    bodies. Both against the reference, ranks up to 8 beside base-model rows; ``delta``: the
+    bodies write the delta (a decode step's calls under lora_addend)."""
     gen = torch.Generator().manual_seed(500 + one_token)
     if ON_GPU:
         shape = LORA_SHAPES[0]  # q/k/v of 4096 from 4096, one 4096-element chunk
@@ -363,7 +366,7 @@ def test_one_token_tiles_issue_every_load_first(one_token):
     ranks = _ranks(ADAPTERS, shape.modules, (8, 5, 1), gen)
     rows = token_rows("base_mix", POP_BATCH, ADAPTERS, gen, grouped=True)
     _check_apply(shape, ranks, rows, DTYPES[one_token % len(DTYPES)], gen, config=cfg,
-                 masked=True, one_token=one_token)  # fmt: skip
+                 masked=True, one_token=one_token, delta=delta)  # fmt: skip
 
 
 def test_gemv_hoists_where_one_block_holds_a_slice():
