@@ -37,19 +37,20 @@ from services.inference.models.llama import LoraContext, linear_lora  # noqa: E4
 
 LAYERS = 4
 H = kb.H
-# (workload, decode tokens, adapters they are drawn from, prefill chunks, base tokens, padded to)
+# (workload, decode tokens, adapters they are drawn from, prefill chunks, base tokens, padded to
+# the engine's graph size: every 32 tokens to 1024, then every 64)
 CASES = (
     ("S1", 400, 1000, (400, 400, 400, 400), 0, 2048),
     ("S1", 400, 1000, (200, 200, 200), 0, 1024),
-    ("S1", 300, 1000, (512, 512, 512), 0, 2048),
-    ("S1", 300, 100, (512, 512, 512), 0, 2048),
-    ("S1", 300, 5, (512, 512, 512), 0, 2048),
+    ("S1", 300, 1000, (512, 512, 512), 0, 1856),
+    ("S1", 300, 100, (512, 512, 512), 0, 1856),
+    ("S1", 300, 5, (512, 512, 512), 0, 1856),
     ("S1", 0, 5, (1024, 1024), 0, 2048),
-    ("S1", 200, 100, (300,), 0, 512 + 64),
-    ("S1", 200, 100, (512, 512), 300, 2048),
+    ("S1", 200, 100, (400,), 0, 608),
+    ("S1", 200, 100, (512, 512), 300, 1536),  # a fifth on the base model
     ("S1", 200, 100, (300,), 1200, 1728),  # mostly base-model tokens: their zeros cost
     ("S2", 400, 1000, (400, 400, 400, 400), 0, 2048),
-    ("S2", 300, 100, (512, 512, 512), 0, 2048),
+    ("S2", 300, 100, (512, 512, 512), 0, 1856),
     ("S2", 400, 100, (200, 200, 200), 0, 1024),
     # decode steps from ADDEND_MIN_TOKENS (the saturating trace's, of 256 sequences or more)
     ("S1 decode", 256, 1000, (), 0, 256),

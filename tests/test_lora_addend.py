@@ -25,6 +25,24 @@ def test_case_rows_group_the_step_as_the_engine_does():
     assert set(rows[2:].tolist()) <= set(range(4))
 
 
+def test_every_case_is_a_step_the_addend_takes_at_the_engines_graph_size():
+    """Mixed cases are prefill-sized and padded as the engine's mixed graphs pad them; decode
+    cases are at least ADDEND_MIN_TOKENS tokens."""
+    from pathlib import Path
+
+    from kernels import lora_paths
+    from services.inference.engine.config import EngineConfig
+    from services.inference.engine.model_runner import ADDEND_MIN_TOKENS
+
+    sizes = EngineConfig(model_dir=Path("m")).mixed_graph_tokens
+    for workload, decode, _, prefill, base, padded in lora_addend.CASES:
+        real = decode + sum(prefill) + base
+        if workload == "S1 decode":
+            assert not prefill and padded == real >= ADDEND_MIN_TOKENS
+            continue
+        assert padded == min(n for n in sizes if n >= real) > lora_paths.FUSED_MAX_TOKENS
+
+
 def test_every_case_fits_the_engines_tables():
     """Each case's tables as the engine writes them, in place and with every token listed: the
     tiles fit the capacity, and the addend's cover every token once."""
