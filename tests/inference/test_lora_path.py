@@ -285,15 +285,23 @@ def test_a_step_makes_no_call_for_modules_its_adapters_lack(tiny_models, monkeyp
     assert calls and set(calls) == want
 
 
-def test_the_addend_takes_steps_whose_calls_all_fuse(tiny_models, monkeypatch):
+def test_the_addend_takes_steps_whose_calls_all_fuse(tiny_models, monkeypatch, caplog):
     """lora_addend (ModelRunner._zero_tiles): a step writes its deltas for its GEMMs to add onto
     on a fused mode (NARROW, WIDE_FUSED, FUSED, ONE_TOKEN) from ADDEND_MIN_TOKENS tokens, and only
     where its single-slice calls fuse too (a delta needs the fused kernel); never on the two
-    launches or by shapes, and never with the option off."""
+    launches or by shapes, and never with the option off. The engine's start-up line says
+    which."""
+    import logging
+
     from services.inference.engine.model_runner import ADDEND_MIN_TOKENS
 
-    on = make_core(tiny_models.model("tiny-llama"), max_lora_rank=64, lora_addend=True).runner
-    off = make_core(tiny_models.model("tiny-llama"), max_lora_rank=64).runner
+    with caplog.at_level(logging.INFO, logger="services.inference.engine.core"):
+        on = make_core(tiny_models.model("tiny-llama"), max_lora_rank=64, lora_addend=True)
+        assert f"GEMMs' addends from {ADDEND_MIN_TOKENS} tokens" in caplog.text
+        caplog.clear()
+        off = make_core(tiny_models.model("tiny-llama"), max_lora_rank=64)
+        assert "GEMMs' addends off" in caplog.text
+    on, off = on.runner, off.runner
     big = max(ADDEND_MIN_TOKENS, lora_paths.FUSED_MAX_TOKENS + 1)
     for mode in (LoraMode.NARROW, LoraMode.WIDE_FUSED, LoraMode.FUSED, LoraMode.ONE_TOKEN):
         assert on._zero_tiles(mode, big) and not off._zero_tiles(mode, big)

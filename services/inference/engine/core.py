@@ -46,7 +46,7 @@ from services.inference.engine.errors import (
 )
 from services.inference.engine.gc_pacing import collect_if_due
 from services.inference.engine.host_adapter import HostAdapter, build_host_adapter
-from services.inference.engine.model_runner import ModelRunner
+from services.inference.engine.model_runner import ADDEND_MIN_TOKENS, ModelRunner
 from services.inference.engine.page_allocator import OwnerKind
 from services.inference.engine.page_pool import PagePool, page_bytes, pages_needed
 from services.inference.engine.pool_sizing import (
@@ -140,11 +140,13 @@ class EngineCore:
         log.info(
             "engine ready: %d pages of %d tokens (%.1f MiB), context %d, up to %d sequences "
             "per step and %d requests in flight, %d resident adapters (LoRA index %.1f MiB), "
-            "adapter affinity %d, device %s, %s",
+            "adapter affinity %d, LoRA deltas as the GEMMs' addends %s, device %s, %s",
             self.pool.num_pages, config.page_size, self.pool.tensor.nbytes / 2**20, self.max_len,
             self.limits.max_num_seqs, self.limits.max_queue, self.limits.max_loras,
             self.limits.max_loras * lora_row_bytes(self.slot_capacity) / 2**20,
-            self.scheduler.affinity, self.device, self.dtype,
+            self.scheduler.affinity,
+            f"from {ADDEND_MIN_TOKENS} tokens" if config.lora_addend else "off",
+            self.device, self.dtype,
         )  # fmt: skip
 
     def _build(self, config: EngineConfig, mc: ModelConfig, shard: Shard) -> None:
