@@ -246,6 +246,14 @@ def measure_delta() -> list[dict]:
     return rows
 
 
+def write_json(path: str, body: dict) -> None:
+    """The rows at ``path``, with this run's command, Triton version and target."""
+    command = "python -m bench.kernel_resources " + " ".join(sys.argv[1:])
+    doc = {"command": command, "triton": triton.__version__, "target": "sm_90"}
+    with open(path, "w") as f:
+        json.dump(doc | body, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="write the rows here")
@@ -259,20 +267,14 @@ def main() -> None:
         rows = measure_delta()
         print(table(rows, list(rows[0])))
         if args.json:
-            with open(args.json, "w") as f:
-                command = "python -m bench.kernel_resources " + " ".join(sys.argv[1:])
-                doc = {"command": command, "triton": triton.__version__, "target": "sm_90"}
-                json.dump(doc | {"rows": rows}, f, indent=1)
+            write_json(args.json, {"rows": rows})
         return
     rows = measure()
     print(table(rows, list(rows[0])))
     two = measure_two_launch()
     print(table(two, list(two[0])))
     if args.json:
-        with open(args.json, "w") as f:
-            command = "python -m bench.kernel_resources " + " ".join(sys.argv[1:])
-            doc = {"command": command, "triton": triton.__version__, "target": "sm_90"}
-            json.dump(doc | {"rows": rows, "two_launch": two}, f, indent=1)
+        write_json(args.json, {"rows": rows, "two_launch": two})
 
 
 if __name__ == "__main__":
