@@ -68,6 +68,12 @@ whose one-token tiles (every token its own tile) take the GEMV body at 64 rows
 (S2_GEMV_POINTS: weight block, warps, and the narrow body's rows for tiles of rank 32 or less),
 beside the fused kernel at 64 rows on the segments' tiles (its dot body, no GEMV body).
 
+With ``--s2-small`` the cases are S2's decode steps at 10 requests/s (S2_SMALL_CASES: 8-32
+tokens on adapters drawn from 100, each drawn SMALL_DRAWS times), where the engine's WIDE two
+launches cost four launches' latency a layer (bench/results/step_compare_s2_f7c5ece_rate10_n100
+.json: 1.15 ms a step beyond the base model's fit, against 0.22 ms of adapter bytes), against
+one fused launch a call at 64 rank rows on the segments' tiles (its dot body).
+
 With ``--gemv`` the cases are both sets, decode-only and the trace's steps, and the variants the
 fused kernel's GEMV body (kernels/lora_fused.py) by rank rows, tiles it takes (gemv_max), weight
 block and warps (GEMV_POINTS), every call on the fused kernel, against the engine's fused-step
@@ -76,6 +82,7 @@ launches.
 
     python bench/lora_engine_calls.py [--splits] [--profile] [--steps] [--small] [--one-token] \
         [--hoist] [--sharing] [--dot] [--apart] [--s2] [--s2-steps] [--s2-gemv] [--s2-split] \
+        [--s2-small] \
         [--gemv] [--points N] \
         [--out bench/results/lora_engine_calls.json]
 """
@@ -260,6 +267,8 @@ APART_CASES = (
 )
 # --s2-gemv: S2's decode steps (tokens, adapters drawn from), and the GEMV body at 64 rank rows
 # (weight block, warps, narrow rows: 32 = tiles of rank <= 32 in 32-row blocks twice as wide)
+# --s2-small: S2's decode steps at 10 requests/s (8-32 sequences on about as many adapters)
+S2_SMALL_CASES = ((8, 100, ()), (16, 100, ()), (24, 100, ()), (32, 100, ()))
 S2_GEMV_CASES = ((400, 100, ()), (256, 100, ()), (64, 100, ()), (400, 1000, ()), (256, 1000, ()))
 S2_GEMV_POINTS = (
     (256, 8, 0),
@@ -443,6 +452,8 @@ def main() -> None:
                     help="S2's decode steps, shrink rank blocks over programs")  # fmt: skip
     ap.add_argument("--s2-gemv", action="store_true",
                     help="S2's decode steps, one-token tiles on a 64-row GEMV body")  # fmt: skip
+    ap.add_argument("--s2-small", action="store_true",
+                    help="S2's 10 req/s decode steps, WIDE against one fused launch")  # fmt: skip
     ap.add_argument("--points", type=int, default=None,
                     help="--gemv, --s2: the first this many of GEMV_POINTS, S2_POINTS")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/lora_engine_calls.json")
@@ -495,6 +506,9 @@ def main() -> None:
             variants.append(v)
             if (sr, rs, er) in ((16, 4, 32), (32, 2, 32)):
                 variants += [dict(v, sorted=True), dict(v, profile=True)]
+    elif args.s2_small:
+        variants.append(dict(max_rank=128, segments=514, fused=False, rank_block=32, mlp=True))
+        variants += dot_variants((None,), max_rank=64, mlp=True)
     elif args.s2_gemv:
         variants.append(dict(max_rank=128, segments=514, fused=False, rank_block=32, mlp=True))
         variants += dot_variants((None,), max_rank=64, mlp=True)
@@ -555,6 +569,9 @@ def main() -> None:
     elif args.s2_split:
         rows = [r for t, n, p in S2_SPLIT_CASES
                 for r in time_case(t, n, gen, variants, p, S2_RANKS)]  # fmt: skip
+    elif args.s2_small:
+        rows = [r for t, n, p in S2_SMALL_CASES for _ in range(SMALL_DRAWS)
+                for r in time_case(t, n, gen, variants, p, S2_RANKS)]  # fmt: skip
     elif args.s2_gemv:
         rows = [r for t, n, p in S2_GEMV_CASES
                 for r in time_case(t, n, gen, variants, p, S2_RANKS)]  # fmt: skip
@@ -571,7 +588,7 @@ def main() -> None:
     write_result(args.out, "lora_engine_calls.py", {
         "benchmark": "one layer's LoRA calls (q/k/v, o) as the engine makes them, "
         + ("S2 (ranks 8-64)" if args.s2 or args.s2_steps or args.s2_gemv or args.s2_rule
-           or args.s2_split
+           or args.s2_split or args.s2_small
            else "S1 (rank 8)"),
         "gpu": torch.cuda.get_device_name(), "rows": rows,
     })  # fmt: skip
