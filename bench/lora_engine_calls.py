@@ -60,7 +60,10 @@ With ``--apart`` the cases are mixed steps whose decode tokens share adapters (d
 30, 100 and 1000) beside prompts, every call fused at 16 rank rows as the engine's narrow steps
 make them (the masked MLP calls beside), on the segments' tiles (the decode tokens of one
 adapter together in dot-body tiles) against each entry apart (every decode token a one-token
-tile on the GEMV body: kernels.lora_paths.mixed_decodes_apart).
+tile on the GEMV body: kernels.lora_paths.mixed_decodes_apart), and against the launch without
+its GEMV body (every tile on the dot body: compiled for sm_90, the GEMV body holds these
+launches at 128 registers a thread, 4 programs an SM, where without it they hold 96 in place
+and 76-77 writing the delta, 5 and 6 programs: python -m bench.kernel_resources --delta).
 
 With ``--s2-gemv`` the cases are S2's decode steps (S2_GEMV_CASES: tokens drawn from 100 and
 from 1000 adapters), by the engine's WIDE two launches against fused launches at 64 rank rows
@@ -348,6 +351,12 @@ def time_case(
                     block_m=bm, shrink_k=sk, expand_n=en, shrink_warps=warps, parts=parts)
                 for m, d, w in calls
             ]  # fmt: skip
+        if v.get("no_gemv"):  # the fused launch without its GEMV body: every tile on the dot body
+            cfgs = [
+                lora.fused_config(t, kb.POOL_W, max_rank, len(m), max(w), d_in=d)._replace(
+                    gemv_max=0)
+                for m, d, w in calls
+            ]  # fmt: skip
         if v.get("split_k"):
             cfgs = [
                 lora.launch_config(t, d, kb.POOL_W, max_rank, len(m))._replace(
@@ -489,7 +498,7 @@ def main() -> None:
         variants += dot_variants(DOT_POINTS, max_rank=16, mlp=True)
     elif args.apart:
         narrow = dict(max_rank=16, segments=514, fused=True, mlp=True)  # the engine's NARROW
-        variants += [narrow, dict(narrow, apart=True)]
+        variants += [narrow, dict(narrow, apart=True), dict(narrow, no_gemv=True)]
     elif args.s2:
         for point in S2_POINTS[: args.points]:
             v = dict(max_rank=128, segments=514, fused=False)
