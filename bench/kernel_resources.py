@@ -221,25 +221,26 @@ def measure_two_launch() -> list[dict]:
 
 
 # --delta: the steps that take the addend (services/inference/engine/model_runner.py
-# ADDEND_MODES from ADDEND_MIN_TOKENS): (step, tokens, rank rows) as the engine sizes their calls;
-# and the NARROW launch without its GEMV body (bench/lora_engine_calls.py --apart times it)
+# ADDEND_MODES from ADDEND_MIN_TOKENS): (step, tokens, rank rows, GEMV body) as the engine sizes
+# their calls; and the NARROW launch without its GEMV body (bench/lora_engine_calls.py --apart
+# times it)
 DELTA_STEPS = (
-    ("ONE_TOKEN decode", 256, 8),
-    ("ONE_TOKEN decode", 512, 8),
-    ("NARROW mixed", 2048, 16),
-    ("NARROW mixed, no GEMV body", 2048, 16),
-    ("WIDE_FUSED mixed", 2048, 64),
+    ("ONE_TOKEN decode", 256, 8, True),
+    ("ONE_TOKEN decode", 512, 8, True),
+    ("NARROW mixed", 2048, 16, True),
+    ("NARROW mixed, no GEMV body", 2048, 16, False),
+    ("WIDE_FUSED mixed", 2048, 64, True),
 )
 
 
 def measure_delta() -> list[dict]:
     """Each addend step's q/k/v and o launches, in place against writing the delta."""
     rows = []
-    for step, tokens, rank_rows in DELTA_STEPS:
+    for step, tokens, rank_rows, gemv in DELTA_STEPS:
         for call_name, call in zip(CALL_NAMES[:2], CALLS[:2], strict=True):
             mods, d_in, widths = call
             launch = lora.fused_config(tokens, W, rank_rows, len(mods), max(widths), d_in=d_in)
-            if "no GEMV" in step:
+            if not gemv:
                 launch = launch._replace(gemv_max=0)
             for delta in (False, True):
                 res = fused_resources(launch, call, delta)

@@ -65,6 +65,7 @@ ROWS = {
     "S2": lora_paths.WIDE_FUSED_ROWS,
     "S1 decode": lora_paths.ONE_TOKEN_ROWS,
 }
+ONE_TOKEN = {"S1 decode"}  # workloads whose calls take one-token tiles (LoraMode.ONE_TOKEN)
 
 
 def case_rows(decode: int, n: int, prefill: tuple[int, ...], base: int, gen) -> torch.Tensor:
@@ -87,7 +88,7 @@ CAPACITY = 512 + 2
 def case_tokens(workload: str, rows: torch.Tensor, addend: bool):
     """The step's LoraTokens as the engine writes them for the case's mode: one-token tiles for
     decode steps, every token listed (zero tiles) for the addend."""
-    one_token = workload == "S1 decode"
+    one_token = workload in ONE_TOKEN
     return make_lora_tokens(rows, capacity=CAPACITY, one_token_tiles=one_token, zeros=addend)
 
 
@@ -109,8 +110,8 @@ def time_case(workload, decode, n, prefill, base, padded, gen) -> dict:
     os_ = [torch.randn(t, H, dtype=kb.DT, device=kb.DEV) for _ in range(LAYERS)]
     out: dict[str, float] = {}
     results: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    one_token = workload in ONE_TOKEN
     for variant in ("base", "in_place", "addend"):
-        one_token = workload == "S1 decode"
         batch = SimpleNamespace(lora_tokens=case_tokens(workload, case.rows, variant == "addend"))
         lora = None
         if variant != "base":
@@ -154,9 +155,9 @@ def main() -> None:
     rows = []
     head = (
         f"{'case':<44} {'tokens':>6} {'used':>5} {'base':>8} {'in place':>9} {'addend':>8} "
-        f"{'extra':>7} {'extra':>7} {'ratio':>6}"
+        f"{'+in pl':>7} {'+addnd':>7} {'ratio':>6}"
     )
-    print("µs a layer (q/k/v and o GEMMs with their LoRA calls), CUDA graph")
+    print("µs a layer (q/k/v and o GEMMs with their LoRA calls), CUDA graph; +: beyond the base")
     print(head)
     for c in CASES:
         r = time_case(*c, gen)

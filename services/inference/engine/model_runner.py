@@ -83,10 +83,9 @@ class LoraMode(enum.Enum):
 # its single-slice calls fuse too: lora_paths.decode_call_fused, ModelRunner._zero_tiles). A
 # GEMM of that many tokens is about compute-bound on an H100 or H200 (Llama-7B's q/k/v at 256
 # tokens: 26 GFLOP against 100 MB of weights), so reading its addend in its epilogue mostly
-# hides, where
-# an in-place LoRA call reads the GEMM's output back over HBM (at 2048 tokens 66 MB a layer
-# for q/k/v and o); the tokens without a delta (base model, padding) get zeros. Not measured
-# on a GPU yet (bench/lora_addend.py times it), so lora_addend is off by default.
+# hides, where an in-place LoRA call reads the GEMM's output back over HBM (at 2048 tokens 67
+# MB a layer for q/k/v and o); the tokens without a delta (base model, padding) get zeros. Not
+# measured on a GPU yet (bench/lora_addend.py times it), so lora_addend is off by default.
 ADDEND_MODES = (LoraMode.NARROW, LoraMode.WIDE_FUSED, LoraMode.FUSED, LoraMode.ONE_TOKEN)
 ADDEND_MIN_TOKENS = 256
 
@@ -580,11 +579,8 @@ class ModelRunner:
             return logits[: sum(e.sample for e in entries)]
         self.last_graph, self.last_lora = False, step.mode
         self.fused_steps += step.mode is LoraMode.FUSED
-        tokens = sum(len(e.token_ids) for e in entries)
-        self.batch.fill(
-            entries, one_token_tiles=step.one_token_tiles,
-            zero_tiles=self._zero_tiles(step.mode, tokens),
-        )  # fmt: skip
+        zeros = self._addend and self._zero_tiles(step.mode, sum(len(e.token_ids) for e in entries))
+        self.batch.fill(entries, one_token_tiles=step.one_token_tiles, zero_tiles=zeros)
         self.apart_steps += self.batch.tiles_apart and step.mode is LoraMode.NARROW
         if self.tp is not None:
             self.tp.send_step(self.batch, step)

@@ -74,13 +74,13 @@ class LoraContext:
     kernels.lora_paths.one_token_step_fuses). A call none of whose modules is covered is not
     made: no adapter of the step has them.
 
-    ``addend`` (set per step by the engine: its prefill-sized steps whose calls are all fused):
-    each call writes its LoRA delta first, zeros for the tokens without one, and the base GEMM
-    adds x · Wᵀ onto it (cuBLAS's beta = 1, in the GEMM's epilogue), where otherwise the LoRA
-    kernel reads the GEMM's output back and writes it again. A prefill-sized GEMM is
-    compute-bound, so its extra read mostly hides, where the LoRA kernel's read of y is
-    bandwidth it waits on. The step's tile tables must then list its tokens without an adapter
-    too (StepBatch.fill's zero_tiles).
+    ``addend`` (set per step by the engine with lora_addend: its steps of 256 tokens or more
+    whose calls are all fused, model_runner.ADDEND_MODES): each call writes its LoRA delta
+    first, zeros for the tokens without one, and the base GEMM adds x · Wᵀ onto it (cuBLAS's
+    beta = 1, in the GEMM's epilogue), where otherwise the LoRA kernel reads the GEMM's output
+    back and writes it again. A GEMM of that many tokens is about compute-bound, so its extra
+    read mostly hides, where the LoRA kernel's read of y is bandwidth it waits on. The step's
+    tile tables must then list its tokens without an adapter too (StepBatch.fill's zero_tiles).
 
     ``beside`` (set per step by the engine, which gave the context a workspace with
     use_side_stream): the step's calls compute their LoRA delta into the zeroed workspace on a
