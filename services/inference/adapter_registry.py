@@ -220,7 +220,11 @@ class AdapterRegistry:
         if old is not None and version <= old:
             return
         self._latest[adapter_id] = version
-        log.info("adapter %s: version %d is the latest", adapter_id, version)
+        if old is None:  # the watch's replay names every adapter at each connect: no line each
+            log.debug("adapter %s: version %d is the latest", adapter_id, version)
+        else:
+            log.info("adapter %s: version %d replaces version %d as the latest", adapter_id,
+                     version, old)  # fmt: skip
         for held in list(self._held.values()):
             if held.key.adapter_id == adapter_id and held.key.version < version:
                 held.retired = True

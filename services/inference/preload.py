@@ -103,6 +103,7 @@ class Preloader:
         self.preloaded = 0  # landed in the cache
         self.failed = 0  # skipped after a store error
         self._stalled: AdapterKey | None = None  # the version that found no room, logged once
+        self._pool_paused = False  # placements wait for the pool's free pages (logged once)
 
     @property
     def pending(self) -> int:
@@ -248,13 +249,21 @@ class Preloader:
                 del self._unplaced[key]
                 continue
             if not placed:
-                log.info(
-                    "preloading into the page pool pauses at adapter %s: the pool keeps its "
-                    "free pages for the KV cache (%d preloaded adapters wait)",
-                    key, len(self._unplaced),
-                )  # fmt: skip
+                if not self._pool_paused:  # once a pause: it rechecks every IDLE_RECHECK_S
+                    self._pool_paused = True
+                    log.info(
+                        "preloading into the page pool pauses at adapter %s: the pool keeps "
+                        "its free pages for the KV cache (%d preloaded adapters wait)",
+                        key, len(self._unplaced),
+                    )  # fmt: skip
                 self._pool_busy_until = time.monotonic() + IDLE_RECHECK_S
                 return
+            if self._pool_paused:
+                self._pool_paused = False
+                log.info(
+                    "preloading into the page pool resumes at adapter %s (%d preloaded "
+                    "adapters wait)", key, len(self._unplaced) - 1,
+                )  # fmt: skip
             self.placed += 1
             del self._unplaced[key]
             self._placed_keys[key] = None

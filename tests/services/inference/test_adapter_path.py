@@ -5,12 +5,16 @@ drives (load, pin, status, releasable, re-add after remove)."""
 from __future__ import annotations
 
 import json
+import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from kernels.lora_layout import MODULES, write_module
 from lorafleet.v1 import inference_pb2 as pb
+from services.inference import adapter_registry
+from services.inference.arena import ALIGN, HostArena
 from services.inference.engine.adapter_copy import write_adapter
 from services.inference.engine.adapter_manager import AdapterState
 from services.inference.engine.api import AdapterKey, GenerationRequest
@@ -18,6 +22,8 @@ from services.inference.engine.config import EngineConfig
 from services.inference.engine.engine import Engine
 from services.inference.engine.host_adapter import build_host_adapter
 from services.inference.engine.sampling_params import SamplingParams
+from services.inference.host_cache import HostCache
+from services.inference.store_client import AdapterEvent
 from store.peft import BaseModelShape
 from store.synthetic import lora_config_json, lora_tensors, safetensors_bytes
 
@@ -201,3 +207,24 @@ async def test_host_cache_evicts_back_to_the_store(svc_models, reference, tmp_pa
         await engine.stop()
         store.stop()
     engine.core.check_integrity()
+
+
+def test_the_watchs_replay_is_not_logged_adapter_by_adapter_but_new_versions_are(caplog):
+    """Each connect of the store's watch replays every adapter's latest version: thousands of
+    INFO lines a start with thousands of adapters. A first version noted is a DEBUG line; a
+    version that replaces the known latest one (a hot reload) an INFO line; an older one is
+    ignored."""
+    engine = SimpleNamespace(adapter_releasable=lambda key: True)  # the watch never touches it
+    registry = adapter_registry.AdapterRegistry(engine, None, HostCache(HostArena(ALIGN, False)))
+    caplog.set_level(logging.DEBUG, logger=adapter_registry.log.name)
+    for i in range(50):
+        registry.on_event(AdapterEvent(True, f"t/a{i}", 1, 100))
+    registry.on_event(AdapterEvent(True, "t/a7", 3, 100))
+    registry.on_event(AdapterEvent(True, "t/a7", 2, 100))  # older than the latest: ignored
+    info = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert info == ["adapter t/a7: version 3 replaces version 1 as the latest"]
+    assert len(debug) == 50
+    registry.forget_latest()  # a reconnect: the replay names them again, quietly
+    registry.on_event(AdapterEvent(True, "t/a7", 3, 100))
+    assert len([r for r in caplog.records if r.levelno >= logging.INFO]) == 1

@@ -13,6 +13,7 @@ still complete (test_host_cache_pressure.py); with off nothing is preloaded.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from lorafleet.v1 import inference_pb2 as pb
 from services.inference import preload
@@ -217,10 +218,13 @@ def test_without_preload_adapters_wait_in_the_store(stack_factory, reference):
 async def test_placements_pause_when_the_pool_is_busy_and_skip_superseded_versions(
     server,  # noqa: F811
     monkeypatch,
+    caplog,
 ):
     """``place`` answering False (the pool keeps its free pages for KV) pauses placements for
-    IDLE_RECHECK_S; a version superseded meanwhile is not placed, its successor is."""
+    IDLE_RECHECK_S; a version superseded meanwhile is not placed, its successor is. The pause
+    is logged once however often it is rechecked, and so is the resumption."""
     monkeypatch.setattr(preload, "IDLE_RECHECK_S", 0.1)
+    caplog.set_level(logging.INFO, logger=preload.log.name)
     script, address = server
     script.steps = WHOLE
     cache = HostCache(HostArena(200 * ALIGN, pin=False))
@@ -241,10 +245,15 @@ async def test_placements_pause_when_the_pool_is_busy_and_skip_superseded_versio
         preloader.on_event(AdapterEvent(True, "p", 2, len(BODY)))  # supersedes version 1
         await _until(lambda: AdapterKey("p", 2) in cache, "p's version 2 preloaded")
         assert placed == []  # the pool was busy
+        await asyncio.sleep(0.35)  # rechecked a few times meanwhile
         busy[0] = False
         await _until(lambda: placed, "a placement after the pause")
         await asyncio.sleep(0.3)
         assert placed == [AdapterKey("p", 2)] and preloader.placed == 1
+        pauses = [r for r in caplog.messages if "page pool pauses" in r]
+        resumes = [r for r in caplog.messages if "page pool resumes" in r]
+        assert len(pauses) == 1 and len(resumes) == 1, caplog.messages
+        assert "'p', version=2" in resumes[0] and "0 preloaded adapters wait" in resumes[0]
     finally:
         runner.cancel()
         await client.close()
