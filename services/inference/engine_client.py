@@ -250,7 +250,7 @@ class RemoteEngine:
         is raised by the first iteration."""
         self._check_running()
         rid = request.request_id
-        if self._outputs.is_open(rid) or self._aborting[rid]:
+        if self.request_in_use(rid):
             raise DuplicateRequest(f"request id {rid!r} is already in flight")
         outputs = self._outputs.open(rid)
         self._send("generate", request, named=request.adapter)
@@ -258,6 +258,11 @@ class RemoteEngine:
         async with contextlib.aclosing(follow):  # leaving early aborts now, not when collected
             async for item in follow:
                 yield item
+
+    def request_in_use(self, request_id: str) -> bool:
+        """Whether generate() would refuse ``request_id`` as in flight: its stream is open, or
+        its abort is not confirmed yet."""
+        return self._outputs.is_open(request_id) or self._aborting[request_id] > 0
 
     def abort(self, request_id: str) -> None:
         """End a request; its id is in use until the engine confirms the abort."""

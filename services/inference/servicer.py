@@ -82,7 +82,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self._max_calls = engine.limits.max_queue
         self._device = device
         self._model_info = model_info
-        self._calls: set[str] = set()  # request ids of Generate calls in progress
+        self._calls: set[str] = set()  # the engine ids of Generate calls in progress
         self._idle = asyncio.Event()
         self._idle.set()
         self._closing = False  # no new calls
@@ -98,15 +98,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         start = time.perf_counter()
         rid = request.request_id or uuid.uuid4().hex
         code = grpc.StatusCode.OK
-        admitted = False
+        engine_id = None  # the call's id in the engine, once admitted
         ticket, used = None, 0  # the tenant's quota ticket; tokens the call used
         try:
             caller = self.tenancy.caller(context)
             self._limits.check_request_id(rid)  # before it is kept, and echoed
             check_inference(caller, request.adapter_id)
             ticket = self.tenancy.admit(caller, _estimate(request))
-            self._admit(rid)
-            admitted = True
+            engine_id = self._admit(rid)
             if request.adapter_version and not request.adapter_id:
                 raise BadArgument(
                     f"adapter_version {request.adapter_version} is given without an adapter_id; "
@@ -121,7 +120,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if self._aborting:
                     raise ShuttingDown(f"request {rid} was ended: the server is shutting down")
                 cold = key is not None and not self.engine.adapter_in_pool(key)
-                gen = GenerationRequest(rid, None, ids, key, sampling, tenant=caller.tenant)
+                gen = GenerationRequest(engine_id, None, ids, key, sampling,
+                                        tenant=caller.tenant)  # fmt: skip
                 last = None
                 async for out in self.engine.generate(gen):
                     if out.finish_reason is FinishReason.ABORT:
@@ -149,8 +149,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         finally:
             if ticket is not None:
                 ticket.close(used)
-            if admitted:
-                self._calls.discard(rid)
+            if engine_id is not None:
+                self._calls.discard(engine_id)
                 if not self._calls:
                     self._idle.set()
             self.metrics.requests.labels(code.name).inc()
@@ -169,17 +169,26 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self._limits.check_prompt_tokens(len(ids))
         return ids
 
-    def _admit(self, rid: str) -> None:
+    def _admit(self, rid: str) -> str:
+        """Admits a call; returns its id in the engine: the caller's ``rid``, or a generated one
+        while another call (or the engine) holds that id. A request_id only labels a caller's
+        stream (it is echoed), so it need not be unique: two tenants, or two client processes,
+        may pick the same one, and neither may refuse or even see the other's call."""
         if self._closing:
             raise ShuttingDown("the server is shutting down; retry on another replica")
-        if rid in self._calls:
-            raise BadArgument(f"request_id {rid!r} is already in flight")
         if len(self._calls) >= self._max_calls:
             raise QueueFull(
                 f"{len(self._calls)} requests in flight (running batch + --max-queue); retry later"
             )
-        self._calls.add(rid)
+        engine_id = rid
+        # a call that ended may leave its id in the engine until its abort is applied
+        while engine_id in self._calls or self.engine.request_in_use(engine_id):
+            engine_id = uuid.uuid4().hex
+        if engine_id != rid:
+            log.debug("request_id %r is in flight already: this call is %s", rid, engine_id)
+        self._calls.add(engine_id)
         self._idle.clear()
+        return engine_id
 
     # --- adapters ---------------------------------------------------------------------------
 

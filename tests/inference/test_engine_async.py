@@ -149,11 +149,14 @@ async def test_bad_requests_fail_before_queueing(engine):
     numpy_ids = await collect(engine, greedy("np", np.arange(5, 9), 2))  # numpy ints are fine
     assert numpy_ids[-1].finish_reason is FinishReason.LENGTH
 
+    assert not engine.request_in_use("dup")
     first = engine.generate(greedy("dup", list(range(3, 20)), 50))
     assert (await anext(first)).finish_reason is None
+    assert engine.request_in_use("dup")  # what the service asks before it names a call
     await fails(DuplicateRequest, greedy("dup", [5, 6], 4), "already in flight")
     await first.aclose()
     await wait_idle(engine)
+    assert not engine.request_in_use("dup")
 
 
 async def test_full_queue_is_refused(engine):

@@ -325,6 +325,11 @@ class EngineCore:
         """prepare() + enqueue(), for callers that drive step() themselves."""
         self.enqueue(self.prepare(request))
 
+    def in_flight(self, request_id: str) -> bool:
+        """Whether a request of this id is prepared and not finished (any thread)."""
+        with self._lock:
+            return request_id in self._live
+
     def abort(self, request_id: str) -> GenerationOutput | None:
         """Finish a request now and free its pages (step thread); None if it is not in flight."""
         with self._lock:

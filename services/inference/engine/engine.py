@@ -270,6 +270,11 @@ class Engine:
             async for item in follow:
                 yield item
 
+    def request_in_use(self, request_id: str) -> bool:
+        """Whether generate() would refuse ``request_id`` as in flight: its stream is open, or
+        its request not yet ended (an abort the step thread has not applied yet)."""
+        return self._outputs.is_open(request_id) or self.core.in_flight(request_id)
+
     def abort(self, request_id: str) -> None:
         """End a request; its pages are freed before the next step."""
         self._inbox.put(Abort(request_id))

@@ -173,9 +173,11 @@ async def test_an_aborted_id_is_reused_only_after_the_engine_confirms(svc_models
         assert (await anext(stream)).token_ids
         await stream.aclose()  # the caller goes away
         assert not remote._outputs.is_open("same")  # closed now, not when collected
+        assert remote.request_in_use("same")  # the service names a new call otherwise
         with pytest.raises(DuplicateRequest):
             await anext(remote.generate(GenerationRequest("same", "hi", sampling=THREE)))
         await _until(lambda: not remote._aborting)  # the engine confirmed the abort
+        assert not remote.request_in_use("same")
         outs = [o async for o in remote.generate(GenerationRequest("same", "hi", sampling=THREE))]
         assert outs[-1].completion_tokens == 3 and outs[-1].finish_reason is not None
         await remote.sync_stats()  # current, not up to 50 ms old

@@ -71,6 +71,29 @@ def test_request_id_is_generated_when_empty(stack):
     assert len(ids) == 1 and len(ids.pop()) >= 16
 
 
+def test_calls_that_share_a_request_id_are_served_apart(stack, reference):
+    """A request_id only labels a stream: calls in flight with the same one (two tenants', or
+    two client processes', that picked it alike) are each served, matching the engine alone,
+    each echoing it; one cancelled does not end the others."""
+    requests = mixed_requests(12, seed=5)
+    for r in requests:
+        r.request_id = "same"
+    cancelled = pb.GenerateRequest(
+        request_id="same", prompt=PROMPTS[0], sampling=sampling(max_new_tokens=500, ignore_eos=True)
+    )
+    call = stack.stub.Generate(cancelled, timeout=120)
+    next(call)  # in flight before the others start
+    with ThreadPoolExecutor(len(requests)) as pool:
+        futures = [pool.submit(collect, stack.stub, r) for r in requests]
+        call.cancel()
+        streams = [f.result() for f in futures]
+    for request, stream in zip(requests, streams, strict=True):
+        assert_matches(stream, reference.expect(request, version=1), request)
+        assert {m.request_id for m in stream.messages} == {"same"}
+    stats = pb.GetStatsRequest()
+    wait_for(lambda: stack.stub.GetStats(stats).running_requests == 0, what="drained")
+
+
 @pytest.mark.parametrize(
     ("fields", "code", "fragment"),
     [
