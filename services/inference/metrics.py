@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from services.auth import Caller, Role
 from services.inference.service_stats import StatsSnapshot
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,14 @@ class _SnapshotCollector(Collector):
         yield memory
 
 
+def tenant_label(caller: Caller | None) -> str:
+    """A caller as the per-tenant series name it: a tenant's name, else its role in
+    parentheses (no tenant name has them), "(unknown)" for a call refused before it was known."""
+    if caller is None:
+        return "(unknown)"
+    return caller.tenant if caller.role is Role.TENANT else f"({caller.role.value})"
+
+
 class ServiceMetrics:
     """The service's metrics in their own registry (several services may share a process)."""
 
@@ -128,6 +137,21 @@ class ServiceMetrics:
             labelnames=["code"],
             registry=self.registry,
         )
+        # Per caller: a tenant's name, or the role of a caller without one ("(admin)", and
+        # "(anonymous)" without --auth-tokens): usage a tenant can be shown or billed for.
+        self.tenant_requests = Counter(
+            "lorafleet_tenant_requests",
+            "Finished Generate calls by caller (a tenant, or (admin) / (anonymous)) and status",
+            labelnames=["tenant", "code"],
+            registry=self.registry,
+        )
+        self.tenant_tokens = Counter(
+            "lorafleet_tenant_tokens",
+            "Tokens of Generate calls by caller: prompt (of calls that ran) and completion "
+            "(streamed, of ended and cancelled calls alike)",
+            labelnames=["tenant", "kind"],
+            registry=self.registry,
+        )
         # Every series exists from the start, at zero, so a dashboard's rate() and a scrape
         # before the first load see the same names as after it.
         for phase in ("fetch", "preload", "copy"):
@@ -150,6 +174,14 @@ class ServiceMetrics:
             self.adapter_loads.labels("preload").inc()
         elif phase == "copy":
             self.adapter_loads.labels("pool").inc()
+
+    def observe_call(self, caller: str, code: str, prompt_tokens: int, completion_tokens: int):
+        """A finished Generate call of ``caller`` (tenant_label) with status ``code``."""
+        self.requests.labels(code).inc()
+        self.tenant_requests.labels(caller, code).inc()
+        if prompt_tokens or completion_tokens:
+            self.tenant_tokens.labels(caller, "prompt").inc(prompt_tokens)
+            self.tenant_tokens.labels(caller, "completion").inc(completion_tokens)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Starts the HTTP endpoint in a daemon thread; returns the bound port."""

@@ -29,7 +29,7 @@ from services.inference.engine.api import AdapterKey, FinishReason, GenerationRe
 from services.inference.engine.engine import Engine
 from services.inference.engine.sampling_params import SamplingParams
 from services.inference.errors import BadArgument, QueueFull, ShuttingDown, status_for
-from services.inference.metrics import ServiceMetrics
+from services.inference.metrics import ServiceMetrics, tenant_label
 from services.inference.model_info import ModelInfo
 from services.inference.service_stats import (
     LatencyWindow,
@@ -99,7 +99,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         rid = request.request_id or uuid.uuid4().hex
         code = grpc.StatusCode.OK
         engine_id = None  # the call's id in the engine, once admitted
-        ticket, used = None, 0  # the tenant's quota ticket; tokens the call used
+        ticket, caller = None, None  # the tenant's quota ticket; who calls
+        prompt_tokens = completion_tokens = 0  # of the call's latest output
         try:
             caller = self.tenancy.caller(context)
             self._limits.check_request_id(rid)  # before it is kept, and echoed
@@ -127,7 +128,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     if out.finish_reason is FinishReason.ABORT:
                         raise ShuttingDown(f"request {rid} was ended: the server is shutting down")
                     now = time.perf_counter()
-                    used = out.prompt_tokens + out.completion_tokens
+                    prompt_tokens, completion_tokens = out.prompt_tokens, out.completion_tokens
                     if last is None:
                         ticket.started()
                         self.metrics.ttft.observe(now - start)
@@ -148,12 +149,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await _abort(context, exc)
         finally:
             if ticket is not None:
-                ticket.close(used)
+                ticket.close(prompt_tokens + completion_tokens)
             if engine_id is not None:
                 self._calls.discard(engine_id)
                 if not self._calls:
                     self._idle.set()
-            self.metrics.requests.labels(code.name).inc()
+            self.metrics.observe_call(
+                tenant_label(caller), code.name, prompt_tokens, completion_tokens
+            )
 
     async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         """The prompt's token ids, each size checked before the work it bounds."""

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -84,10 +86,22 @@ def deployment(svc_models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def secure(deployment):
     """The inference service behind mutual TLS, tokens on, default limits."""
-    proc = deployment.inference()
+    proc = deployment.inference("--metrics-port", "0")
     channel = proc.channel()
     yield proc, pb_grpc.InferenceStub(channel)
     channel.close()
+
+
+def tenant_series(proc) -> dict[tuple[str, str, str], float]:
+    """The per-tenant series of the service's metrics: (requests, tenant, code) and (tokens,
+    tenant, kind) -> value."""
+    port = wait_for(lambda: re.search(r"metrics on http://[^:]+:(\d+)/", proc.log()), what="port")
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port.group(1)}/metrics", timeout=5).read()
+    series = re.finditer(
+        r'^lorafleet_tenant_(requests|tokens)_total\{(?:code|kind)="([^"]+)",tenant="([^"]+)"\} '
+        r"(\S+)$", body.decode(), re.M,
+    )  # fmt: skip
+    return {(m.group(1), m.group(3), m.group(2)): float(m.group(4)) for m in series}
 
 
 def gen(adapter_id="", max_new_tokens=4, **kwargs) -> pb.GenerateRequest:
@@ -127,6 +141,7 @@ def test_generate_needs_a_token_and_a_tenant_uses_only_its_own_adapters(deployme
 
     # Its own adapter: fetched cold through the fetch worker, with the service's token over
     # mutual TLS; the base model; never another tenant's adapter, existing or not.
+    before = tenant_series(proc)
     mine = streamed(stub, gen("acme/a"), t.md("acme"))
     assert mine.code == grpc.StatusCode.OK, mine.details
     assert mine.last.usage.completion_tokens == 4
@@ -141,6 +156,18 @@ def test_generate_needs_a_token_and_a_tenant_uses_only_its_own_adapters(deployme
 
     # The service credential has no rights here, not even the base model.
     assert streamed(stub, gen(""), t.md("service")).code == DENIED
+    # Each call counted under its caller, with its tokens (the prompt: "Hello there" encoded)
+    counted = tenant_series(proc)
+    delta = {k: v - before.get(k, 0.0) for k, v in counted.items() if v != before.get(k, 0.0)}
+    prompt = 2 * mine.last.usage.prompt_tokens
+    assert delta == {
+        ("requests", "acme", "OK"): 2, ("requests", "acme", "PERMISSION_DENIED"): 4,
+        ("tokens", "acme", "prompt"): prompt, ("tokens", "acme", "completion"): 8,
+        ("requests", "(admin)", "OK"): 2, ("tokens", "(admin)", "prompt"): prompt,
+        ("tokens", "(admin)", "completion"): 8, ("requests", "beta", "OK"): 1,
+        ("tokens", "beta", "prompt"): prompt / 2, ("tokens", "beta", "completion"): 4,
+        ("requests", "(service)", "PERMISSION_DENIED"): 1,
+    }, delta  # fmt: skip
     assert code_of(lambda: stub.GetStats(pb.GetStatsRequest(), metadata=t.md("service"))) == DENIED
     assert stub.GetStats(pb.GetStatsRequest(), metadata=t.md("beta")).generated_tokens > 0
     info = pb.GetModelInfoRequest()
