@@ -28,6 +28,7 @@ from store.fetch import FetchPlan, stream_blob
 from store.layout import BLOBS, check_adapter_id, check_prefix, check_version
 from store.manifest import AdapterRecord
 from store.peft import parse_adapter_config
+from store.rescan import Rescan
 from store.upload import UploadHeader, UploadLimits, UploadSession
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class AdapterStore:
         self.config = config
         self.catalog = Catalog(backend)
         self.events = EventBus()
+        self.rescan = Rescan(self.catalog, self.events)  # other store processes' changes
         self._limits = UploadLimits(
             max_adapter_bytes=config.max_adapter_bytes,
             part_bytes=config.part_bytes,
@@ -123,7 +125,7 @@ class AdapterStore:
             await self._cleanup(self._delete_blob(blob.key))
             raise
         log.info("stored %s v%d (%d bytes)", record.adapter_id, record.version, blob.size_bytes)
-        self.events.publish(AdapterEvent(EventKind.CREATED, record))
+        self._publish(AdapterEvent(EventKind.CREATED, record))
         return record
 
     async def _cleanup(self, coro) -> None:
@@ -216,10 +218,14 @@ class AdapterStore:
             record = await self.catalog.read(adapter_id, number)
             await self.catalog.retire(record)
             await self._delete_blob(record.blob_key)
-            self.events.publish(AdapterEvent(EventKind.DELETED, record))
+            self._publish(AdapterEvent(EventKind.DELETED, record))
             deleted.append(record)
             log.info("deleted %s v%d", adapter_id, number)
         return deleted
+
+    def _publish(self, event: AdapterEvent) -> None:
+        self.events.publish(event)
+        self.rescan.note(event)
 
     async def watch(self, prefix: str = "", include_existing: bool = False):
         """Events from now on; with include_existing, first a CREATED event for the latest

@@ -103,6 +103,11 @@ class Catalog:
         found = [r for r in records if r is not None]
         return CatalogPage(found, latest[-1][0] if more and latest else None)
 
+    async def latest_versions(self) -> dict[str, int]:
+        """Every adapter's latest live version, from one listing of the manifests' keys."""
+        async with aclosing(self._latest_live(MANIFESTS, "")) as adapters:
+            return {adapter_id: version async for adapter_id, version in adapters}
+
     async def _read_if_live(self, adapter_id: str, version: int) -> AdapterRecord | None:
         try:
             return await self.read(adapter_id, version)

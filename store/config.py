@@ -65,6 +65,9 @@ class StoreConfig:
     upload_timeout_s: float = 1800.0
     stale_upload_s: float | None = None
     probe_interval_s: float = 5.0  # how often the service checks that storage answers
+    # How often the storage is rescanned for other store processes' changes, which are then
+    # announced to this one's watchers (store/rescan.py); 0: never (one store on its storage).
+    watch_rescan_s: float = 5.0
     # Tenancy (services/auth.py, services/tls.py): None = no authentication, plain TCP.
     auth_tokens: Path | None = None
     tls_cert: Path | None = None
@@ -99,6 +102,8 @@ class StoreConfig:
         for name in ("connect_timeout_s", "read_timeout_s", "probe_interval_s", "upload_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.watch_rescan_s < 0:
+            raise ValueError(f"watch_rescan_s must be 0 (off) or more, got {self.watch_rescan_s}")
         if self.stale_upload_s is not None and self.stale_upload_s < self.upload_timeout_s:
             raise ValueError(
                 "stale_upload_s must be at least upload_timeout_s: an upload younger than the "
@@ -159,6 +164,7 @@ class StoreConfig:
             base_model_config=Path(args.base_model_config) if args.base_model_config else None,
             log_level=args.log_level.upper(),
             probe_interval_s=args.probe_interval_s,
+            watch_rescan_s=args.watch_rescan_s,
             max_concurrent_uploads=args.max_concurrent_uploads,
             upload_timeout_s=args.upload_timeout_s,
             stale_upload_s=args.stale_upload_s,
@@ -214,6 +220,13 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         type=float,
         default=d.probe_interval_s,
         help="seconds between storage checks",
+    )
+    parser.add_argument(
+        "--watch-rescan-s",
+        type=float,
+        default=d.watch_rescan_s,
+        help="seconds between rescans of the storage for other store processes' uploads and "
+        "deletes, announced to this store's watchers; 0: never",
     )
     parser.add_argument(
         "--auth-tokens",

@@ -18,7 +18,7 @@ from services.auth import Authenticator, AuthInterceptor
 from store.adapter_store import AdapterStore
 from store.backends import open_backend
 from store.config import MAX_UPLOAD_CHUNK_BYTES, MIB, StoreConfig
-from store.errors import StorageError, StorageUnavailable
+from store.errors import StorageError, StorageUnavailable, StoreError
 
 log = logging.getLogger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -47,6 +47,17 @@ async def _probe_storage(
         except (StorageUnavailable, StorageError) as exc:
             log.warning("storage check failed: %s", exc)
             await status.set(SERVICE, NOT_SERVING)
+        await asyncio.sleep(every)
+
+
+async def _rescan_storage(store: AdapterStore, every: float) -> None:
+    """Announce other store processes' changes to this one's watchers (store/rescan.py): the
+    first rescan at once learns the storage's state, then one every ``every`` seconds."""
+    while True:
+        try:
+            await store.rescan.run()
+        except StoreError as exc:  # storage down, an unreadable manifest: the next one retries
+            log.warning("could not rescan the storage for other stores' changes: %s", exc)
         await asyncio.sleep(every)
 
 
@@ -112,12 +123,17 @@ async def serve(config: StoreConfig, auth: Authenticator) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     prober = asyncio.create_task(_probe_storage(store, status, config.probe_interval_s, swept))
+    rescanner = None
+    if config.watch_rescan_s > 0:
+        rescanner = asyncio.create_task(_rescan_storage(store, config.watch_rescan_s))
     await stop.wait()
 
     log.info("stopping: aborting %d upload(s) in flight", store.abort_uploads())
     await status.enter_graceful_shutdown()
     await server.stop(STOP_GRACE_S)
     prober.cancel()
-    await asyncio.gather(prober, return_exceptions=True)
+    if rescanner is not None:
+        rescanner.cancel()
+    await asyncio.gather(*(t for t in (prober, rescanner) if t), return_exceptions=True)
     await store.close()
     log.info("stopped")
