@@ -20,6 +20,7 @@ from store.errors import (
     DataCorruption,
     InvalidRequest,
     ShuttingDown,
+    TenantStorageFull,
     TooManyUploads,
     UploadTimedOut,
 )
@@ -69,9 +70,12 @@ class AdapterStore:
 
     # -- upload --------------------------------------------------------------------------
 
-    async def upload(self, header: UploadHeader, chunks: AsyncIterable[bytes]) -> AdapterRecord:
+    async def upload(
+        self, header: UploadHeader, chunks: AsyncIterable[bytes], tenant: str | None = None
+    ) -> AdapterRecord:
         """Store a new version from the bytes of adapter_model.safetensors. On any failure,
-        cancellation included, nothing of the upload remains visible or stored."""
+        cancellation included, nothing of the upload remains visible or stored. ``tenant``:
+        the uploading tenant, whose stored bytes --tenant-max-bytes bounds (if set)."""
         if self.closing:
             raise ShuttingDown("the store is shutting down")
         if len(self._uploads) >= self.config.max_concurrent_uploads:
@@ -81,12 +85,19 @@ class AdapterStore:
             )
         task = asyncio.current_task()
         self._uploads.add(task)  # before any await: the limit holds however many arrive at once
+        quota = self.config.tenant_max_bytes if tenant is not None else None
         try:
+            room = None
+            if quota is not None:  # before a byte is read: a full tenant is refused at once
+                stored = await self.tenant_bytes(tenant)
+                room = quota - stored, self._quota_note(tenant, quota, stored)
+                if room[0] <= 0:
+                    raise TenantStorageFull(f"no room for another adapter: {room[1]}")
             # Regexes and all: parsing costs up to tens of milliseconds, off the event loop.
             config = await asyncio.to_thread(
                 parse_adapter_config, header.adapter_config_json, self.config.max_rank
             )
-            session = UploadSession(self.backend, header, config, self._limits)
+            session = UploadSession(self.backend, header, config, self._limits, room)
             timer = asyncio.timeout(self.config.upload_timeout_s)
             try:
                 async with timer:
@@ -120,6 +131,14 @@ class AdapterStore:
             blob_key=blob.key,
         )
         try:
+            if quota is not None:  # uploads of the tenant that ran beside this one count too
+                stored = await self.tenant_bytes(tenant)  # this blob's bytes included
+                if stored > quota:
+                    raise TenantStorageFull(
+                        f"adapter_model.safetensors is {blob.size_bytes} bytes, and with the "
+                        f"tenant's other uploads it passes its quota: "
+                        f"{self._quota_note(tenant, quota, stored - blob.size_bytes)}"
+                    )
             record = await self.catalog.commit(record)
         except BaseException:
             await self._cleanup(self._delete_blob(blob.key))
@@ -127,6 +146,17 @@ class AdapterStore:
         log.info("stored %s v%d (%d bytes)", record.adapter_id, record.version, blob.size_bytes)
         self._publish(AdapterEvent(EventKind.CREATED, record))
         return record
+
+    async def tenant_bytes(self, tenant: str) -> int:
+        """The bytes of every stored version of the adapters under ``tenant``'s name (their
+        blobs, from one listing; a blob whose upload has not committed yet included)."""
+        return await self.backend.total_bytes(f"{BLOBS}{tenant}/")
+
+    def _quota_note(self, tenant: str, quota: int, stored: int) -> str:
+        return (
+            f"tenant {tenant!r} stores {stored} of the {quota} bytes of adapters it may keep "
+            "(--tenant-max-bytes); delete versions it no longer needs"
+        )
 
     async def _cleanup(self, coro) -> None:
         """Run clean-up to its end even if the caller is cancelled meanwhile; close() waits

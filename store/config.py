@@ -39,6 +39,9 @@ class StoreConfig:
     aws_secret_access_key: str | None = field(default=None, repr=False)
     aws_session_token: str | None = field(default=None, repr=False)
     max_adapter_bytes: int = 2048 * MIB
+    # The bytes of adapters a tenant may keep stored (every live version under its name);
+    # None: no limit. An upload that would pass it fails RESOURCE_EXHAUSTED.
+    tenant_max_bytes: int | None = None
     max_rank: int = 128
     base_model_config: Path | None = None
     log_level: str = "INFO"
@@ -81,6 +84,8 @@ class StoreConfig:
             raise ValueError("the s3 backend needs --s3-bucket")
         if self.max_adapter_bytes < 1:
             raise ValueError("max_adapter_bytes must be positive")
+        if self.tenant_max_bytes is not None and self.tenant_max_bytes < 1:
+            raise ValueError(f"tenant_max_bytes must be positive, got {self.tenant_max_bytes}")
         if self.max_rank < 1:
             raise ValueError("max_rank must be positive")
         if self.part_bytes < MIN_PART_BYTES:
@@ -160,6 +165,7 @@ class StoreConfig:
             aws_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"),
             aws_session_token=env.get("AWS_SESSION_TOKEN"),
             max_adapter_bytes=args.max_adapter_bytes,
+            tenant_max_bytes=args.tenant_max_bytes,
             max_rank=args.max_rank,
             base_model_config=Path(args.base_model_config) if args.base_model_config else None,
             log_level=args.log_level.upper(),
@@ -193,6 +199,13 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-adapter-bytes", type=int, default=d.max_adapter_bytes)
     parser.add_argument("--max-rank", type=int, default=d.max_rank)
+    parser.add_argument(
+        "--tenant-max-bytes",
+        type=int,
+        default=d.tenant_max_bytes,
+        help="bytes of adapters each tenant may keep stored, every version counted (with "
+        "--auth-tokens; default: no limit)",
+    )
     parser.add_argument(
         "--max-concurrent-uploads",
         type=int,

@@ -27,6 +27,10 @@ class AdapterTooLarge(StoreError):
     """The adapter is larger than the store's configured limit."""
 
 
+class TenantStorageFull(AdapterTooLarge):
+    """A tenant's stored adapters would pass its storage quota (--tenant-max-bytes)."""
+
+
 class TooManyUploads(StoreError):
     """As many uploads as the store takes at once are in flight; retry later."""
 

@@ -75,13 +75,19 @@ class UploadSession:
         header: UploadHeader,
         config: LoraAdapterConfig,
         limits: UploadLimits,
+        room: tuple[int, str] | None = None,
     ) -> None:
+        """``room``: the bytes a tenant's storage quota leaves, and what that quota is (the
+        adapter may be no larger; UploadCheck says so)."""
         self.header = header
         self.status = UploadStatus.RECEIVING
         self.key = blob_key(header.adapter_id, uuid.uuid4().hex)
         self._backend = backend
         self._limits = limits
-        self._check = UploadCheck(config, limits.max_adapter_bytes, limits.base, header.size_bytes)
+        max_bytes, quota = limits.max_adapter_bytes, ""
+        if room is not None and room[0] < max_bytes:
+            max_bytes, quota = room
+        self._check = UploadCheck(config, max_bytes, limits.base, header.size_bytes, quota)
         self._hash = hashlib.sha256()
         self._buffer = bytearray()
         self._flushed = 0  # bytes handed to part uploads

@@ -9,7 +9,7 @@ synchronous code, so the upload runs it on a worker thread and a test can drive 
 from __future__ import annotations
 
 from store.base_model import BaseModelShape
-from store.errors import AdapterTooLarge, InvalidRequest
+from store.errors import AdapterTooLarge, InvalidRequest, TenantStorageFull
 from store.lora_config import LoraAdapterConfig
 from store.peft import SafetensorsHeader, SafetensorsHeaderReader, validate_adapter
 from store.tensor_values import ValueChecker
@@ -22,10 +22,14 @@ class UploadCheck:
         max_bytes: int,
         base: BaseModelShape | None = None,
         announced_size: int = 0,
+        quota: str = "",
     ) -> None:
-        """``announced_size``: the size the client said the file has (0 = not said)."""
+        """``announced_size``: the size the client said the file has (0 = not said);
+        ``quota``: where ``max_bytes`` is the room a tenant's storage quota leaves, what that
+        quota is (errors then say it, as TenantStorageFull)."""
         self._config = config
         self._max = max_bytes
+        self._quota = quota
         self._base = base
         self._announced = announced_size
         self._reader = SafetensorsHeaderReader()
@@ -41,7 +45,7 @@ class UploadCheck:
         not a valid adapter), AdapterTooLarge or InvalidRequest."""
         self.received += len(chunk)
         if self.received > self._max:
-            raise AdapterTooLarge(f"adapter is over the limit of {self._max} bytes")
+            self._too_large(f"adapter is over the limit of {self._max} bytes")
         if self._values is None:
             if self._reader.feed(chunk) is None:
                 return
@@ -58,7 +62,7 @@ class UploadCheck:
 
     def _check_header(self, header: SafetensorsHeader) -> None:
         if header.total_size > self._max:
-            raise AdapterTooLarge(
+            self._too_large(
                 f"adapter_model.safetensors is {header.total_size} bytes; the limit is {self._max}"
             )
         if self._announced and self._announced != header.total_size:
@@ -67,6 +71,11 @@ class UploadCheck:
                 f"a file of {header.total_size} bytes"
             )
         validate_adapter(self._config, header, self._base)
+
+    def _too_large(self, message: str) -> None:
+        if self._quota:
+            raise TenantStorageFull(f"{message}: {self._quota}")
+        raise AdapterTooLarge(message)
 
     def finish(self) -> SafetensorsHeader:
         """The validated header, once the whole file has arrived."""

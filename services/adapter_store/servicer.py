@@ -34,11 +34,11 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
         header = messages.upload_header(first.header)
         with audited("upload", caller, header.adapter_id) as entry:
             check_store_write(caller, header.adapter_id)
-            record = await self._upload(header, request_iterator, context)
+            record = await self._upload(header, request_iterator, context, caller.tenant)
             entry.version = record.version
         return messages.adapter_info(record)
 
-    async def _upload(self, header, request_iterator, context):
+    async def _upload(self, header, request_iterator, context, tenant: str | None):
         async def chunks():
             async for message in request_iterator:
                 if message.WhichOneof("payload") != "chunk":
@@ -46,7 +46,7 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
                 yield message.chunk
 
         try:
-            return await self._store.upload(header, chunks())
+            return await self._store.upload(header, chunks(), tenant)
         except asyncio.CancelledError:
             if not self._store.closing:
                 raise  # the client went away

@@ -93,6 +93,10 @@ class ObjectStore(ABC):
         same order, so paging through a listing is stable on every backend."""
 
     @abstractmethod
+    async def total_bytes(self, prefix: str) -> int:
+        """The sizes of the objects whose keys start with ``prefix``, summed (one listing)."""
+
+    @abstractmethod
     async def begin_multipart(self, key: str) -> MultipartWriter: ...
 
     @abstractmethod

@@ -145,6 +145,18 @@ class LocalObjectStore(ObjectStore):
         for key in await self._run(self._list, prefix, start_after):
             yield key
 
+    async def total_bytes(self, prefix: str) -> int:
+        def total() -> int:
+            size = 0
+            for key in self._list(prefix, ""):
+                try:
+                    size += self._path(key).stat().st_size
+                except FileNotFoundError:  # deleted since it was listed
+                    continue
+            return size
+
+        return await self._run(total)
+
     async def begin_multipart(self, key: str) -> MultipartWriter:
         self._path(key)
         return await self._run(_LocalMultipart.begin, self, key)

@@ -154,6 +154,16 @@ class S3ObjectStore(ObjectStore):
             if not page.get("IsTruncated") or not token:
                 return
 
+    async def total_bytes(self, prefix: str) -> int:
+        size, kwargs = 0, {"Bucket": self.bucket, "Prefix": prefix}
+        while True:
+            page = await self._call(self.client.list_objects_v2, **kwargs)
+            size += sum(item["Size"] for item in page.get("Contents", []))
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return size
+            kwargs["ContinuationToken"] = token
+
     async def begin_multipart(self, key: str) -> MultipartWriter:
         response = await self._call(
             self.client.create_multipart_upload, Bucket=self.bucket, Key=key

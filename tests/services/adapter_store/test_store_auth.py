@@ -260,6 +260,36 @@ def test_admin_may_do_anything_and_writes_are_audited(store, tokens, ids):
         assert secret not in log  # tokens are never logged
 
 
+def test_a_tenants_storage_quota_refuses_its_uploads_alone(seaweed, tokens, tmp_path):
+    """--tenant-max-bytes over S3: a tenant's upload that would pass its stored bytes fails
+    RESOURCE_EXHAUSTED naming its quota, and stores nothing; other tenants and the admin go
+    on; deleting a version makes room."""
+    size = len(SMALL.safetensors)
+    bucket = seaweed.create_bucket(f"quota-{uuid.uuid4().hex[:10]}")
+    extra = ("--auth-tokens", str(tokens.path), "--tenant-max-bytes", str(size * 3 // 2))
+    store = StoreProcess(tmp_path, "s3", seaweed, bucket, extra_args=extra).start()
+    try:
+        stub, acme = store.stub, tokens.md("acme")
+        assert stub.UploadAdapter(upload_requests("acme/one", SMALL), metadata=acme).version == 1
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.UploadAdapter(upload_requests("acme/two", SMALL), metadata=acme)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"tenant 'acme' stores {size} of the {size * 3 // 2} bytes" in (
+            refused.value.details()
+        )
+        assert listed(stub, acme) == ["acme/one"]
+        assert store.object_keys("blobs/acme/") == store.blob_keys("acme/one")  # no leftover
+        stub.UploadAdapter(upload_requests("beta/one", SMALL), metadata=tokens.md("beta"))
+        stub.UploadAdapter(upload_requests("acme/three", SMALL), metadata=tokens.md("admin"))
+        stub.DeleteAdapter(pb.DeleteAdapterRequest(adapter_id="acme/one"), metadata=acme)
+        stub.DeleteAdapter(pb.DeleteAdapterRequest(adapter_id="acme/three"), metadata=acme)
+        assert stub.UploadAdapter(upload_requests("acme/two", SMALL), metadata=acme).version == 1
+        audit = "action=upload role=tenant tenant=acme adapter=acme/two version=latest"
+        assert f"{audit} outcome=failed:TenantStorageFull" in store.log()
+    finally:
+        assert store.stop() == 0, store.log()
+
+
 def test_the_token_file_is_read_again_when_it_changes(tmp_path):
     tokens = make_tokens(tmp_path / "tokens")
     store = StoreProcess(
