@@ -167,6 +167,13 @@ class AdapterRegistry:
             if not pinned:
                 self._maybe_drop(held)
 
+    def pinned_bytes(self, prefix: str) -> int:
+        """The bytes of the pinned versions whose adapter ids start with ``prefix``."""
+        return sum(
+            h.size_bytes for h in self._held.values()
+            if h.pinned and h.key.adapter_id.startswith(prefix)
+        )  # fmt: skip
+
     def unload(self, adapter_id: str, version: int) -> list[HeldAdapter]:
         """Unpin and retire the matching versions (0 = all); each is dropped once idle."""
         out = []

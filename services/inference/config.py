@@ -91,6 +91,9 @@ class ServiceConfig:
     tenant_max_in_flight: int | None = None  # Generate calls in progress
     tenant_max_queued: int | None = None  # calls not yet streaming their first token
     tenant_tokens_per_second: float | None = None  # prompt + generated tokens
+    # Adapter bytes one tenant may keep pinned (LoadAdapter pin); None: TENANT_PIN_SHARE of the
+    # host cache (tenant_pinned_bytes)
+    tenant_max_pinned_mb: float | None = None
     scheduling: str = "fair"  # fair: tenants share the batch (engine/fairness.py); fcfs
     fair_prefill_tokens: int = 256  # per tenant and step while tenants share (fair only)
     adapter_affinity: int | None = None  # engine/affinity.py's bound; 0 off; None max_num_seqs
@@ -172,7 +175,10 @@ class ServiceConfig:
             raise ValueError("--adapter-store-cert and --adapter-store-key go together")
         if self.adapter_store_cert is not None and self.adapter_store_ca is None:
             raise ValueError("--adapter-store-cert needs --adapter-store-ca (TLS to the store)")
-        for name in ("tenant_max_in_flight", "tenant_max_queued", "tenant_tokens_per_second"):
+        for name in (
+            "tenant_max_in_flight", "tenant_max_queued", "tenant_tokens_per_second",
+            "tenant_max_pinned_mb",
+        ):  # fmt: skip
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{_flag(name)} must be positive, got {value}")
@@ -192,6 +198,15 @@ class ServiceConfig:
         if self.host_cache_mb is not None:
             return self.host_cache_mb * 2**20
         return default_host_cache_bytes(host_memory_bytes())
+
+    @property
+    def tenant_pinned_bytes(self) -> int:
+        """--tenant-max-pinned-mb, or TENANT_PIN_SHARE of the host cache: what one tenant's
+        pins may hold of the host cache and the page pool, so that no tenant's pins alone
+        leave the others no room."""
+        if self.tenant_max_pinned_mb is not None:
+            return int(self.tenant_max_pinned_mb * 2**20)
+        return int(self.host_cache_bytes * TENANT_PIN_SHARE)
 
     @property
     def limits(self) -> RequestLimits:
@@ -221,6 +236,10 @@ _LIMITS = tuple(f.name for f in fields(RequestLimits))
 # a quarter leaves the rest to the processes, the page cache and (on CUDA) the driver, whose
 # pinned memory cannot be swapped; 32 GiB on a 128 GiB machine.
 HOST_CACHE_SHARE = 0.25
+# The share of the host cache one tenant's pinned adapters may hold by default: a few tenants
+# pinning their most used adapters fit together, and no one tenant's pins fill the cache (a
+# cache full of pins fails every other request for a cold adapter) or the pool's pages.
+TENANT_PIN_SHARE = 0.125
 HOST_CACHE_MIN, HOST_CACHE_MAX = 1 << 30, 64 << 30
 # Memory limits of the process's control group (v2, then v1): a container's share of the host.
 _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
@@ -274,6 +293,7 @@ _TYPES = {
     "tenant_max_in_flight": int,
     "tenant_max_queued": int,
     "tenant_tokens_per_second": float,
+    "tenant_max_pinned_mb": float,
 }
 
 _L = RequestLimits()  # the defaults the help texts name
@@ -349,6 +369,8 @@ _HELP = {
     "unlimited)",
     "tenant_tokens_per_second": "prompt + generated tokens per second one tenant may use on "
     "average, in bursts of one second's worth (default unlimited)",
+    "tenant_max_pinned_mb": "MiB of adapters one tenant may keep pinned (LoadAdapter pin; "
+    "default: an eighth of the host cache)",
     "scheduling": "fair (default: tenants share the running batch, least served first) or fcfs "
     "(first come, first served)",
     "fair_prefill_tokens": "with --scheduling fair and several tenants active: prefill tokens "

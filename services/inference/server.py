@@ -208,8 +208,9 @@ class InferenceServer:
             read_model_info, cfg.model, cfg.model_id, tokenizer, self.engine.config.max_model_len
         )
         quotas = Quotas(
-            cfg.tenant_max_in_flight, cfg.tenant_max_queued, cfg.tenant_tokens_per_second
-        )
+            cfg.tenant_max_in_flight, cfg.tenant_max_queued, cfg.tenant_tokens_per_second,
+            cfg.tenant_pinned_bytes,
+        )  # fmt: skip
         self.servicer = InferenceServicer(
             self.engine, registry, metrics, str(device), tokenizer, info, Tenancy(self.auth, quotas)
         )

@@ -204,7 +204,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 key = await self.registry.acquire(request.adapter_id, request.adapter_version)
                 entry.version = key.version
                 try:
-                    if request.pin:
+                    held = self.registry.get(key)
+                    if request.pin and not held.pinned:
+                        pinned = self.registry.pinned_bytes(caller.namespace or "")
+                        what = f"{key.adapter_id} version {key.version}"
+                        self.tenancy.check_pin(caller, what, held.size_bytes, pinned)
                         self.registry.pin(key, True)
                     await self.engine.load_adapter(key)
                 finally:

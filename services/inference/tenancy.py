@@ -12,6 +12,12 @@ tenant, all checked before a Generate call does any work:
   the prompt and completion tokens it used, so a tenant averages at most R over time and the
   bucket may go below zero (a debt that later calls wait out).
 
+and one checked when a LoadAdapter call pins an adapter:
+
+- ``--tenant-max-pinned-mb M``: the bytes of the tenant's pinned adapters (by default an
+  eighth of the host cache): pins hold host-cache room and pool pages that every tenant's
+  requests share.
+
 A refusal is RESOURCE_EXHAUSTED naming the tenant, its limit and the flag that sets it.
 """
 
@@ -32,6 +38,7 @@ class Quotas:
     max_in_flight: int | None = None
     max_queued: int | None = None
     tokens_per_second: float | None = None
+    max_pinned_bytes: int | None = None  # adapter bytes one tenant keeps pinned
 
 
 @dataclass
@@ -119,3 +126,17 @@ class Tenancy:
         usage.in_flight += 1
         usage.queued += 1
         return Ticket(self, name, estimate_tokens if q.tokens_per_second is not None else None)
+
+    def check_pin(self, caller: Caller, adapter: str, size: int, pinned: int) -> None:
+        """A LoadAdapter of ``caller`` that pins ``adapter`` (``size`` bytes, not pinned yet),
+        its tenant's pinned adapters holding ``pinned`` bytes: TenantQuotaExceeded where that
+        would pass the tenant's max_pinned_bytes."""
+        limit = self.quotas.max_pinned_bytes
+        if caller.role is not Role.TENANT or limit is None or pinned + size <= limit:
+            return
+        raise TenantQuotaExceeded(
+            f"tenant {caller.tenant!r} has {pinned / 2**20:.2f} MiB of adapters pinned; "
+            f"pinning {adapter} ({size / 2**20:.2f} MiB) would pass its limit of "
+            f"{limit / 2**20:.2f} MiB (--tenant-max-pinned-mb); unload one, or load this one "
+            "without pin"
+        )

@@ -247,6 +247,20 @@ def test_quotas_count_calls_and_tokens_per_tenant():
         tenancy.admit(ACME, 1)
 
 
+def test_a_tenants_pins_are_bounded_by_its_bytes():
+    tenancy = Tenancy(quotas=Quotas(max_pinned_bytes=3 << 20))
+    tenancy.check_pin(ACME, "acme/a version 1", 2 << 20, 1 << 20)  # 3 MiB: at the limit
+    with pytest.raises(TenantQuotaExceeded) as refused:
+        tenancy.check_pin(ACME, "acme/b version 2", 1 << 20, 2621440)
+    assert str(refused.value) == (
+        "tenant 'acme' has 2.50 MiB of adapters pinned; pinning acme/b version 2 (1.00 MiB) "
+        "would pass its limit of 3.00 MiB (--tenant-max-pinned-mb); unload one, or load this "
+        "one without pin"
+    )
+    tenancy.check_pin(ADMIN, "acme/b version 2", 100 << 20, 100 << 20)  # admins have none
+    Tenancy(quotas=Quotas()).check_pin(ACME, "acme/b version 2", 100 << 20, 100 << 20)
+
+
 def test_loopback_hosts():
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.5.0.1", "::1", "[::1]", "localhost"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "10.0.0.1", "::", "example.com"))

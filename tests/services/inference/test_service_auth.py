@@ -273,6 +273,42 @@ def test_in_flight_and_queued_quotas_name_the_tenant_and_its_limit(deployment):
         assert streamed(stub, gen(""), t.md("acme")).code == grpc.StatusCode.OK
 
 
+def test_a_tenants_pins_stop_at_its_limit_while_others_pin_on(deployment, svc_models):
+    """--tenant-max-pinned-mb: acme pins one adapter, and a second would pass its limit
+    (RESOURCE_EXHAUSTED naming it), though it may still load it unpinned; pinning the same one
+    again costs nothing; unloading makes room; other tenants and the admin are not held back."""
+    t = deployment.tokens
+    with grpc.secure_channel(deployment.store.address, deployment.store_credentials) as channel:
+        stub = store_grpc.AdapterStoreStub(channel)
+        for adapter_id in ("acme/a2", "beta/a"):  # acme/a's files again
+            size = stub.UploadAdapter(
+                upload_requests(adapter_id, svc_models.adapters["a"]), metadata=t.md("admin"),
+                timeout=30,
+            ).size_bytes  # fmt: skip
+    proc = deployment.inference("--tenant-max-pinned-mb", str(1.5 * size / 2**20), tls_on=False)
+    with proc.channel() as channel:
+        stub = pb_grpc.InferenceStub(channel)
+
+        def load(adapter_id, who, pin=True):
+            request = pb.LoadAdapterRequest(adapter_id=adapter_id, pin=pin)
+            return stub.LoadAdapter(request, metadata=t.md(who), timeout=60)
+
+        assert load("acme/a", "acme").adapter.pinned
+        assert load("acme/a", "acme").adapter.pinned  # already pinned: not counted twice
+        with pytest.raises(grpc.RpcError) as refused:
+            load("acme/a2", "acme")
+        assert refused.value.code() == EXHAUSTED
+        assert "tenant 'acme' has" in refused.value.details()
+        assert "pinning acme/a2 version 1" in refused.value.details()
+        assert "--tenant-max-pinned-mb" in refused.value.details()
+        warm = load("acme/a2", "acme", pin=False).adapter  # loading it unpinned is fine
+        assert not warm.pinned and warm.residency == pb.RESIDENCY_GPU
+        assert load("beta/a", "beta").adapter.pinned  # beta's room is its own
+        assert load("gamma/c", "admin").adapter.pinned  # admins have none
+        stub.UnloadAdapter(pb.UnloadAdapterRequest(adapter_id="acme/a"), metadata=t.md("acme"))
+        assert load("acme/a2", "acme").adapter.pinned
+
+
 def test_the_token_rate_quota_names_the_tenant_and_settles_to_what_a_call_used(deployment):
     proc = deployment.inference("--tenant-tokens-per-second", "20", tls_on=False)
     t = deployment.tokens

@@ -83,6 +83,7 @@ def test_engine_config_follows_the_service_config():
         (["--model", "m", "--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
         (["--model", "m", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
         (["--model", "m", "--cuda-graphs", "maybe"], "--cuda-graphs"),
+        (["--model", "m", "--tenant-max-pinned-mb", "0"], "--tenant-max-pinned-mb"),
         (["--model", "m", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
         (
             ["--model", "m", "--max-num-seqs", "64", "--max-num-batched-tokens", "32"],
@@ -95,6 +96,13 @@ def test_bad_settings_exit_with_a_message_naming_them(argv, fragment, capsys):
         ServiceConfig.from_args(argv, environ={})
     assert exc.value.code == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_a_tenants_pins_default_to_an_eighth_of_the_host_cache():
+    config = ServiceConfig.from_args(["--model", "m", "--host-cache-mb", "1000"], environ={})
+    assert config.tenant_pinned_bytes == 125 * 2**20
+    given = ["--model", "m", "--tenant-max-pinned-mb", "0.5"]
+    assert ServiceConfig.from_args(given, environ={}).tenant_pinned_bytes == 2**19
 
 
 def test_bad_environment_value_names_the_variable(capsys):
