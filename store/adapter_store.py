@@ -9,6 +9,7 @@ import binascii
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import NamedTuple
 
@@ -62,6 +63,7 @@ class AdapterStore:
             config.fetch_queue_chunks,
         )
         self._uploads: set[asyncio.Task] = set()
+        self._tenant_uploads: Counter[str] = Counter()  # in flight, by tenant
         self._cleanups: set[asyncio.Task] = set()
         # Clean-up that failed (storage down): retried by retry_cleanup().
         self._leftover_sessions: list[UploadSession] = []
@@ -75,7 +77,8 @@ class AdapterStore:
     ) -> AdapterRecord:
         """Store a new version from the bytes of adapter_model.safetensors. On any failure,
         cancellation included, nothing of the upload remains visible or stored. ``tenant``:
-        the uploading tenant, whose stored bytes --tenant-max-bytes bounds (if set)."""
+        the uploading tenant, whose uploads in flight --tenant-max-concurrent-uploads bounds
+        and whose stored bytes --tenant-max-bytes does (if set)."""
         if self.closing:
             raise ShuttingDown("the store is shutting down")
         if len(self._uploads) >= self.config.max_concurrent_uploads:
@@ -83,8 +86,16 @@ class AdapterStore:
                 f"{len(self._uploads)} uploads are in flight, as many as this store takes at "
                 "once (--max-concurrent-uploads); retry later"
             )
+        if tenant is not None and self._tenant_uploads[tenant] >= self.config.tenant_upload_slots:
+            raise TooManyUploads(
+                f"tenant {tenant!r} has {self._tenant_uploads[tenant]} uploads in flight, its "
+                f"limit (--tenant-max-concurrent-uploads {self.config.tenant_upload_slots}); "
+                "retry when one has finished"
+            )
         task = asyncio.current_task()
         self._uploads.add(task)  # before any await: the limit holds however many arrive at once
+        if tenant is not None:
+            self._tenant_uploads[tenant] += 1
         quota = self.config.tenant_max_bytes if tenant is not None else None
         try:
             room = None
@@ -101,7 +112,7 @@ class AdapterStore:
             timer = asyncio.timeout(self.config.upload_timeout_s)
             try:
                 async with timer:
-                    async for chunk in chunks:
+                    async for chunk in self._until_idle(chunks):
                         await session.write(chunk)
                     blob = await session.finish()
             except BaseException:
@@ -114,6 +125,10 @@ class AdapterStore:
                 raise
         finally:
             self._uploads.discard(task)
+            if tenant is not None:
+                self._tenant_uploads[tenant] -= 1
+                if not self._tenant_uploads[tenant]:
+                    del self._tenant_uploads[tenant]
         first = blob.header.tensors[0]
         record = AdapterRecord(
             adapter_id=header.adapter_id,
@@ -146,6 +161,22 @@ class AdapterStore:
         log.info("stored %s v%d (%d bytes)", record.adapter_id, record.version, blob.size_bytes)
         self._publish(AdapterEvent(EventKind.CREATED, record))
         return record
+
+    async def _until_idle(self, chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+        """``chunks``, failing UploadTimedOut once none has come for upload_idle_timeout_s."""
+        idle = self.config.upload_idle_timeout_s
+        source = aiter(chunks)
+        while True:
+            try:
+                async with asyncio.timeout(idle):
+                    chunk = await anext(source)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise UploadTimedOut(
+                    f"no bytes of the upload came for {idle:g} s (--upload-idle-timeout-s)"
+                ) from None
+            yield chunk
 
     async def tenant_bytes(self, tenant: str) -> int:
         """The bytes of every stored version of the adapters under ``tenant``'s name (their

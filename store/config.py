@@ -62,6 +62,11 @@ class StoreConfig:
     upload_parts_in_flight: int = 2
     # Uploads in flight at once: each holds up to upload_parts_in_flight + 1 parts and a chunk.
     max_concurrent_uploads: int = 8
+    # Of those, one tenant's at once (None: half of them, at least 1), so that no tenant's
+    # uploads hold every slot; and an upload that receives no bytes for upload_idle_timeout_s
+    # fails, so that a stalled client does not hold its slot for upload_timeout_s.
+    tenant_max_concurrent_uploads: int | None = None
+    upload_idle_timeout_s: float = 60.0
     # An upload still running after this long fails. So an unfinished S3 multipart upload of
     # the store's blobs begun longer ago than stale_upload_s (at least upload_timeout_s; by
     # default 5 minutes more, for clocks that disagree) is no live upload's, and is aborted.
@@ -104,7 +109,13 @@ class StoreConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        for name in ("connect_timeout_s", "read_timeout_s", "probe_interval_s", "upload_timeout_s"):
+        slots = self.tenant_max_concurrent_uploads
+        if slots is not None and slots < 1:
+            raise ValueError(f"tenant_max_concurrent_uploads must be at least 1, got {slots}")
+        for name in (
+            "connect_timeout_s", "read_timeout_s", "probe_interval_s", "upload_timeout_s",
+            "upload_idle_timeout_s",
+        ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.watch_rescan_s < 0:
@@ -126,6 +137,13 @@ class StoreConfig:
             path = getattr(self, name)
             if path is not None and not path.is_file():
                 raise ValueError(f"--{name.replace('_', '-')} {path} is not a file")
+
+    @property
+    def tenant_upload_slots(self) -> int:
+        """Uploads one tenant may have in flight at once."""
+        if self.tenant_max_concurrent_uploads is not None:
+            return self.tenant_max_concurrent_uploads
+        return max(1, self.max_concurrent_uploads // 2)
 
     @property
     def stale_upload_after_s(self) -> float:
@@ -172,7 +190,9 @@ class StoreConfig:
             probe_interval_s=args.probe_interval_s,
             watch_rescan_s=args.watch_rescan_s,
             max_concurrent_uploads=args.max_concurrent_uploads,
+            tenant_max_concurrent_uploads=args.tenant_max_concurrent_uploads,
             upload_timeout_s=args.upload_timeout_s,
+            upload_idle_timeout_s=args.upload_idle_timeout_s,
             stale_upload_s=args.stale_upload_s,
             **{
                 name: Path(getattr(args, name)) if getattr(args, name) else None
@@ -211,6 +231,19 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         type=int,
         default=d.max_concurrent_uploads,
         help="uploads in flight at once; more fail RESOURCE_EXHAUSTED",
+    )
+    parser.add_argument(
+        "--tenant-max-concurrent-uploads",
+        type=int,
+        default=d.tenant_max_concurrent_uploads,
+        help="uploads one tenant may have in flight at once (default: half of "
+        "--max-concurrent-uploads); more fail RESOURCE_EXHAUSTED",
+    )
+    parser.add_argument(
+        "--upload-idle-timeout-s",
+        type=float,
+        default=d.upload_idle_timeout_s,
+        help="seconds an upload may go without receiving bytes; then it fails DEADLINE_EXCEEDED",
     )
     parser.add_argument(
         "--upload-timeout-s",

@@ -1,6 +1,7 @@
-"""A tenant's storage quota (--tenant-max-bytes), in process over the local backend: uploads
-that would pass it fail before they store anything, whoever else uploads, and the room comes
-back when versions are deleted."""
+"""A tenant's limits at the store, in process over the local backend: its storage quota
+(--tenant-max-bytes: uploads that would pass it fail before they store anything, whoever else
+uploads, and the room comes back when versions are deleted), its uploads in flight at once
+(--tenant-max-concurrent-uploads), and every upload's idle limit (--upload-idle-timeout-s)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from store.adapter_store import AdapterStore
 from store.backends.local import LocalObjectStore
 from store.base_model import BaseModelShape
 from store.config import StoreConfig
-from store.errors import AdapterTooLarge, TenantStorageFull
+from store.errors import AdapterTooLarge, TenantStorageFull, TooManyUploads, UploadTimedOut
 from store.synthetic import synthetic_adapter
 from store.upload import UploadHeader
 
@@ -86,8 +87,54 @@ async def test_concurrent_uploads_of_one_tenant_never_leave_it_past_its_quota(tm
         await store.close()
 
 
+async def test_a_tenant_holds_at_most_its_share_of_the_upload_slots(tmp_path):
+    """With 4 slots a tenant may hold 2 (half, by default); a third of its uploads is refused
+    at once, while another tenant's and an admin's go through; a finished one frees its slot."""
+    config = StoreConfig(root=tmp_path, max_concurrent_uploads=4)
+    assert config.tenant_upload_slots == 2
+    store = AdapterStore(LocalObjectStore(tmp_path), config)
+    gate = asyncio.Event()
+    try:
+        held = [asyncio.create_task(_upload(store, f"acme/{n}", "acme", gate)) for n in "xy"]
+        await asyncio.sleep(0.2)
+        with pytest.raises(TooManyUploads) as refused:
+            await _upload(store, "acme/z", "acme")
+        assert str(refused.value) == (
+            "tenant 'acme' has 2 uploads in flight, its limit (--tenant-max-concurrent-uploads "
+            "2); retry when one has finished"
+        )
+        other = asyncio.create_task(_upload(store, "beta/x", "beta", gate))
+        admin = asyncio.create_task(_upload(store, "acme/w", None, gate))
+        await asyncio.sleep(0.2)
+        gate.set()
+        await asyncio.gather(*held, other, admin)
+        assert (await _upload(store, "acme/z", "acme")).version == 1
+    finally:
+        await store.close()
+
+
+async def test_an_upload_that_stalls_fails_and_frees_its_slot(tmp_path):
+    store = AdapterStore(LocalObjectStore(tmp_path), StoreConfig(
+        root=tmp_path, max_concurrent_uploads=1, upload_idle_timeout_s=0.3
+    ))  # fmt: skip
+    try:
+        with pytest.raises(UploadTimedOut, match=r"no bytes of the upload came for 0.3 s"):
+            await _upload(store, "acme/slow", "acme", asyncio.Event())  # its gate never opens
+        assert await store.tenant_bytes("acme") == 0
+        assert await store.backend.pending_uploads() == []  # its multipart upload aborted
+        assert (await _upload(store, "acme/fast", "acme")).version == 1  # the slot is free
+    finally:
+        await store.close()
+
+
 def test_config_takes_the_quota_flag():
     assert StoreConfig.from_args(["--tenant-max-bytes", "1000"]).tenant_max_bytes == 1000
     assert StoreConfig.from_args([]).tenant_max_bytes is None
+    given = StoreConfig.from_args(
+        ["--tenant-max-concurrent-uploads", "3", "--upload-idle-timeout-s", "5"]
+    )
+    assert given.tenant_upload_slots == 3 and given.upload_idle_timeout_s == 5
+    with pytest.raises(ValueError, match="tenant_max_concurrent_uploads must be at least 1"):
+        StoreConfig(tenant_max_concurrent_uploads=0)
     with pytest.raises(ValueError, match="tenant_max_bytes must be positive"):
         StoreConfig(tenant_max_bytes=0)
