@@ -167,12 +167,15 @@ class AdapterStore:
         idle = self.config.upload_idle_timeout_s
         source = aiter(chunks)
         while True:
+            timer = asyncio.timeout(idle)
             try:
-                async with asyncio.timeout(idle):
+                async with timer:
                     chunk = await anext(source)
             except StopAsyncIteration:
                 return
             except TimeoutError:
+                if not timer.expired():
+                    raise  # the source's own
                 raise UploadTimedOut(
                     f"no bytes of the upload came for {idle:g} s (--upload-idle-timeout-s)"
                 ) from None
