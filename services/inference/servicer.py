@@ -121,8 +121,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if self._aborting:
                     raise ShuttingDown(f"request {rid} was ended: the server is shutting down")
                 cold = key is not None and not self.engine.adapter_in_pool(key)
-                gen = GenerationRequest(engine_id, None, ids, key, sampling,
-                                        tenant=caller.tenant)  # fmt: skip
+                gen = GenerationRequest(engine_id, None, ids, key, sampling, tenant=caller.tenant)
                 last = None
                 async for out in self.engine.generate(gen):
                     if out.finish_reason is FinishReason.ABORT:
