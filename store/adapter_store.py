@@ -162,6 +162,11 @@ class AdapterStore:
         self._publish(AdapterEvent(EventKind.CREATED, record))
         return record
 
+    @property
+    def uploads(self) -> int:
+        """Uploads in flight."""
+        return len(self._uploads)
+
     async def _until_idle(self, chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
         """``chunks``, failing UploadTimedOut once none has come for upload_idle_timeout_s."""
         idle = self.config.upload_idle_timeout_s

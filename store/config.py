@@ -73,6 +73,7 @@ class StoreConfig:
     upload_timeout_s: float = 1800.0
     stale_upload_s: float | None = None
     probe_interval_s: float = 5.0  # how often the service checks that storage answers
+    metrics_port: int | None = None  # serve Prometheus metrics over HTTP here (0: a free port)
     # How often the storage is rescanned for other store processes' changes, which are then
     # announced to this one's watchers (store/rescan.py); 0: never (one store on its storage).
     watch_rescan_s: float = 5.0
@@ -85,6 +86,8 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.backend is BackendKind.S3 and not self.s3_bucket:
             raise ValueError("the s3 backend needs --s3-bucket")
         if self.max_adapter_bytes < 1:
@@ -188,6 +191,7 @@ class StoreConfig:
             base_model_config=Path(args.base_model_config) if args.base_model_config else None,
             log_level=args.log_level.upper(),
             probe_interval_s=args.probe_interval_s,
+            metrics_port=args.metrics_port,
             watch_rescan_s=args.watch_rescan_s,
             max_concurrent_uploads=args.max_concurrent_uploads,
             tenant_max_concurrent_uploads=args.tenant_max_concurrent_uploads,
@@ -266,6 +270,12 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         type=float,
         default=d.probe_interval_s,
         help="seconds between storage checks",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=d.metrics_port,
+        help="serve Prometheus metrics over HTTP on this port (default: none)",
     )
     parser.add_argument(
         "--watch-rescan-s",

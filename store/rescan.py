@@ -39,6 +39,7 @@ class Rescan:
         self._scanning = False
         self._touched: set[str] = set()  # adapters this process changed while a rescan ran
         self._unreadable: set[tuple[str, int]] = set()  # versions whose manifest is corrupt
+        self.announced = 0  # events published by rescans
 
     def note(self, event: AdapterEvent) -> None:
         """This process published ``event`` (its own upload or delete)."""
@@ -87,6 +88,7 @@ class Rescan:
             known[adapter_id] = new
         for event in events:
             self._events.publish(event)
+        self.announced += len(events)
         if events:
             created = sum(e.kind is EventKind.CREATED for e in events)
             log.info(

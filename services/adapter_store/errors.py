@@ -58,6 +58,25 @@ def status_for(exc: Exception) -> grpc.StatusCode | None:
 _MAPPED = (StoreError, AdapterFormatError, AuthError, TimeoutError)
 
 
+def _code_for(exc: BaseException, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    """The status a call that raised ``exc`` ends with (as _abort gives it, or gRPC's own)."""
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):  # the client went away
+        return grpc.StatusCode.CANCELLED
+    if isinstance(exc, grpc.aio.AbortError):  # the handler aborted the call itself
+        return context.code() or grpc.StatusCode.UNKNOWN
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, _MAPPED):
+        return status_for(exc) or grpc.StatusCode.INTERNAL
+    return grpc.StatusCode.UNKNOWN
+
+
+def _count(servicer, context, method: str, exc: BaseException | None) -> None:
+    """The call's end on the servicer's metrics (``metrics``: StoreMetrics or None)."""
+    if servicer.metrics is not None:
+        servicer.metrics.call(method, "OK" if exc is None else _code_for(exc, context).name)
+
+
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
     """Abort the call with the status for ``exc``; context.abort raises, so this never returns."""
     if isinstance(exc, TimeoutError):  # within_deadline gave up
@@ -81,9 +100,14 @@ def map_errors(handler):
     @functools.wraps(handler)
     async def wrapper(self, request, context):
         try:
-            return await handler(self, request, context)
-        except _MAPPED as exc:
+            response = await handler(self, request, context)
+        except BaseException as exc:
+            _count(self, context, handler.__name__, exc)
+            if not isinstance(exc, _MAPPED):
+                raise
             await _abort(context, handler.__name__, exc)
+        _count(self, context, handler.__name__, None)
+        return response
 
     return wrapper
 
@@ -96,8 +120,12 @@ def map_stream_errors(handler):
         try:
             async for response in handler(self, request, context):
                 yield response
-        except _MAPPED as exc:
+        except BaseException as exc:
+            _count(self, context, handler.__name__, exc)
+            if not isinstance(exc, _MAPPED):
+                raise
             await _abort(context, handler.__name__, exc)
+        _count(self, context, handler.__name__, None)
 
     return wrapper
 

@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services import tls
 from services.adapter_store.errors import status_for
+from services.adapter_store.metrics import StoreMetrics
 from services.adapter_store.servicer import AdapterStoreServicer
 from services.adapter_store.wire import SERVICE, add_servicer
 from services.auth import Authenticator, AuthInterceptor
@@ -93,7 +94,11 @@ async def serve(config: StoreConfig, auth: Authenticator) -> None:
             ("grpc.so_reuseport", 0),
         ],
     )
-    add_servicer(AdapterStoreServicer(store, auth), server)
+    metrics = None
+    if config.metrics_port is not None:
+        metrics = StoreMetrics(store)
+        metrics.serve(config.metrics_port, config.host)
+    add_servicer(AdapterStoreServicer(store, auth, metrics), server)
     status = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(status, server)
     reflection.enable_server_reflection(
@@ -135,5 +140,7 @@ async def serve(config: StoreConfig, auth: Authenticator) -> None:
     if rescanner is not None:
         rescanner.cancel()
     await asyncio.gather(*(t for t in (prober, rescanner) if t), return_exceptions=True)
+    if metrics is not None:
+        metrics.close()
     await store.close()
     log.info("stopped")

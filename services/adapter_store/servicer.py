@@ -11,6 +11,7 @@ from lorafleet.v1 import adapter_store_pb2_grpc as pb_grpc
 from services.access import audited, check_store_read, check_store_write, scope_prefix
 from services.adapter_store import messages
 from services.adapter_store.errors import map_errors, map_stream_errors, within_deadline
+from services.adapter_store.metrics import StoreMetrics
 from services.adapter_store.wire import encode_chunk
 from services.auth import Authenticator
 from store.adapter_store import AdapterStore
@@ -21,9 +22,15 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
     """Every call is authorized against the adapter ids it touches (services/access.py) before
     the store does any work for it."""
 
-    def __init__(self, store: AdapterStore, auth: Authenticator | None = None) -> None:
+    def __init__(
+        self,
+        store: AdapterStore,
+        auth: Authenticator | None = None,
+        metrics: StoreMetrics | None = None,
+    ) -> None:
         self._store = store
         self._auth = auth or Authenticator(None)
+        self.metrics = metrics  # calls counted by errors.py's wrappers
 
     @map_errors
     async def UploadAdapter(self, request_iterator, context) -> pb.AdapterInfo:
@@ -36,6 +43,8 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
             check_store_write(caller, header.adapter_id)
             record = await self._upload(header, request_iterator, context, caller.tenant)
             entry.version = record.version
+        if self.metrics is not None:
+            self.metrics.adapter_bytes.labels("upload").inc(record.size_bytes)
         return messages.adapter_info(record)
 
     async def _upload(self, header, request_iterator, context, tenant: str | None):
@@ -63,6 +72,8 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
         yield pb.FetchAdapterResponse(info=messages.adapter_info(record))
         async for chunk in self._store.fetch(record):
             yield encode_chunk(chunk)  # a FetchAdapterResponse{chunk}, serialized (wire.py)
+            if self.metrics is not None:
+                self.metrics.adapter_bytes.labels("fetch").inc(len(chunk))
 
     @map_errors
     async def GetAdapter(self, request, context) -> pb.AdapterInfo:

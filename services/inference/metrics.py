@@ -7,17 +7,15 @@ the metrics endpoint never disagree.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from services.auth import Caller, Role
 from services.inference.service_stats import StatsSnapshot
-
-log = logging.getLogger(__name__)
+from services.metrics_http import MetricsEndpoint
 
 # Seconds: decode steps are milliseconds on a GPU and tens of milliseconds on a CPU.
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -99,11 +97,11 @@ def tenant_label(caller: Caller | None) -> str:
     return caller.tenant if caller.role is Role.TENANT else f"({caller.role.value})"
 
 
-class ServiceMetrics:
+class ServiceMetrics(MetricsEndpoint):
     """The service's metrics in their own registry (several services may share a process)."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        super().__init__(CollectorRegistry())
         self.ttft = Histogram(
             "lorafleet_time_to_first_token_seconds",
             "Generate call to its first token",
@@ -158,7 +156,6 @@ class ServiceMetrics:
             self.adapter_load.labels(phase)
         for target in ("host", "preload", "pool"):
             self.adapter_loads.labels(target)
-        self._server = None
 
     def track(self, snapshot: Callable[[], StatsSnapshot]) -> None:
         """Export the levels and totals of ``snapshot`` at every scrape."""
@@ -182,16 +179,3 @@ class ServiceMetrics:
         if prompt_tokens or completion_tokens:
             self.tenant_tokens.labels(caller, "prompt").inc(prompt_tokens)
             self.tenant_tokens.labels(caller, "completion").inc(completion_tokens)
-
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        """Starts the HTTP endpoint in a daemon thread; returns the bound port."""
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        bound = self._server.server_address[1]
-        log.info("metrics on http://%s:%d/metrics", host, bound)
-        return bound
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
