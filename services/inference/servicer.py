@@ -101,6 +101,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         engine_id = None  # the call's id in the engine, once admitted
         ticket, caller = None, None  # the tenant's quota ticket; who calls
         prompt_tokens = completion_tokens = 0  # of the call's latest output
+        ended = False  # _ended() has run
         try:
             caller = self.tenancy.caller(context)
             self._limits.check_request_id(rid)  # before it is kept, and echoed
@@ -145,17 +146,24 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             raise
         except Exception as exc:
             code = status_for(exc).code
+            # The call's books first: its caller may call again, or scrape the metrics, as soon
+            # as the status it is aborted with arrives.
+            self._ended(ticket, engine_id, caller, code, prompt_tokens, completion_tokens)
+            ended = True
             await _abort(context, exc)
         finally:
-            if ticket is not None:
-                ticket.close(prompt_tokens + completion_tokens)
-            if engine_id is not None:
-                self._calls.discard(engine_id)
-                if not self._calls:
-                    self._idle.set()
-            self.metrics.observe_call(
-                tenant_label(caller), code.name, prompt_tokens, completion_tokens
-            )
+            if not ended:
+                self._ended(ticket, engine_id, caller, code, prompt_tokens, completion_tokens)
+
+    def _ended(self, ticket, engine_id, caller, code, prompt_tokens, completion_tokens) -> None:
+        """A Generate call is over: its quota ticket closed, its engine id free, its metrics."""
+        if ticket is not None:
+            ticket.close(prompt_tokens + completion_tokens)
+        if engine_id is not None:
+            self._calls.discard(engine_id)
+            if not self._calls:
+                self._idle.set()
+        self.metrics.observe_call(tenant_label(caller), code.name, prompt_tokens, completion_tokens)
 
     async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         """The prompt's token ids, each size checked before the work it bounds."""
