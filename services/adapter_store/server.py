@@ -59,6 +59,8 @@ async def _rescan_storage(store: AdapterStore, every: float) -> None:
             await store.rescan.run()
         except StoreError as exc:  # storage down, an unreadable manifest: the next one retries
             log.warning("could not rescan the storage for other stores' changes: %s", exc)
+        except Exception:  # a bug: said, and the rescans go on rather than stop unseen
+            log.exception("rescanning the storage failed unexpectedly")
         await asyncio.sleep(every)
 
 
