@@ -50,6 +50,7 @@ class HeldAdapter:
     size_bytes: int
     leases: int = 0  # Generate calls and LoadAdapter calls using it now
     pinned: bool = False
+    pin_owner: str | None = None  # the tenant whose --tenant-max-pinned-mb the pin counts in
     retired: bool = False  # superseded, deleted or unloaded: dropped when no lease is left
 
 
@@ -60,8 +61,12 @@ class AdapterRegistry:
         store: StoreClient | None,
         cache: HostCache,
         on_fetched: Callable[[float], None] | None = None,
+        max_pinned_bytes: int | None = None,
     ) -> None:
+        """``max_pinned_bytes``: a tenant's limit on pinned bytes, which a hot reload of a
+        pinned adapter keeps to (LoadAdapter checks it through tenancy.Tenancy.check_pin)."""
         self.engine = engine
+        self.max_pinned_bytes = max_pinned_bytes
         self.store = store
         self.cache = cache
         cache.on_evict = self.on_host_evict
@@ -157,22 +162,21 @@ class AdapterRegistry:
         self.cache.release(key)
         self._maybe_drop(held)
 
-    def pin(self, key: AdapterKey, pinned: bool) -> None:
-        """Pinned: kept in the host cache and the page pool until unpinned."""
+    def pin(self, key: AdapterKey, pinned: bool, owner: str | None = None) -> None:
+        """Pinned: kept in the host cache and the page pool until unpinned. ``owner``: the
+        tenant that pins it, in whose pinned bytes it counts (None: an admin's pin)."""
         held = self._held[key]
         if held.pinned != pinned:
             held.pinned = pinned
+            held.pin_owner = owner if pinned else None
             self.engine.pin_adapter(key, pinned)
             self.cache.pin(key, pinned)
             if not pinned:
                 self._maybe_drop(held)
 
-    def pinned_bytes(self, prefix: str) -> int:
-        """The bytes of the pinned versions whose adapter ids start with ``prefix``."""
-        return sum(
-            h.size_bytes for h in self._held.values()
-            if h.pinned and h.key.adapter_id.startswith(prefix)
-        )  # fmt: skip
+    def pinned_bytes(self, owner: str) -> int:
+        """The bytes of the versions that tenant ``owner`` pinned."""
+        return sum(h.size_bytes for h in self._held.values() if h.pinned and h.pin_owner == owner)
 
     def unload(self, adapter_id: str, version: int) -> list[HeldAdapter]:
         """Unpin and retire the matching versions (0 = all); each is dropped once idle."""
@@ -238,20 +242,32 @@ class AdapterRegistry:
                 if held.pinned:
                     # Hot reload: a pinned adapter's new version is loaded and pinned now.
                     asyncio.get_running_loop().create_task(
-                        self._reload_pinned(AdapterKey(adapter_id, version))
+                        self._reload_pinned(AdapterKey(adapter_id, version), held.pin_owner)
                     )
                     self.pin(held.key, False)
                 else:
                     self._maybe_drop(held)
 
-    async def _reload_pinned(self, key: AdapterKey) -> None:
+    async def _reload_pinned(self, key: AdapterKey, owner: str | None) -> None:
         try:
             await self.acquire(key.adapter_id, key.version)
         except Exception as exc:  # the old version is gone; requests will retry the fetch
             log.warning("hot reload of pinned adapter %s failed: %s", key, exc)
             return
         try:
-            self.pin(key, True)  # pins it in the engine too
+            held, limit = self._held[key], self.max_pinned_bytes
+            pinned = 0 if owner is None else self.pinned_bytes(owner)
+            if held.pinned:
+                pass  # pinned again meanwhile, by a LoadAdapter call
+            elif owner is not None and limit is not None and pinned + held.size_bytes > limit:
+                log.warning(
+                    "hot reload of pinned adapter %s: loaded but not pinned: tenant %r has "
+                    "%.2f MiB pinned, and this version's %.2f MiB would pass its limit of "
+                    "%.2f MiB (--tenant-max-pinned-mb)", key, owner, pinned / 2**20,
+                    held.size_bytes / 2**20, limit / 2**20,
+                )  # fmt: skip
+            else:
+                self.pin(key, True, owner)  # pins it in the engine too
             await self.engine.load_adapter(key)
         except Exception as exc:
             log.warning("hot reload of pinned adapter %s: no room in the pool yet: %s", key, exc)

@@ -180,8 +180,9 @@ class InferenceServer:
         metrics = ServiceMetrics()
         self.engine.add_load_listener(lambda _key, seconds: metrics.observe_load("copy", seconds))
         registry = AdapterRegistry(
-            self.engine, self._store, cache, lambda s: metrics.observe_load("fetch", s)
-        )
+            self.engine, self._store, cache, lambda s: metrics.observe_load("fetch", s),
+            cfg.tenant_pinned_bytes,
+        )  # fmt: skip
         if self._store is not None:
             on_event = registry.on_event
             if cfg.preload_adapters != "off":

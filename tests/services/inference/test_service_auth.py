@@ -308,6 +308,30 @@ def test_a_tenants_pins_stop_at_its_limit_while_others_pin_on(deployment, svc_mo
         stub.UnloadAdapter(pb.UnloadAdapterRequest(adapter_id="acme/a"), metadata=t.md("acme"))
         assert load("acme/a2", "acme").adapter.pinned
 
+        # Hot reload: a new version of a pinned adapter is pinned in its place while it fits
+        # the tenant's limit; a larger one is loaded but left unpinned, with a warning.
+        def resident(adapter_id):
+            reply = stub.ListAdapters(pb.ListResidentAdaptersRequest(), metadata=t.md("admin"))
+            return {(a.version, a.pinned) for a in reply.adapters if a.adapter_id == adapter_id}
+
+        def new_version(adapter_id, name):
+            with grpc.secure_channel(
+                deployment.store.address, deployment.store_credentials
+            ) as channel:
+                return store_grpc.AdapterStoreStub(channel).UploadAdapter(
+                    upload_requests(adapter_id, svc_models.adapters[name]),
+                    metadata=t.md("admin"), timeout=30,
+                )  # fmt: skip
+
+        same_size = new_version("acme/a2", "a")
+        wait_for(lambda: resident("acme/a2") == {(same_size.version, True)}, timeout=30)
+        larger = new_version("acme/a2", "b")  # rank 16 on all seven projections
+        assert larger.size_bytes > 1.5 * size
+        warned = "loaded but not pinned: tenant 'acme' has 0.00 MiB pinned"
+        wait_for(lambda: warned in proc.log(), timeout=30)
+        wait_for(lambda: resident("acme/a2") == {(larger.version, False)}, timeout=30)
+        assert load("beta/a", "beta").adapter.pinned  # beta's pin is untouched
+
 
 def test_the_token_rate_quota_names_the_tenant_and_settles_to_what_a_call_used(deployment):
     proc = deployment.inference("--tenant-tokens-per-second", "20", tls_on=False)
