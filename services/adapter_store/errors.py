@@ -64,11 +64,17 @@ def _code_for(exc: BaseException, context: grpc.aio.ServicerContext) -> grpc.Sta
         return grpc.StatusCode.CANCELLED
     if isinstance(exc, grpc.aio.AbortError):  # the handler aborted the call itself
         return context.code() or grpc.StatusCode.UNKNOWN
+    if isinstance(exc, _MAPPED):
+        return _mapped_code(exc)
+    return grpc.StatusCode.UNKNOWN
+
+
+def _mapped_code(exc: BaseException) -> grpc.StatusCode:
+    """The status of an error in _MAPPED: a TimeoutError (within_deadline gave up) is
+    UNAVAILABLE, an error with no entry in STATUS_BY_ERROR INTERNAL."""
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.UNAVAILABLE
-    if isinstance(exc, _MAPPED):
-        return status_for(exc) or grpc.StatusCode.INTERNAL
-    return grpc.StatusCode.UNKNOWN
+    return status_for(exc) or grpc.StatusCode.INTERNAL
 
 
 def _count(servicer, context, method: str, exc: BaseException | None) -> None:
@@ -79,19 +85,17 @@ def _count(servicer, context, method: str, exc: BaseException | None) -> None:
 
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
     """Abort the call with the status for ``exc``; context.abort raises, so this never returns."""
-    if isinstance(exc, TimeoutError):  # within_deadline gave up
-        await context.abort(
-            grpc.StatusCode.UNAVAILABLE, "storage did not answer before the call's deadline"
-        )
-    code = status_for(exc)
-    if code is None:
+    code, message = _mapped_code(exc), str(exc)
+    if isinstance(exc, TimeoutError):
+        message = "storage did not answer before the call's deadline"
+    elif status_for(exc) is None:
         log.exception("%s failed unexpectedly", method)
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
-    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.DATA_LOSS):
+        message = f"internal error: {exc}"
+    elif code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.DATA_LOSS):
         log.error("%s: %s", method, exc)
     else:
         log.info("%s: %s: %s", method, code.name, exc)
-    await context.abort(code, str(exc))
+    await context.abort(code, message)
 
 
 def map_errors(handler):
