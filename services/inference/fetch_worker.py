@@ -263,9 +263,12 @@ class _ProtocolError(Exception):
 def main(argv: list[str]) -> int:
     """argv: connection fd, arena fd, arena size, the store's StoreAccess as JSON
     (child_process.spawn)."""
-    # The service owns this process's lifetime (it stops it, and its exit closes the
-    # connection, which ends serve()); a Ctrl-C meant for the service is not for this one.
+    # The service owns this process's lifetime: it closes the connection, which ends serve(),
+    # and its exit does too. A Ctrl-C or SIGTERM sent to the whole process group (a terminal,
+    # a supervisor that signals every process of the service) is the service's to handle: it
+    # stops this process after the fetches its draining requests wait for.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s fetch-worker %(levelname)s: %(message)s"
     )

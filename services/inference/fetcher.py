@@ -30,6 +30,9 @@ from store.peft import AdapterFormatError
 log = logging.getLogger(__name__)
 
 _STOPPED = "the fetch worker was stopped"
+# How long a stopped worker may take to exit once its connection is closed (its fetches are
+# threads that end with it) before it is killed: it ignores SIGTERM (fetch_worker.main).
+EXIT_GRACE_S = 5.0
 
 
 class FetchFailed(Exception):
@@ -177,9 +180,13 @@ class FetchWorker:
             self._conn.close()
             self._conn = None
         if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.terminate()
-            self._proc.wait()
+            try:
+                self._proc.wait(EXIT_GRACE_S)  # the closed connection ends serve()
+            except subprocess.TimeoutExpired:
+                log.warning("the fetch worker did not exit within %.0f s: killing it",
+                            EXIT_GRACE_S)  # fmt: skip
+                self._proc.kill()
+                self._proc.wait()
             level = logging.INFO if reason == _STOPPED else logging.WARNING
             log.log(level, "%s (pid %d, exit %s)", reason, self._proc.pid, self._proc.returncode)
             self._proc = None

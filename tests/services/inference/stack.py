@@ -47,6 +47,7 @@ class Proc:
     env: dict[str, str] = field(default_factory=dict)
     popen: subprocess.Popen | None = None
     credentials: grpc.ChannelCredentials | None = None  # set when the process serves TLS
+    new_session: bool = False  # a process group of its own, with its children (signal_group)
 
     def channel(self) -> grpc.Channel:
         if self.credentials is None:
@@ -63,8 +64,9 @@ class Proc:
         env = {**os.environ, "LORAFLEET_LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1", **self.env}
         log = open(self.log_path, "ab")  # noqa: SIM115 (kept open for the process' lifetime)
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", *self.args], cwd=REPO, env=env, stdout=log, stderr=log
-        )
+            [sys.executable, "-m", *self.args], cwd=REPO, env=env, stdout=log, stderr=log,
+            start_new_session=self.new_session,
+        )  # fmt: skip
         log.close()
         return self
 
@@ -74,6 +76,13 @@ class Proc:
     def send(self, sig: int) -> None:
         if self.popen is not None and self.popen.poll() is None:
             self.popen.send_signal(sig)
+
+    def signal_group(self, sig: int) -> None:
+        """``sig`` to every process of its group, as a supervisor or a terminal sends it
+        (new_session only: the group is this process's and its children's)."""
+        assert self.new_session, "signal_group needs a process started with new_session"
+        if self.popen is not None and self.popen.poll() is None:
+            os.killpg(self.popen.pid, sig)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
         if self.popen is None:

@@ -209,6 +209,45 @@ def test_sigterm_ends_streams_with_a_clear_status(svc_models, tmp_path):
         proc.stop()
 
 
+def test_sigterm_to_the_whole_process_group_stops_in_order(svc_models, tmp_path):
+    """A supervisor that signals every process of the service (systemd's default, a Ctrl-C in
+    a terminal) stops it as a SIGTERM to the service alone does: its children (the engine
+    process, the fetch worker) ignore the signal and are stopped by the service in order, so
+    no fetch fails for a worker killed under it and nothing is logged as a failure."""
+    store = store_proc(tmp_path / "store", tmp_path).start().wait_serving()
+    upload(store.address, "a", svc_models.adapters["a"])
+    proc = inference_proc(
+        svc_models.model, store.address, tmp_path, "--shutdown-grace-s", "0.5"
+    )  # fmt: skip
+    proc.new_session = True
+    proc.start().wait_serving()
+    try:
+        with grpc.insecure_channel(proc.address) as channel:
+            stub = inference_stub(channel)
+            first = collect(stub, pb.GenerateRequest(adapter_id="a", prompt="x"))
+            assert first.code == grpc.StatusCode.OK  # fetched: the fetch worker runs
+            streams = [
+                Recorder(
+                    stub, pb.GenerateRequest(prompt=p, adapter_id=a, sampling=sampling(**LONG))
+                )
+                for p, a in zip(PROMPTS[:2], ("a", ""), strict=True)
+            ]
+            wait_for(lambda: all(s.messages for s in streams), what="two streams flowing")
+            proc.signal_group(signal.SIGTERM)
+            for s in streams:
+                s.join(30)
+                assert s.code == grpc.StatusCode.UNAVAILABLE, (s.code, s.details)
+                assert "shutting down" in s.details
+        assert proc.popen.wait(30) == 0
+        log = proc.log()
+        assert "the fetch worker was stopped" in log
+        assert "the fetch worker exited" not in log
+        assert " WARNING " not in log and " ERROR " not in log, log[-3000:]
+    finally:
+        proc.stop()
+        store.stop()
+
+
 def test_store_on_seaweedfs(seaweed, svc_models, reference, tmp_path, stack_factory):
     bucket = seaweed.create_bucket("inference-test")
     extra = ["--backend", "s3", "--s3-endpoint", seaweed.endpoint, "--s3-bucket", bucket]
