@@ -57,6 +57,20 @@ from services.inference.store_access import StoreAccess
 
 log = logging.getLogger(__name__)
 
+
+@dataclass
+class _Failing:
+    """A run of failed watch attempts (follow)."""
+
+    since: float | None = None  # the first failure's time; None: the watch is answering
+    warned: float = 0.0  # the last warning's time
+    attempts: int = 0
+
+
+# While the watch keeps failing, a warning at its first failure and then one this often; the
+# attempts between are logged at DEBUG (at the backoff's 2 s, a line each would be 1800 an hour).
+WATCH_WARN_EVERY_S = 60.0
+
 _UNAVAILABLE = (
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -341,6 +355,7 @@ class StoreClient:
         holds no adapter), before its first event."""
         self._worker.start()  # the service follows the store from its start: fetch soon
         backoff = 0.1
+        failing = _Failing()
         while True:
             call = self._stub.WatchAdapters(
                 pb.WatchAdaptersRequest(include_existing=True), metadata=self._metadata()
@@ -349,9 +364,13 @@ class StoreClient:
                 await call.initial_metadata()
                 if not call.done():  # headers came (a call that failed ends without them)
                     on_connect()  # the replay that starts now tells the latest versions
-                    if backoff > 0.1:
-                        log.info("watching the adapter store at %s again", self.target)
-                    backoff = 0.1
+                    if failing.since is not None:
+                        log.info(
+                            "watching the adapter store at %s again, after %.0f s and %d failed "
+                            "attempts", self.target, time.monotonic() - failing.since,
+                            failing.attempts,
+                        )  # fmt: skip
+                    backoff, failing = 0.1, _Failing()
                 async for event in call:  # a failed call raises here
                     created = event.type == pb.ADAPTER_EVENT_TYPE_CREATED
                     if created or event.type == pb.ADAPTER_EVENT_TYPE_DELETED:
@@ -361,12 +380,25 @@ class StoreClient:
                         )
                 log.warning("the adapter store ended its watch stream; reconnecting")
             except grpc.aio.AioRpcError as exc:
-                log.warning(
-                    "watching the adapter store at %s failed (%s); retrying in %.1f s",
-                    self.target,
-                    exc.code().name,
-                    backoff,
-                )
+                now = time.monotonic()
+                if failing.since is None:
+                    failing.since = failing.warned = now
+                    log.warning(
+                        "watching the adapter store at %s failed (%s: %s); retrying, backing "
+                        "off to every %.0f s", self.target, exc.code().name, exc.details(),
+                        max_backoff,
+                    )  # fmt: skip
+                elif now - failing.warned >= WATCH_WARN_EVERY_S:
+                    failing.warned = now
+                    log.warning(
+                        "the adapter store at %s has not answered the watch for %.0f s (%d "
+                        "attempts, the last %s); still retrying every %g s", self.target,
+                        now - failing.since, failing.attempts + 1, exc.code().name, backoff,
+                    )  # fmt: skip
+                else:
+                    log.debug("watching the adapter store at %s failed again (%s)", self.target,
+                              exc.code().name)  # fmt: skip
+                failing.attempts += 1
             finally:
                 call.cancel()
             await asyncio.sleep(backoff)

@@ -8,11 +8,13 @@ every test the arena is intact and holds no block that is not a cache entry: not
 from __future__ import annotations
 
 import asyncio
+import logging
 import mmap
 import os
 import resource
 import signal
 import socket
+import time
 
 import grpc
 import numpy as np
@@ -20,6 +22,7 @@ import pytest
 
 from lorafleet.v1 import adapter_store_pb2 as pb
 from services.adapter_store.wire import encode_chunk
+from services.inference import store_client
 from services.inference.arena import ALIGN, HostArena
 from services.inference.engine.adapter_spec import AdapterSpec
 from services.inference.engine.api import AdapterKey
@@ -75,6 +78,14 @@ async def _serve(script: Script, request, context):
 @pytest.fixture
 async def server():
     script = Script()
+    srv, port = await _start_store(script)
+    yield script, f"127.0.0.1:{port}"
+    script.release.set()
+    await srv.stop(0)
+
+
+async def _start_store(script: Script, port: int = 0) -> tuple[grpc.aio.Server, int]:
+    """A scripted store on ``port`` (0: any free one), started."""
     srv = grpc.aio.server()
 
     async def fetch(request, context):
@@ -104,11 +115,9 @@ async def server():
         },
     )
     srv.add_generic_rpc_handlers((handler,))
-    port = srv.add_insecure_port("127.0.0.1:0")
+    port = srv.add_insecure_port(f"127.0.0.1:{port}")
     await srv.start()
-    yield script, f"127.0.0.1:{port}"
-    script.release.set()
-    await srv.stop(0)
+    return srv, port
 
 
 def _client(address: str, blocks: int = 200) -> tuple[StoreClient, HostCache]:
@@ -379,6 +388,47 @@ async def test_the_watch_follower_connects_to_a_store_with_no_adapters(server):
             follower.cancel()
             await asyncio.gather(follower, return_exceptions=True)
             await client.close()
+
+
+async def test_a_store_that_stays_down_is_warned_of_at_intervals_then_its_return(
+    monkeypatch, caplog
+):
+    """While the watch keeps failing: a warning at the first failure, then one a
+    WATCH_WARN_EVERY_S, the attempts between at DEBUG; once the store answers, one line saying
+    how long it was away."""
+    monkeypatch.setattr(store_client, "WATCH_WARN_EVERY_S", 0.5)
+    caplog.set_level(logging.DEBUG, logger=store_client.__name__)
+    port = _free_port()
+    client, _ = _client(f"127.0.0.1:{port}")
+    connected = asyncio.Event()
+    follower = asyncio.create_task(client.follow(lambda e: None, connected.set, max_backoff=0.02))
+    store = None
+    try:
+        start = time.monotonic()
+        await asyncio.sleep(1.6)
+        down_for = time.monotonic() - start
+        lines = [r for r in caplog.records if r.name == store_client.__name__]
+        warnings = [r.getMessage() for r in lines if r.levelno == logging.WARNING]
+        quiet = [
+            r for r in lines if r.levelno == logging.DEBUG and "failed again" in r.getMessage()
+        ]
+        assert f"watching the adapter store at 127.0.0.1:{port} failed (UNAVAILABLE" in warnings[0]
+        assert 2 <= len(warnings) <= 2 + down_for / 0.5, warnings
+        assert all("has not answered the watch for" in w for w in warnings[1:]), warnings
+        assert len(quiet) > len(warnings), "the attempts between warnings are at DEBUG"
+        script = Script()
+        store, _ = await _start_store(script, port)
+        await asyncio.wait_for(connected.wait(), 10)
+        back = [r.getMessage() for r in caplog.records if "again, after" in r.getMessage()]
+        assert len(back) == 1 and f"at 127.0.0.1:{port} again, after" in back[0], back
+        assert caplog.records[-1].levelno <= logging.INFO
+    finally:
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
+        await client.close()
+        if store is not None:
+            script.release.set()
+            await store.stop(0)
 
 
 def _free_port() -> int:
