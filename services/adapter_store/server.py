@@ -16,6 +16,7 @@ from services.adapter_store.metrics import StoreMetrics
 from services.adapter_store.servicer import AdapterStoreServicer
 from services.adapter_store.wire import SERVICE, add_servicer
 from services.auth import Authenticator, AuthInterceptor
+from services.outage import Outage
 from store.adapter_store import AdapterStore
 from store.backends import open_backend
 from store.config import MAX_UPLOAD_CHUNK_BYTES, MIB, StoreConfig
@@ -54,11 +55,13 @@ async def _probe_storage(
 async def _rescan_storage(store: AdapterStore, every: float) -> None:
     """Announce other store processes' changes to this one's watchers (store/rescan.py): the
     first rescan at once learns the storage's state, then one every ``every`` seconds."""
+    outage = Outage(log, "rescanning the storage for other stores' changes")
     while True:
         try:
             await store.rescan.run()
+            outage.succeeded()
         except StoreError as exc:  # storage down, an unreadable manifest: the next one retries
-            log.warning("could not rescan the storage for other stores' changes: %s", exc)
+            outage.failed(str(exc), f"rescanning every {every:g} s")
         except Exception:  # a bug: said, and the rescans go on rather than stop unseen
             log.exception("rescanning the storage failed unexpectedly")
         await asyncio.sleep(every)

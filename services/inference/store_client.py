@@ -54,21 +54,13 @@ from services.inference.fetcher import FetchFailed, FetchWorker
 from services.inference.host_cache import HostCache, HostCacheBusy, HostEntry
 from services.inference.service_stats import LatencyWindow
 from services.inference.store_access import StoreAccess
+from services.outage import Outage
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Failing:
-    """A run of failed watch attempts (follow)."""
-
-    since: float | None = None  # the first failure's time; None: the watch is answering
-    warned: float = 0.0  # the last warning's time
-    attempts: int = 0
-
-
-# While the watch keeps failing, a warning at its first failure and then one this often; the
-# attempts between are logged at DEBUG (at the backoff's 2 s, a line each would be 1800 an hour).
+# While the watch keeps failing, a warning at its first failure and then one this often
+# (services/outage.py).
 WATCH_WARN_EVERY_S = 60.0
 
 _UNAVAILABLE = (
@@ -355,7 +347,7 @@ class StoreClient:
         holds no adapter), before its first event."""
         self._worker.start()  # the service follows the store from its start: fetch soon
         backoff = 0.1
-        failing = _Failing()
+        outage = Outage(log, f"watching the adapter store at {self.target}", WATCH_WARN_EVERY_S)
         while True:
             call = self._stub.WatchAdapters(
                 pb.WatchAdaptersRequest(include_existing=True), metadata=self._metadata()
@@ -364,13 +356,8 @@ class StoreClient:
                 await call.initial_metadata()
                 if not call.done():  # headers came (a call that failed ends without them)
                     on_connect()  # the replay that starts now tells the latest versions
-                    if failing.since is not None:
-                        log.info(
-                            "watching the adapter store at %s again, after %.0f s and %d failed "
-                            "attempts", self.target, time.monotonic() - failing.since,
-                            failing.attempts,
-                        )  # fmt: skip
-                    backoff, failing = 0.1, _Failing()
+                    outage.succeeded()
+                    backoff = 0.1
                 async for event in call:  # a failed call raises here
                     created = event.type == pb.ADAPTER_EVENT_TYPE_CREATED
                     if created or event.type == pb.ADAPTER_EVENT_TYPE_DELETED:
@@ -380,25 +367,7 @@ class StoreClient:
                         )
                 log.warning("the adapter store ended its watch stream; reconnecting")
             except grpc.aio.AioRpcError as exc:
-                now = time.monotonic()
-                if failing.since is None:
-                    failing.since = failing.warned = now
-                    log.warning(
-                        "watching the adapter store at %s failed (%s: %s); retrying, backing "
-                        "off to every %.0f s", self.target, exc.code().name, exc.details(),
-                        max_backoff,
-                    )  # fmt: skip
-                elif now - failing.warned >= WATCH_WARN_EVERY_S:
-                    failing.warned = now
-                    log.warning(
-                        "the adapter store at %s has not answered the watch for %.0f s (%d "
-                        "attempts, the last %s); still retrying every %g s", self.target,
-                        now - failing.since, failing.attempts + 1, exc.code().name, backoff,
-                    )  # fmt: skip
-                else:
-                    log.debug("watching the adapter store at %s failed again (%s)", self.target,
-                              exc.code().name)  # fmt: skip
-                failing.attempts += 1
+                outage.failed(f"{exc.code().name}: {exc.details()}", f"retrying in {backoff:g} s")
             finally:
                 call.cancel()
             await asyncio.sleep(backoff)

@@ -3,6 +3,8 @@ back. Each must leave no version and no multipart upload behind."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -10,13 +12,16 @@ import sys
 import threading
 import time
 from functools import cache
+from types import SimpleNamespace
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lorafleet.v1 import adapter_store_pb2 as pb
+from services.adapter_store import server as store_server
 from store.base_model import BaseModelShape
+from store.errors import StorageUnavailable
 from store.synthetic import AdapterFiles, synthetic_adapter
 from tests.s3server import SeaweedServer
 from tests.services.adapter_store.conftest import new_bucket
@@ -197,3 +202,38 @@ def test_storage_outage_fails_fast_and_recovers(tmp_path, adapter_id):
         if store.process is not None:
             store.process.kill()
         seaweed.stop()
+
+
+async def test_the_rescan_loop_says_a_storage_outage_once_and_goes_on_after_a_bug(caplog):
+    """server._rescan_storage: storage that fails the rescans gives one warning for the run
+    (the attempts between at DEBUG) and a line when the rescans work again; an unexpected
+    error is logged with its traceback and the rescans go on."""
+    outcomes = [StorageUnavailable("S3 down")] * 4 + [None, RuntimeError("a bug"), None]
+    done = asyncio.Event()
+
+    class Rescan:
+        async def run(self):
+            outcome = outcomes.pop(0)
+            if not outcomes:
+                done.set()
+            if outcome is not None:
+                raise outcome
+
+    caplog.set_level(logging.DEBUG, logger=store_server.__name__)
+    loop = asyncio.create_task(store_server._rescan_storage(SimpleNamespace(rescan=Rescan()), 0.01))
+    try:
+        await asyncio.wait_for(done.wait(), 10)
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == store_server.__name__]
+    assert [m for level, m in lines if level == logging.WARNING] == [
+        "rescanning the storage for other stores' changes failed (S3 down); rescanning every 0.01 s"
+    ]
+    assert sum(level == logging.DEBUG for level, _ in lines) == 3
+    assert (
+        logging.INFO,
+        "rescanning the storage for other stores' changes works again, after 0 s and 4 failed "
+        "attempts",
+    ) in lines
+    assert lines[-1] == (logging.ERROR, "rescanning the storage failed unexpectedly")
