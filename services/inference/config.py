@@ -142,6 +142,16 @@ class ServiceConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{_flag(name)} must be at least 1, got {value}")
+        if self.host_cache_mb is not None:
+            memory = host_memory_bytes()
+            most = int(memory * HOST_CACHE_MAX_SHARE) // 2**20
+            if self.host_cache_mb > most:
+                raise ValueError(
+                    f"--host-cache-mb {self.host_cache_mb} is more than this host can give it: "
+                    f"{memory / 2**30:.1f} GiB of memory (its control group's limit where "
+                    f"lower), of which the host cache may take {HOST_CACHE_MAX_SHARE:.0%}, "
+                    f"{most} MiB"
+                )
         if self.adapter_affinity is not None and self.adapter_affinity < 0:
             raise ValueError(
                 f"--adapter-affinity must be 0 (off) or positive, got {self.adapter_affinity}"
@@ -241,6 +251,10 @@ HOST_CACHE_SHARE = 0.25
 # cache full of pins fails every other request for a cold adapter) or the pool's pages.
 TENANT_PIN_SHARE = 0.125
 HOST_CACHE_MIN, HOST_CACHE_MAX = 1 << 30, 64 << 30
+# --host-cache-mb may take at most this share of the host's memory: the cache fills as adapters
+# arrive (pinned on CUDA, where it cannot be swapped), so one larger than the memory beside the
+# processes' own would end with the service killed for memory, every tenant's requests with it.
+HOST_CACHE_MAX_SHARE = 0.75
 # Memory limits of the process's control group (v2, then v1): a container's share of the host.
 _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from services.inference import config
 from services.inference.config import ServiceConfig
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.errors import AdapterLoadFailed
@@ -117,3 +118,15 @@ def test_status_mapping_covers_service_errors():
     failed = status_for(AdapterLoadFailed("adapter a@1 could not be copied"))
     assert failed.code.name == "UNAVAILABLE" and failed.message.startswith("adapter a@1")
     assert status_for(RuntimeError("boom")).code.name == "INTERNAL"
+
+
+def test_a_host_cache_beyond_the_hosts_memory_is_refused_naming_it(monkeypatch, capsys):
+    """--host-cache-mb above HOST_CACHE_MAX_SHARE of the host's memory (its control group's
+    limit where lower) would fill until the service is killed for memory: refused at start."""
+    monkeypatch.setattr(config, "host_memory_bytes", lambda: 16 << 30)
+    assert ServiceConfig(model=Path("m"), host_cache_mb=12288).host_cache_bytes == 12 << 30
+    with pytest.raises(SystemExit):
+        ServiceConfig.from_args(["--model", "m", "--host-cache-mb", "12289"], environ={})
+    err = capsys.readouterr().err
+    assert "--host-cache-mb 12289 is more than this host can give it: 16.0 GiB" in err
+    assert "may take 75%, 12288 MiB" in err
