@@ -21,7 +21,7 @@ from types import ModuleType
 
 import torch
 
-from kernels import attention_ref, layer_ops_ref, lora_ref
+from kernels import attention_ref, layer_ops_ref, lora_cpu, lora_ref
 from kernels.lora_ref import LoraIndex, LoraTokens, make_lora_tokens
 
 
@@ -91,8 +91,8 @@ def lora_apply(
             y, x, pool_layer, index, tokens, modules, out_widths, max_rank,
             workspace=workspace, fused=fused, rank_block=rank_block, delta=delta,
         )  # fmt: skip
-    else:
-        lora_ref.lora_apply(
+    else:  # batched over the step's adapters (kernels/lora_cpu.py), as lora_ref computes it
+        lora_cpu.lora_apply(
             y, x, pool_layer, index, tokens, modules, out_widths, max_rank, delta=delta
         )
 

@@ -1,0 +1,98 @@
+"""The CPU serving path's LoRA hook: batched over the step's adapters (kernels/lora_cpu.py)
+against one adapter at a time (kernels/lora_ref.py, the path before it), side by side.
+
+One decoder layer's four LoRA calls (q/k/v, o, gate/up, down) on a step's tokens, float32, one
+thread, adapters of rank 16 on all seven projections, or S2's ranks (8, 16, 32, 64 cycled) with
+--ranks s2. The batched path groups the step's tokens once a layer here (the engine once a step,
+for all its layers). Shapes: the tiny model of the tests and the CPU demo, and a 1B-class
+one (hidden 2048, GQA 32/8, intermediate 5632). Each case is timed over REPEATS runs after one
+warm-up; the table gives ms a layer and the batched path's speedup.
+
+    python bench/lora_cpu.py [--ranks 16|s2] [--out bench/results/lora_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from bench.provenance import write_result  # noqa: E402
+from kernels import lora_cpu, lora_ref  # noqa: E402
+from kernels.lora_layout import DOWN, GATE, UP, K, O, Q, V  # noqa: E402
+from tests.kernels.pools import build_adapters, lora_tokens, token_rows  # noqa: E402
+
+# name: (hidden, kv width = the pool's W, intermediate)
+SHAPES = {"tiny": (256, 128, 688), "1b": (2048, 512, 5632)}
+# (adapters, decode tokens, prefill tokens on one adapter of their own)
+CASES = ((1, 32, 0), (8, 32, 0), (32, 32, 0), (64, 64, 0), (32, 32, 256))
+REPEATS = 10
+
+
+def time_case(shape: str, adapters: int, decode: int, prefill: int, rank_mode: str,
+              gen: torch.Generator) -> dict:  # fmt: skip
+    hidden, kv, inter = SHAPES[shape]
+    dims = {Q: (hidden, hidden), K: (hidden, kv), V: (hidden, kv), O: (hidden, hidden),
+            GATE: (hidden, inter), UP: (hidden, inter), DOWN: (inter, hidden)}  # fmt: skip
+    s2 = (8, 16, 32, 64)
+    ranks = [
+        {m: (16 if rank_mode == "16" else s2[i % 4]) for m in dims}
+        for i in range(adapters + (prefill > 0))
+    ]
+    setup = build_adapters(ranks, dims, kv, torch.float32, torch.device("cpu"), gen)
+    pool = setup.pool[0].nan_to_num(0.0)  # the builder's NaN marks unowned slots
+    kind = "distinct" if adapters >= decode else "uniform"
+    rows = token_rows(kind, decode, adapters, gen, grouped=True)
+    if prefill:
+        rows = torch.cat([rows, torch.full((prefill,), adapters, dtype=torch.int32)])
+    tokens = lora_tokens(rows, torch.device("cpu"))
+    t = rows.numel()
+    max_rank = max(max(r.values()) for r in ranks)
+    calls = (((Q, K, V), (hidden, kv, kv), hidden), ((O,), (hidden,), hidden),
+             ((GATE, UP), (inter, inter), hidden), ((DOWN,), (hidden,), inter))  # fmt: skip
+    xs = {d: torch.randn(t, d, generator=gen) for d in (hidden, inter)}
+    out = {"shape": shape, "ranks": rank_mode, "adapters": adapters, "decode_tokens": decode,
+           "prefill_tokens": prefill}  # fmt: skip
+    for name, apply in (("one_at_a_time", lora_ref.lora_apply), ("batched", lora_cpu.lora_apply)):
+
+        def layer(apply=apply):
+            lora_cpu._last = None  # grouped once a layer here; the engine groups once a step
+            for modules, widths, d_in in calls:
+                y = torch.zeros(t, sum(widths))
+                apply(y, xs[d_in], pool, setup.index, tokens, modules, widths, max_rank)
+
+        layer()
+        start = time.perf_counter()
+        for _ in range(REPEATS):
+            layer()
+        out[f"{name}_ms"] = (time.perf_counter() - start) / REPEATS * 1e3
+    out["speedup"] = out["one_at_a_time_ms"] / out["batched_ms"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", choices=("16", "s2"), default="16")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "lora_cpu.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    rows = [time_case(s, *case, args.ranks, gen) for s in SHAPES for case in CASES]
+    print(f"ms a layer (four LoRA calls), float32, one thread, ranks {args.ranks}")
+    print(f"{'shape':6} {'adapters':>8} {'decode':>6} {'prefill':>7} "
+          f"{'one at a time':>13} {'batched':>8} {'speedup':>7}")  # fmt: skip
+    for r in rows:
+        print(f"{r['shape']:6} {r['adapters']:8d} {r['decode_tokens']:6d} "
+              f"{r['prefill_tokens']:7d} {r['one_at_a_time_ms']:13.2f} {r['batched_ms']:8.2f} "
+              f"{r['speedup']:6.2f}x")  # fmt: skip
+    write_result(args.out, "lora_cpu.py", {"benchmark": "lora_cpu", "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
