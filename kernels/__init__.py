@@ -21,7 +21,7 @@ from types import ModuleType
 
 import torch
 
-from kernels import attention_ref, layer_ops_ref, lora_cpu, lora_ref
+from kernels import attention_cpu, attention_ref, layer_ops_ref, lora_cpu, lora_ref
 from kernels.lora_ref import LoraIndex, LoraTokens, make_lora_tokens
 
 
@@ -124,7 +124,7 @@ def paged_attention(
             q, pool_layer, block_tables, seq_lens, query_starts, page_size, scale, out=out,
             prefill_tiles=prefill_tiles,
         )  # fmt: skip
-    return attention_ref.paged_attention(
+    return attention_cpu.paged_attention(  # decode rows batched (kernels/attention_cpu.py)
         q, pool_layer, block_tables, seq_lens, query_starts, page_size, scale, out=out
     )
 

@@ -1,14 +1,18 @@
-"""The CPU serving path's LoRA hook: batched over the step's adapters (kernels/lora_cpu.py)
-against one adapter at a time (kernels/lora_ref.py, the path before it), side by side.
+"""The CPU serving path's batched kernels against the per-item references they replaced, side
+by side: the LoRA hook batched over the step's adapters (kernels/lora_cpu.py) against one
+adapter at a time (kernels/lora_ref.py), and paged attention with the decode rows batched over
+their sequences (kernels/attention_cpu.py) against one sequence at a time
+(kernels/attention_ref.py).
 
-One decoder layer's four LoRA calls (q/k/v, o, gate/up, down) on a step's tokens, float32, one
-thread, adapters of rank 16 on all seven projections, or S2's ranks (8, 16, 32, 64 cycled) with
---ranks s2. The batched path groups the step's tokens once a layer here (the engine once a step,
-for all its layers). Shapes: the tiny model of the tests and the CPU demo, and a 1B-class
-one (hidden 2048, GQA 32/8, intermediate 5632). Each case is timed over REPEATS runs after one
-warm-up; the table gives ms a layer and the batched path's speedup.
+LoRA: one decoder layer's four LoRA calls (q/k/v, o, gate/up, down) on a step's tokens,
+adapters of rank 16 on all seven projections, or S2's ranks (8, 16, 32, 64 cycled) with
+--ranks s2; the batched path groups the step's tokens once a layer here (the engine once a
+step, for all its layers). Attention: one layer's decode rows, contexts drawn from [16, 512).
+float32, one thread. Shapes: the tiny model of the tests and the CPU demo, and a 1B-class one
+(hidden 2048, GQA 32/8, intermediate 5632). Each case is timed over REPEATS runs after one
+warm-up; the tables give ms a layer and the batched path's speedup.
 
-    python bench/lora_cpu.py [--ranks 16|s2] [--out bench/results/lora_cpu.json]
+    python bench/cpu_path.py [--ranks 16|s2] [--out bench/results/cpu_path.json]
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from bench.provenance import write_result  # noqa: E402
-from kernels import lora_cpu, lora_ref  # noqa: E402
+from kernels import attention_cpu, attention_ref, lora_cpu, lora_ref  # noqa: E402
 from kernels.lora_layout import DOWN, GATE, UP, K, O, Q, V  # noqa: E402
-from tests.kernels.pools import build_adapters, lora_tokens, token_rows  # noqa: E402
+from tests.kernels.pools import build_adapters, build_kv, lora_tokens, token_rows  # noqa: E402
 
-# name: (hidden, kv width = the pool's W, intermediate)
-SHAPES = {"tiny": (256, 128, 688), "1b": (2048, 512, 5632)}
+# name: (hidden, kv width = the pool's W, intermediate, heads, head_dim)
+SHAPES = {"tiny": (256, 128, 688, 8, 32), "1b": (2048, 512, 5632, 32, 64)}
+# decode rows of one attention call
+ATTENTION_BATCHES = (8, 32, 128)
 # (adapters, decode tokens, prefill tokens on one adapter of their own)
 CASES = ((1, 32, 0), (8, 32, 0), (32, 32, 0), (64, 64, 0), (32, 32, 256))
 REPEATS = 10
@@ -37,7 +43,7 @@ REPEATS = 10
 
 def time_case(shape: str, adapters: int, decode: int, prefill: int, rank_mode: str,
               gen: torch.Generator) -> dict:  # fmt: skip
-    hidden, kv, inter = SHAPES[shape]
+    hidden, kv, inter, _, _ = SHAPES[shape]
     dims = {Q: (hidden, hidden), K: (hidden, kv), V: (hidden, kv), O: (hidden, hidden),
             GATE: (hidden, inter), UP: (hidden, inter), DOWN: (inter, hidden)}  # fmt: skip
     s2 = (8, 16, 32, 64)
@@ -76,10 +82,30 @@ def time_case(shape: str, adapters: int, decode: int, prefill: int, rank_mode: s
     return out
 
 
+def time_attention(shape: str, batch: int, gen: torch.Generator) -> dict:
+    _, kv, _, heads, head_dim = SHAPES[shape]
+    lens = torch.randint(16, 512, (batch,), generator=gen).tolist()
+    setup = build_kv(lens, [1] * batch, 16, kv, torch.float32, torch.device("cpu"), gen)
+    pool = setup.pool_layer.nan_to_num(0.0)  # the builder's NaN marks free pages
+    q = torch.randn(batch, heads, head_dim, generator=gen)
+    args = (pool, setup.block_tables, setup.seq_lens, setup.query_starts, 16, head_dim**-0.5)
+    out = {"shape": shape, "decode_rows": batch, "mean_context": sum(lens) / batch}
+    paths = (("one_at_a_time", attention_ref.paged_attention),
+             ("batched", attention_cpu.paged_attention))  # fmt: skip
+    for name, attend in paths:
+        attend(q, *args)
+        start = time.perf_counter()
+        for _ in range(REPEATS):
+            attend(q, *args)
+        out[f"{name}_ms"] = (time.perf_counter() - start) / REPEATS * 1e3
+    out["speedup"] = out["one_at_a_time_ms"] / out["batched_ms"]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", choices=("16", "s2"), default="16")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "lora_cpu.json")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "cpu_path.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
@@ -91,7 +117,15 @@ def main() -> None:
         print(f"{r['shape']:6} {r['adapters']:8d} {r['decode_tokens']:6d} "
               f"{r['prefill_tokens']:7d} {r['one_at_a_time_ms']:13.2f} {r['batched_ms']:8.2f} "
               f"{r['speedup']:6.2f}x")  # fmt: skip
-    write_result(args.out, "lora_cpu.py", {"benchmark": "lora_cpu", "rows": rows})
+    attention = [time_attention(s, b, gen) for s in SHAPES for b in ATTENTION_BATCHES]
+    print("\nms a layer (decode rows' paged attention), float32, one thread")
+    print(f"{'shape':6} {'rows':>5} {'mean context':>12} {'one at a time':>13} {'batched':>8} "
+          f"{'speedup':>7}")  # fmt: skip
+    for r in attention:
+        times = f"{r['one_at_a_time_ms']:13.2f} {r['batched_ms']:8.2f} {r['speedup']:6.2f}x"
+        print(f"{r['shape']:6} {r['decode_rows']:5d} {r['mean_context']:12.0f} {times}")
+    write_result(args.out, "cpu_path.py",
+                 {"benchmark": "cpu_path", "lora": rows, "attention": attention})  # fmt: skip
 
 
 if __name__ == "__main__":
