@@ -170,6 +170,17 @@ def test_store_killed_and_restarted_mid_run(stack_factory, reference, tmp_path):
     flowing.call.cancel()
 
 
+def _stopped_while_flowing(streams: list[Recorder], stop) -> None:
+    """Once every stream has a message, ``stop()``; each then ends UNAVAILABLE, saying the
+    server is shutting down."""
+    wait_for(lambda: all(s.messages for s in streams), what="the streams flowing")
+    stop()
+    for s in streams:
+        s.join(30)
+        assert s.code == grpc.StatusCode.UNAVAILABLE, (s.code, s.details)
+        assert "shutting down" in s.details
+
+
 def test_sigterm_ends_streams_with_a_clear_status(svc_models, tmp_path):
     proc = inference_proc(svc_models.model, None, tmp_path, "--shutdown-grace-s", "0.5").start()
     try:
@@ -197,12 +208,7 @@ def test_sigterm_ends_streams_with_a_clear_status(svc_models, tmp_path):
                 Recorder(stub, pb.GenerateRequest(prompt=p, sampling=sampling(**LONG)))
                 for p in PROMPTS[:3]
             ]
-            wait_for(lambda: all(s.messages for s in streams), what="three streams flowing")
-            proc.send(signal.SIGTERM)
-            for s in streams:
-                s.join(30)
-                assert s.code == grpc.StatusCode.UNAVAILABLE, (s.code, s.details)
-                assert "shutting down" in s.details
+            _stopped_while_flowing(streams, lambda: proc.send(signal.SIGTERM))
         assert proc.popen.wait(30) == 0
         assert "stopped" in proc.log()
     finally:
@@ -232,12 +238,7 @@ def test_sigterm_to_the_whole_process_group_stops_in_order(svc_models, tmp_path)
                 )
                 for p, a in zip(PROMPTS[:2], ("a", ""), strict=True)
             ]
-            wait_for(lambda: all(s.messages for s in streams), what="two streams flowing")
-            proc.signal_group(signal.SIGTERM)
-            for s in streams:
-                s.join(30)
-                assert s.code == grpc.StatusCode.UNAVAILABLE, (s.code, s.details)
-                assert "shutting down" in s.details
+            _stopped_while_flowing(streams, lambda: proc.signal_group(signal.SIGTERM))
         assert proc.popen.wait(30) == 0
         log = proc.log()
         assert "the fetch worker was stopped" in log
