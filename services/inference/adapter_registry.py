@@ -27,10 +27,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.auth import Caller, Role
 from services.inference.engine.api import AdapterKey
 from services.inference.engine.engine import Engine
 from services.inference.engine.errors import PoolBusy
-from services.inference.errors import BadArgument, StoreUnavailable
+from services.inference.errors import BadArgument, StoreUnavailable, TenantQuotaExceeded
 from services.inference.fetch_worker import AdapterCheck
 from services.inference.host_cache import HostCache
 from services.inference.service_stats import LatencyWindow
@@ -61,12 +62,12 @@ class AdapterRegistry:
         store: StoreClient | None,
         cache: HostCache,
         on_fetched: Callable[[float], None] | None = None,
-        max_pinned_bytes: int | None = None,
+        check_pin: Callable[[Caller, str, int, int], None] | None = None,
     ) -> None:
-        """``max_pinned_bytes``: a tenant's limit on pinned bytes, which a hot reload of a
-        pinned adapter keeps to (LoadAdapter checks it through tenancy.Tenancy.check_pin)."""
+        """``check_pin``: the tenants' limit on pinned bytes (tenancy.Tenancy.check_pin), which
+        pin_for keeps to, for a LoadAdapter call and a pinned adapter's hot reload alike."""
         self.engine = engine
-        self.max_pinned_bytes = max_pinned_bytes
+        self._check_pin = check_pin
         self.store = store
         self.cache = cache
         cache.on_evict = self.on_host_evict
@@ -174,6 +175,18 @@ class AdapterRegistry:
             if not pinned:
                 self._maybe_drop(held)
 
+    def pin_for(self, key: AdapterKey, caller: Caller) -> None:
+        """Pin ``key`` (held) for ``caller``: a tenant's pin counts in its pinned bytes, and
+        check_pin raises TenantQuotaExceeded, pinning nothing, where it would pass its limit."""
+        held = self._held[key]
+        if held.pinned:
+            return
+        owner = caller.tenant if caller.role is Role.TENANT else None
+        if owner is not None and self._check_pin is not None:
+            what = f"{key.adapter_id} version {key.version}"
+            self._check_pin(caller, what, held.size_bytes, self.pinned_bytes(owner))
+        self.pin(key, True, owner)
+
     def pinned_bytes(self, owner: str) -> int:
         """The bytes of the versions that tenant ``owner`` pinned."""
         return sum(h.size_bytes for h in self._held.values() if h.pinned and h.pin_owner == owner)
@@ -255,19 +268,11 @@ class AdapterRegistry:
             log.warning("hot reload of pinned adapter %s failed: %s", key, exc)
             return
         try:
-            held, limit = self._held[key], self.max_pinned_bytes
-            pinned = 0 if owner is None else self.pinned_bytes(owner)
-            if held.pinned:
-                pass  # pinned again meanwhile, by a LoadAdapter call
-            elif owner is not None and limit is not None and pinned + held.size_bytes > limit:
-                log.warning(
-                    "hot reload of pinned adapter %s: loaded but not pinned: tenant %r has "
-                    "%.2f MiB pinned, and this version's %.2f MiB would pass its limit of "
-                    "%.2f MiB (--tenant-max-pinned-mb)", key, owner, pinned / 2**20,
-                    held.size_bytes / 2**20, limit / 2**20,
-                )  # fmt: skip
-            else:
-                self.pin(key, True, owner)  # pins it in the engine too
+            caller = Caller(Role.ADMIN) if owner is None else Caller(Role.TENANT, owner)
+            try:
+                self.pin_for(key, caller)  # pins it in the engine too
+            except TenantQuotaExceeded as exc:
+                log.warning("hot reload of pinned adapter %s: loaded but not pinned: %s", key, exc)
             await self.engine.load_adapter(key)
         except Exception as exc:
             log.warning("hot reload of pinned adapter %s: no room in the pool yet: %s", key, exc)

@@ -179,9 +179,14 @@ class InferenceServer:
             )
         metrics = ServiceMetrics()
         self.engine.add_load_listener(lambda _key, seconds: metrics.observe_load("copy", seconds))
+        quotas = Quotas(
+            cfg.tenant_max_in_flight, cfg.tenant_max_queued, cfg.tenant_tokens_per_second,
+            cfg.tenant_pinned_bytes,
+        )  # fmt: skip
+        tenancy = Tenancy(self.auth, quotas)
         registry = AdapterRegistry(
             self.engine, self._store, cache, lambda s: metrics.observe_load("fetch", s),
-            cfg.tenant_pinned_bytes,
+            tenancy.check_pin,
         )  # fmt: skip
         if self._store is not None:
             on_event = registry.on_event
@@ -208,12 +213,8 @@ class InferenceServer:
         info = await asyncio.to_thread(
             read_model_info, cfg.model, cfg.model_id, tokenizer, self.engine.config.max_model_len
         )
-        quotas = Quotas(
-            cfg.tenant_max_in_flight, cfg.tenant_max_queued, cfg.tenant_tokens_per_second,
-            cfg.tenant_pinned_bytes,
-        )  # fmt: skip
         self.servicer = InferenceServicer(
-            self.engine, registry, metrics, str(device), tokenizer, info, Tenancy(self.auth, quotas)
+            self.engine, registry, metrics, str(device), tokenizer, info, tenancy
         )
         if cfg.metrics_port is not None:
             self.metrics_port = self.servicer.metrics.serve(cfg.metrics_port, cfg.host)

@@ -22,7 +22,6 @@ import grpc
 from lorafleet.v1 import inference_pb2 as pb
 from lorafleet.v1 import inference_pb2_grpc as pb_grpc
 from services.access import audited, check_inference, visible
-from services.auth import Role
 from services.inference import convert
 from services.inference.adapter_registry import AdapterRegistry, HeldAdapter
 from services.inference.engine.adapter_manager import AdapterStatus
@@ -212,14 +211,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 key = await self.registry.acquire(request.adapter_id, request.adapter_version)
                 entry.version = key.version
                 try:
-                    held = self.registry.get(key)
-                    if request.pin and not held.pinned:
-                        owner = caller.tenant if caller.role is Role.TENANT else None
-                        if owner is not None:
-                            pinned = self.registry.pinned_bytes(owner)
-                            what = f"{key.adapter_id} version {key.version}"
-                            self.tenancy.check_pin(caller, what, held.size_bytes, pinned)
-                        self.registry.pin(key, True, owner)
+                    if request.pin:
+                        self.registry.pin_for(key, caller)
                     await self.engine.load_adapter(key)
                 finally:
                     self.registry.release(key)

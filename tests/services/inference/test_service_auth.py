@@ -327,7 +327,7 @@ def test_a_tenants_pins_stop_at_its_limit_while_others_pin_on(deployment, svc_mo
         wait_for(lambda: resident("acme/a2") == {(same_size.version, True)}, timeout=30)
         larger = new_version("acme/a2", "b")  # rank 16 on all seven projections
         assert larger.size_bytes > 1.5 * size
-        warned = "loaded but not pinned: tenant 'acme' has 0.00 MiB pinned"
+        warned = "loaded but not pinned: tenant 'acme' has 0.00 MiB of adapters pinned"
         wait_for(lambda: warned in proc.log(), timeout=30)
         wait_for(lambda: resident("acme/a2") == {(larger.version, False)}, timeout=30)
         assert load("beta/a", "beta").adapter.pinned  # beta's pin is untouched
