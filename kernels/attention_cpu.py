@@ -5,9 +5,9 @@ sequence, which set a CPU decode step's time (tiny Llama, batch 32: most of its 
 sequences with one query row (decoding) attend together: sorted by context length, in batches
 whose padded K/V stay under BATCH_BYTES and whose longest context is at most twice their
 shortest, each one gather of its K and V rows, two batched products and a masked softmax.
-Sequences with several query rows (prefill chunks) keep the reference's loop. Same arguments and
-result as attention_ref.paged_attention (rows of no sequence are zero), which the tests compare
-it with.
+Sequences with several query rows (prefill chunks) attend one at a time, as the reference's
+attention_ref.attend_sequence computes them. Same arguments and result as
+attention_ref.paged_attention (rows of no sequence are zero), which the tests compare it with.
 """
 
 from __future__ import annotations
@@ -34,16 +34,20 @@ def paged_attention(
     """Causal attention of packed queries ``[T, n_heads, head_dim]`` over paged K/V; ``out``
     (optional, q's shape) receives the result; rows of no sequence are zero."""
     starts, lens = query_starts.tolist(), seq_lens.tolist()
-    single = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1 and lens[b] > 0]
-    if len(single) < 2:
-        return attention_ref.paged_attention(
-            q, pool_layer, block_tables, seq_lens, query_starts, page_size, scale, out=out
-        )
-    out = _rest(q, pool_layer, block_tables, seq_lens, query_starts, single, page_size, scale,
-                out)  # fmt: skip
+    if out is None:
+        out = torch.zeros_like(q)
+    else:
+        out.zero_()
+    single = []  # sequences with one query row: decoding
+    for b, ctx in enumerate(lens):
+        q0, q1 = starts[b], starts[b + 1]
+        if q1 - q0 == 1 and ctx > 0:
+            single.append(b)
+        elif q1 > q0:  # a prefill chunk
+            out[q0:q1] = attention_ref.attend_sequence(q[q0:q1], pool_layer, block_tables[b], ctx,
+                                                       page_size, scale)  # fmt: skip
     single.sort(key=lambda b: lens[b])
-    width = pool_layer.shape[-1]
-    per_row = width * pool_layer.element_size()
+    per_row = pool_layer.shape[-1] * pool_layer.element_size()
     batch: list[int] = []
     for b in single:
         # Sorted by context: a batch is padded to its last one's, at most twice its first's.
@@ -52,32 +56,8 @@ def paged_attention(
             _decode(q, pool_layer, block_tables, starts, lens, batch, page_size, scale, out)
             batch = []
         batch.append(b)
-    _decode(q, pool_layer, block_tables, starts, lens, batch, page_size, scale, out)
-    return out
-
-
-def _rest(q, pool_layer, block_tables, seq_lens, query_starts, single, page_size, scale, out):
-    """The sequences not in ``single`` by the reference, into ``out`` (allocated if None):
-    ``single``'s get no query rows there, so the reference leaves their rows zero."""
-    keep = torch.ones(len(seq_lens), dtype=torch.bool)
-    keep[single] = False
-    n_q = (query_starts[1:] - query_starts[:-1]) * keep  # the decode rows' sequences: none
-    rows = torch.repeat_interleave(torch.arange(len(seq_lens)), n_q)  # [rows of the others]
-    if out is None:
-        out = torch.zeros_like(q)
-    else:
-        out.zero_()
-    if rows.numel() == 0:
-        return out
-    # Their rows, packed, with their own query starts.
-    picked = torch.cat([torch.arange(s, s + n) for s, n in zip(
-        query_starts[:-1].tolist(), n_q.tolist(), strict=True) if n])  # fmt: skip
-    starts = torch.zeros(len(seq_lens) + 1, dtype=query_starts.dtype)
-    starts[1:] = torch.cumsum(n_q, 0)
-    part = attention_ref.paged_attention(
-        q[picked], pool_layer, block_tables, seq_lens, starts, page_size, scale
-    )
-    out[picked] = part
+    if batch:
+        _decode(q, pool_layer, block_tables, starts, lens, batch, page_size, scale, out)
     return out
 
 

@@ -43,9 +43,6 @@ def paged_attention(
 
     ``out`` (optional, q's shape) receives the result; rows of no sequence are zero.
     """
-    t, n_heads, head_dim = q.shape
-    n_kv = pool_layer.shape[-1] // head_dim
-    group = n_heads // n_kv
     if out is None:
         out = torch.zeros_like(q)
     else:
@@ -53,19 +50,34 @@ def paged_attention(
     starts = query_starts.tolist()
     for b, ctx in enumerate(seq_lens.tolist()):
         q0, q1 = starts[b], starts[b + 1]
-        n_q = q1 - q0
-        if n_q == 0:
-            continue
-        pos = torch.arange(ctx, device=q.device)
-        slots = block_tables[b, pos // page_size].long() * page_size + pos % page_size
-        k = pool_layer[0, slots].view(ctx, n_kv, head_dim).to(q.dtype)  # [ctx, n_kv, hd]
-        v = pool_layer[1, slots].view(ctx, n_kv, head_dim).to(q.dtype)
-        k = k.repeat_interleave(group, dim=1)  # [ctx, n_heads, hd]
-        v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[q0:q1], k) * scale  # [n_heads, n_q, ctx]
-        q_pos = torch.arange(ctx - n_q, ctx, device=q.device)
-        mask = pos[None, :] > q_pos[:, None]  # [n_q, ctx]
-        scores = scores.masked_fill(mask[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v)
+        if q1 > q0:
+            out[q0:q1] = attend_sequence(q[q0:q1], pool_layer, block_tables[b], ctx, page_size,
+                                         scale)  # fmt: skip
     return out
+
+
+def attend_sequence(
+    q: torch.Tensor,
+    pool_layer: torch.Tensor,
+    block_table: torch.Tensor,
+    ctx: int,
+    page_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """One sequence's causal attention: its last ``len(q)`` positions ``q`` [n_q, n_heads,
+    head_dim] over its ``ctx`` positions in the pages of ``block_table``."""
+    n_q, n_heads, head_dim = q.shape
+    n_kv = pool_layer.shape[-1] // head_dim
+    group = n_heads // n_kv
+    pos = torch.arange(ctx, device=q.device)
+    slots = block_table[pos // page_size].long() * page_size + pos % page_size
+    k = pool_layer[0, slots].view(ctx, n_kv, head_dim).to(q.dtype)  # [ctx, n_kv, hd]
+    v = pool_layer[1, slots].view(ctx, n_kv, head_dim).to(q.dtype)
+    k = k.repeat_interleave(group, dim=1)  # [ctx, n_heads, hd]
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [n_heads, n_q, ctx]
+    q_pos = torch.arange(ctx - n_q, ctx, device=q.device)
+    mask = pos[None, :] > q_pos[:, None]  # [n_q, ctx]
+    scores = scores.masked_fill(mask[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)

@@ -1,13 +1,13 @@
 """The multi-LoRA hook on the CPU, batched over the step's adapters.
 
-kernels/lora_ref.py computes each adapter of a step on its own: a few small torch operations
-per adapter and module, whose fixed cost sets the time of a CPU step of many adapters (tiny
-Llama, 32 decode tokens on 32 distinct rank-16 adapters of all seven projections: 20 ms a layer
-against 6 for the base model's). Here the step's adapters are grouped by how many tokens each
-has (counts up to 1, 2, 4, ...: at most twice the tokens of a group once padded), and each
-group computes every slice with one gather of its adapters' A and Bᵀ rows and two batched
-matrix products, so the operations grow with the groups (at most log2(T) + 1), not with the
-adapters. Same arguments and result as lora_ref.lora_apply, which the tests compare it with.
+kernels/lora_ref.py computes each adapter of a step on its own: a few small torch operations per
+adapter and module, whose fixed cost sets the time of a CPU step of many adapters (tiny Llama,
+32 decode tokens on 32 distinct rank-16 adapters of all seven projections: 20 ms a layer for its
+four LoRA calls, bench/cpu_path.py). Here the step's adapters are grouped by how many tokens
+each has (counts up to 1, 2, 4, ...: at most twice the tokens of a group once padded), and each
+group computes every slice with one gather of its adapters' A and Bᵀ rows and two batched matrix
+products, so the operations grow with the groups (at most log2(T) + 1), not with the adapters.
+Same arguments and result as lora_ref.lora_apply, which the tests compare it with.
 """
 
 from __future__ import annotations
