@@ -6,11 +6,12 @@ their sequences (kernels/attention_cpu.py) against one sequence at a time
 
 LoRA: one decoder layer's four LoRA calls (q/k/v, o, gate/up, down) on a step's tokens,
 adapters of rank 16 on all seven projections, or S2's ranks (8, 16, 32, 64 cycled) with
---ranks s2; the batched path groups the step's tokens once a layer here (the engine once a
-step, for all its layers). Attention: one layer's decode rows, contexts drawn from [16, 512).
-float32, one thread. Shapes: the tiny model of the tests and the CPU demo, and a 1B-class one
-(hidden 2048, GQA 32/8, intermediate 5632). Each case is timed over REPEATS runs after one
-warm-up; the tables give ms a layer and the batched path's speedup.
+--ranks s2; the batched path plans a step once (its groups and their pool slots) for all its
+layers: timed on a layer of a step planned already, and on the layer that plans it.
+Attention: one layer's decode rows, contexts drawn from [16, 512). float32, one thread.
+Shapes: the tiny model of the tests and the CPU demo, and a 1B-class one (hidden 2048, GQA
+32/8, intermediate 5632). Each case is timed over REPEATS runs after one warm-up; the tables
+give ms a layer and the batched path's speedup.
 
     python bench/cpu_path.py [--ranks 16|s2] [--out bench/results/cpu_path.json]
 """
@@ -65,10 +66,15 @@ def time_case(shape: str, adapters: int, decode: int, prefill: int, rank_mode: s
     xs = {d: torch.randn(t, d, generator=gen) for d in (hidden, inter)}
     out = {"shape": shape, "ranks": rank_mode, "adapters": adapters, "decode_tokens": decode,
            "prefill_tokens": prefill}  # fmt: skip
-    for name, apply in (("one_at_a_time", lora_ref.lora_apply), ("batched", lora_cpu.lora_apply)):
+    # The batched path plans a step once (groups, pool slots) for all its layers: "batched" is
+    # a layer of a step planned already, "batched_first_layer" one that plans it.
+    paths = (("one_at_a_time", lora_ref.lora_apply, False), ("batched", lora_cpu.lora_apply, False),
+             ("batched_first_layer", lora_cpu.lora_apply, True))  # fmt: skip
+    for name, apply, plans in paths:
 
-        def layer(apply=apply):
-            lora_cpu._last = None  # grouped once a layer here; the engine groups once a step
+        def layer(apply=apply, plans=plans):
+            if plans:
+                lora_cpu._last = None
             for modules, widths, d_in in calls:
                 y = torch.zeros(t, sum(widths))
                 apply(y, xs[d_in], pool, setup.index, tokens, modules, widths, max_rank)
@@ -111,12 +117,12 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     rows = [time_case(s, *case, args.ranks, gen) for s in SHAPES for case in CASES]
     print(f"ms a layer (four LoRA calls), float32, one thread, ranks {args.ranks}")
-    print(f"{'shape':6} {'adapters':>8} {'decode':>6} {'prefill':>7} "
-          f"{'one at a time':>13} {'batched':>8} {'speedup':>7}")  # fmt: skip
+    print(f"{'shape':6} {'adapters':>8} {'decode':>6} {'prefill':>7} {'one at a time':>13} "
+          f"{'batched':>8} {'speedup':>7} {'planning layer':>14}")  # fmt: skip
     for r in rows:
         print(f"{r['shape']:6} {r['adapters']:8d} {r['decode_tokens']:6d} "
               f"{r['prefill_tokens']:7d} {r['one_at_a_time_ms']:13.2f} {r['batched_ms']:8.2f} "
-              f"{r['speedup']:6.2f}x")  # fmt: skip
+              f"{r['speedup']:6.2f}x {r['batched_first_layer_ms']:14.2f}")  # fmt: skip
     attention = [time_attention(s, b, gen) for s in SHAPES for b in ATTENTION_BATCHES]
     print("\nms a layer (decode rows' paged attention), float32, one thread")
     print(f"{'shape':6} {'rows':>5} {'mean context':>12} {'one at a time':>13} {'batched':>8} "

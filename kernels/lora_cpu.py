@@ -7,7 +7,9 @@ four LoRA calls, bench/cpu_path.py). Here the step's adapters are grouped by how
 each has (counts up to 1, 2, 4, ...: at most twice the tokens of a group once padded), and each
 group computes every slice with one gather of its adapters' A and Bᵀ rows and two batched matrix
 products, so the operations grow with the groups (at most log2(T) + 1), not with the adapters.
-Same arguments and result as lora_ref.lora_apply, which the tests compare it with.
+A step's groups and each module's pool slots are worked out on its first call and kept for the
+calls of its other layers (_Plan). Same arguments and result as lora_ref.lora_apply, which the
+tests compare it with.
 """
 
 from __future__ import annotations
@@ -31,11 +33,56 @@ class _Group(NamedTuple):
     whole: bool  # its tokens are all the step's, in order (tokens = 0, 1, ..., T - 1)
 
 
-# The last groups made, with a copy of the token rows they came from: every call of a step
-# (each layer's q/k/v, o, gate/up, down) has the same rows, so a step groups them once. The
-# rows are compared, not the tensor's identity: the engine hands each call a fresh view of a
-# buffer that it refills in place.
-_last: tuple[torch.Tensor, list[_Group]] | None = None
+class _Reads(NamedTuple):
+    """Where one group's A and Bᵀ rows of one module lie in a layer's pool (the same in every
+    layer: an adapter's slot table serves all of them)."""
+
+    rank: int  # the group's largest rank of the module (at most max_rank)
+    a_slots: torch.Tensor  # [Gb * rank * chunks(d_in)]: pool slots of the A rows, in order
+    b_slots: torch.Tensor  # [Gb * rank * chunks(d_out)]: and of the Bᵀ rows
+    dead: torch.Tensor | None  # [Gb, rank, 1]: rows at or above an adapter's own rank
+    scales: torch.Tensor  # [Gb, 1, 1]: each adapter's scale of the module
+
+
+class _Plan:
+    """A step's groups and, made on first use, each module's reads: every call of a step (each
+    layer's q/k/v, o, gate/up, down) has the same token rows and index, so a step works them out
+    once, not once a layer."""
+
+    def __init__(self, token_lora: torch.Tensor, index: LoraIndex, max_rank: int) -> None:
+        # The rows are compared by value, not the tensor's identity: the engine hands each call
+        # a fresh view of a buffer that it refills in place. The index's tensors are the same
+        # objects from step to step, changed in place, which bumps their version counters.
+        self.token_lora = token_lora.clone()
+        self.index = tuple(index)
+        self.versions = tuple(t._version for t in index)
+        self.max_rank = max_rank
+        self.groups = _groups(token_lora)
+        self.reads: dict[tuple[int, int, int, int], list[_Reads | None]] = {}
+
+    def serves(self, token_lora: torch.Tensor, index: LoraIndex, max_rank: int) -> bool:
+        return (
+            max_rank == self.max_rank
+            and all(a is b for a, b in zip(index, self.index, strict=True))
+            and all(t._version == v for t, v in zip(index, self.versions, strict=True))
+            and torch.equal(token_lora, self.token_lora)
+        )
+
+    def module_reads(
+        self, index: LoraIndex, m: int, d_in: int, d_out: int, width: int
+    ) -> list[_Reads | None]:
+        """Each group's reads of module ``m`` (None where no adapter of the group has it)."""
+        key = (m, d_in, d_out, width)
+        if key not in self.reads:
+            self.reads[key] = [
+                _module_reads(index, g.rows, m, d_in, d_out, width, self.max_rank)
+                for g in self.groups
+            ]
+        return self.reads[key]
+
+
+# The last step's plan (one engine a process: its steps follow one another).
+_last: _Plan | None = None
 
 
 def lora_apply(
@@ -52,52 +99,48 @@ def lora_apply(
     """y[:, slices] += scale · x · Aᵀ · Bᵀ for every token's adapter; with ``delta``,
     y[:, slices] = that delta (zeros for tokens without one). ``max_rank`` bounds the ranks
     read, as the other paths' (adapters above it are not served by the engine)."""
+    global _last
     if y.shape[1] != sum(out_widths):
         raise ValueError(f"y has {y.shape[1]} columns, slices need {sum(out_widths)}")
-    groups = _groups(tokens.token_lora)
+    plan = _last  # read once: another thread's engine may replace it meanwhile
+    if plan is None or not plan.serves(tokens.token_lora, index, max_rank):
+        plan = _last = _Plan(tokens.token_lora, index, max_rank)
+    groups = plan.groups
     if not groups:
         if delta:
             y.zero_()
         return
-    padded_x = torch.cat([x, x.new_zeros(1, x.shape[1])])  # row T: the padding's zeros
-    xs = [padded_x[g.grid] for g in groups]  # [Gb, L, d_in] each
-    # Each group's adapters' ranks (at most max_rank), offsets and scales, all modules at once.
-    info = [
-        (
-            index.ranks[g.rows].long().clamp(max=max_rank),  # [Gb, 7]
-            index.a_offsets[g.rows].long(),
-            index.b_offsets[g.rows].long(),
-            index.scales[g.rows].to(x.dtype),
-        )
-        for g in groups
-    ]
+    # A group that holds every token in order writes its delta whole; one adapter that holds
+    # them all reads x as it is.
+    whole = len(groups) == 1 and groups[0].whole
+    alone = whole and len(groups[0].rows) == 1
+    if alone:
+        xs = [x[None]]
+    else:
+        padded_x = torch.cat([x, x.new_zeros(1, x.shape[1])])  # row T: the padding's zeros
+        xs = [padded_x[g.grid] for g in groups]  # [Gb, L, d_in] each
+    width = pool_layer.shape[-1]
     col = 0
     for s, m in enumerate(modules):
         d_out = out_widths[s]
         # Each token's delta, written by its group (a contiguous buffer: adding it to y's
-        # columns at once beats scattering into them), zeros for tokens without an adapter;
-        # a group that holds every token in order writes it whole.
-        whole = len(groups) == 1 and groups[0].whole
+        # columns at once beats scattering into them), zeros for tokens without an adapter.
         acc = None if whole else y.new_zeros(y.shape[0], d_out)
-        for g, gx, (ranks, a_off, b_off, scales) in zip(groups, xs, info, strict=True):
-            r = ranks[:, m]
-            rank = int(r.max())
-            if rank == 0:
+        reads = plan.module_reads(index, m, x.shape[1], d_out, width)
+        for g, gx, got in zip(groups, xs, reads, strict=True):
+            if got is None:
                 continue
-            dead = None
-            if len(g.rows) > 1 and bool((r < rank).any()):
-                dead = (torch.arange(rank)[None, :] >= r[:, None])[:, :, None]  # [Gb, R, 1]
-            a = _rows(pool_layer, 0, index.slot_table, g.rows, a_off[:, m], rank, dead,
-                      gx.shape[-1])  # fmt: skip
-            bt = _rows(pool_layer, 1, index.slot_table, g.rows, b_off[:, m], rank, dead, d_out)
+            a = _gather(pool_layer[0], got.a_slots, got.dead, len(g.rows), got.rank, x.shape[1])
+            bt = _gather(pool_layer[1], got.b_slots, got.dead, len(g.rows), got.rank, d_out)
             h = torch.bmm(gx, a.to(gx.dtype).transpose(1, 2))  # [Gb, L, R]
+            h *= got.scales.to(h.dtype)
             out = torch.bmm(h, bt.to(gx.dtype))  # [Gb, L, d_out]
-            out *= scales[:, m, None, None]
-            delta_rows = out[g.at, g.pos].to(y.dtype)  # [n, d_out]
-            if whole:
-                acc = delta_rows
+            if alone:
+                acc = out[0].to(y.dtype)
+            elif whole:
+                acc = out[g.at, g.pos].to(y.dtype)
             else:
-                acc.index_copy_(0, g.tokens, delta_rows)
+                acc.index_copy_(0, g.tokens, out[g.at, g.pos].to(y.dtype))
         if acc is None:  # no adapter of the group has this module
             if delta:
                 y[:, col : col + d_out] = 0.0
@@ -110,9 +153,6 @@ def lora_apply(
 
 def _groups(token_lora: torch.Tensor) -> list[_Group]:
     """The step's adapters in groups by token count (the module docstring says why)."""
-    global _last
-    if _last is not None and torch.equal(_last[0], token_lora):
-        return _last[1]
     rows_of = token_lora.long()
     adapter_tokens = torch.nonzero(rows_of >= 0).flatten()
     groups: list[_Group] = []
@@ -140,29 +180,41 @@ def _groups(token_lora: torch.Tensor) -> list[_Group]:
                 torch.equal(toks, torch.arange(toks.numel()))
             )
             groups.append(_Group(rows[members], grid, toks, at, pos, whole))
-    _last = (token_lora.clone(), groups)
     return groups
 
 
-def _rows(
-    pool_layer: torch.Tensor,
-    half: int,
-    table: torch.Tensor,
-    rows: torch.Tensor,
-    offsets: torch.Tensor,
-    rank: int,
-    dead: torch.Tensor | None,
+def _module_reads(
+    index: LoraIndex, rows: torch.Tensor, m: int, d_in: int, d_out: int, width: int,
+    max_rank: int,
+) -> _Reads | None:  # fmt: skip
+    """Where the group of adapters ``rows`` keeps module ``m``'s A and Bᵀ rows."""
+    r = index.ranks[rows, m].long().clamp(max=max_rank)  # [Gb]
+    rank = int(r.max())
+    if rank == 0:
+        return None
+    dead = None
+    if len(rows) > 1 and bool((r < rank).any()):
+        dead = (torch.arange(rank)[None, :] >= r[:, None])[:, :, None]  # [Gb, R, 1]
+    table = index.slot_table
+
+    def slots(offsets: torch.Tensor, dim: int) -> torch.Tensor:
+        positions = offsets.long()[:, None] + torch.arange(rank * chunks(dim, width))
+        positions = positions.clamp_(max=table.shape[1] - 1)  # [Gb, rank * chunks]
+        return table[rows[:, None], positions].flatten().long()
+
+    scales = index.scales[rows, m][:, None, None]
+    return _Reads(rank, slots(index.a_offsets[rows, m], d_in),
+                  slots(index.b_offsets[rows, m], d_out), dead, scales)  # fmt: skip
+
+
+def _gather(
+    half: torch.Tensor, slots: torch.Tensor, dead: torch.Tensor | None, count: int, rank: int,
     dim: int,
-) -> torch.Tensor:
-    """The adapters' A (half 0) or Bᵀ (half 1) rows of one module, [G, rank, dim]; ``dead``
-    ([G, rank, 1]) marks the rows at or above an adapter's own rank, zeroed (never computed
-    with: an adapter's slot table may end before them, and what lies there is not its own)."""
-    width = pool_layer.shape[-1]
-    n = chunks(dim, width)
-    positions = offsets[:, None] + torch.arange(rank * n)  # [G, rank * n]
-    positions = positions.clamp_(max=table.shape[1] - 1)
-    slots = table[rows[:, None], positions].flatten().long()
-    got = pool_layer[half].index_select(0, slots).view(len(rows), rank, n * width)
+) -> torch.Tensor:  # fmt: skip
+    """The rows at ``slots`` of one half of a layer's pool (A or Bᵀ), [count, rank, dim];
+    ``dead`` rows are zeroed (never computed with: an adapter's slot table may end before them,
+    and what lies there is not its own)."""
+    got = half.index_select(0, slots).view(count, rank, -1)
     if dead is not None:
         got.masked_fill_(dead, 0.0)
     return got[:, :, :dim]

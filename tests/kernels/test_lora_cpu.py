@@ -130,3 +130,37 @@ def test_a_buffer_refilled_in_place_is_grouped_again():
         lora_ref.lora_apply(ref, *args)
         lora_cpu.lora_apply(out, *args)
         torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_an_index_changed_in_place_is_read_again():
+    """A step works out its adapters' pool slots once for all its layers; when the engine
+    changes the index between steps (an adapter evicted, another written into a freed row), the
+    next step with the same token rows reads the new rows, not the kept slots."""
+    gen = torch.Generator().manual_seed(10)
+    shape = SHAPES[0]
+    ranks = _ranks(6, shape.modules, gen)
+    dims = {m: (shape.d_in, w) for m, w in zip(shape.modules, shape.widths, strict=True)}
+    setup = build_adapters(ranks, dims, shape.width, torch.float64, torch.device("cpu"), gen)
+    rows = torch.tensor([0, 1, 1, 2, 3, 5, 5, 4], dtype=torch.int32)
+    tokens = lora_tokens(rows, torch.device("cpu"))
+    x = torch.randn(8, shape.d_in, generator=gen, dtype=torch.float64)
+    args = (x, setup.pool[0], setup.index, tokens, shape.modules, shape.widths, 64)
+
+    def check():
+        ref = torch.zeros(8, sum(shape.widths), dtype=torch.float64)
+        out = ref.clone()
+        lora_ref.lora_apply(ref, *args)
+        lora_cpu.lora_apply(out, *args)
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+        return ref
+
+    first = check()
+    plan = lora_cpu._last
+    check()  # the next layer of the same step: the same plan
+    assert lora_cpu._last is plan
+    setup.index.ranks[2].zero_()  # evicted: its row adds nothing
+    for table in setup.index:  # row 1 now holds adapter 4 (its slots, ranks, offsets, scales)
+        table[1] = table[4]
+    second = check()
+    assert lora_cpu._last is not plan
+    assert not torch.equal(first[1:3], second[1:3]) and torch.equal(first[0], second[0])
