@@ -176,6 +176,65 @@ def test_full_pool_of_queued_adapters_does_not_stall(tiny_models):
     core.check_integrity()
 
 
+def test_adapters_waiting_far_back_give_their_pages_to_running_sequences(tiny_models):
+    """Adapters loaded for queued requests beyond their tenant's prefetch window give their
+    pages up when a running sequence needs KV pages (the one waiting furthest back first),
+    instead of the running sequence being preempted; the ones near the head keep theirs, and
+    the evicted one is copied in again when its request comes near. One sequence runs at a
+    time, with three single requests for three adapters queued behind it (a window of one: all
+    three are beyond it); the pool holds the running sequence's pages and the three adapters
+    at first, and the sequence grows by as many pages as the last adapter takes."""
+    model_dir = tiny_models.model("tiny-llama")
+    spec = AdapterSpec(rank=8, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"), seed=98)
+    far = AdapterKey("far", 1)
+    probe = _with_adapters(make_core(model_dir), tiny_models)
+    probe.add_adapter_dir(far, tiny_models.adapter("tiny-llama", spec))
+    pages = {k: probe.adapters.load_pages(k) for k in (R4, R8, far)}
+    # The head's 8-token prompt takes 2 pages of 4 and grows to 3 + pages[far]: with the three
+    # adapters loaded one page is left free, so its growth needs "far"'s pages.
+    prompt, new = list(range(3, 11)), 4 * pages[far] + 4
+    num_pages = 3 + sum(pages.values())
+    core = make_core(model_dir, num_pages=num_pages, max_num_seqs=1, max_num_batched_tokens=64)
+    _with_adapters(core, tiny_models)
+    core.add_adapter_dir(far, tiny_models.adapter("tiny-llama", spec))
+    core.scheduler.prefetch_window = 1
+    core.scheduler.far_margin = 0  # the queued adapters load at once into the empty pool
+    evicted = []
+    evict = core.adapters._evict
+    core.adapters._evict = lambda key: (evicted.append(key), evict(key))
+    reqs = [
+        _req("head", prompt, new),
+        _req("b", list(range(5, 13)), 4, R4),
+        _req("c", list(range(6, 14)), 4, R8),
+        _req("d", list(range(7, 15)), 4, far),
+    ]
+
+    def loaded_at_first(core, step):
+        _check_step(core, step)
+        if step == 1:  # the three adapters loaded for their queued requests
+            assert {core.adapters.state(k) for k in (R4, R8, far)} == {AdapterState.IN_POOL}
+
+    results = run(core, {0: reqs}, after_step=loaded_at_first)
+    stats = core.stats()
+    assert stats.preemptions == 0
+    assert evicted == [far]  # the furthest back gave way, the others kept their pages
+    assert core.adapters.queued_evictions == 1
+    assert stats.adapter_loads == 4  # "far" was copied in again for its request
+    dirs = {
+        None: None,
+        R4: tiny_models.adapter("tiny-llama", "r4"),
+        R8: tiny_models.adapter("tiny-llama", "r8"),
+        far: tiny_models.adapter("tiny-llama", spec),
+    }
+    for r in reqs:
+        want, _ = hf_greedy(
+            model_dir, dirs[r.adapter], r.prompt_token_ids, r.sampling.max_new_tokens
+        )
+        assert results[r.request_id].token_ids == want
+    core.check_integrity()
+    assert stats.kv_pages == 0 and stats.free_pages + stats.adapter_pages == stats.num_pages
+
+
 def test_abort_frees_pages_at_once(tiny_models):
     core = make_core(tiny_models.model("tiny-llama"))
     core.add_request(_req("a", list(range(3, 40)), 50))

@@ -18,8 +18,10 @@ step: the others wait for the next step, keeping their pages and rows); the tran
 later steps compute.
 
 Invariant: an adapter with refs > 0 (a request that uses it is queued or running) or pinned is
-never evicted by evict_idle(). Only evict_for_stall() may take one that queued requests are
-waiting for (never a pinned one), and only when nothing runs and the queue's head cannot start.
+never evicted by evict_idle(). Only evict_queued() (the scheduler's choice: KV needs the pages,
+no running request uses the adapter, and its queued ones wait far back) and evict_for_stall()
+(nothing runs and the queue's head cannot start) may take one that queued requests wait for,
+never a pinned one.
 An adapter's host bytes may be released by their owner only when releasable(): no request uses
 it and no copy reads them.
 
@@ -129,6 +131,7 @@ class AdapterManager:
         self._evict_clock = -1
         self.copier = AdapterCopier(pool.tensor, self.index)
         self.loads = self.evictions = 0
+        self.queued_evictions = 0  # of those, adapters that queued requests wait for (KV's)
         self.copy_seconds: deque[float] = deque(maxlen=1024)  # recent host->pool copies
         # Called on the step thread with (key, seconds) when a copy completes.
         self.load_listeners: list[Callable[[Hashable, float], None]] = []
@@ -370,6 +373,23 @@ class AdapterManager:
                         self._evict(key)
                         return True
             return False
+
+    def load_pages(self, key: Hashable) -> int:
+        """Pool pages the adapter takes once loaded."""
+        return self._pool_pages(key)
+
+    def evict_queued(self, key: Hashable) -> bool:
+        """Evict ``key`` although queued requests use it: the scheduler's choice, for KV pages,
+        of an adapter that no running request uses and whose requests wait furthest back (it is
+        copied in again as they near the head). False, and nothing evicted, unless it is in the
+        pool and not pinned."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.state is not AdapterState.IN_POOL or entry.pinned:
+                return False
+            self._evict(key)
+            self.queued_evictions += 1
+            return True
 
     def evict_for_stall(self, keep: Hashable | None) -> bool:
         """Evict the least recently used resident adapter other than ``keep`` even though queued

@@ -10,19 +10,25 @@ Order of each step (0 and the order of 3 are the fairness policy's, engine/fairn
    (whose newest running sequences are preempted).
 1. Running sequences, oldest first, each with its next tokens (one when decoding, a chunk when a
    long prompt is prefilled piecewise). When the pool has no page for one: evict an idle adapter
-   (least recently used); failing that, preempt the newest running sequence not yet scheduled
+   (least recently used); failing that, an adapter that only queued sequences beyond the window
+   of 2 use, those furthest back in their tenant's queue first (copied in again as they come
+   near: KV pages go to the sequences that run before adapters go to those that wait); failing
+   that, preempt the newest running sequence not yet scheduled
    (possibly this one): its pages are freed and it goes back to the head of the queue, to be
    recomputed (prompt + generated tokens re-prefilled). Nothing is ever dropped.
 2. Loads start for the adapters of queued sequences, in queue order, without waiting for the
-   sequence to reach the head.
+   sequence to reach the head. The first PREFETCH_WINDOW sequences of each tenant's queue (those
+   that join in the next steps) have their adapters loaded first: into free pages, then idle
+   adapters', then those of adapters that only sequences further back wait for. Further back, a
+   load takes only pages that one more step's prompt tokens would leave free.
 3. Queued sequences join once their adapter is in the pool: tenants below their share first, the
    least served tenant first, each tenant's in arrival order, except that a sequence whose
    adapter the batch already runs may go ahead of others, each passed at most ``affinity`` times
    (engine/affinity.py: fewer distinct adapters a step, so fewer adapter bytes read); a sequence
    whose adapter is still loading is passed over (the others keep running). A sequence joins
    only if its chunk's pages leave a free page for each running sequence (their decode growth,
-   as the adapter loads of 2 leave); one that lacks them stops admission, after idle adapters
-   were evicted for it. Without that reserve, admission filled every page its sequences freed,
+   as the adapter loads of 2 leave); one that lacks them stops admission, after adapters were
+   evicted for it as in 1. Without that reserve, admission filled every page its sequences freed,
    the running sequences' next pages then came from preempting the newest, and those were
    recomputed: on the saturating trace of DESIGN.md (H200 defaults, 1000 requests at once) 6-9%
    of the prompt tokens again.
@@ -46,6 +52,11 @@ from services.inference.engine.page_pool import PagePool
 from services.inference.engine.request import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
+
+# The sequences at the head of each tenant's queue whose adapters keep their pool pages against
+# the KV cache and are loaded ahead of the others (module docstring, 1 and 2): about the next
+# few steps' admissions, whose copies take a step or two.
+PREFETCH_WINDOW = 32
 
 
 class ScheduledSeq(NamedTuple):
@@ -83,6 +94,14 @@ class Scheduler:
         # turns it off to compare.
         self.decode_reserve = True
         self.fair = make_policy(scheduling)  # tenants' shares and order (engine/fairness.py)
+        self.prefetch_window = PREFETCH_WINDOW
+        # Loads beyond the window leave this many pages free beyond the decode reserve: one
+        # step's prompt tokens, so that admission does not evict them again at once.
+        self.far_margin = -(-max_num_batched_tokens // pool.page_size)
+        # Per _choose: the adapters the running batch uses, and (made when first needed) those
+        # only queued sequences beyond the window use, the furthest back last.
+        self._running_adapters: set = set()
+        self._victims: list | None = None
 
     @property
     def has_work(self) -> bool:
@@ -140,6 +159,8 @@ class Scheduler:
         victims = self.fair.preemptions(self.running, self.waiting, self.max_num_seqs, self._ready)
         for victim in victims:
             self._preempt(victim)
+        self._running_adapters = {s.adapter for s in self.running if s.adapter is not None}
+        self._victims = None
         limit = self.fair_prefill_tokens if self.fair.limits_prefill() else None
         prefilled: Counter = Counter()  # prefill tokens per tenant in this step
 
@@ -166,17 +187,21 @@ class Scheduler:
                 prefilled[seq.tenant] += n if prefill else 0
 
         # 2. Loads for queued sequences' adapters, in queue order (only the head's when not
-        # prefetching), each leaving a page per running sequence for its next decode. Each
-        # adapter is looked at once however many queued sequences use it.
-        seen: set = set()
+        # prefetching), each leaving a page per running sequence for its next decode; beyond
+        # each tenant's window only into room that leaves one more step's prompt pages free.
+        place: Counter = Counter()  # each tenant's sequences so far
+        far = True  # loads beyond the window still find room
         for seq in self.waiting if prefetch else itertools.islice(self.waiting, 1):
+            rank = place[seq.tenant]
+            place[seq.tenant] += 1
             key = seq.adapter
-            if key is None or key in seen:
+            if key is None or self.adapters.state(key) is not AdapterState.HOST:
                 continue
-            seen.add(key)
-            if self.adapters.state(key) is AdapterState.HOST:
-                if not self.adapters.begin_load(key, reserve=len(self.running)):
-                    break
+            if rank < self.prefetch_window:
+                if not self._load_near(key):
+                    break  # no room even from adapters waiting further back
+            elif far:
+                far = self.adapters.begin_load(key, reserve=len(self.running) + self.far_margin)
         self.adapters.poll_loads()
 
         # 3. Admission among sequences whose adapter is ready, in the fairness policy's order
@@ -202,6 +227,8 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if seq.adapter is not None:
+                self._running_adapters.add(seq.adapter)
             chosen.append((seq, n))
             admission.admitted(seq, n)
             budget -= n
@@ -221,10 +248,46 @@ class Scheduler:
         if missing == 0:
             return True  # most decode steps: the last page still has room
         while self.pool.num_free < missing + reserve:
-            if not self.adapters.evict_idle():
+            if not self.adapters.evict_idle() and not self._evict_queued(keep=seq.adapter):
                 return False
         self.pool.grow_kv(seq.seq_id, num_tokens)  # the loop above left enough pages free
         return True
+
+    def _load_near(self, key) -> bool:
+        """Begin loading the adapter of a sequence within its tenant's window: into free pages
+        or idle adapters' (begin_load), else those of adapters waiting further back."""
+        while not self.adapters.begin_load(key, reserve=len(self.running)):
+            if not self._evict_queued(keep=key):
+                return False
+        return True
+
+    def _evict_queued(self, keep) -> bool:
+        """Evict the resident adapter that only queued sequences beyond their tenant's window
+        use, those furthest back first (never ``keep`` or one the running batch uses)."""
+        if self._victims is None:
+            self._victims = self._queued_far()
+        while self._victims:
+            key = self._victims.pop()
+            if key != keep and key not in self._running_adapters:
+                if self.adapters.evict_queued(key):
+                    log.debug("evicted adapter %s for KV pages: its requests wait far back", key)
+                    return True
+        return False
+
+    def _queued_far(self) -> list:
+        """Adapters whose queued sequences are all beyond their tenant's window, the furthest
+        back (by the best place among them, then by arrival) last."""
+        best: dict = {}  # adapter: (its best place in a tenant's queue, that sequence's position)
+        place: Counter = Counter()
+        for position, seq in enumerate(self.waiting):
+            rank = place[seq.tenant]
+            place[seq.tenant] += 1
+            key = seq.adapter
+            if key is not None and (key not in best or rank < best[key][0]):
+                best[key] = (rank, position)
+        far = [(at, key) for key, at in best.items() if at[0] >= self.prefetch_window]
+        far.sort(key=lambda item: item[0])
+        return [key for _, key in far]
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
