@@ -98,7 +98,7 @@ class ServiceConfig:
     fair_prefill_tokens: int = 256  # per tenant and step while tenants share (fair only)
     adapter_affinity: int | None = None  # engine/affinity.py's bound; 0 off; None max_num_seqs
     lora_side_stream: str = "on"  # on: small decode steps' LoRA beside the base GEMMs (CUDA)
-    lora_addend: str = "off"  # on: large steps' GEMMs add onto their LoRA deltas
+    lora_addend: str = "on"  # on: large steps' GEMMs add onto their LoRA deltas
     load_format: str = "safetensors"  # or random: weights drawn at load (benchmarks)
     cuda_graphs: str = "on"  # on: steps replay CUDA graphs captured at start-up; off: eager
 
@@ -401,9 +401,9 @@ _HELP = {
     "lora_side_stream": "on (default): decode steps of up to 32 tokens compute their LoRA deltas "
     "on a second CUDA stream beside the base model's GEMMs, then add them; off: the LoRA "
     "kernels run after each GEMM, in place",
-    "lora_addend": "on: steps of 256 tokens or more whose LoRA calls are all fused "
+    "lora_addend": "on (default): steps of 256 tokens or more whose LoRA calls are all fused "
     "write each call's LoRA delta first and the base GEMM adds onto it, instead of the LoRA "
-    "kernel reading the GEMM's output back; off (default): in place after the GEMM",
+    "kernel reading the GEMM's output back; off: in place after the GEMM",
 }
 
 

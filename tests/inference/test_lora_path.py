@@ -296,10 +296,10 @@ def test_the_addend_takes_steps_whose_calls_all_fuse(tiny_models, monkeypatch, c
     from services.inference.engine.model_runner import ADDEND_MIN_TOKENS
 
     with caplog.at_level(logging.INFO, logger="services.inference.engine.core"):
-        on = make_core(tiny_models.model("tiny-llama"), max_lora_rank=64, lora_addend=True)
+        on = make_core(tiny_models.model("tiny-llama"), max_lora_rank=64)  # the default
         assert f"GEMMs' addends from {ADDEND_MIN_TOKENS} tokens" in caplog.text
         caplog.clear()
-        off = make_core(tiny_models.model("tiny-llama"), max_lora_rank=64)
+        off = make_core(tiny_models.model("tiny-llama"), max_lora_rank=64, lora_addend=False)
         assert "GEMMs' addends off" in caplog.text
     on, off = on.runner, off.runner
     big = max(ADDEND_MIN_TOKENS, lora_paths.FUSED_MAX_TOKENS + 1)

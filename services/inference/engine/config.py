@@ -66,9 +66,10 @@ class EngineConfig:
     lora_side_stream: bool = True
     # Steps of ADDEND_MIN_TOKENS (256) tokens or more whose LoRA calls are all fused write each
     # call's delta first and the base GEMM adds onto it (model_runner.ADDEND_MODES,
-    # LoraContext.addend), rather than the LoRA kernel reading the GEMM's output back; off
-    # until measured on a GPU.
-    lora_addend: bool = False
+    # LoraContext.addend), rather than the LoRA kernel reading the GEMM's output back
+    # (bench/lora_addend.py: the mixed steps' LoRA time beyond the GEMMs 0.71-0.95x of in place
+    # on an H100).
+    lora_addend: bool = True
     # "safetensors": the model directory's weights; "random": drawn at load from a seed of each
     # weight's name (models/loader.py RandomWeights), for benchmarks of shapes whose checkpoint
     # does not fit the disk; the directory then needs its config and tokenizer only.

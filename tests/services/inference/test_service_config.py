@@ -47,9 +47,9 @@ def test_engine_config_follows_the_service_config():
     share = ["--model", "m", "--gpu-memory-utilization", "0.9"]
     assert engine_config(ServiceConfig.from_args(share)).gpu_memory_utilization == 0.9
     defaults = engine_config(ServiceConfig(model=Path("m")))
-    assert defaults.lora_side_stream and defaults.cuda_graphs and not defaults.lora_addend
-    addend = engine_config(ServiceConfig.from_args(["--model", "m", "--lora-addend", "on"]))
-    assert addend.lora_addend
+    assert defaults.lora_side_stream and defaults.cuda_graphs and defaults.lora_addend
+    addend = engine_config(ServiceConfig.from_args(["--model", "m", "--lora-addend", "off"]))
+    assert not addend.lora_addend
     with pytest.raises(SystemExit):  # a word outside on/off is refused by the parser
         ServiceConfig.from_args(["--model", "m", "--lora-addend", "yes"])
     assert defaults.max_num_batched_tokens == 2048
