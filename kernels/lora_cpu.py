@@ -54,7 +54,7 @@ class _Plan:
         # a fresh view of a buffer that it refills in place. The index's tensors are the same
         # objects from step to step, changed in place, which bumps their version counters.
         self.token_lora = token_lora.clone()
-        self.index = tuple(index)
+        self.index = index
         self.versions = tuple(t._version for t in index)
         self.max_rank = max_rank
         self.groups = _groups(token_lora)
@@ -68,14 +68,12 @@ class _Plan:
             and torch.equal(token_lora, self.token_lora)
         )
 
-    def module_reads(
-        self, index: LoraIndex, m: int, d_in: int, d_out: int, width: int
-    ) -> list[_Reads | None]:
+    def module_reads(self, m: int, d_in: int, d_out: int, width: int) -> list[_Reads | None]:
         """Each group's reads of module ``m`` (None where no adapter of the group has it)."""
         key = (m, d_in, d_out, width)
         if key not in self.reads:
             self.reads[key] = [
-                _module_reads(index, g.rows, m, d_in, d_out, width, self.max_rank)
+                _module_reads(self.index, g.rows, m, d_in, d_out, width, self.max_rank)
                 for g in self.groups
             ]
         return self.reads[key]
@@ -126,7 +124,7 @@ def lora_apply(
         # Each token's delta, written by its group (a contiguous buffer: adding it to y's
         # columns at once beats scattering into them), zeros for tokens without an adapter.
         acc = None if whole else y.new_zeros(y.shape[0], d_out)
-        reads = plan.module_reads(index, m, x.shape[1], d_out, width)
+        reads = plan.module_reads(m, x.shape[1], d_out, width)
         for g, gx, got in zip(groups, xs, reads, strict=True):
             if got is None:
                 continue

@@ -189,7 +189,7 @@ def test_adapters_waiting_far_back_give_their_pages_to_running_sequences(tiny_mo
     far = AdapterKey("far", 1)
     probe = _with_adapters(make_core(model_dir), tiny_models)
     probe.add_adapter_dir(far, tiny_models.adapter("tiny-llama", spec))
-    pages = {k: probe.adapters.load_pages(k) for k in (R4, R8, far)}
+    pages = {k: probe.adapters.pages_of(probe.adapters.get(k)) for k in (R4, R8, far)}
     # The head's 8-token prompt takes 2 pages of 4 and grows to 3 + pages[far]: with the three
     # adapters loaded one page is left free, so its growth needs "far"'s pages.
     prompt, new = list(range(3, 11)), 4 * pages[far] + 4

@@ -374,10 +374,6 @@ class AdapterManager:
                         return True
             return False
 
-    def load_pages(self, key: Hashable) -> int:
-        """Pool pages the adapter takes once loaded."""
-        return self._pool_pages(key)
-
     def evict_queued(self, key: Hashable) -> bool:
         """Evict ``key`` although queued requests use it: the scheduler's choice, for KV pages,
         of an adapter that no running request uses and whose requests wait furthest back (it is
