@@ -87,7 +87,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if memory is not None:
         print(memory)
     print(
-        f"evictions {stats.adapter_evictions_gpu} from the pool, "
+        f"evictions {stats.adapter_evictions_gpu} from the pool "
+        f"({stats.adapter_evictions_gpu_queued} wanted by queued requests), "
         f"{stats.adapter_evictions_host} from the host cache"
     )
     print("adapter loads")

@@ -230,7 +230,7 @@ class DeviceMemory(_message.Message):
     def __init__(self, total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., peak_reserved_bytes: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("queued_requests", "running_requests", "waiting_for_adapter", "pool", "tokens_per_second", "generated_tokens", "resident_adapters", "host_cache", "adapter_fetch", "adapter_copy", "adapter_load", "adapter_evictions_gpu", "adapter_evictions_host", "model", "device", "device_memory")
+    __slots__ = ("queued_requests", "running_requests", "waiting_for_adapter", "pool", "tokens_per_second", "generated_tokens", "resident_adapters", "host_cache", "adapter_fetch", "adapter_copy", "adapter_load", "adapter_evictions_gpu", "adapter_evictions_host", "model", "device", "device_memory", "adapter_evictions_gpu_queued")
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_ADAPTER_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +247,7 @@ class GetStatsResponse(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_EVICTIONS_GPU_QUEUED_FIELD_NUMBER: _ClassVar[int]
     queued_requests: int
     running_requests: int
     waiting_for_adapter: int
@@ -263,7 +264,8 @@ class GetStatsResponse(_message.Message):
     model: str
     device: str
     device_memory: DeviceMemory
-    def __init__(self, queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_for_adapter: _Optional[int] = ..., pool: _Optional[_Union[PoolStats, _Mapping]] = ..., tokens_per_second: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., resident_adapters: _Optional[int] = ..., host_cache: _Optional[_Union[HostCacheStats, _Mapping]] = ..., adapter_fetch: _Optional[_Union[LatencySummary, _Mapping]] = ..., adapter_copy: _Optional[_Union[LatencySummary, _Mapping]] = ..., adapter_load: _Optional[_Union[LatencySummary, _Mapping]] = ..., adapter_evictions_gpu: _Optional[int] = ..., adapter_evictions_host: _Optional[int] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., device_memory: _Optional[_Union[DeviceMemory, _Mapping]] = ...) -> None: ...
+    adapter_evictions_gpu_queued: int
+    def __init__(self, queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_for_adapter: _Optional[int] = ..., pool: _Optional[_Union[PoolStats, _Mapping]] = ..., tokens_per_second: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., resident_adapters: _Optional[int] = ..., host_cache: _Optional[_Union[HostCacheStats, _Mapping]] = ..., adapter_fetch: _Optional[_Union[LatencySummary, _Mapping]] = ..., adapter_copy: _Optional[_Union[LatencySummary, _Mapping]] = ..., adapter_load: _Optional[_Union[LatencySummary, _Mapping]] = ..., adapter_evictions_gpu: _Optional[int] = ..., adapter_evictions_host: _Optional[int] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., device_memory: _Optional[_Union[DeviceMemory, _Mapping]] = ..., adapter_evictions_gpu_queued: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -109,6 +109,7 @@ def stats_response(s: StatsSnapshot, model: str, device: str) -> pb.GetStatsResp
         adapter_load=_latency(s.adapter_load),
         adapter_evictions_gpu=s.evictions_gpu,
         adapter_evictions_host=s.evictions_host,
+        adapter_evictions_gpu_queued=s.evictions_gpu_queued,
         model=model,
         device=device,
         device_memory=pb.DeviceMemory(

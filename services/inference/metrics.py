@@ -74,6 +74,12 @@ class _SnapshotCollector(Collector):
         evictions.add_metric(["host"], s.evictions_host)
         yield evictions
         yield CounterMetricFamily(
+            "lorafleet_adapter_evictions_queued",
+            "Of the pool's adapter evictions, adapters that only requests far back in the queue "
+            "wanted, evicted for running sequences' KV cache",
+            value=s.evictions_gpu_queued,
+        )
+        yield CounterMetricFamily(
             "lorafleet_fetch_worker_starts",
             "Starts of the fetch worker process; more than one means it died and was restarted",
             value=s.fetch_worker_starts,

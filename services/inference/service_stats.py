@@ -99,5 +99,6 @@ class StatsSnapshot(NamedTuple):
     adapter_load: LatencySummary
     evictions_gpu: int
     evictions_host: int
+    evictions_gpu_queued: int  # of evictions_gpu: adapters queued requests waited for
     fetch_worker_starts: int  # 0 without a store; above 1 after the worker died
     memory: DeviceMemory = DeviceMemory()  # the engine's (EngineStats.memory)

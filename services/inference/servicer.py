@@ -324,6 +324,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             adapter_load=self.cold_ttft.summary(),
             evictions_gpu=e.adapter_evictions,
             evictions_host=c.evictions,
+            evictions_gpu_queued=e.adapter_evictions_queued,
             fetch_worker_starts=store.fetch_worker_starts if store is not None else 0,
             memory=e.memory,
         )

@@ -218,7 +218,7 @@ def test_adapters_waiting_far_back_give_their_pages_to_running_sequences(tiny_mo
     stats = core.stats()
     assert stats.preemptions == 0
     assert evicted == [far]  # the furthest back gave way, the others kept their pages
-    assert core.adapters.queued_evictions == 1
+    assert stats.adapter_evictions_queued == 1
     assert stats.adapter_loads == 4  # "far" was copied in again for its request
     dirs = {
         None: None,

@@ -112,4 +112,5 @@ class EngineStats:
     preemptions: int
     adapter_loads: int
     adapter_evictions: int
+    adapter_evictions_queued: int  # of those, adapters queued requests wait for (KV took them)
     memory: DeviceMemory = DeviceMemory()  # read at most once a second (DeviceMemoryReader)

@@ -615,6 +615,7 @@ class EngineCore:
             preemptions=self.scheduler.preemptions,
             adapter_loads=self.adapters.loads,
             adapter_evictions=self.adapters.evictions,
+            adapter_evictions_queued=self.adapters.queued_evictions,
             memory=self._memory.read(),
         )
 

@@ -255,6 +255,7 @@ def test_health_reflection_and_metrics(stack):
         'lorafleet_adapter_loads_total{target="preload"}',
         'lorafleet_adapter_load_seconds_bucket{le="0.001",phase="fetch"}',
         'lorafleet_adapter_evictions_total{tier="gpu"}',
+        "lorafleet_adapter_evictions_queued_total 0.0",
         "lorafleet_host_cache_waiting_fetches 0.0",
         # a CPU service: no device memory to report
         'lorafleet_device_memory_bytes{kind="total"} 0.0',
