@@ -317,8 +317,10 @@ def test_adapters_return_to_the_pool_once_the_kv_cache_gives_pages_back(stack_fa
         sampling=pb.SamplingParams(max_new_tokens=4),
     )
     assert collect(stack.stub, long).last.usage.completion_tokens == 4
-    evicted = _stats(stack).adapter_evictions_gpu
+    stats = _stats(stack)
+    evicted = stats.adapter_evictions_gpu
     assert evicted >= 1
+    assert stats.adapter_evictions_gpu_queued == 0  # idle ones: no queued request wanted them
     wait_for(lambda: _in_pool(stack) == everything, timeout=30, what="a, b and c placed again")
     assert _stats(stack).adapter_copy.count == 3 + evicted
     for i, name in enumerate("abc"):
