@@ -28,12 +28,17 @@ BF16_RTOL = 4e-2
 
 @pytest.fixture(autouse=True)
 def _free_the_last_engine():
-    """Each test builds an engine and captures hundreds of graphs; its memory goes back to the
-    allocator's cache (or waits for a collection, if anything of it sits in a cycle), where
-    cuBLAS's own allocations cannot reach it. On an H100 (80 GB) the 16th test of this file
-    failed its capture with CUBLAS_STATUS_INTERNAL_ERROR in three of five runs of the whole
-    file, and passed alone and after either half of the tests before it. Between tests,
-    collect and give the cached blocks back to the device."""
+    """Each test builds an engine and captures hundreds of graphs. On an H100 (80 GB) the 16th
+    test of this file failed its capture with CUBLAS_STATUS_INTERNAL_ERROR in three of five runs
+    of the whole file, and passed alone and after either half of the tests before it: something
+    the earlier tests leave behind accumulates. cuBLAS reports that status when it cannot
+    allocate, and blocks in the allocator's cache are memory it cannot use, so between tests
+    collect and give the cached blocks back; what the device and the allocator held as each test
+    began is printed, so that a failing test's captured output shows whether memory ran short."""
+    free, total = torch.cuda.mem_get_info()
+    reserved = torch.cuda.memory_reserved()
+    print(f"at the test's start: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free on the "
+          f"device, {reserved / 2**30:.2f} GiB reserved by the allocator")  # fmt: skip
     yield
     gc.collect()
     torch.cuda.synchronize()
