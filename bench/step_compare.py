@@ -10,7 +10,8 @@ steps and of the LoRA run's, their difference, and the time the LoRA run's adapt
 at the copy bandwidth the serving run measured (the least the difference could be); then the
 whole runs' GPU time and the throughput ratio the adapter bytes alone would allow (totals); then
 every LoRA step against the base model's steps fit to its shape (over_fit), by kind of step and
-LoRA kernel path.
+LoRA kernel path, and for each kind of step a line through that time against its adapter bytes'
+time (bytes_line: a fixed cost a step, and a cost a byte as a multiple of the copy bandwidth's).
 
     python bench/step_compare.py --serving bench/results/serving_s1_n1000.json \
         --steps bench/results/serving_s1_n1000_steps.jsonl.gz --base 0:2 --lora 1000:2
@@ -123,7 +124,33 @@ def over_fit(base: list[dict], lora: list[dict], bandwidth: float) -> dict:
     ]  # fmt: skip
     base_s = sum(s["gpu_ms"] for s in base) / 1e3
     fit_s = sum(model.ms(s) for s in lora) / 1e3
-    return {"schedule_s": round(fit_s - base_s, 3), "rows": rows}
+    lines = {}
+    for kind in ("decode", "mixed"):
+        steps = [s for (k, _), group in groups.items() if k == kind for s in group
+                 if s["adapter_bytes"]]  # fmt: skip
+        line = bytes_line([s["adapter_bytes"] / bandwidth * 1e3 for s in steps],
+                          [s["gpu_ms"] - model.ms(s) for s in steps])  # fmt: skip
+        if line:
+            lines[kind] = {"steps": len(steps), **line}
+    return {"schedule_s": round(fit_s - base_s, 3), "rows": rows, "lines": lines}
+
+
+def bytes_line(bytes_ms: list[float], extra_ms: list[float]) -> dict | None:
+    """The least-squares line extra = fixed + per_byte_time x bytes through steps' time beyond
+    the fit against their adapter bytes' time (both ms): ``fixed_ms`` is what a step's LoRA
+    calls cost whatever their bytes (their launches and latency), ``per_bytes`` how many times
+    its bytes' time each byte costs (1: the calls stream at the copy bandwidth). None when the
+    steps' bytes do not vary."""
+    n = len(bytes_ms)
+    if n < 2:
+        return None
+    mx, my = sum(bytes_ms) / n, sum(extra_ms) / n
+    sxx = sum((x - mx) ** 2 for x in bytes_ms)
+    if sxx <= 1e-12 * n:
+        return None
+    slope = sum((x - mx) * (y - my) for x, y in zip(bytes_ms, extra_ms, strict=True)) / sxx
+    return {"fixed_ms": round(my - slope * mx, 3), "per_bytes": round(slope, 3),
+            "mean_extra_ms": round(my, 3), "mean_bytes_ms": round(mx, 3)}  # fmt: skip
 
 
 def main() -> None:
@@ -169,6 +196,12 @@ def main() -> None:
     for r in f["rows"]:
         print(f"{r['kind']:>6} {r['path']:>26} {r['steps']:>5} {r['extra_s']:>7.2f} "
               f"{r['adapter_bytes_s']:>7.2f}")  # fmt: skip
+    for kind, line in f["lines"].items():
+        print(
+            f"{kind} steps with adapters ({line['steps']}), beyond the fit: "
+            f"{line['fixed_ms']:.2f} ms + {line['per_bytes']:.2f}x their adapter bytes' time "
+            f"(mean {line['mean_extra_ms']:.2f} ms on {line['mean_bytes_ms']:.2f} ms of bytes)"
+        )
     if args.out:
         write_result(args.out, "step_compare.py", {"serving_commit": serving.get("commit"),
                                                    **report})  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.step_compare import compare, over_fit, split_runs, totals
+from bench.step_compare import bytes_line, compare, over_fit, split_runs, totals
 
 
 def _step(seqs, gpu_ms, prefill=0, tokens=None, adapters=0, nbytes=0, kv=0, pairs=0):
@@ -84,3 +84,21 @@ def test_over_fit_charges_each_lora_step_beyond_the_base_models_cost_at_its_shap
     # The LoRA steps' shapes at the base model's cost, against the base run's own GPU time.
     fit = dec(100, 20000) + dec(250, 40000) + mix(900, 30000, 10**6)
     assert f["schedule_s"] == round((fit - sum(s["gpu_ms"] for s in base)) / 1e3, 3)
+    # Two decode steps: the line through them; one mixed step: no line.
+    (decode_line,) = f["lines"].values()
+    assert f["lines"].keys() == {"decode"} and decode_line["steps"] == 2
+    assert decode_line["per_bytes"] == pytest.approx(1 / 3, abs=1e-3)  # 1.0 ms over 3 ms of bytes
+    assert decode_line["fixed_ms"] == pytest.approx(0.5 - 2 / 3, abs=1e-3)
+
+
+def test_the_bytes_line_splits_a_fixed_cost_from_a_cost_a_byte():
+    # Steps that cost 0.4 ms each plus 1.5x their bytes' time, with noise that cancels.
+    bytes_ms = [0.2, 0.5, 1.0, 1.2, 0.2, 0.5, 1.0, 1.2]
+    noise = [0.05, -0.05, 0.02, -0.02, -0.05, 0.05, -0.02, 0.02]
+    extra = [0.4 + 1.5 * b + e for b, e in zip(bytes_ms, noise, strict=True)]
+    line = bytes_line(bytes_ms, extra)
+    assert line["fixed_ms"] == pytest.approx(0.4, abs=1e-3)
+    assert line["per_bytes"] == pytest.approx(1.5, abs=1e-3)
+    assert line["mean_bytes_ms"] == pytest.approx(0.725)
+    assert bytes_line([1.0, 1.0, 1.0], [2.0, 2.1, 1.9]) is None  # bytes that do not vary
+    assert bytes_line([1.0], [2.0]) is None
