@@ -11,9 +11,13 @@ the engine's steps make them: S1 (rank 8) at 16 rank rows (LoraMode.NARROW), S2 
 32, 64 cycled) at 64 (LoraMode.WIDE_FUSED), S1's decode steps at 8 rows with every token its own
 tile (LoraMode.ONE_TOKEN); and the base GEMMs alone. Times are µs a layer in a CUDA graph, over
 LAYERS copies of the layer so that one layer's weights do not stay in L2; the table gives each
-variant's LoRA time beyond the base GEMMs.
+variant's LoRA time beyond the base GEMMs. With ``--parts`` each case also times the addend's
+two halves apart, the GEMMs adding onto an output already written (cuBLAS's beta = 1) and the
+delta calls alone, beside what their activations move at the copy bandwidth (x read and the
+delta written by the calls, the delta read back by the GEMMs): how much of the addend's cost a
+GEMM that computed the delta in its epilogue would save.
 
-    python bench/lora_addend.py [--out bench/results/lora_addend.json]
+    python bench/lora_addend.py [--parts] [--out bench/results/lora_addend.json]
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+import kernels  # noqa: E402
 from bench import kernels as kb  # noqa: E402
 from bench.provenance import write_result  # noqa: E402
 from kernels import lora_paths  # noqa: E402
@@ -98,7 +103,7 @@ def padded_rows(decode, n, prefill, base, padded, gen) -> torch.Tensor:
     return torch.cat([rows, torch.full((max(padded, real) - real,), -1, dtype=torch.int32)])
 
 
-def time_case(workload, decode, n, prefill, base, padded, gen) -> dict:
+def time_case(workload, decode, n, prefill, base, padded, gen, parts: bool = False) -> dict:
     rows = padded_rows(decode, n, prefill, base, padded, gen)
     t = rows.numel()
     real = decode + sum(prefill) + base
@@ -128,6 +133,31 @@ def time_case(workload, decode, n, prefill, base, padded, gen) -> dict:
                 results[(variant, i)] = (qkv, o)
 
         out[variant] = kb.timed(fn, LAYERS, eager=False).graph_us
+    if parts:  # the addend's two halves apart: its GEMMs onto a written output, its delta calls
+        lora = LoraContext(case.index, max(ranks))
+        lora.fused, lora.rows, lora.modules = True, ROWS[workload], None
+        lora.one_token, lora.addend = one_token, True
+        batch = SimpleNamespace(lora_tokens=case_tokens(workload, case.rows, True))
+        ys = [(torch.randn(t, 3 * H, dtype=kb.DT, device=kb.DEV),
+               torch.randn(t, H, dtype=kb.DT, device=kb.DEV)) for _ in range(LAYERS)]  # fmt: skip
+
+        def gemms():  # cuBLAS's beta = 1 (the GEMM reads the output it adds onto)
+            for i in range(LAYERS):
+                ys[i][0].addmm_(xs[i], wqkv[i].t())
+                ys[i][1].addmm_(os_[i], wo[i].t())
+
+        def deltas():  # the delta calls alone, as the addend makes them (every row written)
+            for i in range(LAYERS):
+                for y, x, mods in ((ys[i][0], xs[i], (Q, K, V)), (ys[i][1], os_[i], (O,))):
+                    kernels.lora_apply(
+                        y, x, case.pool[i], lora.index, batch.lora_tokens, mods,
+                        (H,) * len(mods), lora.rows, rank_block=lora.rank_block, delta=True,
+                        fused=lora_paths.decode_call_fused(
+                            True, t, len(mods), lora.rows, lora.one_token),
+                    )  # fmt: skip
+
+        out["addmm"] = kb.timed(gemms, LAYERS, eager=False).graph_us
+        out["delta"] = kb.timed(deltas, LAYERS, eager=False).graph_us
     # the two variants compute the same projections (within the roundings' difference)
     for i in range(LAYERS):
         for a, b in zip(results[("in_place", i)], results[("addend", i)], strict=True):
@@ -144,14 +174,23 @@ def time_case(workload, decode, n, prefill, base, padded, gen) -> dict:
         in_place_extra_us=round(out["in_place"] - out["base"], 2),
         addend_extra_us=round(out["addend"] - out["base"], 2),
     )  # fmt: skip
+    if parts:
+        # what the halves move: x read and the delta written by the calls, the delta read back
+        # by the GEMMs (bf16; each adapter's weights come on top, kb.lora_bytes)
+        row.update(addmm_us=round(out["addmm"], 2), delta_us=round(out["delta"], 2),
+                   delta_io_bytes=2 * t * (2 * H + 4 * H + 4 * H))  # fmt: skip
     return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--parts", action="store_true",
+                    help="also time the addend's GEMMs (onto a written output) and its delta "
+                    "calls apart")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/lora_addend.json")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
+    bandwidth = kb.copy_bandwidth() if args.parts else None
     rows = []
     head = (
         f"{'case':<44} {'tokens':>6} {'used':>5} {'base':>8} {'in place':>9} {'addend':>8} "
@@ -160,7 +199,7 @@ def main() -> None:
     print("µs a layer (q/k/v and o GEMMs with their LoRA calls), CUDA graph; +: beyond the base")
     print(head)
     for c in CASES:
-        r = time_case(*c, gen)
+        r = time_case(*c, gen, parts=args.parts)
         rows.append(r)
         name = f"{r['workload']} {r['decode_tokens']} on {r['adapters']} + {r['prefill']}"
         name += f" + {r['base_tokens']} base" if r["base_tokens"] else ""
@@ -171,10 +210,20 @@ def main() -> None:
             f"{r['addend_extra_us']:>7.1f} {ratio:>6.2f}",
             flush=True,
         )
+        if args.parts:
+            io_us = r["delta_io_bytes"] / bandwidth * 1e6
+            print(f"{'':<44} addend's GEMMs alone {r['addmm_us']:.1f} (base {r['base_us']:.1f}), "
+                  f"its delta calls alone {r['delta_us']:.1f} (their x and delta, and the "
+                  f"GEMMs' read of it, {io_us:.1f} at the copy bandwidth)", flush=True)  # fmt: skip
     write_result(
         args.out,
         "lora_addend.py",
-        {"benchmark": "lora_addend", "gpu": torch.cuda.get_device_name(), "rows": rows},
+        {
+            "benchmark": "lora_addend",
+            "gpu": torch.cuda.get_device_name(),
+            "rows": rows,
+            **({"copy_bytes_per_s": bandwidth} if bandwidth else {}),
+        },
     )
 
 
