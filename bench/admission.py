@@ -78,6 +78,13 @@ def fit_to(serving: Path) -> tuple[dict, dict[tuple, list[dict]], list[dict], St
     return result, runs, base, StepModel(base)
 
 
+def least_squares(x: list[list[float]], y: list[float]) -> list[float]:
+    """The coefficients c minimizing |x c - y| (x: a row of features per sample)."""
+    xt = torch.tensor(x, dtype=torch.float64)
+    yt = torch.tensor(y, dtype=torch.float64)[:, None]
+    return torch.linalg.lstsq(xt, yt).solution[:, 0].tolist()
+
+
 class StepModel:
     """Modeled GPU ms of a step record, fit to a serving run's steps."""
 
@@ -95,9 +102,7 @@ class StepModel:
 
     @staticmethod
     def _fit(steps: list[dict], features) -> list[float]:
-        x = torch.tensor([features(s) for s in steps], dtype=torch.float64)
-        y = torch.tensor([[s["gpu_ms"]] for s in steps], dtype=torch.float64)
-        return torch.linalg.lstsq(x, y).solution[:, 0].tolist()
+        return least_squares([features(s) for s in steps], [s["gpu_ms"] for s in steps])
 
     def ms(self, s: dict) -> float:
         coef, x = (

@@ -110,47 +110,48 @@ def over_fit(base: list[dict], lora: list[dict], bandwidth: float) -> dict:
     from bench.admission import StepModel
 
     model = StepModel(base)
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for s in lora:
+    fit = [model.ms(s) for s in lora]
+    # (step, its GPU ms beyond the fit) by kind of step and LoRA path
+    groups: dict[tuple[str, str], list[tuple[dict, float]]] = {}
+    for s, ms in zip(lora, fit, strict=True):
         kind = "mixed" if s["prefill_tokens"] else "decode"
-        groups.setdefault((kind, s.get("lora", "none")), []).append(s)
+        groups.setdefault((kind, s.get("lora", "none")), []).append((s, s["gpu_ms"] - ms))
     rows = [
         {
             "kind": kind, "path": path, "steps": len(steps),
-            "extra_s": round(sum(s["gpu_ms"] - model.ms(s) for s in steps) / 1e3, 3),
-            "adapter_bytes_s": round(sum(s["adapter_bytes"] for s in steps) / bandwidth, 3),
+            "extra_s": round(sum(extra for _, extra in steps) / 1e3, 3),
+            "adapter_bytes_s": round(sum(s["adapter_bytes"] for s, _ in steps) / bandwidth, 3),
         }
         for (kind, path), steps in sorted(groups.items())
     ]  # fmt: skip
     base_s = sum(s["gpu_ms"] for s in base) / 1e3
-    fit_s = sum(model.ms(s) for s in lora) / 1e3
     lines = {}
     for kind in ("decode", "mixed"):
-        steps = [s for (k, _), group in groups.items() if k == kind for s in group
-                 if s["adapter_bytes"]]  # fmt: skip
-        line = bytes_line([s["adapter_bytes"] / bandwidth * 1e3 for s in steps],
-                          [s["gpu_ms"] - model.ms(s) for s in steps])  # fmt: skip
+        steps = [(s, extra) for (k, _), group in groups.items() if k == kind
+                 for s, extra in group if s["adapter_bytes"]]  # fmt: skip
+        line = bytes_line([s["adapter_bytes"] / bandwidth * 1e3 for s, _ in steps],
+                          [extra for _, extra in steps])  # fmt: skip
         if line:
             lines[kind] = {"steps": len(steps), **line}
-    return {"schedule_s": round(fit_s - base_s, 3), "rows": rows, "lines": lines}
+    return {"schedule_s": round(sum(fit) / 1e3 - base_s, 3), "rows": rows, "lines": lines}
 
 
 def bytes_line(bytes_ms: list[float], extra_ms: list[float]) -> dict | None:
-    """The least-squares line extra = fixed + per_byte_time x bytes through steps' time beyond
-    the fit against their adapter bytes' time (both ms): ``fixed_ms`` is what a step's LoRA
-    calls cost whatever their bytes (their launches and latency), ``per_bytes`` how many times
-    its bytes' time each byte costs (1: the calls stream at the copy bandwidth). None when the
-    steps' bytes do not vary."""
+    """The least-squares line extra = fixed + per_bytes x bytes through steps' time beyond the
+    fit against their adapter bytes' time (both ms; bench/admission.py's least_squares):
+    ``fixed_ms`` is what a step's LoRA calls cost whatever their bytes (their launches and
+    latency), ``per_bytes`` how many times its bytes' time each byte costs (1: the calls stream
+    at the copy bandwidth). None when the steps' bytes do not vary."""
+    from bench.admission import least_squares
+
     n = len(bytes_ms)
-    if n < 2:
+    mean = sum(bytes_ms) / n if n else 0.0
+    if n < 2 or sum((x - mean) ** 2 for x in bytes_ms) <= 1e-12 * n:
         return None
-    mx, my = sum(bytes_ms) / n, sum(extra_ms) / n
-    sxx = sum((x - mx) ** 2 for x in bytes_ms)
-    if sxx <= 1e-12 * n:
-        return None
-    slope = sum((x - mx) * (y - my) for x, y in zip(bytes_ms, extra_ms, strict=True)) / sxx
-    return {"fixed_ms": round(my - slope * mx, 3), "per_bytes": round(slope, 3),
-            "mean_extra_ms": round(my, 3), "mean_bytes_ms": round(mx, 3)}  # fmt: skip
+    fixed, slope = least_squares([[1.0, x] for x in bytes_ms], extra_ms)
+    return {"fixed_ms": round(fixed, 3), "per_bytes": round(slope, 3),
+            "mean_extra_ms": round(sum(extra_ms) / n, 3),
+            "mean_bytes_ms": round(mean, 3)}  # fmt: skip
 
 
 def main() -> None:
