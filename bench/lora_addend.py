@@ -32,13 +32,12 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-import kernels  # noqa: E402
 from bench import kernels as kb  # noqa: E402
 from bench.provenance import write_result  # noqa: E402
 from kernels import lora_paths  # noqa: E402
 from kernels.lora_layout import K, O, Q, V  # noqa: E402
 from kernels.lora_ref import make_lora_tokens  # noqa: E402
-from services.inference.models.llama import LoraContext, linear_lora  # noqa: E402
+from services.inference.models.llama import LoraContext, add_lora, linear_lora  # noqa: E402
 
 LAYERS = 4
 H = kb.H
@@ -116,7 +115,7 @@ def time_case(workload, decode, n, prefill, base, padded, gen, parts: bool = Fal
     out: dict[str, float] = {}
     results: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
     one_token = workload in ONE_TOKEN
-    for variant in ("base", "in_place", "addend"):
+    for variant in ("base", "in_place", "addend"):  # the addend's context stays for --parts
         batch = SimpleNamespace(lora_tokens=case_tokens(workload, case.rows, variant == "addend"))
         lora = None
         if variant != "base":
@@ -134,10 +133,6 @@ def time_case(workload, decode, n, prefill, base, padded, gen, parts: bool = Fal
 
         out[variant] = kb.timed(fn, LAYERS, eager=False).graph_us
     if parts:  # the addend's two halves apart: its GEMMs onto a written output, its delta calls
-        lora = LoraContext(case.index, max(ranks))
-        lora.fused, lora.rows, lora.modules = True, ROWS[workload], None
-        lora.one_token, lora.addend = one_token, True
-        batch = SimpleNamespace(lora_tokens=case_tokens(workload, case.rows, True))
         ys = [(torch.randn(t, 3 * H, dtype=kb.DT, device=kb.DEV),
                torch.randn(t, H, dtype=kb.DT, device=kb.DEV)) for _ in range(LAYERS)]  # fmt: skip
 
@@ -149,12 +144,7 @@ def time_case(workload, decode, n, prefill, base, padded, gen, parts: bool = Fal
         def deltas():  # the delta calls alone, as the addend makes them (every row written)
             for i in range(LAYERS):
                 for y, x, mods in ((ys[i][0], xs[i], (Q, K, V)), (ys[i][1], os_[i], (O,))):
-                    kernels.lora_apply(
-                        y, x, case.pool[i], lora.index, batch.lora_tokens, mods,
-                        (H,) * len(mods), lora.rows, rank_block=lora.rank_block, delta=True,
-                        fused=lora_paths.decode_call_fused(
-                            True, t, len(mods), lora.rows, lora.one_token),
-                    )  # fmt: skip
+                    add_lora(y, x, batch, case.pool[i], lora, mods, (H,) * len(mods), delta=True)
 
         out["addmm"] = kb.timed(gemms, LAYERS, eager=False).graph_us
         out["delta"] = kb.timed(deltas, LAYERS, eager=False).graph_us

@@ -131,6 +131,27 @@ class LoraContext:
             torch.cuda.current_stream(self._side.device).wait_stream(self._side)
 
 
+def add_lora(
+    out: torch.Tensor,  # [T, sum(widths)]
+    x: torch.Tensor,  # [T, d_in]
+    batch: StepBatch,
+    pool_layer: torch.Tensor,
+    lora: LoraContext,
+    modules: tuple[int, ...],
+    widths: tuple[int, ...],
+    delta: bool = False,
+) -> None:
+    """The step's LoRA call for ``modules``, on the path its context chose: adds each token's
+    delta into ``out``, or with ``delta`` writes it (every row: zeros without one)."""
+    kernels.lora_apply(
+        out, x, pool_layer, lora.index, batch.lora_tokens, modules, widths, lora.rows,
+        fused=lora_paths.decode_call_fused(
+            lora.fused, x.shape[0], len(modules), lora.rows, lora.one_token
+        ),
+        rank_block=lora.rank_block, delta=delta,
+    )  # fmt: skip
+
+
 def linear_lora(
     x: torch.Tensor,  # [T, d_in]
     weight: torch.Tensor,  # [d_out, d_in]
@@ -147,31 +168,22 @@ def linear_lora(
     beside it into a buffer that is added after (LoraContext): [T, d_out]."""
     if lora is None or not lora.covers(modules):
         return F.linear(x, weight, bias)
-
-    def add_lora(out: torch.Tensor, delta: bool = False) -> None:
-        kernels.lora_apply(
-            out, x, pool_layer, lora.index, batch.lora_tokens, modules, widths, lora.rows,
-            fused=lora_paths.decode_call_fused(
-                lora.fused, x.shape[0], len(modules), lora.rows, lora.one_token
-            ),
-            rank_block=lora.rank_block, delta=delta,
-        )  # fmt: skip
-
+    args = batch, pool_layer, lora, modules, widths
     if lora.addend:
         y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-        add_lora(y, delta=True)  # every row written: the delta, zeros without one
+        add_lora(y, x, *args, delta=True)  # every row written: the delta, zeros without one
         if bias is not None:
             y.add_(bias)
         return y.addmm_(x, weight.t())
 
     if not lora.beside:
         y = F.linear(x, weight, bias)
-        add_lora(y)
+        add_lora(y, x, *args)
         return y
     delta = lora.delta(x.shape[0], weight.shape[0])  # [T, d_out]
     with lora.on_side():
         delta.zero_()
-        add_lora(delta)
+        add_lora(delta, x, *args)
     y = F.linear(x, weight, bias)
     lora.join()
     return y.add_(delta)
