@@ -15,7 +15,10 @@ variant's LoRA time beyond the base GEMMs. With ``--parts`` each case also times
 two halves apart, the GEMMs adding onto an output already written (cuBLAS's beta = 1) and the
 delta calls alone, beside what their activations move at the copy bandwidth (x read and the
 delta written by the calls, the delta read back by the GEMMs): how much of the addend's cost a
-GEMM that computed the delta in its epilogue would save.
+GEMM that computed the delta in its epilogue would save; and the delta calls on a side stream
+while the base GEMMs run, the delta left unadded: what the LoRA calls could cost if they ran
+beside the GEMMs and the op after each projection (rotary and the cache write, the residual
+add) added the delta as it reads the output.
 
     python bench/lora_addend.py [--parts] [--out bench/results/lora_addend.json]
 """
@@ -31,10 +34,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
+import kernels  # noqa: E402
 from bench import kernels as kb  # noqa: E402
 from bench.provenance import write_result  # noqa: E402
 from kernels import lora_paths  # noqa: E402
+from kernels.lora_gemm import GemmLaunch, gemm_lora, gemm_runs  # noqa: E402
 from kernels.lora_layout import K, O, Q, V  # noqa: E402
 from kernels.lora_ref import make_lora_tokens  # noqa: E402
 from services.inference.models.llama import LoraContext, add_lora, linear_lora  # noqa: E402
@@ -70,6 +76,18 @@ ROWS = {
     "S1 decode": lora_paths.ONE_TOKEN_ROWS,
 }
 ONE_TOKEN = {"S1 decode"}  # workloads whose calls take one-token tiles (LoraMode.ONE_TOKEN)
+# --gemm: runs of at least this many tokens of one adapter take the GEMM's epilogue, the others
+# the fused kernel in place after it; and the Triton GEMM's launches tried (the fastest of them
+# on each case's base GEMMs is timed with the epilogue)
+MIN_RUN = 32
+GEMM_CONFIGS = (
+    GemmLaunch(128, 256, 64, 8, 3, 8),
+    GemmLaunch(128, 256, 64, 8, 4, 8),
+    GemmLaunch(128, 128, 64, 4, 4, 8),
+    GemmLaunch(128, 128, 64, 8, 4, 8),
+    GemmLaunch(256, 128, 64, 8, 3, 8),
+    GemmLaunch(64, 256, 64, 4, 4, 8),
+)
 
 
 def case_rows(decode: int, n: int, prefill: tuple[int, ...], base: int, gen) -> torch.Tensor:
@@ -102,7 +120,9 @@ def padded_rows(decode, n, prefill, base, padded, gen) -> torch.Tensor:
     return torch.cat([rows, torch.full((max(padded, real) - real,), -1, dtype=torch.int32)])
 
 
-def time_case(workload, decode, n, prefill, base, padded, gen, parts: bool = False) -> dict:
+def time_case(
+    workload, decode, n, prefill, base, padded, gen, parts: bool = False, gemm: bool = False
+) -> dict:
     rows = padded_rows(decode, n, prefill, base, padded, gen)
     t = rows.numel()
     real = decode + sum(prefill) + base
@@ -146,15 +166,33 @@ def time_case(workload, decode, n, prefill, base, padded, gen, parts: bool = Fal
                 for y, x, mods in ((ys[i][0], xs[i], (Q, K, V)), (ys[i][1], os_[i], (O,))):
                     add_lora(y, x, batch, case.pool[i], lora, mods, (H,) * len(mods), delta=True)
 
+        side = torch.cuda.Stream()
+
+        def beside():  # the delta calls on a side stream while the base GEMMs run, not added
+            for i in range(LAYERS):
+                for y, x, w, mods in ((ys[i][0], xs[i], wqkv[i], (Q, K, V)),
+                                      (ys[i][1], os_[i], wo[i], (O,))):  # fmt: skip
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        add_lora(y, x, batch, case.pool[i], lora, mods, (H,) * len(mods),
+                                 delta=True)  # fmt: skip
+                    F.linear(x, w)
+                    torch.cuda.current_stream().wait_stream(side)
+
         out["addmm"] = kb.timed(gemms, LAYERS, eager=False).graph_us
         out["delta"] = kb.timed(deltas, LAYERS, eager=False).graph_us
-    # the two variants compute the same projections (within the roundings' difference)
+        out["beside"] = kb.timed(beside, LAYERS, eager=False).graph_us
+    if gemm and prefill:
+        out.update(time_gemm(workload, case, rows, xs, os_, wqkv, wo, results))
+    # the variants compute the same projections (within the roundings' difference)
     for i in range(LAYERS):
-        for a, b in zip(results[("in_place", i)], results[("addend", i)], strict=True):
+        others = [results[(v, i)] for v in ("addend", "gemm") if (v, i) in results]
+        for a, b in ((a, b) for other in others
+                     for a, b in zip(results[("in_place", i)], other, strict=True)):  # fmt: skip
             err = (a.float() - b.float()).abs().max().item()
             scale = a.float().abs().max().item()
             if not err <= 0.02 * scale:
-                raise AssertionError(f"addend differs from in place by {err} (max |y| {scale})")
+                raise AssertionError(f"a variant differs from in place by {err} (max |y| {scale})")
     used = int(torch.unique(rows[rows >= 0]).numel())
     row = dict(
         workload=workload, tokens=t, real_tokens=real, decode_tokens=decode, adapters=n,
@@ -164,12 +202,70 @@ def time_case(workload, decode, n, prefill, base, padded, gen, parts: bool = Fal
         in_place_extra_us=round(out["in_place"] - out["base"], 2),
         addend_extra_us=round(out["addend"] - out["base"], 2),
     )  # fmt: skip
+    if "gemm" in out:
+        row.update(
+            triton_base_us=round(out["triton_base"], 2), gemm_us=round(out["gemm"], 2),
+            gemm_extra_us=round(out["gemm"] - out["base"], 2), gemm_config=out["gemm_config"],
+            triton_base_configs=out["triton_base_configs"],
+        )  # fmt: skip
     if parts:
         # what the halves move: x read and the delta written by the calls, the delta read back
         # by the GEMMs (bf16; each adapter's weights come on top, kb.lora_bytes)
         row.update(addmm_us=round(out["addmm"], 2), delta_us=round(out["delta"], 2),
+                   beside_us=round(out["beside"], 2),
                    delta_io_bytes=2 * t * (2 * H + 4 * H + 4 * H))  # fmt: skip
     return row
+
+
+def time_gemm(workload, case, rows, xs, os_, wqkv, wo, results) -> dict:
+    """The Triton GEMM alone by GEMM_CONFIGS, and with the fastest: the long runs' shrink
+    (kernels.lora_shrink into a buffer), the GEMM with their expand in its epilogue, and the
+    other adapter tokens' fused call in place after it (kernels/lora_gemm.py)."""
+    t = rows.numel()
+    rows_dev = case.rows
+    rank_rows = ROWS[workload]
+    by_config = {}
+    for cfg in GEMM_CONFIGS:
+
+        def plain(cfg=cfg):
+            for i in range(LAYERS):
+                gemm_lora(xs[i], wqkv[i], config=cfg)
+                gemm_lora(os_[i], wo[i], config=cfg)
+
+        by_config[cfg] = kb.timed(plain, LAYERS, eager=False).graph_us
+    cfg = min(by_config, key=by_config.get)
+    runs = gemm_runs(rows_dev, cfg.block_m, MIN_RUN)
+    long_rows = torch.where(runs.short_rows >= 0, -1, rows_dev)
+    long_tokens = make_lora_tokens(long_rows, capacity=CAPACITY)
+    short = SimpleNamespace(lora_tokens=make_lora_tokens(runs.short_rows, capacity=CAPACITY))
+    lora = LoraContext(case.index, max(RANKS[workload]))
+    lora.fused, lora.rows, lora.modules = True, rank_rows, None
+    hs = [torch.empty(t, 3, rank_rows, dtype=kb.DT, device=kb.DEV) for _ in range(2)]
+    ys = [(torch.empty(t, 3 * H, dtype=kb.DT, device=kb.DEV),
+           torch.empty(t, H, dtype=kb.DT, device=kb.DEV)) for _ in range(LAYERS)]  # fmt: skip
+    has_short = bool((runs.short_rows >= 0).any())
+
+    def fn():
+        for i in range(LAYERS):
+            for s, (y, x, w, mods) in enumerate(((ys[i][0], xs[i], wqkv[i], (Q, K, V)),
+                                                 (ys[i][1], os_[i], wo[i], (O,)))):  # fmt: skip
+                widths = (H,) * len(mods)
+                h = hs[s][:, : len(mods)]
+                kernels.lora_shrink(x, case.pool[i], case.index, long_tokens, mods, rank_rows,
+                                    out=h)  # fmt: skip
+                gemm_lora(x, w, h=h, pool_layer=case.pool[i], index=case.index, runs=runs,
+                          modules=mods, widths=widths, max_rank=rank_rows, out=y,
+                          config=cfg)  # fmt: skip
+                if has_short:
+                    add_lora(y, x, short, case.pool[i], lora, mods, widths)
+            results[("gemm", i)] = ys[i]
+
+    return {
+        "triton_base": by_config[cfg],
+        "gemm": kb.timed(fn, LAYERS, eager=False).graph_us,
+        "gemm_config": list(cfg),
+        "triton_base_configs": [[*c, round(v, 2)] for c, v in by_config.items()],
+    }
 
 
 def main() -> None:
@@ -177,6 +273,9 @@ def main() -> None:
     ap.add_argument("--parts", action="store_true",
                     help="also time the addend's GEMMs (onto a written output) and its delta "
                     "calls apart")  # fmt: skip
+    ap.add_argument("--gemm", action="store_true",
+                    help="also time the mixed cases on the Triton GEMM with the long runs' "
+                    "LoRA expand in its epilogue (kernels/lora_gemm.py)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/lora_addend.json")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -189,7 +288,7 @@ def main() -> None:
     print("µs a layer (q/k/v and o GEMMs with their LoRA calls), CUDA graph; +: beyond the base")
     print(head)
     for c in CASES:
-        r = time_case(*c, gen, parts=args.parts)
+        r = time_case(*c, gen, parts=args.parts, gemm=args.gemm)
         rows.append(r)
         name = f"{r['workload']} {r['decode_tokens']} on {r['adapters']} + {r['prefill']}"
         name += f" + {r['base_tokens']} base" if r["base_tokens"] else ""
@@ -200,11 +299,18 @@ def main() -> None:
             f"{r['addend_extra_us']:>7.1f} {ratio:>6.2f}",
             flush=True,
         )
+        if "gemm_us" in r:
+            print(f"{'':<44} Triton GEMMs alone {r['triton_base_us']:.1f} (cuBLAS "
+                  f"{r['base_us']:.1f}); with the long runs' expand in their epilogue and the "
+                  f"rest in place {r['gemm_us']:.1f} (+{r['gemm_extra_us']:.1f} beyond cuBLAS), "
+                  f"launch {r['gemm_config']}", flush=True)  # fmt: skip
         if args.parts:
             io_us = r["delta_io_bytes"] / bandwidth * 1e6
             print(f"{'':<44} addend's GEMMs alone {r['addmm_us']:.1f} (base {r['base_us']:.1f}), "
                   f"its delta calls alone {r['delta_us']:.1f} (their x and delta, and the "
-                  f"GEMMs' read of it, {io_us:.1f} at the copy bandwidth)", flush=True)  # fmt: skip
+                  f"GEMMs' read of it, {io_us:.1f} at the copy bandwidth); the delta calls "
+                  f"on a side stream beside the base GEMMs, the delta not added, "
+                  f"{r['beside_us']:.1f}", flush=True)  # fmt: skip
     write_result(
         args.out,
         "lora_addend.py",
