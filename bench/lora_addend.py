@@ -80,6 +80,20 @@ ONE_TOKEN = {"S1 decode"}  # workloads whose calls take one-token tiles (LoraMod
 # the fused kernel in place after it; and the Triton GEMM's launches tried (the fastest of them
 # on each case's base GEMMs is timed with the epilogue)
 MIN_RUN = 32
+# --delta-sweep: the fused kernel's launches tried for the mixed cases' delta calls (its dot body,
+# which prompts' tiles take): (tile tokens, d_in block, column block, warps, parts, stages);
+# None: fused_config's own
+DELTA_POINTS = (
+    None,
+    (16, 256, 512, 4, 1, 3),
+    (16, 256, 256, 8, 1, 3),
+    (16, 128, 256, 4, 1, 4),
+    (16, 256, 256, 4, 2, 3),
+    (32, 256, 256, 4, 1, 3),
+    (32, 256, 256, 8, 1, 3),
+    (32, 256, 512, 8, 1, 3),
+    (64, 256, 256, 8, 1, 3),
+)
 GEMM_CONFIGS = (
     GemmLaunch(128, 256, 64, 8, 3, 8),
     GemmLaunch(128, 256, 64, 8, 4, 8),
@@ -121,7 +135,7 @@ def padded_rows(decode, n, prefill, base, padded, gen) -> torch.Tensor:
 
 
 def time_case(
-    workload, decode, n, prefill, base, padded, gen, parts: bool = False, gemm: bool = False
+    workload, decode, n, prefill, base, padded, gen, parts=False, gemm=False, delta_sweep=False
 ) -> dict:
     rows = padded_rows(decode, n, prefill, base, padded, gen)
     t = rows.numel()
@@ -184,6 +198,8 @@ def time_case(
         out["beside"] = kb.timed(beside, LAYERS, eager=False).graph_us
     if gemm and prefill:
         out.update(time_gemm(workload, case, rows, xs, os_, wqkv, wo, results))
+    if delta_sweep and prefill:
+        out["delta_sweep"] = sweep_delta(workload, case, batch.lora_tokens, xs, os_)
     # the variants compute the same projections (within the roundings' difference)
     for i in range(LAYERS):
         others = [results[(v, i)] for v in ("addend", "gemm") if (v, i) in results]
@@ -202,11 +218,13 @@ def time_case(
         in_place_extra_us=round(out["in_place"] - out["base"], 2),
         addend_extra_us=round(out["addend"] - out["base"], 2),
     )  # fmt: skip
+    if "delta_sweep" in out:
+        row["delta_sweep"] = out["delta_sweep"]
     if "gemm" in out:
         row.update(
             triton_base_us=round(out["triton_base"], 2), gemm_us=round(out["gemm"], 2),
             gemm_extra_us=round(out["gemm"] - out["base"], 2), gemm_config=out["gemm_config"],
-            triton_base_configs=out["triton_base_configs"],
+            triton_configs=out["triton_configs"],
         )  # fmt: skip
     if parts:
         # what the halves move: x read and the delta written by the calls, the delta read back
@@ -217,14 +235,59 @@ def time_case(
     return row
 
 
+def sweep_delta(workload, case, tokens, xs, os_) -> list[list]:
+    """The addend's delta calls alone (every row written), by DELTA_POINTS: [point..., µs]."""
+    from kernels import lora as triton_lora
+
+    t = tokens.token_lora.numel()
+    rank_rows = ROWS[workload]
+    ys = [(torch.empty(t, 3 * H, dtype=kb.DT, device=kb.DEV),
+           torch.empty(t, H, dtype=kb.DT, device=kb.DEV)) for _ in range(LAYERS)]  # fmt: skip
+    out = []
+    for point in DELTA_POINTS:
+
+        def config(mods, point=point):
+            cfg = triton_lora.fused_config(t, H, rank_rows, len(mods), H, d_in=H)
+            if point is None:
+                return cfg
+            block_m, block_k, block_n, warps, parts, stages = point
+            return cfg._replace(block_m=block_m, shrink_k=block_k, expand_n=block_n,
+                                shrink_warps=warps, parts=parts, stages=stages)  # fmt: skip
+
+        cfgs = {mods: config(mods) for mods in ((Q, K, V), (O,))}
+
+        def deltas(cfgs=cfgs):
+            for i in range(LAYERS):
+                for y, x, mods in ((ys[i][0], xs[i], (Q, K, V)), (ys[i][1], os_[i], (O,))):
+                    triton_lora.lora_apply(y, x, case.pool[i], case.index, tokens, mods,
+                                           (H,) * len(mods), rank_rows, config=cfgs[mods],
+                                           delta=True)  # fmt: skip
+
+        out.append([*(point or ("default",)), kb.timed(deltas, LAYERS, eager=False).graph_us])
+        got = [y.clone() for i in range(LAYERS) for y in ys[i]]
+        if point is None:
+            want = got
+        for a, b in zip(want, got, strict=True):  # every launch writes the same delta
+            err = (a.float() - b.float()).abs().max().item()
+            if not err <= 0.02 * a.float().abs().max().item():
+                raise AssertionError(f"launch {point}'s delta differs by {err}")
+    return out
+
+
 def time_gemm(workload, case, rows, xs, os_, wqkv, wo, results) -> dict:
-    """The Triton GEMM alone by GEMM_CONFIGS, and with the fastest: the long runs' shrink
+    """By each of GEMM_CONFIGS: the Triton GEMM alone, and the long runs' shrink
     (kernels.lora_shrink into a buffer), the GEMM with their expand in its epilogue, and the
-    other adapter tokens' fused call in place after it (kernels/lora_gemm.py)."""
+    other adapter tokens' fused call in place after it (kernels/lora_gemm.py); the fastest of
+    each kept."""
     t = rows.numel()
     rows_dev = case.rows
     rank_rows = ROWS[workload]
-    by_config = {}
+    lora = LoraContext(case.index, max(RANKS[workload]))
+    lora.fused, lora.rows, lora.modules = True, rank_rows, None
+    hs = [torch.empty(t, 3, rank_rows, dtype=kb.DT, device=kb.DEV) for _ in range(2)]
+    ys = [(torch.empty(t, 3 * H, dtype=kb.DT, device=kb.DEV),
+           torch.empty(t, H, dtype=kb.DT, device=kb.DEV)) for _ in range(LAYERS)]  # fmt: skip
+    plain_us, lora_us = {}, {}
     for cfg in GEMM_CONFIGS:
 
         def plain(cfg=cfg):
@@ -232,39 +295,37 @@ def time_gemm(workload, case, rows, xs, os_, wqkv, wo, results) -> dict:
                 gemm_lora(xs[i], wqkv[i], config=cfg)
                 gemm_lora(os_[i], wo[i], config=cfg)
 
-        by_config[cfg] = kb.timed(plain, LAYERS, eager=False).graph_us
-    cfg = min(by_config, key=by_config.get)
-    runs = gemm_runs(rows_dev, cfg.block_m, MIN_RUN)
-    long_rows = torch.where(runs.short_rows >= 0, -1, rows_dev)
-    long_tokens = make_lora_tokens(long_rows, capacity=CAPACITY)
-    short = SimpleNamespace(lora_tokens=make_lora_tokens(runs.short_rows, capacity=CAPACITY))
-    lora = LoraContext(case.index, max(RANKS[workload]))
-    lora.fused, lora.rows, lora.modules = True, rank_rows, None
-    hs = [torch.empty(t, 3, rank_rows, dtype=kb.DT, device=kb.DEV) for _ in range(2)]
-    ys = [(torch.empty(t, 3 * H, dtype=kb.DT, device=kb.DEV),
-           torch.empty(t, H, dtype=kb.DT, device=kb.DEV)) for _ in range(LAYERS)]  # fmt: skip
-    has_short = bool((runs.short_rows >= 0).any())
+        runs = gemm_runs(rows_dev, cfg.block_m, MIN_RUN)
+        long_rows = torch.where(runs.short_rows >= 0, -1, rows_dev)
+        long_tokens = make_lora_tokens(long_rows, capacity=CAPACITY)
+        short_tokens = make_lora_tokens(runs.short_rows, capacity=CAPACITY)
+        short = SimpleNamespace(lora_tokens=short_tokens)
+        has_short = bool((runs.short_rows >= 0).any())
 
-    def fn():
-        for i in range(LAYERS):
-            for s, (y, x, w, mods) in enumerate(((ys[i][0], xs[i], wqkv[i], (Q, K, V)),
-                                                 (ys[i][1], os_[i], wo[i], (O,)))):  # fmt: skip
-                widths = (H,) * len(mods)
-                h = hs[s][:, : len(mods)]
-                kernels.lora_shrink(x, case.pool[i], case.index, long_tokens, mods, rank_rows,
-                                    out=h)  # fmt: skip
-                gemm_lora(x, w, h=h, pool_layer=case.pool[i], index=case.index, runs=runs,
-                          modules=mods, widths=widths, max_rank=rank_rows, out=y,
-                          config=cfg)  # fmt: skip
-                if has_short:
-                    add_lora(y, x, short, case.pool[i], lora, mods, widths)
-            results[("gemm", i)] = ys[i]
+        def fn(cfg=cfg, runs=runs, long_tokens=long_tokens, short=short, has_short=has_short):
+            for i in range(LAYERS):
+                for s, (y, x, w, mods) in enumerate(((ys[i][0], xs[i], wqkv[i], (Q, K, V)),
+                                                     (ys[i][1], os_[i], wo[i], (O,)))):  # fmt: skip
+                    widths = (H,) * len(mods)
+                    h = hs[s][:, : len(mods)]
+                    kernels.lora_shrink(x, case.pool[i], case.index, long_tokens, mods,
+                                        rank_rows, out=h)  # fmt: skip
+                    gemm_lora(x, w, h=h, pool_layer=case.pool[i], index=case.index, runs=runs,
+                              modules=mods, widths=widths, max_rank=rank_rows, out=y,
+                              config=cfg)  # fmt: skip
+                    if has_short:
+                        add_lora(y, x, short, case.pool[i], lora, mods, widths)
 
+        plain_us[cfg] = kb.timed(plain, LAYERS, eager=False).graph_us
+        lora_us[cfg] = kb.timed(fn, LAYERS, eager=False).graph_us
+        for i in range(LAYERS):  # checked against in place with the others (time_case)
+            results[("gemm", i)] = tuple(y.clone() for y in ys[i])
+    best = min(lora_us, key=lora_us.get)
     return {
-        "triton_base": by_config[cfg],
-        "gemm": kb.timed(fn, LAYERS, eager=False).graph_us,
-        "gemm_config": list(cfg),
-        "triton_base_configs": [[*c, round(v, 2)] for c, v in by_config.items()],
+        "triton_base": min(plain_us.values()),
+        "gemm": lora_us[best],
+        "gemm_config": list(best),
+        "triton_configs": [[*c, round(plain_us[c], 2), round(lora_us[c], 2)] for c in plain_us],
     }
 
 
@@ -276,6 +337,9 @@ def main() -> None:
     ap.add_argument("--gemm", action="store_true",
                     help="also time the mixed cases on the Triton GEMM with the long runs' "
                     "LoRA expand in its epilogue (kernels/lora_gemm.py)")  # fmt: skip
+    ap.add_argument("--delta-sweep", action="store_true",
+                    help="also time the mixed cases' delta calls by the fused kernel's launch "
+                    "(DELTA_POINTS)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/lora_addend.json")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -288,7 +352,7 @@ def main() -> None:
     print("µs a layer (q/k/v and o GEMMs with their LoRA calls), CUDA graph; +: beyond the base")
     print(head)
     for c in CASES:
-        r = time_case(*c, gen, parts=args.parts, gemm=args.gemm)
+        r = time_case(*c, gen, parts=args.parts, gemm=args.gemm, delta_sweep=args.delta_sweep)
         rows.append(r)
         name = f"{r['workload']} {r['decode_tokens']} on {r['adapters']} + {r['prefill']}"
         name += f" + {r['base_tokens']} base" if r["base_tokens"] else ""
@@ -303,7 +367,13 @@ def main() -> None:
             print(f"{'':<44} Triton GEMMs alone {r['triton_base_us']:.1f} (cuBLAS "
                   f"{r['base_us']:.1f}); with the long runs' expand in their epilogue and the "
                   f"rest in place {r['gemm_us']:.1f} (+{r['gemm_extra_us']:.1f} beyond cuBLAS), "
-                  f"launch {r['gemm_config']}", flush=True)  # fmt: skip
+                  f"launch {r['gemm_config']}; by launch (alone, with) {r['triton_configs']}",
+                  flush=True)  # fmt: skip
+        if "delta_sweep" in r:
+            best = min(r["delta_sweep"], key=lambda p: p[-1])
+            print(f"{'':<44} delta calls by launch: " + ", ".join(
+                f"{'/'.join(map(str, p[:-1]))} {p[-1]:.1f}" for p in r["delta_sweep"]
+            ) + f"; best {best}", flush=True)  # fmt: skip
         if args.parts:
             io_us = r["delta_io_bytes"] / bandwidth * 1e6
             print(f"{'':<44} addend's GEMMs alone {r['addmm_us']:.1f} (base {r['base_us']:.1f}), "
