@@ -89,6 +89,7 @@ DELTA_POINTS = (
     (16, 256, 256, 8, 1, 3),
     (16, 128, 256, 4, 1, 4),
     (16, 256, 256, 4, 2, 3),
+    (16, 256, 256, 4, 4, 3),
     (32, 256, 256, 4, 1, 3),
     (32, 256, 256, 8, 1, 3),
     (32, 256, 512, 8, 1, 3),
@@ -236,7 +237,8 @@ def time_case(
 
 
 def sweep_delta(workload, case, tokens, xs, os_) -> list[list]:
-    """The addend's delta calls alone (every row written), by DELTA_POINTS: [point..., µs]."""
+    """The addend's delta calls alone (every row written), by DELTA_POINTS: [point..., µs of
+    both calls, of q/k/v's, of o's]."""
     from kernels import lora as triton_lora
 
     t = tokens.token_lora.numel()
@@ -256,14 +258,17 @@ def sweep_delta(workload, case, tokens, xs, os_) -> list[list]:
 
         cfgs = {mods: config(mods) for mods in ((Q, K, V), (O,))}
 
-        def deltas(cfgs=cfgs):
+        def deltas(calls, cfgs=cfgs):
             for i in range(LAYERS):
                 for y, x, mods in ((ys[i][0], xs[i], (Q, K, V)), (ys[i][1], os_[i], (O,))):
-                    triton_lora.lora_apply(y, x, case.pool[i], case.index, tokens, mods,
-                                           (H,) * len(mods), rank_rows, config=cfgs[mods],
-                                           delta=True)  # fmt: skip
+                    if mods in calls:
+                        triton_lora.lora_apply(y, x, case.pool[i], case.index, tokens, mods,
+                                               (H,) * len(mods), rank_rows, config=cfgs[mods],
+                                               delta=True)  # fmt: skip
 
-        out.append([*(point or ("default",)), kb.timed(deltas, LAYERS, eager=False).graph_us])
+        us = [kb.timed(lambda c=c: deltas(c), LAYERS, eager=False).graph_us
+              for c in (((Q, K, V), (O,)), ((Q, K, V),), ((O,),))]  # fmt: skip
+        out.append([*(point or ("default",)), *us])
         got = [y.clone() for i in range(LAYERS) for y in ys[i]]
         if point is None:
             want = got
@@ -370,9 +375,10 @@ def main() -> None:
                   f"launch {r['gemm_config']}; by launch (alone, with) {r['triton_configs']}",
                   flush=True)  # fmt: skip
         if "delta_sweep" in r:
-            best = min(r["delta_sweep"], key=lambda p: p[-1])
-            print(f"{'':<44} delta calls by launch: " + ", ".join(
-                f"{'/'.join(map(str, p[:-1]))} {p[-1]:.1f}" for p in r["delta_sweep"]
+            best = min(r["delta_sweep"], key=lambda p: p[-3])
+            print(f"{'':<44} delta calls by launch (both, q/k/v, o): " + ", ".join(
+                f"{'/'.join(map(str, p[:-3]))} {p[-3]:.1f} {p[-2]:.1f} {p[-1]:.1f}"
+                for p in r["delta_sweep"]
             ) + f"; best {best}", flush=True)  # fmt: skip
         if args.parts:
             io_us = r["delta_io_bytes"] / bandwidth * 1e6
