@@ -18,9 +18,11 @@ delta written by the calls, the delta read back by the GEMMs): how much of the a
 GEMM that computed the delta in its epilogue would save; and the delta calls on a side stream
 while the base GEMMs run, the delta left unadded: what the LoRA calls could cost if they ran
 beside the GEMMs and the op after each projection (rotary and the cache write, the residual
-add) added the delta as it reads the output.
+add) added the delta as it reads the output. With ``--delta-sweep`` the mixed cases' delta calls
+are also timed by the fused kernel's launch (DELTA_POINTS: tile tokens, weight blocks, warps,
+parts, stages), both calls and each apart, every launch's delta checked against the default's.
 
-    python bench/lora_addend.py [--parts] [--out bench/results/lora_addend.json]
+    python bench/lora_addend.py [--parts] [--delta-sweep] [--out bench/results/lora_addend.json]
 """
 
 from __future__ import annotations
@@ -36,11 +38,9 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import kernels  # noqa: E402
 from bench import kernels as kb  # noqa: E402
 from bench.provenance import write_result  # noqa: E402
 from kernels import lora_paths  # noqa: E402
-from kernels.lora_gemm import GemmLaunch, gemm_lora, gemm_runs  # noqa: E402
 from kernels.lora_layout import K, O, Q, V  # noqa: E402
 from kernels.lora_ref import make_lora_tokens  # noqa: E402
 from services.inference.models.llama import LoraContext, add_lora, linear_lora  # noqa: E402
@@ -76,10 +76,6 @@ ROWS = {
     "S1 decode": lora_paths.ONE_TOKEN_ROWS,
 }
 ONE_TOKEN = {"S1 decode"}  # workloads whose calls take one-token tiles (LoraMode.ONE_TOKEN)
-# --gemm: runs of at least this many tokens of one adapter take the GEMM's epilogue, the others
-# the fused kernel in place after it; and the Triton GEMM's launches tried (the fastest of them
-# on each case's base GEMMs is timed with the epilogue)
-MIN_RUN = 32
 # --delta-sweep: the fused kernel's launches tried for the mixed cases' delta calls (its dot body,
 # which prompts' tiles take): (tile tokens, d_in block, column block, warps, parts, stages);
 # None: fused_config's own
@@ -94,14 +90,6 @@ DELTA_POINTS = (
     (32, 256, 256, 8, 1, 3),
     (32, 256, 512, 8, 1, 3),
     (64, 256, 256, 8, 1, 3),
-)
-GEMM_CONFIGS = (
-    GemmLaunch(128, 256, 64, 8, 3, 8),
-    GemmLaunch(128, 256, 64, 8, 4, 8),
-    GemmLaunch(128, 128, 64, 4, 4, 8),
-    GemmLaunch(128, 128, 64, 8, 4, 8),
-    GemmLaunch(256, 128, 64, 8, 3, 8),
-    GemmLaunch(64, 256, 64, 4, 4, 8),
 )
 
 
@@ -136,7 +124,7 @@ def padded_rows(decode, n, prefill, base, padded, gen) -> torch.Tensor:
 
 
 def time_case(
-    workload, decode, n, prefill, base, padded, gen, parts=False, gemm=False, delta_sweep=False
+    workload, decode, n, prefill, base, padded, gen, parts=False, delta_sweep=False
 ) -> dict:
     rows = padded_rows(decode, n, prefill, base, padded, gen)
     t = rows.numel()
@@ -197,19 +185,15 @@ def time_case(
         out["addmm"] = kb.timed(gemms, LAYERS, eager=False).graph_us
         out["delta"] = kb.timed(deltas, LAYERS, eager=False).graph_us
         out["beside"] = kb.timed(beside, LAYERS, eager=False).graph_us
-    if gemm and prefill:
-        out.update(time_gemm(workload, case, rows, xs, os_, wqkv, wo, results))
     if delta_sweep and prefill:
         out["delta_sweep"] = sweep_delta(workload, case, batch.lora_tokens, xs, os_)
-    # the variants compute the same projections (within the roundings' difference)
+    # the two variants compute the same projections (within the roundings' difference)
     for i in range(LAYERS):
-        others = [results[(v, i)] for v in ("addend", "gemm") if (v, i) in results]
-        for a, b in ((a, b) for other in others
-                     for a, b in zip(results[("in_place", i)], other, strict=True)):  # fmt: skip
+        for a, b in zip(results[("in_place", i)], results[("addend", i)], strict=True):
             err = (a.float() - b.float()).abs().max().item()
             scale = a.float().abs().max().item()
             if not err <= 0.02 * scale:
-                raise AssertionError(f"a variant differs from in place by {err} (max |y| {scale})")
+                raise AssertionError(f"addend differs from in place by {err} (max |y| {scale})")
     used = int(torch.unique(rows[rows >= 0]).numel())
     row = dict(
         workload=workload, tokens=t, real_tokens=real, decode_tokens=decode, adapters=n,
@@ -221,12 +205,6 @@ def time_case(
     )  # fmt: skip
     if "delta_sweep" in out:
         row["delta_sweep"] = out["delta_sweep"]
-    if "gemm" in out:
-        row.update(
-            triton_base_us=round(out["triton_base"], 2), gemm_us=round(out["gemm"], 2),
-            gemm_extra_us=round(out["gemm"] - out["base"], 2), gemm_config=out["gemm_config"],
-            triton_configs=out["triton_configs"],
-        )  # fmt: skip
     if parts:
         # what the halves move: x read and the delta written by the calls, the delta read back
         # by the GEMMs (bf16; each adapter's weights come on top, kb.lora_bytes)
@@ -279,69 +257,11 @@ def sweep_delta(workload, case, tokens, xs, os_) -> list[list]:
     return out
 
 
-def time_gemm(workload, case, rows, xs, os_, wqkv, wo, results) -> dict:
-    """By each of GEMM_CONFIGS: the Triton GEMM alone, and the long runs' shrink
-    (kernels.lora_shrink into a buffer), the GEMM with their expand in its epilogue, and the
-    other adapter tokens' fused call in place after it (kernels/lora_gemm.py); the fastest of
-    each kept."""
-    t = rows.numel()
-    rows_dev = case.rows
-    rank_rows = ROWS[workload]
-    lora = LoraContext(case.index, max(RANKS[workload]))
-    lora.fused, lora.rows, lora.modules = True, rank_rows, None
-    hs = [torch.empty(t, 3, rank_rows, dtype=kb.DT, device=kb.DEV) for _ in range(2)]
-    ys = [(torch.empty(t, 3 * H, dtype=kb.DT, device=kb.DEV),
-           torch.empty(t, H, dtype=kb.DT, device=kb.DEV)) for _ in range(LAYERS)]  # fmt: skip
-    plain_us, lora_us = {}, {}
-    for cfg in GEMM_CONFIGS:
-
-        def plain(cfg=cfg):
-            for i in range(LAYERS):
-                gemm_lora(xs[i], wqkv[i], config=cfg)
-                gemm_lora(os_[i], wo[i], config=cfg)
-
-        runs = gemm_runs(rows_dev, cfg.block_m, MIN_RUN)
-        long_rows = torch.where(runs.short_rows >= 0, -1, rows_dev)
-        long_tokens = make_lora_tokens(long_rows, capacity=CAPACITY)
-        short_tokens = make_lora_tokens(runs.short_rows, capacity=CAPACITY)
-        short = SimpleNamespace(lora_tokens=short_tokens)
-        has_short = bool((runs.short_rows >= 0).any())
-
-        def fn(cfg=cfg, runs=runs, long_tokens=long_tokens, short=short, has_short=has_short):
-            for i in range(LAYERS):
-                for s, (y, x, w, mods) in enumerate(((ys[i][0], xs[i], wqkv[i], (Q, K, V)),
-                                                     (ys[i][1], os_[i], wo[i], (O,)))):  # fmt: skip
-                    widths = (H,) * len(mods)
-                    h = hs[s][:, : len(mods)]
-                    kernels.lora_shrink(x, case.pool[i], case.index, long_tokens, mods,
-                                        rank_rows, out=h)  # fmt: skip
-                    gemm_lora(x, w, h=h, pool_layer=case.pool[i], index=case.index, runs=runs,
-                              modules=mods, widths=widths, max_rank=rank_rows, out=y,
-                              config=cfg)  # fmt: skip
-                    if has_short:
-                        add_lora(y, x, short, case.pool[i], lora, mods, widths)
-
-        plain_us[cfg] = kb.timed(plain, LAYERS, eager=False).graph_us
-        lora_us[cfg] = kb.timed(fn, LAYERS, eager=False).graph_us
-        for i in range(LAYERS):  # checked against in place with the others (time_case)
-            results[("gemm", i)] = tuple(y.clone() for y in ys[i])
-    best = min(lora_us, key=lora_us.get)
-    return {
-        "triton_base": min(plain_us.values()),
-        "gemm": lora_us[best],
-        "gemm_config": list(best),
-        "triton_configs": [[*c, round(plain_us[c], 2), round(lora_us[c], 2)] for c in plain_us],
-    }
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", action="store_true",
                     help="also time the addend's GEMMs (onto a written output) and its delta "
                     "calls apart")  # fmt: skip
-    ap.add_argument("--gemm", action="store_true",
-                    help="also time the mixed cases on the Triton GEMM with the long runs' "
-                    "LoRA expand in its epilogue (kernels/lora_gemm.py)")  # fmt: skip
     ap.add_argument("--delta-sweep", action="store_true",
                     help="also time the mixed cases' delta calls by the fused kernel's launch "
                     "(DELTA_POINTS)")  # fmt: skip
@@ -357,7 +277,7 @@ def main() -> None:
     print("µs a layer (q/k/v and o GEMMs with their LoRA calls), CUDA graph; +: beyond the base")
     print(head)
     for c in CASES:
-        r = time_case(*c, gen, parts=args.parts, gemm=args.gemm, delta_sweep=args.delta_sweep)
+        r = time_case(*c, gen, parts=args.parts, delta_sweep=args.delta_sweep)
         rows.append(r)
         name = f"{r['workload']} {r['decode_tokens']} on {r['adapters']} + {r['prefill']}"
         name += f" + {r['base_tokens']} base" if r["base_tokens"] else ""
@@ -368,12 +288,6 @@ def main() -> None:
             f"{r['addend_extra_us']:>7.1f} {ratio:>6.2f}",
             flush=True,
         )
-        if "gemm_us" in r:
-            print(f"{'':<44} Triton GEMMs alone {r['triton_base_us']:.1f} (cuBLAS "
-                  f"{r['base_us']:.1f}); with the long runs' expand in their epilogue and the "
-                  f"rest in place {r['gemm_us']:.1f} (+{r['gemm_extra_us']:.1f} beyond cuBLAS), "
-                  f"launch {r['gemm_config']}; by launch (alone, with) {r['triton_configs']}",
-                  flush=True)  # fmt: skip
         if "delta_sweep" in r:
             best = min(r["delta_sweep"], key=lambda p: p[-3])
             print(f"{'':<44} delta calls by launch (both, q/k/v, o): " + ", ".join(
