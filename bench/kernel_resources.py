@@ -121,7 +121,8 @@ def fused_resources(launch: lora.LoraLaunch, call, delta: bool = False) -> Resou
         if launch.gemv_max else launch.expand_n,
         GEMV_MAX=launch.gemv_max, GEMV_K=launch.gemv_k, GEMV_N=launch.gemv_n,
         GEMV_R=gemv_rows, GEMV_NARROW_R=launch.gemv_narrow,
-        GEMV_HOIST=lora.gemv_hoists(launch, d_in, W, widths), DELTA=delta,
+        GEMV_HOIST=lora.gemv_hoists(launch, d_in, W, widths), GEMV_PAIR=launch.gemv_pair,
+        DELTA=delta,
     )  # fmt: skip
     ints = dict(INTS, stride_xt=d_in, stride_yt=sum(widths), MAX_RANK=launch.shrink_r)
     options = dict(num_warps=launch.shrink_warps, num_stages=launch.stages)

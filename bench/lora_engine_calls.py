@@ -36,6 +36,13 @@ With ``--sharing`` the cases are decode steps whose tokens share adapters more (
 by the two launches against one-token tiles with every load issued first: where the one-token
 rule (kernels/lora_paths.one_token_step_fuses) stops.
 
+With ``--pairs`` the cases are decode steps from 16 to 512 tokens on adapters drawn from 32 to
+2000 (PAIR_CASES), by the engine's one-token tiles (each token a tile, the GEMV body's loads
+hoisted) against tiles of up to two tokens of one adapter (LoraLaunch.gemv_pair: the second
+token reuses the weights the program loaded for the first; the tables StepBatch.fill writes
+with pair_tiles), the one-token tiles on the launch compiled with pairs too, and the two
+launches.
+
 With ``--dot`` the cases are the trace's mixed steps (and two prompts alone), every call fused
 at 16 rank rows as the engine's narrow steps make them, by the fused kernel's dot body, which
 their prompts' tiles take: tile tokens, weight blocks, warps and parts (DOT_POINTS; the run of
@@ -84,8 +91,8 @@ rule (q/k/v fused, o fused from 256 tokens; prefill-sized steps all fused) and a
 launches.
 
     python bench/lora_engine_calls.py [--splits] [--profile] [--steps] [--small] [--one-token] \
-        [--hoist] [--sharing] [--dot] [--apart] [--s2] [--s2-steps] [--s2-gemv] [--s2-split] \
-        [--s2-small] \
+        [--hoist] [--sharing] [--pairs] [--dot] [--apart] [--s2] [--s2-steps] [--s2-gemv] \
+        [--s2-split] [--s2-small] \
         [--gemv] [--points N] \
         [--out bench/results/lora_engine_calls.json]
 """
@@ -178,6 +185,10 @@ ONE_TOKEN_POINTS = (
 HOIST_DECODE_CASES = ((64, 60), (292, 100), (292, 290), (512, 100), (512, 1000))
 HOIST_STEP_CASES = STEP_CASES[:3]
 # --sharing: (tokens, adapters drawn from): about 4 to 100 tokens an adapter
+# --pairs: decode steps (tokens, adapters drawn from): the saturating S1 traces' batches (about
+# 230 on the H100's pool, 300 on the H200's) at n = 100 to 2000, and the sharing rule's ends
+PAIR_CASES = ((16, 100), (64, 1000), (64, 100), (128, 1000), (229, 2000), (229, 1000),
+              (229, 100), (292, 1000), (292, 100), (512, 1000), (512, 100), (256, 32))  # fmt: skip
 SHARING_CASES = ((64, 16), (64, 8), (128, 24), (128, 16), (256, 48), (256, 32), (512, 80),
                  (512, 60), (512, 30), (512, 5))  # fmt: skip
 # --dot: (tile tokens, shrink block, expand block, warps, parts) of the fused kernel's dot body;
@@ -323,7 +334,8 @@ def time_case(
         modules = S1_MODULES if v.get("mlp") else None
         tokens = make_lora_tokens(case.rows, capacity=cap, modules=modules,
                                   one_token_tiles=bool(v.get("one_token") or v.get("apart")),
-                                  entries=starts if v.get("apart") else None)  # fmt: skip
+                                  entries=starts if v.get("apart") else None,
+                                  pair_tiles=bool(v.get("pairs")))  # fmt: skip
         if v.get("sorted"):
             tokens = rank_sorted(tokens, case.index.ranks[:, Q].cpu())
         cfgs = [None] * len(calls)
@@ -338,7 +350,7 @@ def time_case(
                 lora.fused_config(t, kb.POOL_W, max_rank, len(m), max(w), d_in=d)._replace(
                     gemv_max=v["gemv_max"], gemv_k=v["gemv_block"], gemv_n=v["gemv_block"],
                     shrink_warps=v["warps"], gemv_r=v.get("gemv_r", 0),
-                    **{k: v[k] for k in ("gemv_narrow", "gemv_hoist") if k in v},
+                    **{k: v[k] for k in ("gemv_narrow", "gemv_hoist", "gemv_pair") if k in v},
                 )
                 for m, d, w in calls
             ]  # fmt: skip
@@ -449,6 +461,11 @@ def main() -> None:
                     help="one-token GEMV bodies, loads issued first and not")  # fmt: skip
     ap.add_argument("--sharing", action="store_true",
                     help="decode steps of shared adapters, by path")  # fmt: skip
+    ap.add_argument(
+        "--pairs",
+        action="store_true",
+        help="decode steps on one-token tiles against two-token tiles of an adapter",
+    )
     ap.add_argument("--dot", action="store_true", help="mixed steps by the dot body's blocks")
     ap.add_argument("--apart", action="store_true",
                     help="mixed steps, decode tokens' tiles by segment and apart")  # fmt: skip
@@ -493,6 +510,10 @@ def main() -> None:
     elif args.sharing:
         one = dict(gemv_variant((8, 1, 4096, 8)), one_token=True, gemv_hoist=True)
         variants += [dict(max_rank=16, segments=514, fused=False), one]
+    elif args.pairs:
+        one = dict(gemv_variant((8, 1, 4096, 8)), one_token=True, gemv_hoist=True, gemv_pair=False)
+        variants += [dict(max_rank=16, segments=514, fused=False), one,
+                     dict(one, gemv_pair=True), dict(one, gemv_pair=True, pairs=True)]  # fmt: skip
     elif args.dot:
         variants.append(dict(max_rank=16, segments=514, fused=False, mlp=True))
         variants += dot_variants(DOT_POINTS, max_rank=16, mlp=True)
@@ -569,6 +590,8 @@ def main() -> None:
         rows += [r for t, n, p in HOIST_STEP_CASES for r in time_case(t, n, gen, steps, p)]
     elif args.sharing:
         rows = [r for t, n in SHARING_CASES for r in time_case(t, n, gen, variants)]
+    elif args.pairs:
+        rows = [r for t, n in PAIR_CASES for r in time_case(t, n, gen, variants)]
     elif args.dot:
         rows = [r for t, n, p in DOT_CASES for r in time_case(t, n, gen, variants, p)]
     elif args.apart:

@@ -43,6 +43,7 @@ from kernels.lora_paths import (
     FUSED_DECODE_ROWS,
     FUSED_MAX_RANK,
     FUSED_MAX_TOKENS,
+    ONE_TOKEN_PAIRS,
     ONE_TOKEN_ROWS,
     WIDE_FUSED_ROWS,
     fused_rank_rows,
@@ -176,6 +177,10 @@ class LoraLaunch(NamedTuple):
     # loads before its first sum (kernels/lora_fused.py _token_gemv; where the call's geometry
     # allows it: gemv_hoists)
     gemv_hoist: bool = False
+    # fused, with gemv_hoist: tiles of two tokens take the same body, the second token reusing
+    # the weights loaded for the first (the tables a decode step writes with pair_tiles:
+    # tile_table.pair_tiles; kernels/lora_fused.py _token_gemv)
+    gemv_pair: bool = False
 
 
 def launch_config(
@@ -341,6 +346,7 @@ def fused_config(
         gemv_r=gemv_rows,
         gemv_narrow=_GEMV_NARROW_ROWS,
         gemv_hoist=hoist,
+        gemv_pair=hoist and ONE_TOKEN_PAIRS,
     )
 
 
@@ -699,7 +705,8 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
         PART_N=max(cfg.expand_n, _gemv_blocks(cfg, gemv_rows)) if cfg.gemv_max else cfg.expand_n,
         GEMV_MAX=cfg.gemv_max, GEMV_K=cfg.gemv_k, GEMV_N=cfg.gemv_n,
         GEMV_R=gemv_rows, GEMV_NARROW_R=cfg.gemv_narrow,
-        GEMV_HOIST=gemv_hoists(cfg, call.d_in, call.width, out_widths), DELTA=delta,
+        GEMV_HOIST=gemv_hoists(cfg, call.d_in, call.width, out_widths),
+        GEMV_PAIR=cfg.gemv_pair, DELTA=delta,
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules, out_widths),
     )  # fmt: skip

@@ -74,6 +74,7 @@ def lora_fused_kernel(
     GEMV_R: tl.constexpr = 16,  # the GEMV body's rank rows (>= MAX_RANK; no dot: 8 is allowed)
     GEMV_NARROW_R: tl.constexpr = 0,  # with GEMV_R twice this: the rows of small-rank tiles
     GEMV_HOIST: tl.constexpr = False,  # one-token tiles whose slice fits one block: loads first
+    GEMV_PAIR: tl.constexpr = False,  # with GEMV_HOIST, two-token tiles take that body too
     DELTA: tl.constexpr = False,  # y = the delta (every token: ZERO_ROW tiles) rather than y +=
 ):  # fmt: skip
     q = tl.program_id(0)
@@ -114,11 +115,12 @@ def lora_fused_kernel(
     b_base = table_row + tl.load(b_off_ptr + a64 * stride_idx + m)
     scale = tl.load(scales_ptr + a64 * stride_scale + m)
     if GEMV_HOIST:  # the host checked that a slice's A and Bᵀ rows fit one GEMV block
-        if m_end - m_start == 1:
+        n_tok = m_end - m_start
+        if n_tok == 1 or (GEMV_PAIR and n_tok == 2):
             _token_gemv(
                 x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
-                a_base, b_base, scale, rank, width, m_start, lo, hi,
-                D_IN, W, GEMV_K, GEMV_N, GEMV_R, DELTA,
+                a_base, b_base, scale, rank, width, m_start, n_tok == 2, lo, hi,
+                D_IN, W, GEMV_K, GEMV_N, GEMV_R, DELTA, GEMV_PAIR,
             )  # fmt: skip
             return
     if GEMV_MAX > 0:
@@ -284,16 +286,19 @@ def _tile_gemv(
 @triton.jit
 def _token_gemv(
     x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
-    a_base, b_base, scale, rank, width, m, lo, hi,
+    a_base, b_base, scale, rank, width, m, two, lo, hi,
     D_IN: tl.constexpr, W: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DELTA: tl.constexpr,
+    PAIR: tl.constexpr,
 ):  # fmt: skip
-    """_tile_gemv for a tile of one token (row m) whose slice's A and Bᵀ rows each fit one
-    weight block in one pool chunk (D_IN <= BLOCK_K and W; [lo, hi) within BLOCK_N columns of
-    one chunk): every load is issued before the first sum, so the program waits on memory once
-    for the rows' slots and once for A, Bᵀ, x and y together, where _tile_gemv waits for A and
-    x, then for Bᵀ's slots, then for Bᵀ and y (a decode step's calls on one-token tiles:
-    lora_paths.one_token_step_fuses)."""
+    """_tile_gemv for a tile of one token (row m), or with PAIR and ``two`` of two (rows m and
+    m + 1), whose slice's A and Bᵀ rows each fit one weight block in one pool chunk (D_IN <=
+    BLOCK_K and W; [lo, hi) within BLOCK_N columns of one chunk): every load is issued before
+    the first sum, so the program waits on memory once for the rows' slots and once for A, Bᵀ,
+    x and y together, where _tile_gemv waits for A and x, then for Bᵀ's slots, then for Bᵀ and
+    y (a decode step's calls on one-token tiles: lora_paths.one_token_step_fuses). A pair's
+    second token reuses the weights the program loaded for the first (its loads and stores
+    masked off in a tile of one), so tokens that share an adapter read it once a pair."""
     rows = tl.arange(0, BLOCK_R)
     row_ok = rows < rank
     c = lo // W  # the output chunk [lo, hi) lies in
@@ -311,11 +316,25 @@ def _token_gemv(
     y_ptrs = y_base + m.to(tl.int64) * stride_yt + nn
     if not DELTA:
         yb = tl.load(y_ptrs, mask=n_ok, other=0.0)
-    h = tl.sum(w.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)  # [R]
+    if PAIR:
+        xv1 = tl.load(x_ptr + (m + 1).to(tl.int64) * stride_xt + kk, mask=k_ok & two, other=0.0)
+        y1_ptrs = y_ptrs + stride_yt
+        if not DELTA:
+            yb1 = tl.load(y1_ptrs, mask=n_ok & two, other=0.0)
+    wf = w.to(tl.float32)
+    btf = bt.to(tl.float32)
+    h = tl.sum(wf * xv.to(tl.float32)[None, :], axis=1)  # [R]
     if y_base.dtype.element_ty != tl.float32:  # rounded once, as the two-launch path rounds h
         h = h.to(y_base.dtype.element_ty).to(tl.float32)
-    acc = tl.sum(h[:, None] * bt.to(tl.float32), axis=0)  # [N]
-    out = acc * scale
+    out = tl.sum(h[:, None] * btf, axis=0) * scale  # [N]
     if not DELTA:
         out += yb.to(tl.float32)
     tl.store(y_ptrs, out.to(y_base.dtype.element_ty), mask=n_ok)
+    if PAIR:
+        h1 = tl.sum(wf * xv1.to(tl.float32)[None, :], axis=1)
+        if y_base.dtype.element_ty != tl.float32:
+            h1 = h1.to(y_base.dtype.element_ty).to(tl.float32)
+        out1 = tl.sum(h1[:, None] * btf, axis=0) * scale
+        if not DELTA:
+            out1 += yb1.to(tl.float32)
+        tl.store(y1_ptrs, out1.to(y_base.dtype.element_ty), mask=n_ok & two)

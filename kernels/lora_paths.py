@@ -58,6 +58,10 @@ FUSED_SINGLE_SLICE_MIN_ROWS = 4096
 # tokens share, and above it while they share adapters at most this much (tokens an adapter).
 ONE_TOKEN_ROWS = 8
 ONE_TOKEN_MAX_SHARING = 8
+# Whether such a decode step's tokens that share an adapter go two to a tile (StepBatch.fill's
+# pair_tiles), the GEMV body reading the adapter once for both (LoraLaunch.gemv_pair), rather
+# than each token its own tile, reading it again.
+ONE_TOKEN_PAIRS = True
 # A narrow mixed step's decode tokens take one-token tiles when they share their adapters at
 # least this many to one (and at most ONE_TOKEN_MAX_SHARING): mixed_decodes_apart.
 MIXED_APART_MIN_SHARING = 2

@@ -63,13 +63,19 @@ def make_lora_tokens(
     one_token_tiles: bool = False,
     entries: Sequence[int] | None = None,
     zeros: bool = False,
+    pair_tiles: bool = False,
 ) -> LoraTokens:
     """Build LoraTokens from per-token rows; pads to ``capacity`` segments with empty ones.
     ``modules``: the module ids some adapter of these rows has (None: every module).
     ``one_token_tiles``: the smallest block's table cuts each entry's tokens apart from the
     others', as the engine writes it for a step on one-token tiles (StepBatch.fill): ``entries``
     are the entries' first tokens and the end (a step's query starts; None: every token an
-    entry, so every adapter token is a tile of its own)."""
+    entry, so every adapter token is a tile of its own). ``pair_tiles`` (a decode step's, every
+    token an entry): that table cuts each adapter's tokens two to a tile instead
+    (tile_table.PAIR_BLOCK; StepBatch.fill's pair_tiles)."""
+    if pair_tiles and (not one_token_tiles or entries is not None):
+        raise ValueError("pair_tiles are a decode step's one-token tiles: one_token_tiles "
+                         "with every token an entry (entries=None)")  # fmt: skip
     t = token_lora.numel()
     tl = token_lora.to(torch.int32)
     if t == 0:
@@ -92,7 +98,9 @@ def make_lora_tokens(
         len(tile_table.TILE_BLOCKS), k, 1
     )
     for b, block in enumerate(tile_table.TILE_BLOCKS):
-        if one_token_tiles and b == 0:
+        if pair_tiles and b == 0:
+            flat = tile_table.block_tiles(starts, rows, tile_table.PAIR_BLOCK, zeros)
+        elif one_token_tiles and b == 0:
             cuts = list(range(t + 1)) if entries is None else list(entries)
             if cuts[-1] != t:
                 raise ValueError(f"the entries end at token {cuts[-1]}, the step has {t}")

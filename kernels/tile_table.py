@@ -35,6 +35,10 @@ EMPTY = (-1, 0, 0)
 # only where a fused launch writes the LoRA delta rather than adding it (block_tiles' zeros):
 # its programs write zeros there, so that the delta covers every token.
 ZERO_ROW = -2
+# The tiles of a decode step whose tokens share adapters two to a tile (StepBatch.fill's
+# pair_tiles): the fused kernel's GEMV body takes such a tile with its loads hoisted, the second
+# token reusing the weights loaded for the first (LoraLaunch.gemv_pair).
+PAIR_BLOCK = 2
 # Query rows per tile of the prefill attention kernel (kernels/attention.py), whose table the
 # engine writes beside the LoRA ones: (sequence, first row, end row) for the sequences of two
 # query rows or more.

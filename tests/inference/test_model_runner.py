@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lora_layout import GATE, O, Q, V
+from kernels.lora_layout import GATE, K, O, Q, V
 from services.inference.engine.api import AdapterKey, GenerationRequest
 from services.inference.engine.batch import BatchEntry
 from services.inference.engine.model_runner import ATTENTION, GraphKey, LoraMode, StepLora
@@ -143,6 +143,31 @@ def test_a_one_token_graph_is_filled_with_one_token_tiles(tiny_models):
     runner._fill_for(GraphKey(4, 4, LoraMode.TWO), entries)
     tiles = runner.batch.lora_tokens.tiles[0]
     assert tiles[:3].tolist() == [[0, 0, 2], [2, 2, 3], [-1, 0, 0]]
+
+
+def test_one_token_steps_pair_their_tokens_where_every_call_takes_pairs(tiny_models):
+    """A ONE_TOKEN decode step puts the tokens that share an adapter two to a tile
+    (StepLora.pair_tiles, StepBatch.fill's pair_tiles) when every module its adapters have is
+    one whose launch takes two-token tiles (ModelRunner.pair_modules: none on the CPU, whose
+    path has no tiles); its graph's replay is filled so; a step with an adapter on a module
+    outside them keeps one-token tiles."""
+    core = make_core(tiny_models.model("tiny-llama"), max_num_seqs=8)
+    runner = core.runner
+    assert runner.pair_modules == 0  # CPU
+    runner.row_ranks = [8, 8, 8, 8]
+    runner.row_modules = [1 << Q | 1 << V, 1 << Q | 1 << V | 1 << GATE, 1 << O, 1 << O]
+    entries = [BatchEntry([1], 3, [0], row, True) for row in (0, 0, 0, 2)]
+    assert runner.step_lora(entries) == StepLora(LoraMode.ONE_TOKEN, 1 << Q | 1 << V | 1 << O,
+                                                 True, False)  # fmt: skip
+    runner.pair_modules = 1 << Q | 1 << K | 1 << V | 1 << O  # as Llama-7B's on a GPU
+    step = runner.step_lora(entries)
+    assert step.mode is LoraMode.ONE_TOKEN and step.pair_tiles
+    mlp = [BatchEntry([1], 3, [0], row, True) for row in (0, 1, 1)]
+    assert not runner.step_lora(mlp).pair_tiles  # row 1 adapts gate
+    runner._pad = BatchEntry((0,), 0, (0,), None, True)
+    runner._fill_for(GraphKey(4, 4, LoraMode.ONE_TOKEN), entries, True, step.pair_tiles)
+    tiles = runner.batch.lora_tokens.tiles[0]
+    assert tiles[:4].tolist() == [[0, 0, 2], [0, 2, 3], [2, 3, 4], [-1, 0, 0]]
 
 
 def test_a_narrow_mixed_step_cuts_its_decode_tokens_apart(tiny_models, monkeypatch):

@@ -90,6 +90,33 @@ def test_one_token_tiles_fill_the_smallest_block_table_only():
     assert b.lora_tokens.tiles[0, 2:, 0].eq(-1).all()
 
 
+def test_pair_tiles_put_a_decode_steps_shared_adapter_tokens_two_to_a_tile():
+    """fill(one_token_tiles=True, pair_tiles=True) on a decode step: the 16-token table cuts
+    each adapter's tokens two to a tile (the pairs first, then the tiles of one, as
+    tile_table.block_tiles lists them), padding as zero tiles where asked; on a mixed step
+    (not every entry one token) the entries are cut apart as without pairs."""
+    from kernels.tile_table import ZERO_ROW
+
+    b = StepBatch(
+        max_tokens=16, max_seqs=8, max_pages_per_seq=8, max_segments=8, page_size=4,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    rows = [None, 1, 1, 1, 3, 3, 4]
+    entries = [BatchEntry([7], 2, [k], r, True) for k, r in enumerate(rows)]
+    b.fill(entries, one_token_tiles=True, pair_tiles=True)
+    assert b.lora_tokens.tiles[0, :5].tolist() == [
+        [1, 1, 3], [3, 4, 6], [1, 3, 4], [4, 6, 7], [-1, 0, 0]
+    ]  # fmt: skip
+    assert b.tiles_apart
+    b.fill(entries, pad_tokens=9, one_token_tiles=True, zero_tiles=True, pair_tiles=True)
+    assert b.lora_tokens.tiles[0, :6].tolist() == [
+        [ZERO_ROW, 0, 1], [ZERO_ROW, 7, 9], [1, 1, 3], [3, 4, 6], [1, 3, 4], [4, 6, 7]
+    ]  # fmt: skip
+    prompt = BatchEntry([5, 6, 7], 0, [7], 1, True)
+    b.fill([*entries[1:3], prompt], one_token_tiles=True, pair_tiles=True)
+    assert b.lora_tokens.tiles[0, :4].tolist() == [[1, 2, 5], [1, 0, 1], [1, 1, 2], [-1, 0, 0]]
+
+
 def test_one_token_tiles_of_a_mixed_step_cut_each_entry_apart():
     """fill(one_token_tiles=True) on a mixed step (a narrow step's decode tokens apart): in the
     16-token table each decode token is a tile of its own and a prompt's chunk takes 16-token

@@ -103,15 +103,22 @@ def lora_tokens(
     one_token: bool = False,
     entries: list[int] | None = None,
     zeros: bool = False,
+    pair: bool = False,
 ) -> LoraTokens:
     """LoraTokens with a fixed segment capacity, larger than needed (empty padding segments);
     by default three more than the tokens. ``one_token``: the smallest block's tiles cut each
     of ``entries`` (their first tokens and the end) apart, by default every token
     (make_lora_tokens' one_token_tiles); ``zeros``: the tokens without an adapter are tiles
-    too (a delta launch's)."""
+    too (a delta launch's); ``pair``: with one_token, the tokens that share an adapter two to a
+    tile (a decode step's pair_tiles)."""
     cap = capacity or max(1, rows.numel()) + 3
     return make_lora_tokens(
-        rows.to(device), capacity=cap, one_token_tiles=one_token, entries=entries, zeros=zeros
+        rows.to(device),
+        capacity=cap,
+        one_token_tiles=one_token,
+        entries=entries,
+        zeros=zeros,
+        pair_tiles=pair,
     )
 
 

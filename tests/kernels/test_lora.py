@@ -91,21 +91,22 @@ def _ranks(
 
 def _check_apply(
     shape, ranks, rows, dtype, gen, config=SMALL, workspace=None, path=None, masked=False,
-    one_token=False, entries=None, delta=False,
+    one_token=False, entries=None, delta=False, pair=False,
 ):  # fmt: skip
     """lora_apply against the reference; ``masked``: the tokens list the modules the rows'
     adapters have, as the engine's steps do (LoraTokens.modules); ``one_token``: the 16-token
     tile table lists every token as its own tile (a decode step's on one-token tiles), or with
     ``entries`` (their first tokens and the end) each entry's tokens apart (a mixed step's);
     ``delta``: the launch writes the delta into y, which starts as NaN, so every element it
-    leaves unwritten shows (tokens without an adapter must get zeros)."""
+    leaves unwritten shows (tokens without an adapter must get zeros); ``pair``: with
+    one_token, the tokens that share an adapter two to a tile."""
     max_rank = max(max(r.values()) for r in ranks)
     if path is not None:
         config = _config(path, shape, rows.numel(), max_rank, parts=1 + rows.numel() % 3)
     dims = {m: (shape.d_in, w) for m, w in zip(shape.modules, shape.widths, strict=True)}
     setup = build_adapters(ranks, dims, shape.width, dtype, DEVICE, gen)
     tokens = lora_tokens(
-        rows, DEVICE, SEG_CAPACITY, one_token=one_token, entries=entries, zeros=delta
+        rows, DEVICE, SEG_CAPACITY, one_token=one_token, entries=entries, zeros=delta, pair=pair
     )
     if masked:
         used = {m for row in rows.tolist() if row >= 0 for m, r in ranks[row].items() if r}
@@ -343,15 +344,17 @@ def test_wide_gemv_body_takes_s2_ranks_on_one_token_tiles():
                  one_token=True)  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "one_token, delta", [(True, False), (False, False), (True, True), (False, True)]
-)
-def test_one_token_tiles_issue_every_load_first(one_token, delta):
+@pytest.mark.parametrize("tiles", ["one", "pair", "segments"])
+@pytest.mark.parametrize("delta", [False, True])
+def test_one_token_tiles_issue_every_load_first(tiles, delta):
     """Where a slice's A and Bᵀ rows fit one GEMV block and one pool chunk (lora.gemv_hoists),
-    a one-token tile's program issues all its loads before its first sum (_token_gemv); tiles
-    of more tokens (one_token False: adapters shared by runs of tokens) keep the GEMV and dot
-    bodies. Both against the reference, ranks up to 8 beside base-model rows; ``delta``: the
-    bodies write the delta (a decode step's calls under lora_addend)."""
+    a one-token tile's program issues all its loads before its first sum (_token_gemv), and
+    with gemv_pair so does a two-token tile's, its second token reusing the first's weights
+    (tiles "pair": a decode step's tokens that share an adapter two to a tile); tiles of more
+    tokens ("segments": adapters shared by runs of tokens) keep the GEMV and dot bodies. All
+    against the reference, ranks up to 8 beside base-model rows; ``delta``: the bodies write
+    the delta (a decode step's calls under lora_addend)."""
+    one_token = tiles != "segments"
     gen = torch.Generator().manual_seed(500 + one_token)
     if ON_GPU:
         shape = LORA_SHAPES[0]  # q/k/v of 4096 from 4096, one 4096-element chunk
@@ -360,13 +363,17 @@ def test_one_token_tiles_issue_every_load_first(one_token, delta):
         shape = type(LORA_SHAPES[0])("qkv_one_chunk", 48, (Q, K, V), 32, (48, 16, 16))
         cfg = lora.LoraLaunch(
             block_m=16, shrink_k=16, shrink_r=16, expand_n=16, fused=True, parts=2,
-            gemv_max=1, gemv_k=64, gemv_n=64, gemv_r=8, gemv_hoist=True,
+            gemv_max=1, gemv_k=64, gemv_n=64, gemv_r=8, gemv_hoist=True, gemv_pair=True,
         )  # fmt: skip
-    assert lora.gemv_hoists(cfg, shape.d_in, shape.width, shape.widths)
+    assert lora.gemv_hoists(cfg, shape.d_in, shape.width, shape.widths) and cfg.gemv_pair
     ranks = _ranks(ADAPTERS, shape.modules, (8, 5, 1), gen)
     rows = token_rows("base_mix", POP_BATCH, ADAPTERS, gen, grouped=True)
+    if tiles == "pair":  # pairs, and the odd token of an adapter a tile of one
+        table = lora_tokens(rows, DEVICE, SEG_CAPACITY, one_token=True, pair=True).tiles[0]
+        sizes = (table[:, 2] - table[:, 1])[table[:, 0] >= 0].cpu()
+        assert sizes.max() == 2 and (sizes == 1).any() and int(sizes.sum()) == (rows >= 0).sum()
     _check_apply(shape, ranks, rows, DTYPES[one_token % len(DTYPES)], gen, config=cfg,
-                 masked=True, one_token=one_token, delta=delta)  # fmt: skip
+                 masked=True, one_token=one_token, delta=delta, pair=tiles == "pair")  # fmt: skip
 
 
 def test_gemv_hoists_where_one_block_holds_a_slice():

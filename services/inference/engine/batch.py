@@ -25,6 +25,7 @@ from kernels.tile_table import (
     ATTENTION_BLOCK,
     EMPTY,
     FIELDS,
+    PAIR_BLOCK,
     TILE_BLOCKS,
     block_tiles,
     max_tiles,
@@ -129,6 +130,7 @@ class StepBatch:
         pad_seqs: int | None = None,
         one_token_tiles: bool = False,
         zero_tiles: bool = False,
+        pair_tiles: bool = False,
     ) -> None:
         """Write one step's metadata. Entries must be sorted by LoRA row (segments contiguous).
 
@@ -145,7 +147,10 @@ class StepBatch:
         adapter entries than their tiles' bound holds (tile_table.max_tiles over the segment
         capacity) keep the segments' tiles. ``zero_tiles``: the LoRA tile tables also list the
         tokens without an adapter, padding included (rows ZERO_ROW), for a step whose fused
-        calls write their deltas rather than add them (LoraContext.addend)."""
+        calls write their deltas rather than add them (LoraContext.addend). ``pair_tiles``
+        (with one_token_tiles; for a step whose every entry is one token, a decode step):
+        that table cuts each adapter's tokens two to a tile (tile_table.PAIR_BLOCK), which the
+        one-token GEMV body takes with the weights loaded once (LoraLaunch.gemv_pair)."""
         if not entries:
             raise ValueError("a step needs at least one sequence")
         seqs = len(entries) if pad_seqs is None else pad_seqs
@@ -214,11 +219,14 @@ class StepBatch:
         if len(seg_rows) > self.max_segments:
             raise ValueError(f"{len(seg_rows)} LoRA segments exceed {self.max_segments}")
         entries_apart = None
-        if one_token_tiles:
+        apart_block = TILE_BLOCKS[0]
+        if one_token_tiles and pair_tiles and real == len(entries):  # tokens two to a tile
+            entries_apart, apart_block = (seg_starts, seg_rows), PAIR_BLOCK
+        elif one_token_tiles:
             entries_apart = (starts[: len(entry_rows) + 1], entry_rows)
             if zero_tiles and t > real:  # the padding: one entry of no adapter
                 entries_apart = (entries_apart[0] + [t], entry_rows + [-1])
-        self._write_tiles(seg_starts, seg_rows, starts, entries_apart, zero_tiles)
+        self._write_tiles(seg_starts, seg_rows, starts, entries_apart, zero_tiles, apart_block)
         self.zero_tiles = zero_tiles
         _write(h["lora_modules"], self._modules(seg_rows))
         # Unused segments are empty (start = end = t) and base-only, like make_lora_tokens pads.
@@ -345,15 +353,17 @@ class StepBatch:
         starts: list[int],
         entries: tuple[list[int], list[int]] | None,
         zeros: bool = False,
+        apart_block: int = TILE_BLOCKS[0],
     ) -> None:
         """Each block size's tiles of the step's adapter segments and the prefill attention
         tiles of its sequences (query ``starts``), into their host tables; the rows the previous
         step wrote past them go back to empty (row -1). With ``entries`` (each entry's query
         starts and LoRA row), the smallest block's tiles cut each entry apart instead (fill's
-        one_token_tiles), when the launches' tile bound holds them. ``zeros``: the tokens
-        without an adapter are tiles too (fill's zero_tiles)."""
+        one_token_tiles), in tiles of at most ``apart_block`` tokens (fill's pair_tiles pass
+        the segments with PAIR_BLOCK), when the launches' tile bound holds them. ``zeros``: the
+        tokens without an adapter are tiles too (fill's zero_tiles)."""
         lora = self._host["lora_tiles"]
-        apart = None if entries is None else block_tiles(*entries, TILE_BLOCKS[0], zeros)
+        apart = None if entries is None else block_tiles(*entries, apart_block, zeros)
         if apart is not None:
             bound = max_tiles(entries[0][-1], TILE_BLOCKS[0], self.max_segments)
             if len(apart) // FIELDS > min(bound, lora.shape[1]):

@@ -41,7 +41,7 @@ from typing import NamedTuple
 import torch
 
 from kernels import LoraIndex, lora_paths
-from kernels.lora_layout import K, O, Q, V
+from kernels.lora_layout import DOWN, GATE, NUM_MODULES, UP, K, O, Q, V
 from services.inference.engine.batch import BatchEntry, StepBatch
 from services.inference.engine.page_pool import PagePool
 from services.inference.models.llama import LoraContext, Transformer
@@ -126,6 +126,7 @@ class GraphKey(NamedTuple):
 
 
 NO_GRAPH = (0, 0, 0, -1)  # GraphKey.encode() of an eager step
+ALL_MODULES = (1 << NUM_MODULES) - 1
 
 
 class StepLora(NamedTuple):
@@ -134,11 +135,14 @@ class StepLora(NamedTuple):
     one_token_tiles: each decode token a tile of its own; ONE_TOKEN steps, and NARROW steps
     whose decode tokens share their adapters a few to one: lora_paths.mixed_decodes_apart).
     Tensor-parallel workers adopt the filled batch, tiles included, so encode() leaves the
-    last out."""
+    last two out."""
 
     mode: LoraMode
     modules: int | None
     one_token_tiles: bool = False
+    # ONE_TOKEN steps whose every call's launch takes two-token tiles (ModelRunner.pair_modules):
+    # the tokens that share an adapter go two to a tile (StepBatch.fill's pair_tiles)
+    pair_tiles: bool = False
 
     def encode(self) -> tuple[int, int]:
         """As two ints (a tensor-parallel command header's fields)."""
@@ -197,6 +201,7 @@ class ModelRunner:
                 torch.empty(self._side_tokens * widest, dtype=pool.tensor.dtype, device=device),
                 side,
             )
+        self.pair_modules = self._hoisted_modules() if lora_paths.ONE_TOKEN_PAIRS else 0
         self.batch = StepBatch(
             max_tokens=max_num_batched_tokens,
             max_seqs=max_num_seqs,
@@ -218,12 +223,41 @@ class ModelRunner:
         self.fused_steps = 0  # decode steps whose LoRA path was the fused one (CUDA runs it)
         self.attention_steps = 0  # steps replayed on a graph without MLP LoRA calls
         self.apart_steps = 0  # NARROW steps whose decode tokens took one-token tiles
+        self.pair_steps = 0  # ONE_TOKEN steps whose tokens sharing an adapter went two a tile
         self.last_lora = LoraMode.NONE  # the latest step's LoRA path (the step log's "lora")
         # Under tensor parallelism, this rank's end of the group (engine/tensor_parallel.py):
         # rank 0 sends each filled step and the graph it replays (if any) to the workers, which
         # replay the same graph (every rank captures the same ones, in the same order: their
         # collectives are in them); every rank receives the step's sampled inputs from rank 0.
         self.tp = None
+
+    def _hoisted_modules(self) -> int:
+        """The modules (bits) whose calls in a ONE_TOKEN step take two-token tiles on this
+        model: those whose launch hoists the GEMV body's loads (lora.gemv_hoists: the slice's A
+        and Bᵀ rows each one block, as Llama-7B's q/k/v and o; the MLP's 11008-wide slices do
+        not), which is where the pair body is (lora.fused_config's gemv_pair). None on the CPU,
+        whose path has no tiles."""
+        device = self.pool.tensor.device
+        if device.type != "cuda":
+            return 0
+        from kernels import lora as triton_lora  # the Triton modules load where they run
+
+        attn, mlp = self.model.layers[0].attn, self.model.layers[0].mlp
+        width = self.pool.tensor.shape[-1]
+        bits = 0
+        for mods, d_in, widths in (
+            ((Q, K, V), attn.hidden, (attn.q_dim, attn.kv_dim, attn.kv_dim)),
+            ((O,), attn.q_dim, (attn.hidden,)),
+            ((GATE, UP), mlp.hidden, (mlp.inter, mlp.inter)),
+            ((DOWN,), mlp.inter, (mlp.hidden,)),
+        ):
+            cfg = triton_lora.fused_config(
+                lora_paths.FUSED_MAX_TOKENS, width, lora_paths.ONE_TOKEN_ROWS, len(mods),
+                max(widths), d_in=d_in,
+            )  # fmt: skip
+            if cfg.gemv_pair and triton_lora.gemv_hoists(cfg, d_in, width, widths):
+                bits |= sum(1 << m for m in mods)
+        return bits
 
     @property
     def graph_sizes(self) -> tuple[int, ...]:
@@ -325,7 +359,10 @@ class ModelRunner:
         rank = max(self.row_ranks[r] for r in rows)
         if tokens == len(entries) and self._one_token(tokens):  # one token each: decode
             if lora_paths.one_token_step_fuses(adapter_tokens, len(rows), rank):
-                return StepLora(LoraMode.ONE_TOKEN, modules, True)
+                pairs = self.pair_modules == ALL_MODULES if modules is None else (
+                    modules & ~self.pair_modules == 0
+                )  # fmt: skip
+                return StepLora(LoraMode.ONE_TOKEN, modules, True, pairs)
         decode_sized = tokens <= lora_paths.FUSED_MAX_TOKENS
         if decode_sized and lora_paths.decode_prefers_fused(adapter_tokens, len(rows), rank):
             return StepLora(LoraMode.FUSED, modules)
@@ -481,18 +518,23 @@ class ModelRunner:
         )  # fmt: skip
 
     def _fill_for(
-        self, key: GraphKey, entries: Sequence[BatchEntry], one_token_tiles: bool | None = None
+        self,
+        key: GraphKey,
+        entries: Sequence[BatchEntry],
+        one_token_tiles: bool | None = None,
+        pair_tiles: bool = False,
     ) -> None:
         """Fill the batch for a replay of the graph ``key``: decode graphs pad with rows that
         decode into the reserved page, mixed graphs with tokens and sequences of nothing.
-        ``one_token_tiles`` (StepBatch.fill; None: a ONE_TOKEN graph's)."""
+        ``one_token_tiles`` (StepBatch.fill; None: a ONE_TOKEN graph's), ``pair_tiles``
+        (StepBatch.fill's, for a ONE_TOKEN step's: StepLora.pair_tiles)."""
         if one_token_tiles is None:
             one_token_tiles = key.lora is LoraMode.ONE_TOKEN
         zeros = self._zero_tiles(key.lora, key.tokens)
         if key.tokens == key.seqs:  # a decode graph (a mixed one has fewer sequences than tokens)
             self.batch.fill(
                 [*entries, *[self._pad] * (key.seqs - len(entries))],
-                one_token_tiles=one_token_tiles, zero_tiles=zeros,
+                one_token_tiles=one_token_tiles, zero_tiles=zeros, pair_tiles=pair_tiles,
             )  # fmt: skip
         else:
             self.batch.fill(
@@ -566,8 +608,9 @@ class ModelRunner:
             # The step's tiles where the graph is of its path (a ONE_TOKEN decode step may
             # replay a graph of two launches, at a size without a ONE_TOKEN graph).
             apart = step.one_token_tiles and key.lora is step.mode
-            self._fill_for(key, entries, apart)
+            self._fill_for(key, entries, apart, apart and step.pair_tiles)
             self.apart_steps += self.batch.tiles_apart and key.lora is LoraMode.NARROW
+            self.pair_steps += self.batch.tiles_apart and apart and step.pair_tiles
             graph, logits = self._graphs[key]
             if self.tp is not None:
                 self.tp.send_step(self.batch, step, key)
@@ -581,8 +624,10 @@ class ModelRunner:
         self.last_graph, self.last_lora = False, step.mode
         self.fused_steps += step.mode is LoraMode.FUSED
         zeros = self._addend and self._zero_tiles(step.mode, sum(len(e.token_ids) for e in entries))
-        self.batch.fill(entries, one_token_tiles=step.one_token_tiles, zero_tiles=zeros)
+        self.batch.fill(entries, one_token_tiles=step.one_token_tiles, zero_tiles=zeros,
+                        pair_tiles=step.pair_tiles)  # fmt: skip
         self.apart_steps += self.batch.tiles_apart and step.mode is LoraMode.NARROW
+        self.pair_steps += self.batch.tiles_apart and step.pair_tiles
         if self.tp is not None:
             self.tp.send_step(self.batch, step)
         return self._forward(self._lora_for(step.mode, step.modules))
