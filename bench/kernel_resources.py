@@ -2,6 +2,7 @@
 
     python -m bench.kernel_resources [--json bench/results/kernel_resources.json]
     python -m bench.kernel_resources --delta [--json bench/results/kernel_resources_delta.json]
+    python -m bench.kernel_resources --pairs [--json bench/results/kernel_resources_pairs.json]
 
 No GPU needed: each launch is compiled for sm_90 (H100/H200) on the host with Triton's own
 toolchain, and the registers are read from the cubin with the cuobjdump Triton ships. The
@@ -16,7 +17,8 @@ two-launch shrink and expand of each call at the engine's decode step (512 token
 128), with the stack a thread spills to: the test checks that the expand's register cap
 (kernels/lora.py _EXPAND_MAX_REGISTERS) keeps the programs an SM without spilling the q/k/v
 call. With ``--delta``, instead, the fused launches of the steps that take the addend
-(LoraContext.addend), in place against writing the delta.
+(LoraContext.addend), in place against writing the delta; with ``--pairs``, a decode step's
+launches on one-token tiles without and with the two-token body (LoraLaunch.gemv_pair).
 
 A program count per SM is the least of what registers (64K a multiprocessor, allocated per warp
 in steps of 256), shared memory (228 KB, 1 KB of it reserved per program), warps (64) and
@@ -252,6 +254,26 @@ def measure_delta() -> list[dict]:
     return rows
 
 
+def measure_pairs() -> list[dict]:
+    """A decode step's q/k/v and o launches on one-token tiles (8 rank rows, the GEMV body's
+    loads hoisted: lora_paths.one_token_step_fuses), without and with the two-token body
+    (LoraLaunch.gemv_pair), in place and writing the delta."""
+    rows = []
+    for pair in (False, True):
+        for call_name, call in zip(CALL_NAMES[:2], CALLS[:2], strict=True):
+            mods, d_in, widths = call
+            launch = lora.fused_config(256, W, 8, len(mods), max(widths), d_in=d_in)
+            launch = launch._replace(gemv_pair=pair)
+            for delta in (False, True):
+                res = fused_resources(launch, call, delta)
+                rows.append(dict(pairs=pair, call=call_name, delta=delta,
+                                 hoisted=lora.gemv_hoists(launch, d_in, W, widths),
+                                 registers=res.registers, stack_bytes=res.stack,
+                                 shared_bytes=res.shared, warps=res.warps,
+                                 programs_per_sm=res.programs_per_sm))  # fmt: skip
+    return rows
+
+
 def write_json(path: str, body: dict) -> None:
     """The rows at ``path``, with this run's command, Triton version and target."""
     command = "python -m bench.kernel_resources " + " ".join(sys.argv[1:])
@@ -268,9 +290,14 @@ def main() -> None:
         action="store_true",
         help="instead: the addend steps' launches, in place against the delta",
     )
+    ap.add_argument(
+        "--pairs",
+        action="store_true",
+        help="instead: a decode step's one-token launches without and with two-token tiles",
+    )
     args = ap.parse_args()
-    if args.delta:
-        rows = measure_delta()
+    if args.delta or args.pairs:
+        rows = measure_pairs() if args.pairs else measure_delta()
         print(table(rows, list(rows[0])))
         if args.json:
             write_json(args.json, {"rows": rows})

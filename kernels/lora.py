@@ -37,13 +37,13 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels import lora_paths
 from kernels.lora_args import MAX_SLICES, check_call, check_float, check_modules, check_widths
 from kernels.lora_fused import lora_fused_kernel
 from kernels.lora_paths import (
     FUSED_DECODE_ROWS,
     FUSED_MAX_RANK,
     FUSED_MAX_TOKENS,
-    ONE_TOKEN_PAIRS,
     ONE_TOKEN_ROWS,
     WIDE_FUSED_ROWS,
     fused_rank_rows,
@@ -346,7 +346,7 @@ def fused_config(
         gemv_r=gemv_rows,
         gemv_narrow=_GEMV_NARROW_ROWS,
         gemv_hoist=hoist,
-        gemv_pair=hoist and ONE_TOKEN_PAIRS,
+        gemv_pair=hoist and lora_paths.ONE_TOKEN_PAIRS,
     )
 
 

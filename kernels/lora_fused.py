@@ -27,9 +27,11 @@ where GEMV_R is twice GEMV_NARROW_R (16 and 8), a tile whose adapter has at most
 takes blocks of those rows, twice as wide (the same registers): the rows past its rank would be
 masked loads and wasted lanes, and each streaming step a trip of load latency. Where one GEMV
 block holds a slice's whole A and Bᵀ rows (GEMV_HOIST, which the host sets: lora.gemv_hoists),
-a one-token tile takes _token_gemv, the same sums with every load issued first. Both bodies round
-alike: products and sums in fp32, h rounded once to the output dtype before the expand (for bf16
-and fp16 outputs), y once.
+a one-token tile takes _token_gemv, the same sums with every load issued first, and with
+GEMV_PAIR so does a two-token tile (a decode step's tokens that share an adapter, two to a
+tile: StepBatch.fill's pair_tiles), the second token's sums on the weights loaded once. Both
+bodies round alike: products and sums in fp32, h rounded once to the output dtype before the
+expand (for bf16 and fp16 outputs), y once.
 
 Slot lookups are hoisted out of both streaming loops (one per rank row and pool chunk), as in
 the two-launch kernels, so the loops are plain strided streams that software-pipeline.
@@ -115,14 +117,21 @@ def lora_fused_kernel(
     b_base = table_row + tl.load(b_off_ptr + a64 * stride_idx + m)
     scale = tl.load(scales_ptr + a64 * stride_scale + m)
     if GEMV_HOIST:  # the host checked that a slice's A and Bᵀ rows fit one GEMV block
-        n_tok = m_end - m_start
-        if n_tok == 1 or (GEMV_PAIR and n_tok == 2):
+        if m_end - m_start == 1:
             _token_gemv(
                 x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
-                a_base, b_base, scale, rank, width, m_start, n_tok == 2, lo, hi,
-                D_IN, W, GEMV_K, GEMV_N, GEMV_R, DELTA, GEMV_PAIR,
+                a_base, b_base, scale, rank, width, m_start, lo, hi,
+                D_IN, W, GEMV_K, GEMV_N, GEMV_R, DELTA,
             )  # fmt: skip
             return
+        if GEMV_PAIR:
+            if m_end - m_start == 2:
+                _pair_gemv(
+                    x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
+                    a_base, b_base, scale, rank, width, m_start, lo, hi,
+                    D_IN, W, GEMV_K, GEMV_N, GEMV_R, DELTA,
+                )  # fmt: skip
+                return
     if GEMV_MAX > 0:
         if m_end - m_start <= GEMV_MAX:
             if GEMV_NARROW_R > 0 and GEMV_R == 2 * GEMV_NARROW_R:  # a narrow body is compiled
@@ -286,19 +295,16 @@ def _tile_gemv(
 @triton.jit
 def _token_gemv(
     x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
-    a_base, b_base, scale, rank, width, m, two, lo, hi,
+    a_base, b_base, scale, rank, width, m, lo, hi,
     D_IN: tl.constexpr, W: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DELTA: tl.constexpr,
-    PAIR: tl.constexpr,
 ):  # fmt: skip
-    """_tile_gemv for a tile of one token (row m), or with PAIR and ``two`` of two (rows m and
-    m + 1), whose slice's A and Bᵀ rows each fit one weight block in one pool chunk (D_IN <=
-    BLOCK_K and W; [lo, hi) within BLOCK_N columns of one chunk): every load is issued before
-    the first sum, so the program waits on memory once for the rows' slots and once for A, Bᵀ,
-    x and y together, where _tile_gemv waits for A and x, then for Bᵀ's slots, then for Bᵀ and
-    y (a decode step's calls on one-token tiles: lora_paths.one_token_step_fuses). A pair's
-    second token reuses the weights the program loaded for the first (its loads and stores
-    masked off in a tile of one), so tokens that share an adapter read it once a pair."""
+    """_tile_gemv for a tile of one token (row m) whose slice's A and Bᵀ rows each fit one
+    weight block in one pool chunk (D_IN <= BLOCK_K and W; [lo, hi) within BLOCK_N columns of
+    one chunk): every load is issued before the first sum, so the program waits on memory once
+    for the rows' slots and once for A, Bᵀ, x and y together, where _tile_gemv waits for A and
+    x, then for Bᵀ's slots, then for Bᵀ and y (a decode step's calls on one-token tiles:
+    lora_paths.one_token_step_fuses)."""
     rows = tl.arange(0, BLOCK_R)
     row_ok = rows < rank
     c = lo // W  # the output chunk [lo, hi) lies in
@@ -316,25 +322,55 @@ def _token_gemv(
     y_ptrs = y_base + m.to(tl.int64) * stride_yt + nn
     if not DELTA:
         yb = tl.load(y_ptrs, mask=n_ok, other=0.0)
-    if PAIR:
-        xv1 = tl.load(x_ptr + (m + 1).to(tl.int64) * stride_xt + kk, mask=k_ok & two, other=0.0)
-        y1_ptrs = y_ptrs + stride_yt
-        if not DELTA:
-            yb1 = tl.load(y1_ptrs, mask=n_ok & two, other=0.0)
-    wf = w.to(tl.float32)
-    btf = bt.to(tl.float32)
-    h = tl.sum(wf * xv.to(tl.float32)[None, :], axis=1)  # [R]
+    h = tl.sum(w.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)  # [R]
     if y_base.dtype.element_ty != tl.float32:  # rounded once, as the two-launch path rounds h
         h = h.to(y_base.dtype.element_ty).to(tl.float32)
-    out = tl.sum(h[:, None] * btf, axis=0) * scale  # [N]
+    acc = tl.sum(h[:, None] * bt.to(tl.float32), axis=0)  # [N]
+    out = acc * scale
     if not DELTA:
         out += yb.to(tl.float32)
     tl.store(y_ptrs, out.to(y_base.dtype.element_ty), mask=n_ok)
-    if PAIR:
-        h1 = tl.sum(wf * xv1.to(tl.float32)[None, :], axis=1)
-        if y_base.dtype.element_ty != tl.float32:
-            h1 = h1.to(y_base.dtype.element_ty).to(tl.float32)
-        out1 = tl.sum(h1[:, None] * btf, axis=0) * scale
-        if not DELTA:
-            out1 += yb1.to(tl.float32)
-        tl.store(y1_ptrs, out1.to(y_base.dtype.element_ty), mask=n_ok & two)
+
+
+@triton.jit
+def _pair_gemv(
+    x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
+    a_base, b_base, scale, rank, width, m, lo, hi,
+    D_IN: tl.constexpr, W: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DELTA: tl.constexpr,
+):  # fmt: skip
+    """_token_gemv for a tile of two tokens of one adapter (rows m and m + 1: a decode step's
+    pair_tiles): the weights are loaded once, every load issued first, and each token's sums
+    widen them to fp32 as they go, so that the program holds them once, in the pool's dtype."""
+    rows = tl.arange(0, BLOCK_R)
+    row_ok = rows < rank
+    c = lo // W
+    a_slot = tl.load(a_base + rows, mask=row_ok, other=0).to(tl.int64)
+    b_slot = tl.load(b_base + rows * ((width + W - 1) // W) + c, mask=row_ok, other=0)
+    kk = tl.arange(0, BLOCK_K)
+    k_ok = kk < D_IN
+    nn = lo + tl.arange(0, BLOCK_N)
+    n_ok = nn < hi
+    w = tl.load(pool_ptr + a_slot[:, None] * stride_slot + kk[None, :],
+                mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+    bt_rows = pool_ptr + stride_half + b_slot.to(tl.int64)[:, None] * stride_slot - c * W
+    bt = tl.load(bt_rows + nn[None, :], mask=row_ok[:, None] & n_ok[None, :], other=0.0)
+    x0 = tl.load(x_ptr + m.to(tl.int64) * stride_xt + kk, mask=k_ok, other=0.0)
+    x1 = tl.load(x_ptr + (m + 1).to(tl.int64) * stride_xt + kk, mask=k_ok, other=0.0)
+    y0_ptrs = y_base + m.to(tl.int64) * stride_yt + nn
+    y1_ptrs = y0_ptrs + stride_yt
+    if not DELTA:
+        y0 = tl.load(y0_ptrs, mask=n_ok, other=0.0)
+        y1 = tl.load(y1_ptrs, mask=n_ok, other=0.0)
+    h0 = tl.sum(w.to(tl.float32) * x0.to(tl.float32)[None, :], axis=1)  # [R]
+    h1 = tl.sum(w.to(tl.float32) * x1.to(tl.float32)[None, :], axis=1)
+    if y_base.dtype.element_ty != tl.float32:  # rounded once, as the two-launch path rounds h
+        h0 = h0.to(y_base.dtype.element_ty).to(tl.float32)
+        h1 = h1.to(y_base.dtype.element_ty).to(tl.float32)
+    out0 = tl.sum(h0[:, None] * bt.to(tl.float32), axis=0) * scale  # [N]
+    out1 = tl.sum(h1[:, None] * bt.to(tl.float32), axis=0) * scale
+    if not DELTA:
+        out0 += y0.to(tl.float32)
+        out1 += y1.to(tl.float32)
+    tl.store(y0_ptrs, out0.to(y_base.dtype.element_ty), mask=n_ok)
+    tl.store(y1_ptrs, out1.to(y_base.dtype.element_ty), mask=n_ok)

@@ -60,8 +60,11 @@ ONE_TOKEN_ROWS = 8
 ONE_TOKEN_MAX_SHARING = 8
 # Whether such a decode step's tokens that share an adapter go two to a tile (StepBatch.fill's
 # pair_tiles), the GEMV body reading the adapter once for both (LoraLaunch.gemv_pair), rather
-# than each token its own tile, reading it again.
-ONE_TOKEN_PAIRS = True
+# than each token its own tile, reading it again. Off until it has run on a GPU: tested against
+# the reference under the interpreter, compiled for sm_90 on the host (128 registers a thread:
+# 2 programs an SM, as the one-token launch holds in place, 2 against 3 writing the delta;
+# python -m bench.kernel_resources --pairs), not yet timed (bench/lora_engine_calls.py --pairs).
+ONE_TOKEN_PAIRS = False
 # A narrow mixed step's decode tokens take one-token tiles when they share their adapters at
 # least this many to one (and at most ONE_TOKEN_MAX_SHARING): mixed_decodes_apart.
 MIXED_APART_MIN_SHARING = 2
@@ -115,7 +118,7 @@ def one_token_step_fuses(adapter_tokens: int, distinct: int, step_rank: int) -> 
     (``distinct``: how many adapters its ``adapter_tokens`` use). A token whose adapter another
     token shares takes the GEMV body too, reading the adapter again (mostly from L2), rather
     than a dot-body program (16 rows, 16 serial weight blocks each way) that sets the call's
-    time.
+    time; with ONE_TOKEN_PAIRS two such tokens share a tile and its one read of the weights.
 
     H200, one layer's S1 q/k/v and o calls in a CUDA graph: the decode steps of 10 requests/s
     (8-63 tokens on adapters drawn from 100 or 1000), two launches against one-token tiles: 8

@@ -55,3 +55,27 @@ def test_narrow_table_matches_the_compiled_kernels(tmp_path):
             assert r["programs_per_sm"] >= 5, r
     assert two["qkv", "expand"]["stack_bytes"] <= 16
     assert two["down", "shrink"]["programs_per_sm"] >= 4  # d_in 11008: no decode split
+
+
+def test_the_pair_body_keeps_the_one_token_launchs_programs_in_place(tmp_path):
+    """A decode step's one-token launches (8 rank rows, loads hoisted) compiled for sm_90
+    without and with the two-token body (LoraLaunch.gemv_pair): none spills; in place the pair
+    body keeps the one-token launch's programs an SM (2), writing the delta it holds one fewer
+    than without (3), which is what lora_paths.ONE_TOKEN_PAIRS' note says."""
+    out = tmp_path / "pairs.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.kernel_resources", "--pairs", "--json", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 8 and all(r["hoisted"] and r["stack_bytes"] == 0 for r in rows)
+    per_sm = {(r["pairs"], r["call"], r["delta"]): r["programs_per_sm"] for r in rows}
+    for call in ("qkv", "o"):
+        assert per_sm[True, call, False] == per_sm[False, call, False] == 2
+        assert per_sm[True, call, True] == per_sm[False, call, True] - 1 == 2

@@ -363,9 +363,10 @@ def test_one_token_tiles_issue_every_load_first(tiles, delta):
         shape = type(LORA_SHAPES[0])("qkv_one_chunk", 48, (Q, K, V), 32, (48, 16, 16))
         cfg = lora.LoraLaunch(
             block_m=16, shrink_k=16, shrink_r=16, expand_n=16, fused=True, parts=2,
-            gemv_max=1, gemv_k=64, gemv_n=64, gemv_r=8, gemv_hoist=True, gemv_pair=True,
+            gemv_max=1, gemv_k=64, gemv_n=64, gemv_r=8, gemv_hoist=True,
         )  # fmt: skip
-    assert lora.gemv_hoists(cfg, shape.d_in, shape.width, shape.widths) and cfg.gemv_pair
+    cfg = cfg._replace(gemv_pair=tiles == "pair")
+    assert lora.gemv_hoists(cfg, shape.d_in, shape.width, shape.widths)
     ranks = _ranks(ADAPTERS, shape.modules, (8, 5, 1), gen)
     rows = token_rows("base_mix", POP_BATCH, ADAPTERS, gen, grouped=True)
     if tiles == "pair":  # pairs, and the odd token of an adapter a tile of one
