@@ -293,18 +293,14 @@ def _tile_gemv(
 
 
 @triton.jit
-def _token_gemv(
-    x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
-    a_base, b_base, scale, rank, width, m, lo, hi,
+def _hoisted_weights(
+    pool_ptr, stride_half, stride_slot, a_base, b_base, rank, width, lo, hi,
     D_IN: tl.constexpr, W: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DELTA: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
-    """_tile_gemv for a tile of one token (row m) whose slice's A and Bᵀ rows each fit one
-    weight block in one pool chunk (D_IN <= BLOCK_K and W; [lo, hi) within BLOCK_N columns of
-    one chunk): every load is issued before the first sum, so the program waits on memory once
-    for the rows' slots and once for A, Bᵀ, x and y together, where _tile_gemv waits for A and
-    x, then for Bᵀ's slots, then for Bᵀ and y (a decode step's calls on one-token tiles:
-    lora_paths.one_token_step_fuses)."""
+    """The loads of a hoisted GEMV body's weights: the slice's A rows (one block of d_in, one
+    pool chunk) and its Bᵀ rows' columns [lo, hi) (one block, one chunk), each a single load
+    after the rows' slots; with the column and d_in offsets and their masks."""
     rows = tl.arange(0, BLOCK_R)
     row_ok = rows < rank
     c = lo // W  # the output chunk [lo, hi) lies in
@@ -318,6 +314,26 @@ def _token_gemv(
                 mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
     bt_rows = pool_ptr + stride_half + b_slot.to(tl.int64)[:, None] * stride_slot - c * W
     bt = tl.load(bt_rows + nn[None, :], mask=row_ok[:, None] & n_ok[None, :], other=0.0)
+    return w, bt, kk, k_ok, nn, n_ok
+
+
+@triton.jit
+def _token_gemv(
+    x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
+    a_base, b_base, scale, rank, width, m, lo, hi,
+    D_IN: tl.constexpr, W: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DELTA: tl.constexpr,
+):  # fmt: skip
+    """_tile_gemv for a tile of one token (row m) whose slice's A and Bᵀ rows each fit one
+    weight block in one pool chunk (D_IN <= BLOCK_K and W; [lo, hi) within BLOCK_N columns of
+    one chunk): every load is issued before the first sum, so the program waits on memory once
+    for the rows' slots and once for A, Bᵀ, x and y together, where _tile_gemv waits for A and
+    x, then for Bᵀ's slots, then for Bᵀ and y (a decode step's calls on one-token tiles:
+    lora_paths.one_token_step_fuses)."""
+    w, bt, kk, k_ok, nn, n_ok = _hoisted_weights(
+        pool_ptr, stride_half, stride_slot, a_base, b_base, rank, width, lo, hi,
+        D_IN, W, BLOCK_K, BLOCK_N, BLOCK_R,
+    )  # fmt: skip
     xv = tl.load(x_ptr + m.to(tl.int64) * stride_xt + kk, mask=k_ok, other=0.0)
     y_ptrs = y_base + m.to(tl.int64) * stride_yt + nn
     if not DELTA:
@@ -342,19 +358,10 @@ def _pair_gemv(
     """_token_gemv for a tile of two tokens of one adapter (rows m and m + 1: a decode step's
     pair_tiles): the weights are loaded once, every load issued first, and each token's sums
     widen them to fp32 as they go, so that the program holds them once, in the pool's dtype."""
-    rows = tl.arange(0, BLOCK_R)
-    row_ok = rows < rank
-    c = lo // W
-    a_slot = tl.load(a_base + rows, mask=row_ok, other=0).to(tl.int64)
-    b_slot = tl.load(b_base + rows * ((width + W - 1) // W) + c, mask=row_ok, other=0)
-    kk = tl.arange(0, BLOCK_K)
-    k_ok = kk < D_IN
-    nn = lo + tl.arange(0, BLOCK_N)
-    n_ok = nn < hi
-    w = tl.load(pool_ptr + a_slot[:, None] * stride_slot + kk[None, :],
-                mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-    bt_rows = pool_ptr + stride_half + b_slot.to(tl.int64)[:, None] * stride_slot - c * W
-    bt = tl.load(bt_rows + nn[None, :], mask=row_ok[:, None] & n_ok[None, :], other=0.0)
+    w, bt, kk, k_ok, nn, n_ok = _hoisted_weights(
+        pool_ptr, stride_half, stride_slot, a_base, b_base, rank, width, lo, hi,
+        D_IN, W, BLOCK_K, BLOCK_N, BLOCK_R,
+    )  # fmt: skip
     x0 = tl.load(x_ptr + m.to(tl.int64) * stride_xt + kk, mask=k_ok, other=0.0)
     x1 = tl.load(x_ptr + (m + 1).to(tl.int64) * stride_xt + kk, mask=k_ok, other=0.0)
     y0_ptrs = y_base + m.to(tl.int64) * stride_yt + nn

@@ -15,11 +15,12 @@ from kernels import lora
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_narrow_table_matches_the_compiled_kernels(tmp_path):
+def _resources(tmp_path, *flags: str) -> dict:
+    """bench.kernel_resources' JSON, run with ``flags`` in a process without the interpreter."""
     out = tmp_path / "resources.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
-        [sys.executable, "-m", "bench.kernel_resources", "--json", str(out)],
+        [sys.executable, "-m", "bench.kernel_resources", *flags, "--json", str(out)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -27,7 +28,11 @@ def test_narrow_table_matches_the_compiled_kernels(tmp_path):
         timeout=600,
     )
     assert run.returncode == 0, run.stderr
-    doc = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_narrow_table_matches_the_compiled_kernels(tmp_path):
+    doc = _resources(tmp_path)
     rows = doc["rows"]
     assert {(r["rank_rows"], r["launch"]) for r in rows} == {
         (rows_, name) for rows_ in lora._NARROW for name in ("default", "smaller")
@@ -62,18 +67,7 @@ def test_the_pair_body_keeps_the_one_token_launchs_programs_in_place(tmp_path):
     without and with the two-token body (LoraLaunch.gemv_pair): none spills; in place the pair
     body keeps the one-token launch's programs an SM (2), writing the delta it holds one fewer
     than without (3), which is what lora_paths.ONE_TOKEN_PAIRS' note says."""
-    out = tmp_path / "pairs.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.kernel_resources", "--pairs", "--json", str(out)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr
-    rows = json.loads(out.read_text())["rows"]
+    rows = _resources(tmp_path, "--pairs")["rows"]
     assert len(rows) == 8 and all(r["hoisted"] and r["stack_bytes"] == 0 for r in rows)
     per_sm = {(r["pairs"], r["call"], r["delta"]): r["programs_per_sm"] for r in rows}
     for call in ("qkv", "o"):
