@@ -177,9 +177,9 @@ class LoraLaunch(NamedTuple):
     # loads before its first sum (kernels/lora_fused.py _token_gemv; where the call's geometry
     # allows it: gemv_hoists)
     gemv_hoist: bool = False
-    # fused, with gemv_hoist: tiles of two tokens take the same body, the second token reusing
-    # the weights loaded for the first (the tables a decode step writes with pair_tiles:
-    # tile_table.pair_tiles; kernels/lora_fused.py _token_gemv)
+    # fused, with gemv_hoist: tiles of two tokens take a hoisted body too, the second token
+    # reusing the weights loaded for the first (the tables a decode step writes with pair_tiles:
+    # tile_table.PAIR_BLOCK; kernels/lora_fused.py _pair_gemv)
     gemv_pair: bool = False
 
 

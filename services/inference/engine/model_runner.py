@@ -360,7 +360,7 @@ class ModelRunner:
         if tokens == len(entries) and self._one_token(tokens):  # one token each: decode
             if lora_paths.one_token_step_fuses(adapter_tokens, len(rows), rank):
                 pairs = self.pair_modules == ALL_MODULES if modules is None else (
-                    modules & ~self.pair_modules == 0
+                    (modules & ~self.pair_modules) == 0
                 )  # fmt: skip
                 return StepLora(LoraMode.ONE_TOKEN, modules, True, pairs)
         decode_sized = tokens <= lora_paths.FUSED_MAX_TOKENS
