@@ -223,7 +223,6 @@ class ModelRunner:
         self.fused_steps = 0  # decode steps whose LoRA path was the fused one (CUDA runs it)
         self.attention_steps = 0  # steps replayed on a graph without MLP LoRA calls
         self.apart_steps = 0  # NARROW steps whose decode tokens took one-token tiles
-        self.pair_steps = 0  # ONE_TOKEN steps whose tokens sharing an adapter went two a tile
         self.last_lora = LoraMode.NONE  # the latest step's LoRA path (the step log's "lora")
         # Under tensor parallelism, this rank's end of the group (engine/tensor_parallel.py):
         # rank 0 sends each filled step and the graph it replays (if any) to the workers, which
@@ -610,7 +609,6 @@ class ModelRunner:
             apart = step.one_token_tiles and key.lora is step.mode
             self._fill_for(key, entries, apart, apart and step.pair_tiles)
             self.apart_steps += self.batch.tiles_apart and key.lora is LoraMode.NARROW
-            self.pair_steps += self.batch.tiles_apart and apart and step.pair_tiles
             graph, logits = self._graphs[key]
             if self.tp is not None:
                 self.tp.send_step(self.batch, step, key)
@@ -627,7 +625,6 @@ class ModelRunner:
         self.batch.fill(entries, one_token_tiles=step.one_token_tiles, zero_tiles=zeros,
                         pair_tiles=step.pair_tiles)  # fmt: skip
         self.apart_steps += self.batch.tiles_apart and step.mode is LoraMode.NARROW
-        self.pair_steps += self.batch.tiles_apart and step.pair_tiles
         if self.tp is not None:
             self.tp.send_step(self.batch, step)
         return self._forward(self._lora_for(step.mode, step.modules))
