@@ -166,6 +166,9 @@ PRESETS: dict[str, ModelPreset] = {
     ),
     # Older key layout (top-level rope_theta), 8 heads of 8 over 2 kv heads.
     "tiny-mistral": ModelPreset("MistralForCausalLM", 64, 2, 8, 2, 192, legacy_rope_keys=True),
+    # Multi-head attention as Llama-7B's: q/k/v and o as wide as the KV pool's rows, so that
+    # their LoRA calls take the fused kernel's GEMV body with every load issued first.
+    "tiny-mha": ModelPreset("LlamaForCausalLM", 64, 2, 4, 4, 160),
     # The local demo stack's model: still fast on a CPU.
     "demo": ModelPreset(
         "LlamaForCausalLM",

@@ -228,13 +228,15 @@ def _place_in_pool(core, keys) -> None:
     assert {core.adapters.state(key) for key in keys} == {AdapterState.IN_POOL}
 
 
-def _small_adapter_requests(tiny_models, core, keys, prompt_lens, max_new_tokens, seed):
+def _small_adapter_requests(
+    tiny_models, core, keys, prompt_lens, max_new_tokens, seed, preset="tiny-llama"
+):
     """Requests of random prompts (``prompt_lens``), request i on adapter key a{keys[i]} (None:
-    the base model), each key added to ``core`` over r4's weights (even keys) or r8's (odd):
-    [(request, its parity adapter's name or None)]."""
+    the base model), each key added to ``core`` over r4's weights (even keys) or r8's (odd), of
+    ``preset``'s model: [(request, its parity adapter's name or None)]."""
     names = {k: ("r4", "r8")[k % 2] for k in keys if k is not None}
     for k, name in sorted(names.items()):
-        core.add_adapter_dir(AdapterKey(f"a{k}", 1), tiny_models.adapter("tiny-llama", name))
+        core.add_adapter_dir(AdapterKey(f"a{k}", 1), tiny_models.adapter(preset, name))
     gen = torch.Generator().manual_seed(seed)
     requests = []
     for i, (k, n) in enumerate(zip(keys, prompt_lens, strict=True)):
@@ -280,6 +282,51 @@ def test_cuda_large_decode_steps_on_one_token_tiles_match_hf_peft(tiny_models, m
     core.check_integrity()
     assert core.stats().kv_pages == 0
     assert_matches_hf(tiny_models, "tiny-llama", model_dir, requests, results)
+
+
+@pytest.mark.parametrize("pairs, addend", [(False, False), (True, False), (True, True)])
+def test_cuda_one_token_tiles_of_hoisted_calls_match_hf_peft(
+    tiny_models, monkeypatch, pairs, addend
+):
+    """The same decode steps on a model with multi-head attention (tiny-mha), whose q/k/v and o
+    calls hoist the GEMV body's loads (lora.gemv_hoists), as Llama-7B's do and the
+    grouped-query tiny models' do not. ``pairs``: with lora_paths.ONE_TOKEN_PAIRS on, every
+    module the adapters touch takes two-token tiles (ModelRunner.pair_modules), so the tokens
+    that share an adapter go two to a tile (the kernel's pair body); ``addend`` as above.
+    Every token against HF + PEFT, the pool intact."""
+    from services.inference.engine import model_runner
+    from services.inference.engine.model_runner import LoraMode
+
+    monkeypatch.setattr(lora_paths, "ONE_TOKEN_PAIRS", pairs)
+    monkeypatch.setattr(model_runner, "ADDEND_MIN_TOKENS", 64)
+    model_dir = tiny_models.model("tiny-mha")
+    recorder = Recorder()
+    core = make_core(model_dir, recorder, device="cuda", dtype="float32", max_num_seqs=80,
+                     max_num_batched_tokens=640, max_loras=80, num_pages=2048,
+                     lora_addend=addend)  # fmt: skip
+    qkvo = sum(1 << m for m in (model_runner.Q, model_runner.K, model_runner.V, model_runner.O))
+    assert core.runner.pair_modules == (qkvo if pairs else 0)
+    steps = []
+    step_lora = core.runner.step_lora
+
+    def spy(entries):
+        steps.append(step_lora(entries))
+        return steps[-1]
+
+    core.runner.step_lora = spy
+    keys = [i % 10 if i < 70 else None for i in range(76)]
+    requests = _small_adapter_requests(tiny_models, core, keys, [5 + i % 4 for i in range(76)],
+                                       max_new_tokens=5, seed=78, preset="tiny-mha")  # fmt: skip
+    _place_in_pool(core, {r.adapter for r, _ in requests} - {None})
+    results = run(core, {0: [r for r, _ in requests]}, recorder)
+    big = [r for r in core.step_log.recent
+           if r.graph and r.prefill_tokens == 0 and r.seqs >= 64]  # fmt: skip
+    assert big and all(r.lora == "fused, one-token tiles" for r in big)
+    one_token = [s for s in steps if s.mode is LoraMode.ONE_TOKEN]
+    assert one_token and all(s.pair_tiles == pairs for s in one_token)
+    core.check_integrity()
+    assert core.stats().kv_pages == 0
+    assert_matches_hf(tiny_models, "tiny-mha", model_dir, requests, results)
 
 
 @pytest.mark.parametrize("addend", [False, True])

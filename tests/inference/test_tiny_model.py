@@ -39,7 +39,7 @@ def _greedy(model: torch.nn.Module, n: int = 16) -> tuple[list[int], torch.Tenso
     return ids[0, len(PROMPT) :].tolist(), logits
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "demo"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-mha", "demo"])
 def test_preset_loads_in_transformers_with_spread_logits(tiny_models: TinyModels, preset: str):
     model = _hf(tiny_models.model(preset))
     p = PRESETS[preset]
