@@ -8,7 +8,13 @@ import torch
 from kernels.lora_layout import GATE, K, O, Q, V
 from services.inference.engine.api import AdapterKey, GenerationRequest
 from services.inference.engine.batch import BatchEntry
-from services.inference.engine.model_runner import ATTENTION, GraphKey, LoraMode, StepLora
+from services.inference.engine.model_runner import (
+    ATTENTION,
+    GraphKey,
+    LoraMode,
+    StepLora,
+    pair_modules,
+)
 from services.inference.engine.sampling_params import SamplingParams
 from tests.inference.engine_harness import make_core
 from tests.inference.models import PARITY_ADAPTERS
@@ -168,6 +174,24 @@ def test_one_token_steps_pair_their_tokens_where_every_call_takes_pairs(tiny_mod
     runner._fill_for(GraphKey(4, 4, LoraMode.ONE_TOKEN), entries, True, step.pair_tiles)
     tiles = runner.batch.lora_tokens.tiles[0]
     assert tiles[:4].tolist() == [[0, 0, 2], [0, 2, 3], [2, 3, 4], [-1, 0, 0]]
+
+
+def test_pair_modules_are_the_calls_that_hoist(monkeypatch):
+    """With ONE_TOKEN_PAIRS on, the modules whose ONE_TOKEN calls take two-token tiles are
+    those whose slices' A and Bᵀ rows fit one GEMV block and one pool chunk: Llama-7B's and
+    tiny-mha's q/k/v and o (multi-head attention: the pool as wide as the hidden size), not
+    their MLPs, and nothing of a grouped-query model (q/k/v's d_in and o's width above its
+    pool's width); with it off, none."""
+    from kernels import lora_paths
+
+    llama_7b = (4096, 4096, 4096, 11008, 4096)  # hidden, q_dim, kv_dim, inter, pool width
+    monkeypatch.setattr(lora_paths, "ONE_TOKEN_PAIRS", True)
+    assert pair_modules(*llama_7b) == ATTENTION
+    assert pair_modules(64, 64, 64, 160, 64) == ATTENTION  # tiny-mha
+    assert pair_modules(64, 64, 32, 160, 32) == 0  # tiny-llama
+    assert pair_modules(4096, 4096, 1024, 14336, 1024) == 0  # Llama-3-8B
+    monkeypatch.setattr(lora_paths, "ONE_TOKEN_PAIRS", False)
+    assert pair_modules(*llama_7b) == 0
 
 
 def test_a_narrow_mixed_step_cuts_its_decode_tokens_apart(tiny_models, monkeypatch):

@@ -153,6 +153,31 @@ class StepLora(NamedTuple):
         return cls(list(LoraMode)[mode], None if modules < 0 else modules)
 
 
+def pair_modules(hidden: int, q_dim: int, kv_dim: int, inter: int, width: int) -> int:
+    """The modules (bits) whose calls in a ONE_TOKEN step take two-token tiles on a model of
+    these widths and a pool ``width`` elements wide: those whose launch hoists the GEMV body's
+    loads (lora.gemv_hoists: the slice's A and Bᵀ rows each one block and one pool chunk, as
+    Llama-7B's q/k/v and o; the MLP's 11008-wide slices do not, nor a grouped-query model's
+    q/k/v, whose d_in is wider than its pool), which is where the pair body is
+    (lora.fused_config's gemv_pair, on with lora_paths.ONE_TOKEN_PAIRS)."""
+    from kernels import lora as triton_lora  # the Triton modules load where they run
+
+    bits = 0
+    for mods, d_in, widths in (
+        ((Q, K, V), hidden, (q_dim, kv_dim, kv_dim)),
+        ((O,), q_dim, (hidden,)),
+        ((GATE, UP), hidden, (inter, inter)),
+        ((DOWN,), inter, (hidden,)),
+    ):
+        cfg = triton_lora.fused_config(
+            lora_paths.FUSED_MAX_TOKENS, width, lora_paths.ONE_TOKEN_ROWS, len(mods),
+            max(widths), d_in=d_in,
+        )  # fmt: skip
+        if cfg.gemv_pair and triton_lora.gemv_hoists(cfg, d_in, width, widths):
+            bits |= sum(1 << m for m in mods)
+    return bits
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -201,7 +226,12 @@ class ModelRunner:
                 torch.empty(self._side_tokens * widest, dtype=pool.tensor.dtype, device=device),
                 side,
             )
-        self.pair_modules = self._hoisted_modules() if lora_paths.ONE_TOKEN_PAIRS else 0
+        self.pair_modules = 0
+        if lora_paths.ONE_TOKEN_PAIRS and pool.tensor.device.type == "cuda":  # the CPU: no tiles
+            attn, mlp = model.layers[0].attn, model.layers[0].mlp
+            self.pair_modules = pair_modules(
+                attn.hidden, attn.q_dim, attn.kv_dim, mlp.inter, pool.tensor.shape[-1]
+            )
         self.batch = StepBatch(
             max_tokens=max_num_batched_tokens,
             max_seqs=max_num_seqs,
@@ -229,34 +259,6 @@ class ModelRunner:
         # replay the same graph (every rank captures the same ones, in the same order: their
         # collectives are in them); every rank receives the step's sampled inputs from rank 0.
         self.tp = None
-
-    def _hoisted_modules(self) -> int:
-        """The modules (bits) whose calls in a ONE_TOKEN step take two-token tiles on this
-        model: those whose launch hoists the GEMV body's loads (lora.gemv_hoists: the slice's A
-        and Bᵀ rows each one block, as Llama-7B's q/k/v and o; the MLP's 11008-wide slices do
-        not), which is where the pair body is (lora.fused_config's gemv_pair). None on the CPU,
-        whose path has no tiles."""
-        device = self.pool.tensor.device
-        if device.type != "cuda":
-            return 0
-        from kernels import lora as triton_lora  # the Triton modules load where they run
-
-        attn, mlp = self.model.layers[0].attn, self.model.layers[0].mlp
-        width = self.pool.tensor.shape[-1]
-        bits = 0
-        for mods, d_in, widths in (
-            ((Q, K, V), attn.hidden, (attn.q_dim, attn.kv_dim, attn.kv_dim)),
-            ((O,), attn.q_dim, (attn.hidden,)),
-            ((GATE, UP), mlp.hidden, (mlp.inter, mlp.inter)),
-            ((DOWN,), mlp.inter, (mlp.hidden,)),
-        ):
-            cfg = triton_lora.fused_config(
-                lora_paths.FUSED_MAX_TOKENS, width, lora_paths.ONE_TOKEN_ROWS, len(mods),
-                max(widths), d_in=d_in,
-            )  # fmt: skip
-            if cfg.gemv_pair and triton_lora.gemv_hoists(cfg, d_in, width, widths):
-                bits |= sum(1 << m for m in mods)
-        return bits
 
     @property
     def graph_sizes(self) -> tuple[int, ...]:
