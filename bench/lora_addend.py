@@ -22,7 +22,16 @@ add) added the delta as it reads the output. With ``--delta-sweep`` the mixed ca
 are also timed by the fused kernel's launch (DELTA_POINTS: tile tokens, weight blocks, warps,
 parts, stages), both calls and each apart, every launch's delta checked against the default's.
 
-    python bench/lora_addend.py [--parts] [--delta-sweep] [--out bench/results/lora_addend.json]
+With ``--small-mixed`` the cases are S1's decode-sized mixed steps instead (SMALL_CASES: a
+prompt's chunk beside a batch of decode tokens, up to FUSED_MAX_TOKENS tokens, padded to the
+mixed graph's size), on the path the engine gives them (LoraMode.SHAPES: in place, each call's
+shapes at the engine's max_lora_rank of 128, which picks the two launches) against the path
+that lowering lora_paths.NARROW_MIN_TOKENS gives them (LoraMode.NARROW: every call fused at 16
+rank rows, the decode tokens apart by lora_paths.mixed_decodes_apart, the GEMMs adding onto
+the delta from ADDEND_MIN_TOKENS tokens), and NARROW in place.
+
+    python bench/lora_addend.py [--parts] [--delta-sweep | --small-mixed] \
+        [--out bench/results/lora_addend.json]
 """
 
 from __future__ import annotations
@@ -68,6 +77,20 @@ CASES = (
     ("S1 decode", 384, 100, (), 0, 384),
     ("S1 decode", 512, 100, (), 0, 512),
 )
+# --small-mixed: S1's decode-sized mixed steps (decode tokens, adapters drawn from, prompt chunks,
+# padded to the mixed graph's size: every 32 tokens): a saturating trace's batch of about 290
+# sequences beside a chunk (S1 n = 1000 on an H100: 57 steps of 305-508 tokens), and 10
+# requests/s's steps of about 16 sequences beside a prompt
+SMALL_CASES = (
+    (287, 1000, (220,), 512),
+    (287, 1000, (48,), 352),
+    (287, 100, (220,), 512),
+    (287, 100, (48,), 352),
+    (287, 5, (120,), 416),
+    (16, 100, (260,), 288),
+    (16, 100, (100,), 128),
+)
+SMALL_MAX_RANK = 128  # the engine's default max_lora_rank: the rows LoraMode.SHAPES calls with
 RANKS = {"S1": (8,), "S2": (8, 16, 32, 64), "S1 decode": (8,)}
 # The rank rows of the engine's calls: NARROW, WIDE_FUSED, ONE_TOKEN (one-token tiles)
 ROWS = {
@@ -93,16 +116,27 @@ DELTA_POINTS = (
 )
 
 
-def case_rows(decode: int, n: int, prefill: tuple[int, ...], base: int, gen) -> torch.Tensor:
+def case_entries(
+    decode: int, n: int, prefill: tuple[int, ...], base: int, gen
+) -> tuple[torch.Tensor, list[int]]:
     """Each token's adapter row (-1: base model), grouped by adapter as the engine's steps are:
-    base tokens first, then decode tokens and prompts' chunks by adapter."""
+    base tokens first, then decode tokens and prompts' chunks by adapter; and the entries'
+    first tokens and the end (a step's query starts; the base tokens one entry)."""
     rows = torch.randint(0, n, (decode,), generator=gen)
     prompts = torch.randperm(n, generator=gen)[: len(prefill)]
     entries = [(int(r), 1) for r in rows]
     entries += [(int(p), k) for p, k in zip(prompts, prefill, strict=True)]
     entries.sort(key=lambda e: e[0])
     out = [-1] * base + [r for r, k in entries for _ in range(k)]
-    return torch.tensor(out, dtype=torch.int32)
+    starts = [0, base] if base else [0]
+    for _, k in entries:
+        starts.append(starts[-1] + k)
+    return torch.tensor(out, dtype=torch.int32), starts
+
+
+def case_rows(decode: int, n: int, prefill: tuple[int, ...], base: int, gen) -> torch.Tensor:
+    """case_entries' rows."""
+    return case_entries(decode, n, prefill, base, gen)[0]
 
 
 # The engine's segment capacity at its defaults on the H200: min(max_loras, max_num_seqs) + 2,
@@ -214,6 +248,77 @@ def time_case(
     return row
 
 
+def small_paths(decode: int, n: int, prefill: tuple[int, ...], padded: int, gen):
+    """A SMALL_CASES step, padded as its mixed graph is: (rows, entries' starts, the paths'
+    settings): the engine's (shapes) and NARROW's, with the addend where the engine would add
+    it and in place."""
+    from services.inference.engine.model_runner import ADDEND_MIN_TOKENS
+
+    rows, starts = case_entries(decode, n, prefill, 0, gen)
+    real = rows.numel()
+    if padded > real:  # the graph's padding: one entry of no adapter
+        rows = torch.cat([rows, torch.full((padded - real,), -1, dtype=torch.int32)])
+        starts = [*starts, padded]
+    decode_rows = {int(rows[a]) for a, b in zip(starts[:-1], starts[1:], strict=True)
+                   if b - a == 1 and rows[a] >= 0}  # fmt: skip
+    apart = lora_paths.mixed_decodes_apart(decode, len(decode_rows), 8)
+    narrow_rows = lora_paths.FUSED_PREFILL_MAX_ROWS
+    paths = {
+        "shapes": dict(fused=None, rows=SMALL_MAX_RANK, addend=False, apart=False),
+        "narrow": dict(fused=True, rows=narrow_rows, addend=padded >= ADDEND_MIN_TOKENS,
+                       apart=apart),
+        "narrow_in_place": dict(fused=True, rows=narrow_rows, addend=False, apart=apart),
+    }  # fmt: skip
+    return rows, starts, paths
+
+
+def time_small(decode: int, n: int, prefill: tuple[int, ...], padded: int, gen) -> dict:
+    """One SMALL_CASES step: µs a layer of the q/k/v and o GEMMs alone, and with their LoRA
+    calls on each of small_paths' paths, every path's projections checked against the
+    engine's."""
+    rows, starts, paths = small_paths(decode, n, prefill, padded, gen)
+    t = rows.numel()
+    case = kb.build_lora(n, (8,), LAYERS, rows)
+    wqkv = [torch.randn(3 * H, H, dtype=kb.DT, device=kb.DEV) * 0.02 for _ in range(LAYERS)]
+    wo = [torch.randn(H, H, dtype=kb.DT, device=kb.DEV) * 0.02 for _ in range(LAYERS)]
+    xs = [torch.randn(t, H, dtype=kb.DT, device=kb.DEV) for _ in range(LAYERS)]
+    os_ = [torch.randn(t, H, dtype=kb.DT, device=kb.DEV) for _ in range(LAYERS)]
+    out: dict[str, float] = {}
+    results: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, path in (("base", None), *paths.items()):
+        batch = lora = None
+        if path is not None:
+            tokens = make_lora_tokens(case.rows, capacity=CAPACITY, one_token_tiles=path["apart"],
+                                      entries=starts if path["apart"] else None,
+                                      zeros=path["addend"])  # fmt: skip
+            batch = SimpleNamespace(lora_tokens=tokens)
+            lora = LoraContext(case.index, SMALL_MAX_RANK)
+            lora.fused, lora.rows, lora.addend = path["fused"], path["rows"], path["addend"]
+
+        def fn(lora=lora, batch=batch, name=name):
+            for i in range(LAYERS):
+                qkv = linear_lora(
+                    xs[i], wqkv[i], None, batch, case.pool[i], lora, (Q, K, V), (H, H, H)
+                )
+                o = linear_lora(os_[i], wo[i], None, batch, case.pool[i], lora, (O,), (H,))
+                results[(name, i)] = (qkv, o)
+
+        out[name] = kb.timed(fn, LAYERS, eager=False).graph_us
+    for name in paths:
+        for i in range(LAYERS):
+            for a, b in zip(results[("shapes", i)], results[(name, i)], strict=True):
+                err = (a.float() - b.float()).abs().max().item()
+                scale = a.float().abs().max().item()
+                if not err <= 0.02 * scale:
+                    raise AssertionError(f"{name} differs from shapes by {err} (max |y| {scale})")
+    return dict(
+        workload="S1 small mixed", tokens=t, real_tokens=decode + sum(prefill),
+        decode_tokens=decode, adapters=n, used=int(torch.unique(rows[rows >= 0]).numel()),
+        prefill=list(prefill), paths=paths, base_us=round(out["base"], 2),
+        **{f"{name}_us": round(out[name], 2) for name in paths},
+    )  # fmt: skip
+
+
 def sweep_delta(workload, case, tokens, xs, os_) -> list[list]:
     """The addend's delta calls alone (every row written), by DELTA_POINTS: [point..., µs of
     both calls, of q/k/v's, of o's]."""
@@ -265,9 +370,15 @@ def main() -> None:
     ap.add_argument("--delta-sweep", action="store_true",
                     help="also time the mixed cases' delta calls by the fused kernel's launch "
                     "(DELTA_POINTS)")  # fmt: skip
+    ap.add_argument("--small-mixed", action="store_true",
+                    help="time S1's decode-sized mixed steps (SMALL_CASES) on the engine's path "
+                    "and on NARROW instead")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/lora_addend.json")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
+    if args.small_mixed:
+        small_mixed(args.out, gen)
+        return
     bandwidth = kb.copy_bandwidth() if args.parts else None
     rows = []
     head = (
@@ -311,6 +422,28 @@ def main() -> None:
             **({"copy_bytes_per_s": bandwidth} if bandwidth else {}),
         },
     )
+
+
+def small_mixed(out_path: Path, gen: torch.Generator) -> None:
+    print("µs a layer (q/k/v and o GEMMs with their LoRA calls), CUDA graph; +: beyond the base")
+    print(f"{'case':<36} {'tokens':>6} {'used':>5} {'base':>8} {'+shapes':>8} {'+narrow':>8} "
+          f"{'+n in pl':>8} {'ratio':>6}")  # fmt: skip
+    rows = []
+    for c in SMALL_CASES:
+        r = time_small(*c, gen)
+        rows.append(r)
+        extra = {k: r[f"{k}_us"] - r["base_us"] for k in r["paths"]}
+        name = f"{r['decode_tokens']} on {r['adapters']} + {r['prefill']}"
+        name += " (apart)" if r["paths"]["narrow"]["apart"] else ""
+        name += " (addend)" if r["paths"]["narrow"]["addend"] else ""
+        ratio = extra["narrow"] / extra["shapes"] if extra["shapes"] > 0 else 0
+        print(f"{name:<36} {r['tokens']:>6} {r['used']:>5} {r['base_us']:>8.1f} "
+              f"{extra['shapes']:>8.1f} {extra['narrow']:>8.1f} "
+              f"{extra['narrow_in_place']:>8.1f} {ratio:>6.2f}", flush=True)  # fmt: skip
+    write_result(out_path, "lora_addend.py", {
+        "benchmark": "lora_addend --small-mixed", "gpu": torch.cuda.get_device_name(),
+        "rows": rows,
+    })  # fmt: skip
 
 
 if __name__ == "__main__":

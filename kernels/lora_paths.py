@@ -60,11 +60,28 @@ ONE_TOKEN_ROWS = 8
 ONE_TOKEN_MAX_SHARING = 8
 # Whether such a decode step's tokens that share an adapter go two to a tile (StepBatch.fill's
 # pair_tiles), the GEMV body reading the adapter once for both (LoraLaunch.gemv_pair), rather
-# than each token its own tile, reading it again. Off until it has run on a GPU: tested against
-# the reference under the interpreter, compiled for sm_90 on the host (128 registers a thread:
-# 2 programs an SM, as the one-token launch holds in place, 2 against 3 writing the delta;
-# python -m bench.kernel_resources --pairs), not yet timed (bench/lora_engine_calls.py --pairs).
-ONE_TOKEN_PAIRS = False
+# than each token its own tile, reading it again: where every module of the step's adapters
+# hoists (ModelRunner.pair_modules: Llama-7B's q/k/v and o). H100, one layer's S1 q/k/v and o
+# calls in a CUDA graph, one-token tiles against pairs (bench/lora_engine_calls.py --pairs,
+# bench/results/lora_engine_calls_pairs_8b7ce79_h100.json): 512 decode tokens on 100 adapters
+# 56.4 against 49.4 µs, 292 on 94 41.9 against 39.5, 256 on 32 29.1 against 27.3; on adapters
+# drawn from 1000 or 2000 (few tokens share) level, 229-512 tokens 55.0-99.4 against
+# 55.6-99.4; the launch compiled with the pair body costs its one-token tiles nothing (within
+# 1 µs); compiled for sm_90 it holds 128 registers a thread, 2 programs an SM as the one-token
+# launch in place, 2 against 3 writing the delta (python -m bench.kernel_resources --pairs).
+# In serving, S1 n = 1000 on one H100 one run after the other: the decode steps 1.28 s
+# beyond the base model's steps fit to their shape against 1.38 (bench/step_compare.py), the
+# throughput level (7133 tok/s against 7134).
+ONE_TOKEN_PAIRS = True
+# Mixed steps narrow (prefill_step_narrows) from this many tokens: the prefill-sized ones. Below,
+# a decode-sized mixed step (a prompt's chunk beside a batch of decode tokens) takes each call's
+# shapes at the engine's max_lora_rank (the two launches): on an H100, S1 n = 1000's 57 such
+# steps of 305-508 tokens took 3.9 ms each beyond the base model's steps fit to their shape,
+# its 298 narrow steps of 512-2048 tokens 2.2 (bench/step_compare.py,
+# bench/results/step_compare_s1_8b7ce79_h100_n1000_pairs_on.json). Whether narrowing them too
+# wins, with the GEMMs included, is bench/lora_addend.py --small-mixed's to say (not yet run on
+# a GPU; the engine's CUDA tests run NARROW steps this small with FUSED_MAX_TOKENS lowered).
+NARROW_MIN_TOKENS: int | None = None  # None: over FUSED_MAX_TOKENS
 # A narrow mixed step's decode tokens take one-token tiles when they share their adapters at
 # least this many to one (and at most ONE_TOKEN_MAX_SHARING): mixed_decodes_apart.
 MIXED_APART_MIN_SHARING = 2
@@ -84,6 +101,12 @@ def fused_rank_rows(max_rank: int) -> int:
     while rows < max_rank:
         rows *= 2
     return rows
+
+
+def narrow_min_tokens() -> int:
+    """The fewest tokens of a mixed step that narrows: NARROW_MIN_TOKENS, by default the
+    prefill-sized steps'."""
+    return FUSED_MAX_TOKENS + 1 if NARROW_MIN_TOKENS is None else NARROW_MIN_TOKENS
 
 
 def shapes_prefer_fused(num_tokens: int, max_rank: int, num_slices: int) -> bool:

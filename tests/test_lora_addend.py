@@ -81,3 +81,53 @@ def test_in_place_and_addend_give_the_same_projections():
     base = x @ weight.T + bias
     assert torch.allclose(out[True][rows < 0], base[rows < 0], atol=1e-5)
     assert not torch.allclose(out[True][rows >= 0], base[rows >= 0], atol=1e-3)  # deltas landed
+
+
+def test_case_entries_start_each_entry():
+    """A decode token is an entry of one token, a prompt's chunk one of its length, the base
+    tokens one entry; the starts end at the step's tokens."""
+    gen = torch.Generator().manual_seed(3)
+    rows, starts = lora_addend.case_entries(decode=5, n=3, prefill=(4, 2), base=3, gen=gen)
+    assert starts[0] == 0 and starts[1] == 3 and starts[-1] == rows.numel() == 3 + 5 + 4 + 2
+    lengths = sorted(b - a for a, b in zip(starts[:-1], starts[1:], strict=True))
+    assert lengths == [1] * 5 + [2, 3, 4]
+    for a, b in zip(starts[:-1], starts[1:], strict=True):
+        assert len(set(rows[a:b].tolist())) == 1  # an entry is on one adapter
+
+
+def test_small_mixed_cases_are_decode_sized_steps_on_the_engines_paths():
+    """--small-mixed's cases are mixed steps of at most FUSED_MAX_TOKENS tokens padded as the
+    engine's mixed graphs pad them; the engine gives them the shapes' path at its default
+    max_lora_rank, and NARROW once NARROW_MIN_TOKENS is lowered, with the decode tokens apart
+    as lora_paths.mixed_decodes_apart says (sharing their adapters 2-8 to one: from 100) and the
+    addend from ADDEND_MIN_TOKENS; each path's tables cover the step's adapter tokens once (and
+    the addend's every token)."""
+    from pathlib import Path
+
+    from kernels import lora_paths
+    from services.inference.engine.config import EngineConfig
+    from services.inference.engine.model_runner import ADDEND_MIN_TOKENS
+
+    config = EngineConfig(model_dir=Path("m"))
+    assert config.max_lora_rank == lora_addend.SMALL_MAX_RANK
+    sizes = config.mixed_graph_tokens
+    gen = torch.Generator().manual_seed(4)
+    for decode, n, prefill, padded in lora_addend.SMALL_CASES:
+        real = decode + sum(prefill)
+        assert padded == min(s for s in sizes if s >= real) <= lora_paths.FUSED_MAX_TOKENS
+        rows, starts, paths = lora_addend.small_paths(decode, n, prefill, padded, gen)
+        assert rows.numel() == padded and starts[-1] == padded
+        assert paths["shapes"]["rows"] == lora_addend.SMALL_MAX_RANK
+        assert paths["narrow"]["addend"] == (padded >= ADDEND_MIN_TOKENS)
+        assert paths["narrow"]["apart"] == (decode > 100 and n == 100)
+        for path in paths.values():
+            tokens = make_lora_tokens(rows, capacity=lora_addend.CAPACITY,
+                                      one_token_tiles=path["apart"],
+                                      entries=starts if path["apart"] else None,
+                                      zeros=path["addend"])  # fmt: skip
+            covered = torch.zeros(padded, dtype=torch.int32)
+            for row, start, end in tokens.tiles[0].tolist():
+                if row != -1:
+                    covered[start:end] += 1
+            want = torch.ones_like(covered) if path["addend"] else (rows >= 0).to(torch.int32)
+            assert torch.equal(covered, want), (decode, n, prefill, path)

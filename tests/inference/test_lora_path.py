@@ -219,6 +219,37 @@ def test_prefill_sized_steps_are_sized_for_their_adapters_ranks(core):
     assert lora_for(LoraMode.NARROW, None).rank_block == 16  # back to 16 for the next step
 
 
+def test_decode_sized_mixed_steps_narrow_from_narrow_min_tokens(core, tiny_models, monkeypatch):
+    """lora_paths.NARROW_MIN_TOKENS: mixed steps from that many tokens narrow (prefill-sized
+    ones by default); lowered, a decode-sized mixed step whose adapters fit 16 rank rows takes
+    NARROW too (rather than the fused rule or the two launches), its decode tokens apart by
+    the same rule, and NARROW graphs are captured at those mixed sizes; a decode step, or a
+    step with an adapter above 16 rows, keeps its path. WIDE_FUSED stays prefill-sized."""
+    for name in ("r4", "r8"):
+        core.add_adapter_dir(AdapterKey(name, 1), tiny_models.adapter("tiny-llama", name))
+    r16, r4, r32, r8 = (_load(core, name) for name in ("r16", "r4", "r32", "r8"))
+    runner = core.runner
+    step = runner.step_lora
+
+    def prefill(row, n):
+        return BatchEntry(tuple(range(n)), 0, tuple(range(n // 4 + 1)), row, True)
+
+    mixed = [prefill(r16, 100), *_decode([r4] * 3)]
+    spread = [prefill(r8, 100), *_decode([r4, r8] * 4)]  # 4 decode tokens an adapter
+    assert step(mixed).mode is LoraMode.TWO  # the default: decode-sized mixed, two launches
+    assert LoraMode.NARROW not in {k.lora for k in runner.graph_keys((), (128,))}
+    monkeypatch.setattr(lora_paths, "NARROW_MIN_TOKENS", 64)
+    assert step(mixed) == StepLora(LoraMode.NARROW, core.adapters.row_modules[r16]
+                                   | core.adapters.row_modules[r4])  # fmt: skip
+    assert step(spread) == StepLora(LoraMode.NARROW, step(spread).modules, True)  # apart
+    assert step([prefill(r16, 40), *_decode([r4])]).mode is LoraMode.TWO  # 41 tokens
+    assert step([prefill(r16, 100), *_decode([r32])]).mode is LoraMode.WIDE
+    assert step(_decode([r4] * 70)).mode is not LoraMode.NARROW  # a decode step
+    keys = runner.graph_keys((), (32, 128, 640))
+    assert {k.tokens for k in keys if k.lora is LoraMode.NARROW} == {128, 640}
+    assert {k.tokens for k in keys if k.lora is LoraMode.WIDE_FUSED} <= {640}
+
+
 def test_the_wide_fused_rule_wants_many_adapters_none_above_its_rows():
     """lora_paths.prefill_step_fuses_wide: an adapter above FUSED_PREFILL_MAX_ROWS (16), none
     above WIDE_FUSED_ROWS (64), and at least WIDE_FUSED_MIN_ADAPTERS (64) distinct adapters."""

@@ -298,9 +298,10 @@ class ModelRunner:
 
     def _narrows(self, tokens: int) -> bool:
         """Whether a mixed step of ``tokens`` tokens may be sized for fewer rank rows than the
-        engine's: prefill-sized, in an engine whose max_lora_rank is above those rows."""
+        engine's: from lora_paths.NARROW_MIN_TOKENS (the prefill-sized ones), in an engine whose
+        max_lora_rank is above those rows."""
         rows = lora_paths.FUSED_PREFILL_MAX_ROWS
-        return tokens > lora_paths.FUSED_MAX_TOKENS and self.max_lora_rank > rows
+        return tokens >= lora_paths.narrow_min_tokens() and self.max_lora_rank > rows
 
     def _wides(self) -> bool:
         """Whether steps may hold adapters above FUSED_DECODE_ROWS (WIDE graphs are captured)."""
@@ -311,7 +312,8 @@ class ModelRunner:
         prefill-sized, in an engine whose adapters may be that wide (its calls are then sized
         for those rows; kernels.lora_paths.prefill_step_fuses_wide)."""
         rows = lora_paths.fused_rank_rows(self.max_lora_rank)
-        return self._narrows(tokens) and rows >= lora_paths.WIDE_FUSED_ROWS
+        prefill_sized = tokens > lora_paths.FUSED_MAX_TOKENS
+        return prefill_sized and self._narrows(tokens) and rows >= lora_paths.WIDE_FUSED_ROWS
 
     def _fusable(self, size: int) -> bool:
         """Whether a decode step of ``size`` sequences could prefer the fused path."""
@@ -329,11 +331,12 @@ class ModelRunner:
         whose adapters fit ONE_TOKEN_ROWS and share little, ONE_TOKEN
         (lora_paths.one_token_step_fuses); else for a decode-sized step (up to FUSED_MAX_TOKENS
         tokens) fused or two launches by lora_paths.decode_prefers_fused over its adapter
-        tokens; for a prefill-sized one NARROW when every adapter of it fits
-        FUSED_PREFILL_MAX_ROWS (lora_paths.prefill_step_narrows: every call fused, sized for
-        those rows), its decode tokens each a one-token tile when they share their adapters a
-        few to one (the fused kernel's GEMV body, rather than a dot-body tile of the decode
-        tokens that share an adapter: lora_paths.mixed_decodes_apart); when an adapter is above
+        tokens; for a prefill-sized one (and a mixed one from lora_paths.NARROW_MIN_TOKENS
+        tokens) NARROW when every adapter of it fits FUSED_PREFILL_MAX_ROWS
+        (lora_paths.prefill_step_narrows: every call fused, sized for those rows), its decode
+        tokens each a one-token tile when they share their adapters a few to one (the fused
+        kernel's GEMV body, rather than a dot-body tile of the decode tokens that share an
+        adapter: lora_paths.mixed_decodes_apart); when an adapter is above
         those rows and none above WIDE_FUSED_ROWS, WIDE_FUSED if the step holds many adapters
         (lora_paths.prefill_step_fuses_wide: every call fused at those rows). Otherwise, with an
         adapter above FUSED_DECODE_ROWS, two launches of WIDE_RANK_ROWS-row programs (WIDE,
@@ -365,9 +368,16 @@ class ModelRunner:
                 )  # fmt: skip
                 return StepLora(LoraMode.ONE_TOKEN, modules, True, pairs)
         decode_sized = tokens <= lora_paths.FUSED_MAX_TOKENS
-        if decode_sized and lora_paths.decode_prefers_fused(adapter_tokens, len(rows), rank):
-            return StepLora(LoraMode.FUSED, modules)
-        if self._narrows(tokens) and lora_paths.prefill_step_narrows(rank):  # prefill-sized
+        # prefill-sized, or a mixed step from NARROW_MIN_TOKENS (decode-sized when lowered)
+        narrow = (
+            self._narrows(tokens)
+            and (tokens > len(entries) or not decode_sized)
+            and lora_paths.prefill_step_narrows(rank)
+        )
+        if decode_sized and not narrow:
+            if lora_paths.decode_prefers_fused(adapter_tokens, len(rows), rank):
+                return StepLora(LoraMode.FUSED, modules)
+        if narrow:
             apart = lora_paths.mixed_decodes_apart(decode_tokens, len(decode_rows), rank)
             return StepLora(LoraMode.NARROW, modules, apart)
         if self._wide_fuses(tokens) and lora_paths.prefill_step_fuses_wide(rank, len(rows)):
