@@ -80,7 +80,10 @@ ONE_TOKEN_PAIRS = True
 # its 298 narrow steps of 512-2048 tokens 2.2 (bench/step_compare.py,
 # bench/results/step_compare_s1_8b7ce79_h100_n1000_pairs_on.json). Whether narrowing them too
 # wins, with the GEMMs included, is bench/lora_addend.py --small-mixed's to say (not yet run on
-# a GPU; the engine's CUDA tests run NARROW steps this small with FUSED_MAX_TOKENS lowered).
+# a GPU; the engine's CUDA tests run NARROW steps this small with FUSED_MAX_TOKENS lowered). A
+# prompt-heavy one may lose: H200, 16 decode tokens beside a 256-token prompt, one layer's S1
+# calls all fused at 16 rows 59.2 µs against 44.2 on the two launches (44.4 at 128 rows;
+# bench/results/lora_engine_calls_narrow.json), so the rule may need the decode tokens' share.
 NARROW_MIN_TOKENS: int | None = None  # None: over FUSED_MAX_TOKENS
 # A narrow mixed step's decode tokens take one-token tiles when they share their adapters at
 # least this many to one (and at most ONE_TOKEN_MAX_SHARING): mixed_decodes_apart.
