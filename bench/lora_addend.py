@@ -157,6 +157,48 @@ def padded_rows(decode, n, prefill, base, padded, gen) -> torch.Tensor:
     return torch.cat([rows, torch.full((max(padded, real) - real,), -1, dtype=torch.int32)])
 
 
+def make_layers(n: int, ranks: tuple[int, ...], rows: torch.Tensor) -> SimpleNamespace:
+    """LAYERS layers of a case: its adapters (kb.build_lora over ``rows``), each layer's q/k/v
+    and o weights, and their inputs."""
+    t = rows.numel()
+    return SimpleNamespace(
+        case=kb.build_lora(n, ranks, LAYERS, rows),
+        wqkv=[torch.randn(3 * H, H, dtype=kb.DT, device=kb.DEV) * 0.02 for _ in range(LAYERS)],
+        wo=[torch.randn(H, H, dtype=kb.DT, device=kb.DEV) * 0.02 for _ in range(LAYERS)],
+        xs=[torch.randn(t, H, dtype=kb.DT, device=kb.DEV) for _ in range(LAYERS)],
+        os_=[torch.randn(t, H, dtype=kb.DT, device=kb.DEV) for _ in range(LAYERS)],
+    )
+
+
+def time_projections(layers, batch, lora, results: dict, name: str) -> float:
+    """µs a layer of the layers' q/k/v and o projections with their LoRA calls through the
+    engine's hook (models/llama.py linear_lora; ``lora`` None: the GEMMs alone) in a CUDA
+    graph; each layer's outputs kept as results[(name, layer)]."""
+    case = layers.case
+
+    def fn():
+        for i in range(LAYERS):
+            qkv = linear_lora(
+                layers.xs[i], layers.wqkv[i], None, batch, case.pool[i], lora, (Q, K, V),
+                (H, H, H),
+            )  # fmt: skip
+            o = linear_lora(layers.os_[i], layers.wo[i], None, batch, case.pool[i], lora, (O,),
+                            (H,))  # fmt: skip
+            results[(name, i)] = (qkv, o)
+
+    return kb.timed(fn, LAYERS, eager=False).graph_us
+
+
+def check_same(results: dict, ref: str, name: str) -> None:
+    """Two variants computed the same projections (within the roundings' difference)."""
+    for i in range(LAYERS):
+        for a, b in zip(results[(ref, i)], results[(name, i)], strict=True):
+            err = (a.float() - b.float()).abs().max().item()
+            scale = a.float().abs().max().item()
+            if not err <= 0.02 * scale:
+                raise AssertionError(f"{name} differs from {ref} by {err} (max |y| {scale})")
+
+
 def time_case(
     workload, decode, n, prefill, base, padded, gen, parts=False, delta_sweep=False
 ) -> dict:
@@ -164,11 +206,8 @@ def time_case(
     t = rows.numel()
     real = decode + sum(prefill) + base
     ranks = RANKS[workload]
-    case = kb.build_lora(n, ranks, LAYERS, rows)
-    wqkv = [torch.randn(3 * H, H, dtype=kb.DT, device=kb.DEV) * 0.02 for _ in range(LAYERS)]
-    wo = [torch.randn(H, H, dtype=kb.DT, device=kb.DEV) * 0.02 for _ in range(LAYERS)]
-    xs = [torch.randn(t, H, dtype=kb.DT, device=kb.DEV) for _ in range(LAYERS)]
-    os_ = [torch.randn(t, H, dtype=kb.DT, device=kb.DEV) for _ in range(LAYERS)]
+    layers = make_layers(n, ranks, rows)
+    case, wqkv, wo, xs, os_ = layers.case, layers.wqkv, layers.wo, layers.xs, layers.os_
     out: dict[str, float] = {}
     results: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
     one_token = workload in ONE_TOKEN
@@ -179,16 +218,7 @@ def time_case(
             lora = LoraContext(case.index, max(ranks))
             lora.fused, lora.rows, lora.modules = True, ROWS[workload], None
             lora.one_token, lora.addend = one_token, variant == "addend"
-
-        def fn(lora=lora, batch=batch, variant=variant):
-            for i in range(LAYERS):
-                qkv = linear_lora(
-                    xs[i], wqkv[i], None, batch, case.pool[i], lora, (Q, K, V), (H, H, H)
-                )
-                o = linear_lora(os_[i], wo[i], None, batch, case.pool[i], lora, (O,), (H,))
-                results[(variant, i)] = (qkv, o)
-
-        out[variant] = kb.timed(fn, LAYERS, eager=False).graph_us
+        out[variant] = time_projections(layers, batch, lora, results, variant)
     if parts:  # the addend's two halves apart: its GEMMs onto a written output, its delta calls
         ys = [(torch.randn(t, 3 * H, dtype=kb.DT, device=kb.DEV),
                torch.randn(t, H, dtype=kb.DT, device=kb.DEV)) for _ in range(LAYERS)]  # fmt: skip
@@ -221,13 +251,7 @@ def time_case(
         out["beside"] = kb.timed(beside, LAYERS, eager=False).graph_us
     if delta_sweep and prefill:
         out["delta_sweep"] = sweep_delta(workload, case, batch.lora_tokens, xs, os_)
-    # the two variants compute the same projections (within the roundings' difference)
-    for i in range(LAYERS):
-        for a, b in zip(results[("in_place", i)], results[("addend", i)], strict=True):
-            err = (a.float() - b.float()).abs().max().item()
-            scale = a.float().abs().max().item()
-            if not err <= 0.02 * scale:
-                raise AssertionError(f"addend differs from in place by {err} (max |y| {scale})")
+    check_same(results, "in_place", "addend")
     used = int(torch.unique(rows[rows >= 0]).numel())
     row = dict(
         workload=workload, tokens=t, real_tokens=real, decode_tokens=decode, adapters=n,
@@ -278,39 +302,22 @@ def time_small(decode: int, n: int, prefill: tuple[int, ...], padded: int, gen) 
     engine's."""
     rows, starts, paths = small_paths(decode, n, prefill, padded, gen)
     t = rows.numel()
-    case = kb.build_lora(n, (8,), LAYERS, rows)
-    wqkv = [torch.randn(3 * H, H, dtype=kb.DT, device=kb.DEV) * 0.02 for _ in range(LAYERS)]
-    wo = [torch.randn(H, H, dtype=kb.DT, device=kb.DEV) * 0.02 for _ in range(LAYERS)]
-    xs = [torch.randn(t, H, dtype=kb.DT, device=kb.DEV) for _ in range(LAYERS)]
-    os_ = [torch.randn(t, H, dtype=kb.DT, device=kb.DEV) for _ in range(LAYERS)]
+    layers = make_layers(n, (8,), rows)
     out: dict[str, float] = {}
     results: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
     for name, path in (("base", None), *paths.items()):
         batch = lora = None
         if path is not None:
-            tokens = make_lora_tokens(case.rows, capacity=CAPACITY, one_token_tiles=path["apart"],
+            tokens = make_lora_tokens(layers.case.rows, capacity=CAPACITY,
+                                      one_token_tiles=path["apart"],
                                       entries=starts if path["apart"] else None,
                                       zeros=path["addend"])  # fmt: skip
             batch = SimpleNamespace(lora_tokens=tokens)
-            lora = LoraContext(case.index, SMALL_MAX_RANK)
+            lora = LoraContext(layers.case.index, SMALL_MAX_RANK)
             lora.fused, lora.rows, lora.addend = path["fused"], path["rows"], path["addend"]
-
-        def fn(lora=lora, batch=batch, name=name):
-            for i in range(LAYERS):
-                qkv = linear_lora(
-                    xs[i], wqkv[i], None, batch, case.pool[i], lora, (Q, K, V), (H, H, H)
-                )
-                o = linear_lora(os_[i], wo[i], None, batch, case.pool[i], lora, (O,), (H,))
-                results[(name, i)] = (qkv, o)
-
-        out[name] = kb.timed(fn, LAYERS, eager=False).graph_us
+        out[name] = time_projections(layers, batch, lora, results, name)
     for name in paths:
-        for i in range(LAYERS):
-            for a, b in zip(results[("shapes", i)], results[(name, i)], strict=True):
-                err = (a.float() - b.float()).abs().max().item()
-                scale = a.float().abs().max().item()
-                if not err <= 0.02 * scale:
-                    raise AssertionError(f"{name} differs from shapes by {err} (max |y| {scale})")
+        check_same(results, "shapes", name)
     return dict(
         workload="S1 small mixed", tokens=t, real_tokens=decode + sum(prefill),
         decode_tokens=decode, adapters=n, used=int(torch.unique(rows[rows >= 0]).numel()),

@@ -250,29 +250,37 @@ def _small_adapter_requests(
     return requests
 
 
-@pytest.mark.parametrize("addend", [False, True])
-def test_cuda_large_decode_steps_on_one_token_tiles_match_hf_peft(tiny_models, monkeypatch, addend):
+def _large_decode_steps(tiny_models, monkeypatch, preset, addend, seed, steps=None):
     """Decode steps of 64 sequences and more whose rank-4 and rank-8 adapters are shared at most
     ONE_TOKEN_MAX_SHARING tokens to one (ten adapter keys over r4's and r8's weights, seven
-    sequences each, beside the base model) replay the ONE_TOKEN graphs of their size (every call
-    fused, a tile a token, 8 rank rows, every load issued first); every token against HF +
-    PEFT, the pool intact. (max_loras 80: the batch's segment capacity, max_loras + 2, bounds
-    the one-token tiles a step's table holds.) Steps this large add their deltas in place (the
-    side stream takes steps of up to SIDE_STREAM_MAX_TOKENS tokens); ``addend``: from 64
-    tokens (ADDEND_MIN_TOKENS lowered) their GEMMs add onto the deltas instead, the base-model
-    sequences and the graphs' padding as zero tiles."""
+    sequences each, beside the base model) on ``preset``'s model, in float32: they replay the
+    ONE_TOKEN graphs of their size (every call fused, a tile a token, 8 rank rows, every load
+    issued first), and every token matches HF + PEFT, the pool intact. (max_loras 80: the
+    batch's segment capacity, max_loras + 2, bounds the one-token tiles a step's table holds.)
+    Steps this large add their deltas in place (the side stream takes steps of up to
+    SIDE_STREAM_MAX_TOKENS tokens); ``addend``: from 64 tokens (ADDEND_MIN_TOKENS lowered) their
+    GEMMs add onto the deltas instead, the base-model sequences and the graphs' padding as zero
+    tiles. ``steps``: a list that gets each step's StepLora. Returns the engine."""
     from services.inference.engine import model_runner
 
     monkeypatch.setattr(model_runner, "ADDEND_MIN_TOKENS", 64)
-    model_dir = tiny_models.model("tiny-llama")
+    model_dir = tiny_models.model(preset)
     recorder = Recorder()
     core = make_core(model_dir, recorder, device="cuda", dtype="float32", max_num_seqs=80,
                      max_num_batched_tokens=640, max_loras=80, num_pages=2048,
                      lora_addend=addend)  # fmt: skip
+    if steps is not None:
+        step_lora = core.runner.step_lora
+
+        def spy(entries):
+            steps.append(step_lora(entries))
+            return steps[-1]
+
+        core.runner.step_lora = spy
     # 70 on ten adapters, 6 on the base model
     keys = [i % 10 if i < 70 else None for i in range(76)]
     requests = _small_adapter_requests(tiny_models, core, keys, [5 + i % 4 for i in range(76)],
-                                       max_new_tokens=5, seed=77)  # fmt: skip
+                                       max_new_tokens=5, seed=seed, preset=preset)  # fmt: skip
     _place_in_pool(core, {r.adapter for r, _ in requests} - {None})
     results = run(core, {0: [r for r, _ in requests]}, recorder)
     big = [r for r in core.step_log.recent
@@ -281,52 +289,36 @@ def test_cuda_large_decode_steps_on_one_token_tiles_match_hf_peft(tiny_models, m
     assert max(core.runner.one_token_graph_sizes) == 80
     core.check_integrity()
     assert core.stats().kv_pages == 0
-    assert_matches_hf(tiny_models, "tiny-llama", model_dir, requests, results)
+    assert_matches_hf(tiny_models, preset, model_dir, requests, results)
+    return core
+
+
+@pytest.mark.parametrize("addend", [False, True])
+def test_cuda_large_decode_steps_on_one_token_tiles_match_hf_peft(tiny_models, monkeypatch, addend):
+    """_large_decode_steps on tiny-llama, whose grouped-query q/k/v and o calls do not hoist
+    (their d_in or width is above the pool's width): one token a tile, pairs or not."""
+    core = _large_decode_steps(tiny_models, monkeypatch, "tiny-llama", addend, seed=77)
+    assert core.runner.pair_modules == 0
 
 
 @pytest.mark.parametrize("pairs, addend", [(False, False), (True, False), (True, True)])
 def test_cuda_one_token_tiles_of_hoisted_calls_match_hf_peft(
     tiny_models, monkeypatch, pairs, addend
 ):
-    """The same decode steps on a model with multi-head attention (tiny-mha), whose q/k/v and o
-    calls hoist the GEMV body's loads (lora.gemv_hoists), as Llama-7B's do and the
-    grouped-query tiny models' do not. ``pairs``: with lora_paths.ONE_TOKEN_PAIRS on, every
-    module the adapters touch takes two-token tiles (ModelRunner.pair_modules), so the tokens
-    that share an adapter go two to a tile (the kernel's pair body); ``addend`` as above.
-    Every token against HF + PEFT, the pool intact."""
+    """_large_decode_steps on a model with multi-head attention (tiny-mha), whose q/k/v and o
+    calls hoist the GEMV body's loads (lora.gemv_hoists), as Llama-7B's do. ``pairs``: with
+    lora_paths.ONE_TOKEN_PAIRS on, every module the adapters touch takes two-token tiles
+    (ModelRunner.pair_modules), so the tokens that share an adapter go two to a tile (the
+    kernel's pair body)."""
     from services.inference.engine import model_runner
-    from services.inference.engine.model_runner import LoraMode
 
     monkeypatch.setattr(lora_paths, "ONE_TOKEN_PAIRS", pairs)
-    monkeypatch.setattr(model_runner, "ADDEND_MIN_TOKENS", 64)
-    model_dir = tiny_models.model("tiny-mha")
-    recorder = Recorder()
-    core = make_core(model_dir, recorder, device="cuda", dtype="float32", max_num_seqs=80,
-                     max_num_batched_tokens=640, max_loras=80, num_pages=2048,
-                     lora_addend=addend)  # fmt: skip
+    steps = []
+    core = _large_decode_steps(tiny_models, monkeypatch, "tiny-mha", addend, seed=78, steps=steps)
     qkvo = sum(1 << m for m in (model_runner.Q, model_runner.K, model_runner.V, model_runner.O))
     assert core.runner.pair_modules == (qkvo if pairs else 0)
-    steps = []
-    step_lora = core.runner.step_lora
-
-    def spy(entries):
-        steps.append(step_lora(entries))
-        return steps[-1]
-
-    core.runner.step_lora = spy
-    keys = [i % 10 if i < 70 else None for i in range(76)]
-    requests = _small_adapter_requests(tiny_models, core, keys, [5 + i % 4 for i in range(76)],
-                                       max_new_tokens=5, seed=78, preset="tiny-mha")  # fmt: skip
-    _place_in_pool(core, {r.adapter for r, _ in requests} - {None})
-    results = run(core, {0: [r for r, _ in requests]}, recorder)
-    big = [r for r in core.step_log.recent
-           if r.graph and r.prefill_tokens == 0 and r.seqs >= 64]  # fmt: skip
-    assert big and all(r.lora == "fused, one-token tiles" for r in big)
-    one_token = [s for s in steps if s.mode is LoraMode.ONE_TOKEN]
+    one_token = [s for s in steps if s.mode is model_runner.LoraMode.ONE_TOKEN]
     assert one_token and all(s.pair_tiles == pairs for s in one_token)
-    core.check_integrity()
-    assert core.stats().kv_pages == 0
-    assert_matches_hf(tiny_models, "tiny-mha", model_dir, requests, results)
 
 
 @pytest.mark.parametrize("addend", [False, True])
