@@ -26,9 +26,10 @@ With ``--small-mixed`` the cases are S1's decode-sized mixed steps instead (SMAL
 prompt's chunk beside a batch of decode tokens, up to FUSED_MAX_TOKENS tokens, padded to the
 mixed graph's size), on the path the engine gives them (LoraMode.SHAPES: in place, each call's
 shapes at the engine's max_lora_rank of 128, which picks the two launches) against the path
-that lowering lora_paths.NARROW_MIN_TOKENS gives them (LoraMode.NARROW: every call fused at 16
-rank rows, the decode tokens apart by lora_paths.mixed_decodes_apart, the GEMMs adding onto
-the delta from ADDEND_MIN_TOKENS tokens), and NARROW in place.
+that setting lora_paths.NARROW_MIN_DECODE_TOKENS gives those of that many decode tokens
+(LoraMode.NARROW: every call fused at 16 rank rows, the decode tokens apart by
+lora_paths.mixed_decodes_apart, the GEMMs adding onto the delta from ADDEND_MIN_TOKENS tokens),
+and NARROW in place: which steps gain, and so what to set it to.
 
     python bench/lora_addend.py [--parts] [--delta-sweep | --small-mixed] \
         [--out bench/results/lora_addend.json]

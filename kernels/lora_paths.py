@@ -73,18 +73,19 @@ ONE_TOKEN_MAX_SHARING = 8
 # beyond the base model's steps fit to their shape against 1.38 (bench/step_compare.py), the
 # throughput level (7133 tok/s against 7134).
 ONE_TOKEN_PAIRS = True
-# Mixed steps narrow (prefill_step_narrows) from this many tokens: the prefill-sized ones. Below,
-# a decode-sized mixed step (a prompt's chunk beside a batch of decode tokens) takes each call's
-# shapes at the engine's max_lora_rank (the two launches): on an H100, S1 n = 1000's 57 such
-# steps of 305-508 tokens took 3.9 ms each beyond the base model's steps fit to their shape,
+# Decode-sized mixed steps (a prompt's chunk beside decode tokens, up to FUSED_MAX_TOKENS
+# tokens) narrow too (prefill_step_narrows) when they hold at least this many decode tokens
+# with an adapter; None: they keep each call's shapes at the engine's max_lora_rank (the two
+# launches). On an H100, S1 n = 1000's 57 such steps of 305-508 tokens (about 287 decode
+# tokens beside a chunk) took 3.9 ms each beyond the base model's steps fit to their shape,
 # its 298 narrow steps of 512-2048 tokens 2.2 (bench/step_compare.py,
-# bench/results/step_compare_s1_8b7ce79_h100_n1000_pairs_on.json). Whether narrowing them too
-# wins, with the GEMMs included, is bench/lora_addend.py --small-mixed's to say (not yet run on
-# a GPU; the engine's CUDA tests run NARROW steps this small with FUSED_MAX_TOKENS lowered). A
-# prompt-heavy one may lose: H200, 16 decode tokens beside a 256-token prompt, one layer's S1
-# calls all fused at 16 rows 59.2 µs against 44.2 on the two launches (44.4 at 128 rows;
-# bench/results/lora_engine_calls_narrow.json), so the rule may need the decode tokens' share.
-NARROW_MIN_TOKENS: int | None = None  # None: over FUSED_MAX_TOKENS
+# bench/results/step_compare_s1_8b7ce79_h100_n1000_pairs_on.json); but a prompt-heavy step
+# loses on the fused kernel (H200, 16 decode tokens beside a 256-token prompt, one layer's S1
+# calls all fused at 16 rows 59.2 µs against 44.2 on the two launches, 44.4 at 128 rows;
+# bench/results/lora_engine_calls_narrow.json). bench/lora_addend.py --small-mixed times
+# both kinds with their GEMMs on both paths and sets this; it has not run on a GPU yet (the
+# engine's CUDA tests run NARROW steps this small with FUSED_MAX_TOKENS lowered).
+NARROW_MIN_DECODE_TOKENS: int | None = None
 # A narrow mixed step's decode tokens take one-token tiles when they share their adapters at
 # least this many to one (and at most ONE_TOKEN_MAX_SHARING): mixed_decodes_apart.
 MIXED_APART_MIN_SHARING = 2
@@ -106,10 +107,13 @@ def fused_rank_rows(max_rank: int) -> int:
     return rows
 
 
-def narrow_min_tokens() -> int:
-    """The fewest tokens of a mixed step that narrows: NARROW_MIN_TOKENS, by default the
-    prefill-sized steps'."""
-    return FUSED_MAX_TOKENS + 1 if NARROW_MIN_TOKENS is None else NARROW_MIN_TOKENS
+def mixed_step_narrows(tokens: int, decode_tokens: int) -> bool:
+    """Whether a mixed step of ``tokens`` tokens, ``decode_tokens`` of them decode tokens with
+    an adapter, may narrow (its adapters' ranks decide the rest: prefill_step_narrows): when it
+    is prefill-sized, or decode-sized with NARROW_MIN_DECODE_TOKENS decode tokens or more."""
+    if tokens > FUSED_MAX_TOKENS:
+        return True
+    return NARROW_MIN_DECODE_TOKENS is not None and decode_tokens >= NARROW_MIN_DECODE_TOKENS
 
 
 def shapes_prefer_fused(num_tokens: int, max_rank: int, num_slices: int) -> bool:

@@ -298,10 +298,12 @@ class ModelRunner:
 
     def _narrows(self, tokens: int) -> bool:
         """Whether a mixed step of ``tokens`` tokens may be sized for fewer rank rows than the
-        engine's: from lora_paths.NARROW_MIN_TOKENS (the prefill-sized ones), in an engine whose
+        engine's (a NARROW graph is captured at that size): prefill-sized, or decode-sized and
+        able to hold lora_paths.NARROW_MIN_DECODE_TOKENS decode tokens, in an engine whose
         max_lora_rank is above those rows."""
         rows = lora_paths.FUSED_PREFILL_MAX_ROWS
-        return tokens >= lora_paths.narrow_min_tokens() and self.max_lora_rank > rows
+        most = self.mixed_seqs(tokens)  # the decode tokens a mixed step of that size may hold
+        return lora_paths.mixed_step_narrows(tokens, most) and self.max_lora_rank > rows
 
     def _wides(self) -> bool:
         """Whether steps may hold adapters above FUSED_DECODE_ROWS (WIDE graphs are captured)."""
@@ -331,8 +333,9 @@ class ModelRunner:
         whose adapters fit ONE_TOKEN_ROWS and share little, ONE_TOKEN
         (lora_paths.one_token_step_fuses); else for a decode-sized step (up to FUSED_MAX_TOKENS
         tokens) fused or two launches by lora_paths.decode_prefers_fused over its adapter
-        tokens; for a prefill-sized one (and a mixed one from lora_paths.NARROW_MIN_TOKENS
-        tokens) NARROW when every adapter of it fits FUSED_PREFILL_MAX_ROWS
+        tokens; for a prefill-sized one (and a decode-sized mixed one of
+        lora_paths.NARROW_MIN_DECODE_TOKENS decode tokens: lora_paths.mixed_step_narrows) NARROW
+        when every adapter of it fits FUSED_PREFILL_MAX_ROWS
         (lora_paths.prefill_step_narrows: every call fused, sized for those rows), its decode
         tokens each a one-token tile when they share their adapters a few to one (the fused
         kernel's GEMV body, rather than a dot-body tile of the decode tokens that share an
@@ -368,10 +371,10 @@ class ModelRunner:
                 )  # fmt: skip
                 return StepLora(LoraMode.ONE_TOKEN, modules, True, pairs)
         decode_sized = tokens <= lora_paths.FUSED_MAX_TOKENS
-        # prefill-sized, or a mixed step from NARROW_MIN_TOKENS (decode-sized when lowered)
         narrow = (
             self._narrows(tokens)
-            and (tokens > len(entries) or not decode_sized)
+            and (tokens > len(entries) or not decode_sized)  # a decode step never narrows
+            and lora_paths.mixed_step_narrows(tokens, decode_tokens)
             and lora_paths.prefill_step_narrows(rank)
         )
         if decode_sized and not narrow:
