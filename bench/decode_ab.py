@@ -5,6 +5,9 @@
                                 added (models/llama.py LoraContext), against in place after them
     --compare pdl               programmatic dependent launches of the step's Triton kernels
                                 (Hopper; kernels/tiles.py), against LORAFLEET_PDL=0
+    --compare lora-pdl          the fused LoRA kernel a dependent launch too, its programs
+                                looking up their adapter's rows while the kernel ahead runs
+                                (LORAFLEET_LORA_PDL=1: kernels/tiles.py lora_pdl_launch)
 
 Two engines on one GPU in one process, each with its own copy of the model (Llama-7B shape,
 bf16), whose decode graphs are captured at the measured batch sizes only. For each batch size,
@@ -20,6 +23,7 @@ written as Chrome traces in DIR, and a kernel table goes in the JSON.
 
     python bench/decode_ab.py --compare lora-side-stream [--batches 1 16 32 64 128] [--steps 16]
     python bench/decode_ab.py --compare pdl --out bench/results/pdl.json
+    python bench/decode_ab.py --compare lora-pdl --batches 16 64 256 512
 """
 
 from __future__ import annotations
@@ -41,19 +45,25 @@ import torch  # noqa: E402
 
 from bench.bench_models import SHAPES, make_model  # noqa: E402
 from bench.step_profile import kernel_table, submit, timed_step, until_decoding  # noqa: E402
-from kernels.tiles import PDL_ENV, pdl_launch  # noqa: E402
+from kernels.tiles import LORA_PDL_ENV, PDL_ENV, lora_pdl_launch, pdl_launch  # noqa: E402
 from services.inference.engine.api import AdapterKey  # noqa: E402
 from services.inference.engine.config import EngineConfig  # noqa: E402
 from services.inference.engine.core import EngineCore  # noqa: E402
 from store.synthetic import synthetic_adapter  # noqa: E402
 
-COMPARES = ("lora-side-stream", "pdl")
+COMPARES = ("lora-side-stream", "pdl", "lora-pdl")
 
 
 def set_pdl(on: bool) -> None:
     """Kernels launched from now on take PDL or not (graphs keep what they captured)."""
     os.environ[PDL_ENV] = "1" if on else "0"
     pdl_launch.cache_clear()
+
+
+def set_lora_pdl(on: bool) -> None:
+    """The fused LoRA kernel launched from now on is a dependent launch or not."""
+    os.environ[LORA_PDL_ENV] = "1" if on else "0"
+    lora_pdl_launch.cache_clear()
 
 
 class Side:
@@ -79,6 +89,8 @@ class Side:
         """What launches from now on need (the eager prefill steps' kernels too)."""
         if self.args.compare == "pdl":
             set_pdl(self.on)
+        if self.args.compare == "lora-pdl":
+            set_lora_pdl(self.on)
 
     def decode(self, b: int, keys, gen, shape) -> dict:
         self.enter()
@@ -161,7 +173,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_ab compares CUDA engines: no CUDA device here")
-    if args.compare == "pdl" and torch.cuda.get_device_capability()[0] < 9:
+    if "pdl" in args.compare and torch.cuda.get_device_capability()[0] < 9:
         sys.exit("PDL needs a Hopper (sm_90) or later GPU")
     stem = args.compare.replace("-", "_")
     args.out = args.out or REPO / "bench" / "results" / f"decode_ab_{stem}.json"

@@ -3,6 +3,7 @@
     python -m bench.kernel_resources [--json bench/results/kernel_resources.json]
     python -m bench.kernel_resources --delta [--json bench/results/kernel_resources_delta.json]
     python -m bench.kernel_resources --pairs [--json bench/results/kernel_resources_pairs.json]
+    python -m bench.kernel_resources --pdl [--json bench/results/kernel_resources_pdl.json]
 
 No GPU needed: each launch is compiled for sm_90 (H100/H200) on the host with Triton's own
 toolchain, and the registers are read from the cubin with the cuobjdump Triton ships. The
@@ -18,7 +19,9 @@ two-launch shrink and expand of each call at the engine's decode step (512 token
 (kernels/lora.py _EXPAND_MAX_REGISTERS) keeps the programs an SM without spilling the q/k/v
 call. With ``--delta``, instead, the fused launches of the steps that take the addend
 (LoraContext.addend), in place against writing the delta; with ``--pairs``, a decode step's
-launches on one-token tiles without and with the two-token body (LoraLaunch.gemv_pair).
+launches on one-token tiles without and with the two-token body (LoraLaunch.gemv_pair); with
+``--pdl``, those launches plain and as programmatic dependent launches (kernels/tiles.py
+lora_pdl_launch), with the gates their PTX holds.
 
 A program count per SM is the least of what registers (64K a multiprocessor, allocated per warp
 in steps of 256), shared memory (228 KB, 1 KB of it reserved per program), warps (64) and
@@ -76,6 +79,7 @@ class Resources(NamedTuple):
     shared: int  # bytes per program
     warps: int
     stack: int = 0  # bytes of stack a thread (spilled registers)
+    gates: int = 0  # griddepcontrol.wait instructions in the PTX (launch_gate under PDL)
 
     @property
     def programs_per_sm(self) -> int:
@@ -107,12 +111,16 @@ def compile_resources(kernel, constexprs: dict, ints: dict, options: dict) -> Re
         ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options
     )
     registers, stack = _usage(compiled.asm["cubin"])
-    return Resources(registers, compiled.metadata.shared, options["num_warps"], stack)
+    gates = compiled.asm["ptx"].count("griddepcontrol.wait")
+    return Resources(registers, compiled.metadata.shared, options["num_warps"], stack, gates)
 
 
-def fused_resources(launch: lora.LoraLaunch, call, delta: bool = False) -> Resources:
+def fused_resources(
+    launch: lora.LoraLaunch, call, delta: bool = False, pdl: bool = False
+) -> Resources:
     """Compile the fused kernel for one launch of one call (sm_90); read its resource usage.
-    ``delta``: the launch that writes the delta (lora_apply's delta) rather than adding it."""
+    ``delta``: the launch that writes the delta (lora_apply's delta) rather than adding it;
+    ``pdl``: a programmatic dependent launch (kernels/tiles.py lora_pdl_launch)."""
     mods, d_in, widths = call
     gemv_rows = launch.gemv_r or launch.shrink_r
     constexprs = dict(
@@ -124,10 +132,10 @@ def fused_resources(launch: lora.LoraLaunch, call, delta: bool = False) -> Resou
         GEMV_MAX=launch.gemv_max, GEMV_K=launch.gemv_k, GEMV_N=launch.gemv_n,
         GEMV_R=gemv_rows, GEMV_NARROW_R=launch.gemv_narrow,
         GEMV_HOIST=lora.gemv_hoists(launch, d_in, W, widths), GEMV_PAIR=launch.gemv_pair,
-        DELTA=delta,
+        DELTA=delta, PDL=pdl,
     )  # fmt: skip
     ints = dict(INTS, stride_xt=d_in, stride_yt=sum(widths), MAX_RANK=launch.shrink_r)
-    options = dict(num_warps=launch.shrink_warps, num_stages=launch.stages)
+    options = dict(num_warps=launch.shrink_warps, num_stages=launch.stages, launch_pdl=pdl)
     return compile_resources(lora_fused_kernel, constexprs, ints, options)
 
 
@@ -274,6 +282,24 @@ def measure_pairs() -> list[dict]:
     return rows
 
 
+def measure_pdl() -> list[dict]:
+    """A decode step's q/k/v and o launches on one-token tiles (pairs as lora_paths says), in
+    place and writing the delta, as plain and as programmatic dependent launches."""
+    rows = []
+    for pdl in (False, True):
+        for call_name, call in zip(CALL_NAMES[:2], CALLS[:2], strict=True):
+            mods, d_in, widths = call
+            launch = lora.fused_config(256, W, 8, len(mods), max(widths), d_in=d_in)
+            for delta in (False, True):
+                res = fused_resources(launch, call, delta, pdl)
+                rows.append(dict(pdl=pdl, call=call_name, delta=delta,
+                                 hoisted=lora.gemv_hoists(launch, d_in, W, widths),
+                                 pairs=launch.gemv_pair, gates=res.gates,
+                                 registers=res.registers, stack_bytes=res.stack,
+                                 programs_per_sm=res.programs_per_sm))  # fmt: skip
+    return rows
+
+
 def write_json(path: str, body: dict) -> None:
     """The rows at ``path``, with this run's command, Triton version and target."""
     command = "python -m bench.kernel_resources " + " ".join(sys.argv[1:])
@@ -295,9 +321,14 @@ def main() -> None:
         action="store_true",
         help="instead: a decode step's one-token launches without and with two-token tiles",
     )
+    ap.add_argument(
+        "--pdl",
+        action="store_true",
+        help="instead: a decode step's one-token launches, plain and as dependent launches",
+    )
     args = ap.parse_args()
-    if args.delta or args.pairs:
-        rows = measure_pairs() if args.pairs else measure_delta()
+    if args.delta or args.pairs or args.pdl:
+        rows = measure_pairs() if args.pairs else measure_pdl() if args.pdl else measure_delta()
         print(table(rows, list(rows[0])))
         if args.json:
             write_json(args.json, {"rows": rows})

@@ -50,7 +50,15 @@ from kernels.lora_paths import (
     shapes_prefer_fused,
 )
 from kernels.tile_table import TILE_BLOCKS
-from kernels.tiles import INTERPRET, dot_f32, max_tiles, next_tile, num_sms, pdl_launch
+from kernels.tiles import (
+    INTERPRET,
+    dot_f32,
+    lora_dependent,
+    max_tiles,
+    next_tile,
+    num_sms,
+    pdl_launch,
+)
 
 # Shrink programs wanted per multiprocessor: with fewer, the weights stream through too few
 # SMs (small decode batches) and split_k makes up the difference.
@@ -708,7 +716,7 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
         GEMV_HOIST=gemv_hoists(cfg, call.d_in, call.width, out_widths),
         GEMV_PAIR=cfg.gemv_pair, DELTA=delta,
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
-        **_slice_args(modules, out_widths),
+        **_slice_args(modules, out_widths), **lora_dependent(x.device),
     )  # fmt: skip
 
 

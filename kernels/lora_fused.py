@@ -35,6 +35,11 @@ expand (for bf16 and fp16 outputs), y once.
 
 Slot lookups are hoisted out of both streaming loops (one per rank row and pool chunk), as in
 the two-launch kernels, so the loops are plain strided streams that software-pipeline.
+
+With PDL (a programmatic dependent launch: kernels/tiles.py lora_pdl_launch) a program reads
+before launch_gate only what existed before the kernel ahead of it in the stream started: its
+tile (the step's table), the index, and the adapter's weights in the pool (a hoisted body's
+loads); x, and y in place, after it, and it writes nothing before it.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import triton
 import triton.language as tl
 
 from kernels.tile_table import ZERO_ROW
-from kernels.tiles import table_tile
+from kernels.tiles import launch_gate, table_tile
 
 _ZERO_ROW = tl.constexpr(ZERO_ROW)
 
@@ -78,6 +83,7 @@ def lora_fused_kernel(
     GEMV_HOIST: tl.constexpr = False,  # one-token tiles whose slice fits one block: loads first
     GEMV_PAIR: tl.constexpr = False,  # with GEMV_HOIST, two-token tiles take that body too
     DELTA: tl.constexpr = False,  # y = the delta (every token: ZERO_ROW tiles) rather than y +=
+    PDL: tl.constexpr = False,  # a dependent launch: reads x and y, writes y, past launch_gate
 ):  # fmt: skip
     q = tl.program_id(0)
     s = q // PARTS
@@ -107,6 +113,7 @@ def lora_fused_kernel(
         if MASKED:
             rank = tl.where(tl.load(mods_ptr + m) == 0, 0, rank)
         if rank == 0:
+            launch_gate(PDL)
             _store_zeros(y_base, stride_yt, m_start, m_end, lo, hi, BLOCK_M, BLOCK_N)
             return
     if rank == 0:
@@ -121,7 +128,7 @@ def lora_fused_kernel(
             _token_gemv(
                 x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
                 a_base, b_base, scale, rank, width, m_start, lo, hi,
-                D_IN, W, GEMV_K, GEMV_N, GEMV_R, DELTA,
+                D_IN, W, GEMV_K, GEMV_N, GEMV_R, DELTA, PDL,
             )  # fmt: skip
             return
         if GEMV_PAIR:
@@ -129,9 +136,10 @@ def lora_fused_kernel(
                 _pair_gemv(
                     x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
                     a_base, b_base, scale, rank, width, m_start, lo, hi,
-                    D_IN, W, GEMV_K, GEMV_N, GEMV_R, DELTA,
+                    D_IN, W, GEMV_K, GEMV_N, GEMV_R, DELTA, PDL,
                 )  # fmt: skip
                 return
+    launch_gate(PDL)  # the streaming bodies read x as they go
     if GEMV_MAX > 0:
         if m_end - m_start <= GEMV_MAX:
             if GEMV_NARROW_R > 0 and GEMV_R == 2 * GEMV_NARROW_R:  # a narrow body is compiled
@@ -297,15 +305,20 @@ def _hoisted_weights(
     pool_ptr, stride_half, stride_slot, a_base, b_base, rank, width, lo, hi,
     D_IN: tl.constexpr, W: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """The loads of a hoisted GEMV body's weights: the slice's A rows (one block of d_in, one
     pool chunk) and its Bᵀ rows' columns [lo, hi) (one block, one chunk), each a single load
-    after the rows' slots; with the column and d_in offsets and their masks."""
+    after the rows' slots; with the column and d_in offsets and their masks. Under PDL the
+    slots are looked up before launch_gate and the weights loaded after it (loaded before, they
+    would be held in registers across the gate: 248 a thread against 128, python -m
+    bench.kernel_resources --pdl)."""
     rows = tl.arange(0, BLOCK_R)
     row_ok = rows < rank
     c = lo // W  # the output chunk [lo, hi) lies in
     a_slot = tl.load(a_base + rows, mask=row_ok, other=0).to(tl.int64)  # one input chunk
     b_slot = tl.load(b_base + rows * ((width + W - 1) // W) + c, mask=row_ok, other=0)
+    launch_gate(PDL)  # the chain of lookups is done: now the kernel ahead's output
     kk = tl.arange(0, BLOCK_K)
     k_ok = kk < D_IN
     nn = lo + tl.arange(0, BLOCK_N)
@@ -323,6 +336,7 @@ def _token_gemv(
     a_base, b_base, scale, rank, width, m, lo, hi,
     D_IN: tl.constexpr, W: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DELTA: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """_tile_gemv for a tile of one token (row m) whose slice's A and Bᵀ rows each fit one
     weight block in one pool chunk (D_IN <= BLOCK_K and W; [lo, hi) within BLOCK_N columns of
@@ -332,7 +346,7 @@ def _token_gemv(
     lora_paths.one_token_step_fuses)."""
     w, bt, kk, k_ok, nn, n_ok = _hoisted_weights(
         pool_ptr, stride_half, stride_slot, a_base, b_base, rank, width, lo, hi,
-        D_IN, W, BLOCK_K, BLOCK_N, BLOCK_R,
+        D_IN, W, BLOCK_K, BLOCK_N, BLOCK_R, PDL,
     )  # fmt: skip
     xv = tl.load(x_ptr + m.to(tl.int64) * stride_xt + kk, mask=k_ok, other=0.0)
     y_ptrs = y_base + m.to(tl.int64) * stride_yt + nn
@@ -354,13 +368,14 @@ def _pair_gemv(
     a_base, b_base, scale, rank, width, m, lo, hi,
     D_IN: tl.constexpr, W: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DELTA: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """_token_gemv for a tile of two tokens of one adapter (rows m and m + 1: a decode step's
     pair_tiles): the weights are loaded once, every load issued first, and each token's sums
     widen them to fp32 as they go, so that the program holds them once, in the pool's dtype."""
     w, bt, kk, k_ok, nn, n_ok = _hoisted_weights(
         pool_ptr, stride_half, stride_slot, a_base, b_base, rank, width, lo, hi,
-        D_IN, W, BLOCK_K, BLOCK_N, BLOCK_R,
+        D_IN, W, BLOCK_K, BLOCK_N, BLOCK_R, PDL,
     )  # fmt: skip
     x0 = tl.load(x_ptr + m.to(tl.int64) * stride_xt + kk, mask=k_ok, other=0.0)
     x1 = tl.load(x_ptr + (m + 1).to(tl.int64) * stride_xt + kk, mask=k_ok, other=0.0)

@@ -26,6 +26,8 @@ from kernels.tile_table import max_tiles  # noqa: F401 (the launchers' grid boun
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Set to 0 to launch every kernel in plain stream order (pdl_launch).
 PDL_ENV = "LORAFLEET_PDL"
+# Set to 1 to launch the fused LoRA kernel as a dependent too (lora_pdl_launch).
+LORA_PDL_ENV = "LORAFLEET_LORA_PDL"
 
 
 @functools.cache
@@ -59,6 +61,23 @@ def pdl_launch(device: torch.device) -> bool:
     if INTERPRET or device.type != "cuda" or os.environ.get(PDL_ENV, "1") == "0":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.cache
+def lora_pdl_launch(device: torch.device) -> bool:
+    """Whether the fused LoRA kernel is a programmatic dependent launch on ``device``: where
+    pdl_launch is on and LORAFLEET_LORA_PDL=1 (off by default: not yet measured). Its programs
+    then look up their tile and load the adapter's weights (a one-token or pair tile's hoisted
+    loads) while the kernel before them (the norm, attention, or the base GEMM) finishes, and
+    pass launch_gate before they read its output (kernels/lora_fused.py). Graphs keep what they
+    captured: set it before the engine starts."""
+    return pdl_launch(device) and os.environ.get(LORA_PDL_ENV, "0") == "1"
+
+
+def lora_dependent(device: torch.device) -> dict:
+    """dependent()'s keyword arguments for the fused LoRA kernel, as lora_pdl_launch says."""
+    on = lora_pdl_launch(device)
+    return {"PDL": on, "launch_pdl": on}
 
 
 def dependent(device: torch.device) -> dict:

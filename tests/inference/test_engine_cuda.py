@@ -134,9 +134,11 @@ def test_cuda_fused_decode_path_matches_hf_peft(
 
 
 @pytest.mark.parametrize(
-    "preset, addend", [("tiny-llama", False), ("tiny-llama", True), ("tiny-qwen2", True)]
-)
-def test_cuda_narrow_mixed_steps_match_hf_peft(tiny_models, monkeypatch, preset, addend):
+    "preset, addend, lora_pdl",
+    [("tiny-llama", False, False), ("tiny-llama", True, False), ("tiny-qwen2", True, False),
+     ("tiny-llama", True, True)],
+)  # fmt: skip
+def test_cuda_narrow_mixed_steps_match_hf_peft(tiny_models, monkeypatch, preset, addend, lora_pdl):
     """Mixed steps sized for FUSED_PREFILL_MAX_ROWS rank rows (NARROW: every adapter of the step
     fits them; every call fused), with the prefill-sized threshold lowered so that the parity
     run's mixed steps count as prefill-sized and the single-slice threshold so that their o and
@@ -144,10 +146,19 @@ def test_cuda_narrow_mixed_steps_match_hf_peft(tiny_models, monkeypatch, preset,
     adapter keep the engine's rows, on two launches of 32-row programs (WIDE). ``addend``
     (EngineConfig.lora_addend): the NARROW steps' calls write their deltas, every token's (the
     base model's and the graphs' padding as zeros), and the GEMMs add onto them, q/k/v biases
-    included. Every step against HF + PEFT."""
+    included. ``lora_pdl``: the fused LoRA kernel a programmatic dependent launch where the GPU
+    takes one (LORAFLEET_LORA_PDL=1). Every step against HF + PEFT."""
+    from kernels.tiles import LORA_PDL_ENV, lora_pdl_launch
+
     monkeypatch.setattr(lora_paths, "FUSED_MAX_TOKENS", 16)
     monkeypatch.setattr(lora_paths, "FUSED_SINGLE_SLICE_MIN_ROWS", 16)
-    run = _mixed_run(tiny_models, preset, "float32", max_lora_rank=64, lora_addend=addend)
+    monkeypatch.setenv(LORA_PDL_ENV, "1" if lora_pdl else "0")
+    lora_pdl_launch.cache_clear()
+    try:
+        run = _mixed_run(tiny_models, preset, "float32", max_lora_rank=64, lora_addend=addend)
+    finally:
+        monkeypatch.delenv(LORA_PDL_ENV)
+        lora_pdl_launch.cache_clear()
     core = run[3]
     assert core.runner.narrow_graph_sizes
     paths = {(r.graph, r.lora) for r in core.step_log.recent}
@@ -301,20 +312,33 @@ def test_cuda_large_decode_steps_on_one_token_tiles_match_hf_peft(tiny_models, m
     assert core.runner.pair_modules == 0
 
 
-@pytest.mark.parametrize("pairs, addend", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize(
+    "pairs, addend, lora_pdl",
+    [(False, False, False), (True, False, False), (True, True, False), (True, True, True),
+     (True, False, True)],
+)  # fmt: skip
 def test_cuda_one_token_tiles_of_hoisted_calls_match_hf_peft(
-    tiny_models, monkeypatch, pairs, addend
+    tiny_models, monkeypatch, pairs, addend, lora_pdl
 ):
     """_large_decode_steps on a model with multi-head attention (tiny-mha), whose q/k/v and o
     calls hoist the GEMV body's loads (lora.gemv_hoists), as Llama-7B's do. ``pairs``: with
     lora_paths.ONE_TOKEN_PAIRS on, every module the adapters touch takes two-token tiles
     (ModelRunner.pair_modules), so the tokens that share an adapter go two to a tile (the
-    kernel's pair body)."""
+    kernel's pair body). ``lora_pdl``: the fused LoRA kernel a programmatic dependent launch
+    where the GPU takes one (LORAFLEET_LORA_PDL=1: it reads x and y only past its gate)."""
+    from kernels.tiles import LORA_PDL_ENV, lora_pdl_launch
     from services.inference.engine import model_runner
 
     monkeypatch.setattr(lora_paths, "ONE_TOKEN_PAIRS", pairs)
+    monkeypatch.setenv(LORA_PDL_ENV, "1" if lora_pdl else "0")
+    lora_pdl_launch.cache_clear()
     steps = []
-    core = _large_decode_steps(tiny_models, monkeypatch, "tiny-mha", addend, seed=78, steps=steps)
+    try:
+        core = _large_decode_steps(tiny_models, monkeypatch, "tiny-mha", addend, seed=78,
+                                   steps=steps)  # fmt: skip
+    finally:
+        monkeypatch.delenv(LORA_PDL_ENV)
+        lora_pdl_launch.cache_clear()
     qkvo = sum(1 << m for m in (model_runner.Q, model_runner.K, model_runner.V, model_runner.O))
     assert core.runner.pair_modules == (qkvo if pairs else 0)
     one_token = [s for s in steps if s.mode is model_runner.LoraMode.ONE_TOKEN]

@@ -73,3 +73,20 @@ def test_the_pair_body_keeps_the_one_token_launchs_programs_in_place(tmp_path):
     for call in ("qkv", "o"):
         assert per_sm[True, call, False] == per_sm[False, call, False] == 2
         assert per_sm[True, call, True] == per_sm[False, call, True] - 1 == 2
+
+
+def test_a_dependent_launch_keeps_the_one_token_launchs_registers(tmp_path):
+    """A decode step's one-token launches (q/k/v and o, in place and writing the delta) as
+    programmatic dependent launches (kernels/tiles.py lora_pdl_launch): their PTX passes
+    launch_gate (griddepcontrol.wait) where the plain launches have none, and the hoisted
+    bodies, which look up their slots before the gate and load the weights after it, keep the
+    registers and programs an SM of the plain launch, spilling nothing."""
+    rows = _resources(tmp_path, "--pdl")["rows"]
+    assert len(rows) == 8 and all(r["hoisted"] and r["stack_bytes"] == 0 for r in rows)
+    by = {(r["pdl"], r["call"], r["delta"]): r for r in rows}
+    for call in ("qkv", "o"):
+        for delta in (False, True):
+            plain, dependent = by[False, call, delta], by[True, call, delta]
+            assert plain["gates"] == 0 and dependent["gates"] >= 3
+            assert dependent["registers"] == plain["registers"]
+            assert dependent["programs_per_sm"] == plain["programs_per_sm"]

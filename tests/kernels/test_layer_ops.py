@@ -116,3 +116,32 @@ def test_dependent_launches_only_where_the_gpu_takes_them(monkeypatch):
             assert not pdl_launch(gpu)
     finally:
         pdl_launch.cache_clear()
+
+
+def test_the_fused_lora_kernel_is_a_dependent_launch_only_when_asked(monkeypatch):
+    """kernels/tiles.py lora_pdl_launch: off by default (LORAFLEET_LORA_PDL unset) and wherever
+    pdl_launch is off; on a Hopper GPU on with LORAFLEET_LORA_PDL=1. lora_dependent gives the
+    launch's PDL constexpr and Triton's launch_pdl together."""
+    from kernels.tiles import LORA_PDL_ENV, PDL_ENV, lora_dependent, lora_pdl_launch, pdl_launch
+
+    def fresh():
+        pdl_launch.cache_clear()
+        lora_pdl_launch.cache_clear()
+
+    fresh()
+    try:
+        monkeypatch.setenv(LORA_PDL_ENV, "1")
+        assert lora_dependent(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+        if ON_GPU:
+            gpu = torch.device("cuda", 0)
+            fresh()
+            assert lora_pdl_launch(gpu) == pdl_launch(gpu)
+            monkeypatch.setenv(PDL_ENV, "0")
+            fresh()
+            assert not lora_pdl_launch(gpu)
+            monkeypatch.delenv(PDL_ENV)
+            monkeypatch.delenv(LORA_PDL_ENV)
+            fresh()
+            assert lora_dependent(gpu) == {"PDL": False, "launch_pdl": False}
+    finally:
+        fresh()
