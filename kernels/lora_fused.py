@@ -38,8 +38,8 @@ the two-launch kernels, so the loops are plain strided streams that software-pip
 
 With PDL (a programmatic dependent launch: kernels/tiles.py lora_pdl_launch) a program reads
 before launch_gate only what existed before the kernel ahead of it in the stream started: its
-tile (the step's table), the index, and the adapter's weights in the pool (a hoisted body's
-loads); x, and y in place, after it, and it writes nothing before it.
+tile (the step's table), the index, and a hoisted body's slot rows; x, the weights and y after
+it, and it writes nothing before it.
 """
 
 from __future__ import annotations

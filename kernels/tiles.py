@@ -67,10 +67,10 @@ def pdl_launch(device: torch.device) -> bool:
 def lora_pdl_launch(device: torch.device) -> bool:
     """Whether the fused LoRA kernel is a programmatic dependent launch on ``device``: where
     pdl_launch is on and LORAFLEET_LORA_PDL=1 (off by default: not yet measured). Its programs
-    then look up their tile and load the adapter's weights (a one-token or pair tile's hoisted
-    loads) while the kernel before them (the norm, attention, or the base GEMM) finishes, and
-    pass launch_gate before they read its output (kernels/lora_fused.py). Graphs keep what they
-    captured: set it before the engine starts."""
+    then look up their tile, the index and (a one-token or pair tile's hoisted body) the
+    adapter's slot rows while the kernel before them (the norm, attention, or the base GEMM)
+    finishes, and pass launch_gate before they read its output or the weights
+    (kernels/lora_fused.py). Graphs keep what they captured: set it before the engine starts."""
     return pdl_launch(device) and os.environ.get(LORA_PDL_ENV, "0") == "1"
 
 
