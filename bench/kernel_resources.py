@@ -262,41 +262,26 @@ def measure_delta() -> list[dict]:
     return rows
 
 
-def measure_pairs() -> list[dict]:
+def measure_one_token(vary: str) -> list[dict]:
     """A decode step's q/k/v and o launches on one-token tiles (8 rank rows, the GEMV body's
-    loads hoisted: lora_paths.one_token_step_fuses), without and with the two-token body
-    (LoraLaunch.gemv_pair), in place and writing the delta."""
+    loads hoisted: lora_paths.one_token_step_fuses), in place and writing the delta, by
+    ``vary``: "pairs", without and with the two-token body (LoraLaunch.gemv_pair); "pdl", as
+    plain and as programmatic dependent launches (the pair body as lora_paths says)."""
     rows = []
-    for pair in (False, True):
+    for on in (False, True):
         for call_name, call in zip(CALL_NAMES[:2], CALLS[:2], strict=True):
             mods, d_in, widths = call
             launch = lora.fused_config(256, W, 8, len(mods), max(widths), d_in=d_in)
-            launch = launch._replace(gemv_pair=pair)
-            for delta in (False, True):
-                res = fused_resources(launch, call, delta)
-                rows.append(dict(pairs=pair, call=call_name, delta=delta,
-                                 hoisted=lora.gemv_hoists(launch, d_in, W, widths),
-                                 registers=res.registers, stack_bytes=res.stack,
-                                 shared_bytes=res.shared, warps=res.warps,
-                                 programs_per_sm=res.programs_per_sm))  # fmt: skip
-    return rows
-
-
-def measure_pdl() -> list[dict]:
-    """A decode step's q/k/v and o launches on one-token tiles (pairs as lora_paths says), in
-    place and writing the delta, as plain and as programmatic dependent launches."""
-    rows = []
-    for pdl in (False, True):
-        for call_name, call in zip(CALL_NAMES[:2], CALLS[:2], strict=True):
-            mods, d_in, widths = call
-            launch = lora.fused_config(256, W, 8, len(mods), max(widths), d_in=d_in)
+            if vary == "pairs":
+                launch = launch._replace(gemv_pair=on)
+            pdl = on and vary == "pdl"
             for delta in (False, True):
                 res = fused_resources(launch, call, delta, pdl)
-                rows.append(dict(pdl=pdl, call=call_name, delta=delta,
+                rows.append(dict(pairs=launch.gemv_pair, pdl=pdl, call=call_name, delta=delta,
                                  hoisted=lora.gemv_hoists(launch, d_in, W, widths),
-                                 pairs=launch.gemv_pair, gates=res.gates,
-                                 registers=res.registers, stack_bytes=res.stack,
-                                 programs_per_sm=res.programs_per_sm))  # fmt: skip
+                                 gates=res.gates, registers=res.registers,
+                                 stack_bytes=res.stack, shared_bytes=res.shared,
+                                 warps=res.warps, programs_per_sm=res.programs_per_sm))  # fmt: skip
     return rows
 
 
@@ -328,7 +313,10 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.delta or args.pairs or args.pdl:
-        rows = measure_pairs() if args.pairs else measure_pdl() if args.pdl else measure_delta()
+        if args.delta:
+            rows = measure_delta()
+        else:
+            rows = measure_one_token("pairs" if args.pairs else "pdl")
         print(table(rows, list(rows[0])))
         if args.json:
             write_json(args.json, {"rows": rows})
