@@ -182,12 +182,12 @@ class LoraLaunch(NamedTuple):
     # blocks of these rows, twice as wide (0: none)
     gemv_narrow: int = 0
     # fused: a one-token tile whose slice's A and Bᵀ rows each fit one GEMV block issues all its
-    # loads before its first sum (kernels/lora_fused.py _token_gemv; where the call's geometry
+    # loads before its first sum (kernels/lora_fused.py _hoisted_gemv; where the call's geometry
     # allows it: gemv_hoists)
     gemv_hoist: bool = False
     # fused, with gemv_hoist: tiles of two tokens take a hoisted body too, the second token
     # reusing the weights loaded for the first (the tables a decode step writes with pair_tiles:
-    # tile_table.PAIR_BLOCK; kernels/lora_fused.py _pair_gemv)
+    # tile_table.PAIR_BLOCK; kernels/lora_fused.py _hoisted_gemv, PAIR)
     gemv_pair: bool = False
 
 
@@ -722,7 +722,7 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
 
 def gemv_hoists(cfg: LoraLaunch, d_in: int, width: int, out_widths: tuple[int, ...]) -> bool:
     """Whether a fused launch's one-token tiles take the GEMV body with every load issued
-    first (kernels/lora_fused.py _token_gemv): on request (gemv_hoist), where each slice's A
+    first (kernels/lora_fused.py _hoisted_gemv): on request (gemv_hoist), where each slice's A
     rows (d_in) and Bᵀ rows (its width) fit one GEMV block and one pool chunk of ``width``
     elements, so that each is one load."""
     if not (cfg.gemv_hoist and cfg.gemv_max):

@@ -27,7 +27,7 @@ where GEMV_R is twice GEMV_NARROW_R (16 and 8), a tile whose adapter has at most
 takes blocks of those rows, twice as wide (the same registers): the rows past its rank would be
 masked loads and wasted lanes, and each streaming step a trip of load latency. Where one GEMV
 block holds a slice's whole A and Bᵀ rows (GEMV_HOIST, which the host sets: lora.gemv_hoists),
-a one-token tile takes _token_gemv, the same sums with every load issued first, and with
+a one-token tile takes _hoisted_gemv, the same sums with every load issued first, and with
 GEMV_PAIR so does a two-token tile (a decode step's tokens that share an adapter, two to a
 tile: StepBatch.fill's pair_tiles), the second token's sums on the weights loaded once. Both
 bodies round alike: products and sums in fp32, h rounded once to the output dtype before the
@@ -125,18 +125,18 @@ def lora_fused_kernel(
     scale = tl.load(scales_ptr + a64 * stride_scale + m)
     if GEMV_HOIST:  # the host checked that a slice's A and Bᵀ rows fit one GEMV block
         if m_end - m_start == 1:
-            _token_gemv(
+            _hoisted_gemv(
                 x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
                 a_base, b_base, scale, rank, width, m_start, lo, hi,
-                D_IN, W, GEMV_K, GEMV_N, GEMV_R, DELTA, PDL,
+                D_IN, W, GEMV_K, GEMV_N, GEMV_R, DELTA, PDL, False,
             )  # fmt: skip
             return
         if GEMV_PAIR:
             if m_end - m_start == 2:
-                _pair_gemv(
+                _hoisted_gemv(
                     x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
                     a_base, b_base, scale, rank, width, m_start, lo, hi,
-                    D_IN, W, GEMV_K, GEMV_N, GEMV_R, DELTA, PDL,
+                    D_IN, W, GEMV_K, GEMV_N, GEMV_R, DELTA, PDL, True,
                 )  # fmt: skip
                 return
     launch_gate(PDL)  # the streaming bodies read x as they go
@@ -331,68 +331,48 @@ def _hoisted_weights(
 
 
 @triton.jit
-def _token_gemv(
+def _hoisted_gemv(
     x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
     a_base, b_base, scale, rank, width, m, lo, hi,
     D_IN: tl.constexpr, W: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DELTA: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr, PAIR: tl.constexpr,
 ):  # fmt: skip
-    """_tile_gemv for a tile of one token (row m) whose slice's A and Bᵀ rows each fit one
+    """_tile_gemv for a tile of one token (row m), or with PAIR of two tokens of one adapter
+    (rows m and m + 1: a decode step's pair_tiles), whose slice's A and Bᵀ rows each fit one
     weight block in one pool chunk (D_IN <= BLOCK_K and W; [lo, hi) within BLOCK_N columns of
     one chunk): every load is issued before the first sum, so the program waits on memory once
     for the rows' slots and once for A, Bᵀ, x and y together, where _tile_gemv waits for A and
     x, then for Bᵀ's slots, then for Bᵀ and y (a decode step's calls on one-token tiles:
-    lora_paths.one_token_step_fuses)."""
-    w, bt, kk, k_ok, nn, n_ok = _hoisted_weights(
-        pool_ptr, stride_half, stride_slot, a_base, b_base, rank, width, lo, hi,
-        D_IN, W, BLOCK_K, BLOCK_N, BLOCK_R, PDL,
-    )  # fmt: skip
-    xv = tl.load(x_ptr + m.to(tl.int64) * stride_xt + kk, mask=k_ok, other=0.0)
-    y_ptrs = y_base + m.to(tl.int64) * stride_yt + nn
-    if not DELTA:
-        yb = tl.load(y_ptrs, mask=n_ok, other=0.0)
-    h = tl.sum(w.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)  # [R]
-    if y_base.dtype.element_ty != tl.float32:  # rounded once, as the two-launch path rounds h
-        h = h.to(y_base.dtype.element_ty).to(tl.float32)
-    acc = tl.sum(h[:, None] * bt.to(tl.float32), axis=0)  # [N]
-    out = acc * scale
-    if not DELTA:
-        out += yb.to(tl.float32)
-    tl.store(y_ptrs, out.to(y_base.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def _pair_gemv(
-    x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
-    a_base, b_base, scale, rank, width, m, lo, hi,
-    D_IN: tl.constexpr, W: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DELTA: tl.constexpr,
-    PDL: tl.constexpr = False,
-):  # fmt: skip
-    """_token_gemv for a tile of two tokens of one adapter (rows m and m + 1: a decode step's
-    pair_tiles): the weights are loaded once, every load issued first, and each token's sums
+    lora_paths.one_token_step_fuses). A pair's weights are loaded once, and each token's sums
     widen them to fp32 as they go, so that the program holds them once, in the pool's dtype."""
     w, bt, kk, k_ok, nn, n_ok = _hoisted_weights(
         pool_ptr, stride_half, stride_slot, a_base, b_base, rank, width, lo, hi,
         D_IN, W, BLOCK_K, BLOCK_N, BLOCK_R, PDL,
     )  # fmt: skip
     x0 = tl.load(x_ptr + m.to(tl.int64) * stride_xt + kk, mask=k_ok, other=0.0)
-    x1 = tl.load(x_ptr + (m + 1).to(tl.int64) * stride_xt + kk, mask=k_ok, other=0.0)
+    if PAIR:
+        x1 = tl.load(x_ptr + (m + 1).to(tl.int64) * stride_xt + kk, mask=k_ok, other=0.0)
     y0_ptrs = y_base + m.to(tl.int64) * stride_yt + nn
     y1_ptrs = y0_ptrs + stride_yt
     if not DELTA:
         y0 = tl.load(y0_ptrs, mask=n_ok, other=0.0)
-        y1 = tl.load(y1_ptrs, mask=n_ok, other=0.0)
+        if PAIR:
+            y1 = tl.load(y1_ptrs, mask=n_ok, other=0.0)
     h0 = tl.sum(w.to(tl.float32) * x0.to(tl.float32)[None, :], axis=1)  # [R]
-    h1 = tl.sum(w.to(tl.float32) * x1.to(tl.float32)[None, :], axis=1)
+    if PAIR:
+        h1 = tl.sum(w.to(tl.float32) * x1.to(tl.float32)[None, :], axis=1)
     if y_base.dtype.element_ty != tl.float32:  # rounded once, as the two-launch path rounds h
         h0 = h0.to(y_base.dtype.element_ty).to(tl.float32)
-        h1 = h1.to(y_base.dtype.element_ty).to(tl.float32)
+        if PAIR:
+            h1 = h1.to(y_base.dtype.element_ty).to(tl.float32)
     out0 = tl.sum(h0[:, None] * bt.to(tl.float32), axis=0) * scale  # [N]
-    out1 = tl.sum(h1[:, None] * bt.to(tl.float32), axis=0) * scale
+    if PAIR:
+        out1 = tl.sum(h1[:, None] * bt.to(tl.float32), axis=0) * scale
     if not DELTA:
         out0 += y0.to(tl.float32)
-        out1 += y1.to(tl.float32)
+        if PAIR:
+            out1 += y1.to(tl.float32)
     tl.store(y0_ptrs, out0.to(y_base.dtype.element_ty), mask=n_ok)
-    tl.store(y1_ptrs, out1.to(y_base.dtype.element_ty), mask=n_ok)
+    if PAIR:
+        tl.store(y1_ptrs, out1.to(y_base.dtype.element_ty), mask=n_ok)

@@ -348,7 +348,7 @@ def test_wide_gemv_body_takes_s2_ranks_on_one_token_tiles():
 @pytest.mark.parametrize("delta", [False, True])
 def test_one_token_tiles_issue_every_load_first(tiles, delta):
     """Where a slice's A and Bᵀ rows fit one GEMV block and one pool chunk (lora.gemv_hoists),
-    a one-token tile's program issues all its loads before its first sum (_token_gemv), and
+    a one-token tile's program issues all its loads before its first sum (_hoisted_gemv), and
     with gemv_pair so does a two-token tile's, its second token reusing the first's weights
     (tiles "pair": a decode step's tokens that share an adapter two to a tile); tiles of more
     tokens ("segments": adapters shared by runs of tokens) keep the GEMV and dot bodies. All
