@@ -296,14 +296,14 @@ class ModelRunner:
         calls cover the attention modules only."""
         return tuple(sorted({k.tokens for k in self._graphs if k.modules == ATTENTION}))
 
-    def _narrows(self, tokens: int) -> bool:
-        """Whether a mixed step of ``tokens`` tokens may be sized for fewer rank rows than the
-        engine's (a NARROW graph is captured at that size): prefill-sized, or decode-sized and
-        able to hold lora_paths.NARROW_MIN_DECODE_TOKENS decode tokens, in an engine whose
-        max_lora_rank is above those rows."""
+    def _narrows(self, tokens: int, decode_tokens: int) -> bool:
+        """Whether a mixed step of ``tokens`` tokens, ``decode_tokens`` of them decode tokens
+        with an adapter, may be sized for fewer rank rows than the engine's
+        (lora_paths.mixed_step_narrows), in an engine whose max_lora_rank is above those rows.
+        A NARROW graph is captured at each mixed size where a step of it may narrow (its
+        sequences bound its decode tokens)."""
         rows = lora_paths.FUSED_PREFILL_MAX_ROWS
-        most = self.mixed_seqs(tokens)  # the decode tokens a mixed step of that size may hold
-        return lora_paths.mixed_step_narrows(tokens, most) and self.max_lora_rank > rows
+        return self.max_lora_rank > rows and lora_paths.mixed_step_narrows(tokens, decode_tokens)
 
     def _wides(self) -> bool:
         """Whether steps may hold adapters above FUSED_DECODE_ROWS (WIDE graphs are captured)."""
@@ -314,8 +314,7 @@ class ModelRunner:
         prefill-sized, in an engine whose adapters may be that wide (its calls are then sized
         for those rows; kernels.lora_paths.prefill_step_fuses_wide)."""
         rows = lora_paths.fused_rank_rows(self.max_lora_rank)
-        prefill_sized = tokens > lora_paths.FUSED_MAX_TOKENS
-        return prefill_sized and self._narrows(tokens) and rows >= lora_paths.WIDE_FUSED_ROWS
+        return tokens > lora_paths.FUSED_MAX_TOKENS and rows >= lora_paths.WIDE_FUSED_ROWS
 
     def _fusable(self, size: int) -> bool:
         """Whether a decode step of ``size`` sequences could prefer the fused path."""
@@ -366,15 +365,13 @@ class ModelRunner:
         rank = max(self.row_ranks[r] for r in rows)
         if tokens == len(entries) and self._one_token(tokens):  # one token each: decode
             if lora_paths.one_token_step_fuses(adapter_tokens, len(rows), rank):
-                pairs = self.pair_modules == ALL_MODULES if modules is None else (
-                    (modules & ~self.pair_modules) == 0
-                )  # fmt: skip
+                used = ALL_MODULES if modules is None else modules
+                pairs = (used & ~self.pair_modules) == 0  # every call takes two-token tiles
                 return StepLora(LoraMode.ONE_TOKEN, modules, True, pairs)
         decode_sized = tokens <= lora_paths.FUSED_MAX_TOKENS
         narrow = (
-            self._narrows(tokens)
-            and (tokens > len(entries) or not decode_sized)  # a decode step never narrows
-            and lora_paths.mixed_step_narrows(tokens, decode_tokens)
+            (tokens > len(entries) or not decode_sized)  # a decode step never narrows
+            and self._narrows(tokens, decode_tokens)
             and lora_paths.prefill_step_narrows(rank)
         )
         if decode_sized and not narrow:
@@ -449,7 +446,7 @@ class ModelRunner:
             seqs = self.mixed_seqs(tokens)
             keys.append(GraphKey(tokens, seqs, LoraMode.NONE))
             modes = [LoraMode.SHAPES]
-            modes += [LoraMode.NARROW] if self._narrows(tokens) else []
+            modes += [LoraMode.NARROW] if self._narrows(tokens, seqs) else []
             modes += [LoraMode.WIDE_FUSED] if self._wide_fuses(tokens) else []
             modes += [LoraMode.WIDE] if self._wides() else []
             for mode in modes:  # each also without the MLP calls, as the decode graphs
