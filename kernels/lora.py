@@ -40,15 +40,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kernels import lora_paths
 from kernels.lora_args import MAX_SLICES, check_call, check_float, check_modules, check_widths
 from kernels.lora_fused import lora_fused_kernel
-from kernels.lora_paths import (
-    FUSED_DECODE_ROWS,
-    FUSED_MAX_RANK,
-    FUSED_MAX_TOKENS,
-    ONE_TOKEN_ROWS,
-    WIDE_FUSED_ROWS,
-    fused_rank_rows,
-    shapes_prefer_fused,
-)
+from kernels.lora_paths import fused_rank_rows, shapes_prefer_fused
 from kernels.tile_table import TILE_BLOCKS
 from kernels.tiles import (
     INTERPRET,
@@ -119,7 +111,7 @@ _GEMV_BLOCK = 1024
 # tokens on 405 adapters 97.9 µs against 103.6 without, the n = 1000 trace's mixed steps 6-12%
 # less; bench/results/lora_engine_calls_narrow.json); fused_config gives calls whose adapters
 # all fit them such a body alone.
-_GEMV_NARROW_ROWS = ONE_TOKEN_ROWS
+_GEMV_NARROW_ROWS = lora_paths.ONE_TOKEN_ROWS
 # The fused grid's tiles lie along its y axis (the slices first: kernels/lora_fused.py), whose
 # size CUDA caps.
 _MAX_GRID_Y = 65535
@@ -224,7 +216,8 @@ def launch_config(
     want = _SHRINK_PROGRAMS_PER_SM * num_sms() // programs
     split = _decode_split(num_tokens, d_in, shrink_k)
     rank_split = 1
-    if rank_block > 16 and num_tokens <= FUSED_MAX_TOKENS:  # a WIDE decode step (_wide_split)
+    # a WIDE decode step (_wide_split)
+    if rank_block > 16 and num_tokens <= lora_paths.FUSED_MAX_TOKENS:
         split, rank_split = _wide_split(num_tokens, split)
     while split * 2 <= want and d_in >= 4 * split * shrink_k:
         split *= 2
@@ -262,7 +255,7 @@ def _decode_split(num_tokens: int, d_in: int, shrink_k: int) -> int:
     (bench/results/lora_engine_calls.json, --splits). Only up to the d_in measured (4096): a
     down call's shrink (d_in 11008) compiles to 168 registers a thread at split 2 (3 programs an
     SM, against 4; `python -m bench.kernel_resources`) and was not timed."""
-    if num_tokens <= FUSED_MAX_TOKENS and 8 * shrink_k <= d_in <= _DECODE_SPLIT_MAX_D_IN:
+    if num_tokens <= lora_paths.FUSED_MAX_TOKENS and 8 * shrink_k <= d_in <= _DECODE_SPLIT_MAX_D_IN:
         return 2
     return 1
 
@@ -307,12 +300,12 @@ def fused_config(
     block_k = block_n = blk
     warps = 8 if rows >= 64 else 4
     narrow = _NARROW.get(rows) if _hopper() else None
-    decode = num_tokens <= FUSED_MAX_TOKENS
+    decode = num_tokens <= lora_paths.FUSED_MAX_TOKENS
     if decode and narrow and narrow.wide_per_sm * sms < programs * parts <= narrow.per_sm * sms:
         block_k = _fit_block(narrow.block_k, width)
         block_n = _fit_block(narrow.block_n, width)
         warps = narrow.warps
-    if not decode and rows == WIDE_FUSED_ROWS:  # a wide prefill-sized step's calls
+    if not decode and rows == lora_paths.WIDE_FUSED_ROWS:  # a wide prefill-sized step's calls
         # H200, one layer's S2 calls of mixed steps (lora_paths.prefill_step_fuses_wide), 128-
         # against 256-wide blocks with 4 warps and with the 8 warps of this rows' default: 98
         # adapters, 300 decode tokens beside three 512-token prompts 174.4 / 187.9 / 233.2 µs,
@@ -348,7 +341,7 @@ def fused_config(
         fused=True,
         parts=parts,
         stages=3,
-        gemv_max=_GEMV_MAX if rows <= FUSED_DECODE_ROWS else 0,
+        gemv_max=_GEMV_MAX if rows <= lora_paths.FUSED_DECODE_ROWS else 0,
         gemv_k=gemv,
         gemv_n=gemv,
         gemv_r=gemv_rows,
@@ -746,7 +739,8 @@ def workspace_size(
     the shrink programs wanted for the GPU."""
     if config is not None:
         return config.split_k * num_tokens * num_slices * max_rank
-    least = 2 if num_tokens <= FUSED_MAX_TOKENS else 1  # an upper bound: d_in is not known
+    # an upper bound: d_in is not known
+    least = 2 if num_tokens <= lora_paths.FUSED_MAX_TOKENS else 1
     rows = max(least * num_tokens * num_slices, _SHRINK_PROGRAMS_PER_SM * num_sms())
     return rows * max_rank
 
@@ -903,7 +897,7 @@ def _path_config(
 ) -> LoraLaunch:
     if fused is None:
         return launch_config(t, d_in, width, max_rank, num_slices, max(out_widths), rank_block)
-    if fused and max_rank <= FUSED_MAX_RANK:
+    if fused and max_rank <= lora_paths.FUSED_MAX_RANK:
         return fused_config(t, width, max_rank, num_slices, max(out_widths), d_in=d_in)
     # no out_width: never fused
     return launch_config(t, d_in, width, max_rank, num_slices, 0, rank_block)

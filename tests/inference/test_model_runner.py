@@ -182,6 +182,7 @@ def test_pair_modules_are_the_calls_that_hoist(monkeypatch):
     tiny-mha's q/k/v and o (multi-head attention: the pool as wide as the hidden size), not
     their MLPs, and nothing of a grouped-query model (q/k/v's d_in and o's width above its
     pool's width); with it off, none."""
+    from kernels import lora as triton_lora
     from kernels import lora_paths
 
     llama_7b = (4096, 4096, 4096, 11008, 4096)  # hidden, q_dim, kv_dim, inter, pool width
@@ -190,6 +191,15 @@ def test_pair_modules_are_the_calls_that_hoist(monkeypatch):
     assert pair_modules(64, 64, 64, 160, 64) == ATTENTION  # tiny-mha
     assert pair_modules(64, 64, 32, 160, 32) == 0  # tiny-llama
     assert pair_modules(4096, 4096, 1024, 14336, 1024) == 0  # Llama-3-8B
+    # The launch rules read lora_paths' settings when called, not as bound at import: with
+    # FUSED_MAX_TOKENS lowered (as the CUDA tests of narrow steps lower it) and back, the same
+    # answers, whichever test imported kernels.lora first.
+    monkeypatch.setattr(lora_paths, "FUSED_MAX_TOKENS", 16)
+    assert pair_modules(*llama_7b) == ATTENTION
+    narrow = lora_paths.ONE_TOKEN_ROWS
+    assert not triton_lora.fused_config(32, 4096, narrow, 3, 4096, d_in=4096).gemv_hoist
+    monkeypatch.undo()
+    assert triton_lora.fused_config(32, 4096, narrow, 3, 4096, d_in=4096).gemv_hoist
     monkeypatch.setattr(lora_paths, "ONE_TOKEN_PAIRS", False)
     assert pair_modules(*llama_7b) == 0
 
