@@ -24,12 +24,12 @@ parts, stages), both calls and each apart, every launch's delta checked against 
 
 With ``--small-mixed`` the cases are S1's decode-sized mixed steps instead (SMALL_CASES: a
 prompt's chunk beside a batch of decode tokens, up to FUSED_MAX_TOKENS tokens, padded to the
-mixed graph's size), on the path the engine gives them (LoraMode.SHAPES: in place, each call's
-shapes at the engine's max_lora_rank of 128, which picks the two launches) against the path
-that setting lora_paths.NARROW_MIN_DECODE_TOKENS gives those of that many decode tokens
-(LoraMode.NARROW: every call fused at 16 rank rows, the decode tokens apart by
+mixed graph's size), on the two paths the engine chooses between for them by their distinct
+adapters (lora_paths.NARROW_MIN_ADAPTERS, which these figures set): LoraMode.SHAPES (in place,
+each call's shapes at the engine's max_lora_rank of 128, which picks the two launches) and
+LoraMode.NARROW (every call fused at 16 rank rows, the decode tokens apart by
 lora_paths.mixed_decodes_apart, the GEMMs adding onto the delta from ADDEND_MIN_TOKENS tokens),
-and NARROW in place: which steps gain, and so what to set it to.
+and NARROW in place; the last column names the engine's choice.
 
     python bench/lora_addend.py [--parts] [--delta-sweep | --small-mixed] \
         [--out bench/results/lora_addend.json]
@@ -379,8 +379,8 @@ def main() -> None:
                     help="also time the mixed cases' delta calls by the fused kernel's launch "
                     "(DELTA_POINTS)")  # fmt: skip
     ap.add_argument("--small-mixed", action="store_true",
-                    help="time S1's decode-sized mixed steps (SMALL_CASES) on the engine's path "
-                    "and on NARROW instead")  # fmt: skip
+                    help="time S1's decode-sized mixed steps (SMALL_CASES) on the shapes' path "
+                    "and on NARROW")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/lora_addend.json")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -435,7 +435,7 @@ def main() -> None:
 def small_mixed(out_path: Path, gen: torch.Generator) -> None:
     print("µs a layer (q/k/v and o GEMMs with their LoRA calls), CUDA graph; +: beyond the base")
     print(f"{'case':<36} {'tokens':>6} {'used':>5} {'base':>8} {'+shapes':>8} {'+narrow':>8} "
-          f"{'+n in pl':>8} {'ratio':>6}")  # fmt: skip
+          f"{'+n in pl':>8} {'ratio':>6} {'engine':>7}")  # fmt: skip
     rows = []
     for c in SMALL_CASES:
         r = time_small(*c, gen)
@@ -445,9 +445,13 @@ def small_mixed(out_path: Path, gen: torch.Generator) -> None:
         name += " (apart)" if r["paths"]["narrow"]["apart"] else ""
         name += " (addend)" if r["paths"]["narrow"]["addend"] else ""
         ratio = extra["narrow"] / extra["shapes"] if extra["shapes"] > 0 else 0
+        r["engine"] = (
+            "narrow" if lora_paths.mixed_step_narrows(r["tokens"], r["used"]) else "shapes"
+        )
         print(f"{name:<36} {r['tokens']:>6} {r['used']:>5} {r['base_us']:>8.1f} "
               f"{extra['shapes']:>8.1f} {extra['narrow']:>8.1f} "
-              f"{extra['narrow_in_place']:>8.1f} {ratio:>6.2f}", flush=True)  # fmt: skip
+              f"{extra['narrow_in_place']:>8.1f} {ratio:>6.2f} {r['engine']:>7}",
+              flush=True)  # fmt: skip
     write_result(out_path, "lora_addend.py", {
         "benchmark": "lora_addend --small-mixed", "gpu": torch.cuda.get_device_name(),
         "rows": rows,

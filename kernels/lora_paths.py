@@ -74,18 +74,22 @@ ONE_TOKEN_MAX_SHARING = 8
 # throughput level (7133 tok/s against 7134).
 ONE_TOKEN_PAIRS = True
 # Decode-sized mixed steps (a prompt's chunk beside decode tokens, up to FUSED_MAX_TOKENS
-# tokens) narrow too (prefill_step_narrows) when they hold at least this many decode tokens
-# with an adapter; None: they keep each call's shapes at the engine's max_lora_rank (the two
-# launches). On an H100, S1 n = 1000's 57 such steps of 305-508 tokens (about 287 decode
-# tokens beside a chunk) took 3.9 ms each beyond the base model's steps fit to their shape,
-# its 298 narrow steps of 512-2048 tokens 2.2 (bench/step_compare.py,
-# bench/results/step_compare_s1_8b7ce79_h100_n1000_pairs_on.json); but a prompt-heavy step
-# loses on the fused kernel (H200, 16 decode tokens beside a 256-token prompt, one layer's S1
-# calls all fused at 16 rows 59.2 µs against 44.2 on the two launches, 44.4 at 128 rows;
-# bench/results/lora_engine_calls_narrow.json). bench/lora_addend.py --small-mixed times
-# both kinds with their GEMMs on both paths and sets this; it has not run on a GPU yet (the
-# engine's CUDA tests run NARROW steps this small with FUSED_MAX_TOKENS lowered).
-NARROW_MIN_DECODE_TOKENS: int | None = None
+# tokens) narrow too (prefill_step_narrows) when they hold at least this many distinct
+# adapters; with fewer they keep each call's shapes at the engine's max_lora_rank (the two
+# launches, which read each adapter's rows once per call but pad every program to those
+# rows). H100, one layer's S1 q/k/v and o GEMMs with their LoRA calls in a CUDA graph, µs
+# beyond the GEMMs, shapes against NARROW (bench/lora_addend.py --small-mixed,
+# bench/results/lora_addend_small_mixed_e21fc80_h100.json): 287 decode tokens beside a
+# 220- or 48-token chunk on 250 / 248 adapters 143.5 -> 76.1, 131.3 -> 69.6; on 97 / 94
+# 67.8 -> 53.1, 64.5 -> 46.1; but on 5 adapters 35.9 -> 51.1, and 16 decode tokens beside a
+# 260- or 100-token chunk on 16 / 15 adapters 34.2 -> 38.2, 35.5 -> 36.5: the shapes' path
+# costs grow with the adapters, the fused kernel's less. The threshold lies between 16 and
+# 94 (unmeasured in between; linear in the adapters the two cross near 33); S1's mixed steps
+# of this size hold about 190 adapters at n = 1000, about 90 at n = 100, 5 at n = 5, and 15
+# at 10 requests/s. On the saturating trace at n = 1000 these steps (57 of 1376) took
+# 4.2 ms each beyond the base model's steps fit to their shape
+# (bench/results/step_compare_s1_e21fc80_h100_n1000_lora_pdl_on.json).
+NARROW_MIN_ADAPTERS = 48
 # A narrow mixed step's decode tokens take one-token tiles when they share their adapters at
 # least this many to one (and at most ONE_TOKEN_MAX_SHARING): mixed_decodes_apart.
 MIXED_APART_MIN_SHARING = 2
@@ -107,13 +111,11 @@ def fused_rank_rows(max_rank: int) -> int:
     return rows
 
 
-def mixed_step_narrows(tokens: int, decode_tokens: int) -> bool:
-    """Whether a mixed step of ``tokens`` tokens, ``decode_tokens`` of them decode tokens with
-    an adapter, may narrow (its adapters' ranks decide the rest: prefill_step_narrows): when it
-    is prefill-sized, or decode-sized with NARROW_MIN_DECODE_TOKENS decode tokens or more."""
-    if tokens > FUSED_MAX_TOKENS:
-        return True
-    return NARROW_MIN_DECODE_TOKENS is not None and decode_tokens >= NARROW_MIN_DECODE_TOKENS
+def mixed_step_narrows(tokens: int, adapters: int) -> bool:
+    """Whether a mixed step of ``tokens`` tokens on ``adapters`` distinct adapters may narrow
+    (their ranks decide the rest: prefill_step_narrows): when it is prefill-sized, or
+    decode-sized on NARROW_MIN_ADAPTERS adapters or more."""
+    return tokens > FUSED_MAX_TOKENS or adapters >= NARROW_MIN_ADAPTERS
 
 
 def shapes_prefer_fused(num_tokens: int, max_rank: int, num_slices: int) -> bool:

@@ -97,11 +97,11 @@ def test_case_entries_start_each_entry():
 
 def test_small_mixed_cases_are_decode_sized_steps_on_the_engines_paths():
     """--small-mixed's cases are mixed steps of at most FUSED_MAX_TOKENS tokens padded as the
-    engine's mixed graphs pad them; the engine gives them the shapes' path at its default
-    max_lora_rank, and NARROW once NARROW_MIN_DECODE_TOKENS is set, with the decode tokens apart
-    as lora_paths.mixed_decodes_apart says (sharing their adapters 2-8 to one: from 100) and the
-    addend from ADDEND_MIN_TOKENS; each path's tables cover the step's adapter tokens once (and
-    the addend's every token)."""
+    engine's mixed graphs pad them, on the engine's two paths for them: the shapes' at its
+    default max_lora_rank, and NARROW (the engine's from NARROW_MIN_ADAPTERS adapters), with
+    the decode tokens apart as lora_paths.mixed_decodes_apart says (sharing their adapters 2-8
+    to one: from 100) and the addend from ADDEND_MIN_TOKENS; each path's tables cover the
+    step's adapter tokens once (and the addend's every token)."""
     from pathlib import Path
 
     from kernels import lora_paths

@@ -219,13 +219,13 @@ def test_prefill_sized_steps_are_sized_for_their_adapters_ranks(core):
     assert lora_for(LoraMode.NARROW, None).rank_block == 16  # back to 16 for the next step
 
 
-def test_decode_sized_mixed_steps_narrow_with_enough_decode_tokens(core, tiny_models, monkeypatch):
-    """lora_paths.NARROW_MIN_DECODE_TOKENS: unset, only prefill-sized mixed steps narrow; set, a
-    decode-sized mixed step whose adapters fit 16 rank rows and that holds that many decode
-    tokens with an adapter takes NARROW too (rather than the fused rule or the two launches),
-    its decode tokens apart by the same rule, and NARROW graphs are captured at every mixed
-    size that can hold them; a step of fewer decode tokens, a decode step, or a step with an
-    adapter above 16 rows keeps its path. WIDE_FUSED stays prefill-sized."""
+def test_decode_sized_mixed_steps_narrow_on_many_adapters(core, tiny_models, monkeypatch):
+    """lora_paths.NARROW_MIN_ADAPTERS: a decode-sized mixed step whose adapters fit 16 rank rows
+    and that holds that many distinct adapters takes NARROW (rather than the fused rule or the
+    two launches), its decode tokens apart by the same rule, and NARROW graphs are captured at
+    every mixed size whose sequences can hold that many; a step on fewer adapters, a decode
+    step, or a step with an adapter above 16 rows keeps its path. WIDE_FUSED stays
+    prefill-sized. (The default, 48, lowered to 2: the engine holds four adapters.)"""
     for name in ("r4", "r8"):
         core.add_adapter_dir(AdapterKey(name, 1), tiny_models.adapter("tiny-llama", name))
     r16, r4, r32, r8 = (_load(core, name) for name in ("r16", "r4", "r32", "r8"))
@@ -235,19 +235,19 @@ def test_decode_sized_mixed_steps_narrow_with_enough_decode_tokens(core, tiny_mo
     def prefill(row, n):
         return BatchEntry(tuple(range(n)), 0, tuple(range(n // 4 + 1)), row, True)
 
-    mixed = [prefill(r16, 100), *_decode([r4] * 4)]
+    mixed = [prefill(r16, 100), *_decode([r4] * 4)]  # two adapters
     spread = [prefill(r8, 100), *_decode([r4, r8] * 4)]  # 4 decode tokens an adapter
-    assert step(mixed).mode is LoraMode.TWO  # unset: decode-sized mixed, two launches
+    assert step(mixed).mode is LoraMode.TWO  # the default: too few adapters
     assert LoraMode.NARROW not in {k.lora for k in runner.graph_keys((), (128,))}
-    monkeypatch.setattr(lora_paths, "NARROW_MIN_DECODE_TOKENS", 4)
+    monkeypatch.setattr(lora_paths, "NARROW_MIN_ADAPTERS", 2)
     assert step(mixed) == StepLora(LoraMode.NARROW, core.adapters.row_modules[r16]
                                    | core.adapters.row_modules[r4])  # fmt: skip
     assert step(spread) == StepLora(LoraMode.NARROW, step(spread).modules, True)  # apart
-    assert step([prefill(r16, 100), *_decode([r4] * 3)]).mode is LoraMode.TWO  # 3 decode tokens
-    assert step([prefill(r16, 100), *_decode([r32] * 4)]).mode is LoraMode.WIDE
-    assert step(_decode([r4] * 70)).mode is not LoraMode.NARROW  # a decode step
+    assert step([prefill(r16, 100), *_decode([r16] * 8)]).mode is LoraMode.TWO  # one adapter
+    assert step([prefill(r16, 100), *_decode([r4, r32])]).mode is LoraMode.WIDE
+    assert step(_decode([r4, r8] * 35)).mode is not LoraMode.NARROW  # a decode step
     keys = runner.graph_keys((), (2, 4, 128, 640))
-    assert {k.tokens for k in keys if k.lora is LoraMode.NARROW} == {128, 640}  # 4: 3 seqs
+    assert {k.tokens for k in keys if k.lora is LoraMode.NARROW} == {4, 128, 640}  # 2: 1 seq
     assert {k.tokens for k in keys if k.lora is LoraMode.WIDE_FUSED} <= {640}
 
 

@@ -296,14 +296,13 @@ class ModelRunner:
         calls cover the attention modules only."""
         return tuple(sorted({k.tokens for k in self._graphs if k.modules == ATTENTION}))
 
-    def _narrows(self, tokens: int, decode_tokens: int) -> bool:
-        """Whether a mixed step of ``tokens`` tokens, ``decode_tokens`` of them decode tokens
-        with an adapter, may be sized for fewer rank rows than the engine's
-        (lora_paths.mixed_step_narrows), in an engine whose max_lora_rank is above those rows.
-        A NARROW graph is captured at each mixed size where a step of it may narrow (its
-        sequences bound its decode tokens)."""
+    def _narrows(self, tokens: int, adapters: int) -> bool:
+        """Whether a mixed step of ``tokens`` tokens on ``adapters`` distinct adapters may be
+        sized for fewer rank rows than the engine's (lora_paths.mixed_step_narrows), in an
+        engine whose max_lora_rank is above those rows. A NARROW graph is captured at each mixed
+        size where a step of it may narrow (its sequences bound its adapters)."""
         rows = lora_paths.FUSED_PREFILL_MAX_ROWS
-        return self.max_lora_rank > rows and lora_paths.mixed_step_narrows(tokens, decode_tokens)
+        return self.max_lora_rank > rows and lora_paths.mixed_step_narrows(tokens, adapters)
 
     def _wides(self) -> bool:
         """Whether steps may hold adapters above FUSED_DECODE_ROWS (WIDE graphs are captured)."""
@@ -332,8 +331,8 @@ class ModelRunner:
         whose adapters fit ONE_TOKEN_ROWS and share little, ONE_TOKEN
         (lora_paths.one_token_step_fuses); else for a decode-sized step (up to FUSED_MAX_TOKENS
         tokens) fused or two launches by lora_paths.decode_prefers_fused over its adapter
-        tokens; for a prefill-sized one (and a decode-sized mixed one of
-        lora_paths.NARROW_MIN_DECODE_TOKENS decode tokens: lora_paths.mixed_step_narrows) NARROW
+        tokens; for a prefill-sized one (and a decode-sized mixed one on
+        lora_paths.NARROW_MIN_ADAPTERS adapters: lora_paths.mixed_step_narrows) NARROW
         when every adapter of it fits FUSED_PREFILL_MAX_ROWS
         (lora_paths.prefill_step_narrows: every call fused, sized for those rows), its decode
         tokens each a one-token tile when they share their adapters a few to one (the fused
@@ -371,7 +370,7 @@ class ModelRunner:
         decode_sized = tokens <= lora_paths.FUSED_MAX_TOKENS
         narrow = (
             (tokens > len(entries) or not decode_sized)  # a decode step never narrows
-            and self._narrows(tokens, decode_tokens)
+            and self._narrows(tokens, len(rows))
             and lora_paths.prefill_step_narrows(rank)
         )
         if decode_sized and not narrow:
