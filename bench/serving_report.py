@@ -65,7 +65,10 @@ def analyse(results: list[dict], steps: list[dict], roof) -> dict:
             "share_p50": pct([s["share"] for s in mix], 50),
             "phase_share_p50": pct([s["phase_share"] for s in mix], 50),
         },
-        # prefill tokens beyond the prompts: preempted sequences' prompts and outputs again
+        # prefill tokens beyond the prompts: preempted sequences' prompts and outputs again. The
+        # step log counts chunks of more than one token as prefill (the kernels' shapes), so a
+        # prompt whose last chunk was one token (chunked at the step's token budget) counts that
+        # token as a decode: -1 or -2 where nothing was recomputed.
         "recomputed_tokens": sum(s["prefill_tokens"] for s in window)
         - sum(r["prompt_len"] for r in results if r["status"] == "OK"),
         "median_step_gpu_ms": pct([s["gpu_ms"] for s in window], 50),
