@@ -76,19 +76,18 @@ ONE_TOKEN_PAIRS = True
 # Decode-sized mixed steps (a prompt's chunk beside decode tokens, up to FUSED_MAX_TOKENS
 # tokens) narrow too (prefill_step_narrows) when they hold at least this many distinct
 # adapters; with fewer they keep each call's shapes at the engine's max_lora_rank (the two
-# launches, which read each adapter's rows once per call but pad every program to those
-# rows). H100, one layer's S1 q/k/v and o GEMMs with their LoRA calls in a CUDA graph, µs
+# launches). H100, one layer's S1 q/k/v and o GEMMs with their LoRA calls in a CUDA graph, µs
 # beyond the GEMMs, shapes against NARROW (bench/lora_addend.py --small-mixed,
 # bench/results/lora_addend_small_mixed_e21fc80_h100.json): 287 decode tokens beside a
 # 220- or 48-token chunk on 250 / 248 adapters 143.5 -> 76.1, 131.3 -> 69.6; on 97 / 94
 # 67.8 -> 53.1, 64.5 -> 46.1; but on 5 adapters 35.9 -> 51.1, and 16 decode tokens beside a
 # 260- or 100-token chunk on 16 / 15 adapters 34.2 -> 38.2, 35.5 -> 36.5: the shapes' path
 # costs grow with the adapters, the fused kernel's less. The threshold lies between 16 and
-# 94 (unmeasured in between; linear in the adapters the two cross near 33); S1's mixed steps
-# of this size hold about 190 adapters at n = 1000, about 90 at n = 100, 5 at n = 5, and 15
-# at 10 requests/s. On the saturating trace at n = 1000 these steps (57 of 1376) took
-# 4.2 ms each beyond the base model's steps fit to their shape
-# (bench/results/step_compare_s1_e21fc80_h100_n1000_lora_pdl_on.json).
+# 94 adapters, where nothing was measured: S1's saturating trace puts about 190 adapters in
+# such a step at n = 1000 (these steps, 57 of its 1376 with adapters, took 4.2 ms each beyond
+# the base model's steps fit to their shape on the shapes' path: bench/results/
+# step_compare_s1_e21fc80_h100_n1000_lora_pdl_on.json), at most 100 at n = 100 and 5 at
+# n = 5; at 10 requests/s a step holds about 16 sequences.
 NARROW_MIN_ADAPTERS = 48
 # A narrow mixed step's decode tokens take one-token tiles when they share their adapters at
 # least this many to one (and at most ONE_TOKEN_MAX_SHARING): mixed_decodes_apart.

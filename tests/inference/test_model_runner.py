@@ -196,10 +196,10 @@ def test_pair_modules_are_the_calls_that_hoist(monkeypatch):
     # answers, whichever test imported kernels.lora first.
     monkeypatch.setattr(lora_paths, "FUSED_MAX_TOKENS", 16)
     assert pair_modules(*llama_7b) == ATTENTION
-    narrow = lora_paths.ONE_TOKEN_ROWS
-    assert not triton_lora.fused_config(32, 4096, narrow, 3, 4096, d_in=4096).gemv_hoist
+    rows = lora_paths.ONE_TOKEN_ROWS  # a 32-token q/k/v call of a ONE_TOKEN step
+    assert not triton_lora.fused_config(32, 4096, rows, 3, 4096, d_in=4096).gemv_hoist
     monkeypatch.undo()
-    assert triton_lora.fused_config(32, 4096, narrow, 3, 4096, d_in=4096).gemv_hoist
+    assert triton_lora.fused_config(32, 4096, rows, 3, 4096, d_in=4096).gemv_hoist
     monkeypatch.setattr(lora_paths, "ONE_TOKEN_PAIRS", False)
     assert pair_modules(*llama_7b) == 0
 
