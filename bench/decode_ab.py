@@ -173,7 +173,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_ab compares CUDA engines: no CUDA device here")
-    if "pdl" in args.compare and torch.cuda.get_device_capability()[0] < 9:
+    if args.compare in ("pdl", "lora-pdl") and torch.cuda.get_device_capability()[0] < 9:
         sys.exit("PDL needs a Hopper (sm_90) or later GPU")
     stem = args.compare.replace("-", "_")
     args.out = args.out or REPO / "bench" / "results" / f"decode_ab_{stem}.json"

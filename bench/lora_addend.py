@@ -275,8 +275,8 @@ def time_case(
 
 def small_paths(decode: int, n: int, prefill: tuple[int, ...], padded: int, gen):
     """A SMALL_CASES step, padded as its mixed graph is: (rows, entries' starts, the paths'
-    settings): the engine's (shapes) and NARROW's, with the addend where the engine would add
-    it and in place."""
+    settings): the shapes' path and NARROW, with the addend where the engine would add it and
+    in place."""
     from services.inference.engine.model_runner import ADDEND_MIN_TOKENS
 
     rows, starts = case_entries(decode, n, prefill, 0, gen)
@@ -299,8 +299,8 @@ def small_paths(decode: int, n: int, prefill: tuple[int, ...], padded: int, gen)
 
 def time_small(decode: int, n: int, prefill: tuple[int, ...], padded: int, gen) -> dict:
     """One SMALL_CASES step: µs a layer of the q/k/v and o GEMMs alone, and with their LoRA
-    calls on each of small_paths' paths, every path's projections checked against the
-    engine's."""
+    calls on each of small_paths' paths, every path's projections checked against the shapes'
+    path's."""
     rows, starts, paths = small_paths(decode, n, prefill, padded, gen)
     t = rows.numel()
     layers = make_layers(n, (8,), rows)

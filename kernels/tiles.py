@@ -66,8 +66,8 @@ def pdl_launch(device: torch.device) -> bool:
 @functools.cache
 def lora_pdl_launch(device: torch.device) -> bool:
     """Whether the fused LoRA kernel is a programmatic dependent launch on ``device``: where
-    pdl_launch is on and LORAFLEET_LORA_PDL=1 (off by default: not yet measured). Its programs
-    then look up their tile, the index and (a one-token or pair tile's hoisted body) the
+    pdl_launch is on and LORAFLEET_LORA_PDL=1 (off by default: docs/kernels.md, Launches). Its
+    programs then look up their tile, the index and (a one-token or pair tile's hoisted body) the
     adapter's slot rows while the kernel before them (the norm, attention, or the base GEMM)
     finishes, and pass launch_gate before they read its output or the weights
     (kernels/lora_fused.py). Graphs keep what they captured: set it before the engine starts."""

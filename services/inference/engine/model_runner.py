@@ -373,9 +373,9 @@ class ModelRunner:
             and self._narrows(tokens, len(rows))
             and lora_paths.prefill_step_narrows(rank)
         )
-        if decode_sized and not narrow:
-            if lora_paths.decode_prefers_fused(adapter_tokens, len(rows), rank):
-                return StepLora(LoraMode.FUSED, modules)
+        decode_fuses = not narrow and decode_sized
+        if decode_fuses and lora_paths.decode_prefers_fused(adapter_tokens, len(rows), rank):
+            return StepLora(LoraMode.FUSED, modules)
         if narrow:
             apart = lora_paths.mixed_decodes_apart(decode_tokens, len(decode_rows), rank)
             return StepLora(LoraMode.NARROW, modules, apart)
