@@ -9,9 +9,11 @@ warm-up), then bins the decode steps (64 sequences and more) by batch and the mi
 steps and of the LoRA run's, their difference, and the time the LoRA run's adapter bytes take
 at the copy bandwidth the serving run measured (the least the difference could be); then the
 whole runs' GPU time and the throughput ratio the adapter bytes alone would allow (totals); then
-every LoRA step against the base model's steps fit to its shape (over_fit), by kind of step and
-LoRA kernel path, and for each kind of step a line through that time against its adapter bytes'
-time (bytes_line: a fixed cost a step, and a cost a byte as a multiple of the copy bandwidth's).
+every LoRA step against the base model's steps fit to its shape (over_fit), by kind of step
+(decode, mixed, and mixed steps of decode size, lora_paths.FUSED_MAX_TOKENS tokens or fewer,
+apart) and LoRA kernel path, and for decode and mixed steps a line through that time against
+their adapter bytes' time (bytes_line: a fixed cost a step, and a cost a byte as a multiple of
+the copy bandwidth's).
 
     python bench/step_compare.py --serving bench/results/serving_s1_n1000.json \
         --steps bench/results/serving_s1_n1000_steps.jsonl.gz --base 0:2 --lora 1000:2
@@ -106,15 +108,21 @@ def over_fit(base: list[dict], lora: list[dict], bandwidth: float) -> dict:
     applied to each LoRA step. ``schedule_s``: the fit over the LoRA run's steps against the
     base run's GPU time (what its different step mix costs, adapters aside); each row (kind of
     step, its LoRA path): the steps' GPU time beyond the fit (the LoRA kernels' cost in the
-    step) and their adapter bytes at the copy bandwidth (the least that cost could be)."""
+    step) and their adapter bytes at the copy bandwidth (the least that cost could be). Mixed
+    steps of FUSED_MAX_TOKENS tokens or fewer are their own kind ("mixed, small"): the engine
+    picks their path by their adapters (lora_paths.mixed_step_narrows); the lines count them
+    among the mixed steps."""
     from bench.admission import StepModel
+    from kernels.lora_paths import FUSED_MAX_TOKENS
 
     model = StepModel(base)
     fit = [model.ms(s) for s in lora]
     # (step, its GPU ms beyond the fit) by kind of step and LoRA path
     groups: dict[tuple[str, str], list[tuple[dict, float]]] = {}
     for s, ms in zip(lora, fit, strict=True):
-        kind = "mixed" if s["prefill_tokens"] else "decode"
+        kind = "decode"
+        if s["prefill_tokens"]:
+            kind = "mixed, small" if s["tokens"] <= FUSED_MAX_TOKENS else "mixed"
         groups.setdefault((kind, s.get("lora", "none")), []).append((s, s["gpu_ms"] - ms))
     rows = [
         {
@@ -127,7 +135,7 @@ def over_fit(base: list[dict], lora: list[dict], bandwidth: float) -> dict:
     base_s = sum(s["gpu_ms"] for s in base) / 1e3
     lines = {}
     for kind in ("decode", "mixed"):
-        steps = [(s, extra) for (k, _), group in groups.items() if k == kind
+        steps = [(s, extra) for (k, _), group in groups.items() if k.split(",")[0] == kind
                  for s, extra in group if s["adapter_bytes"]]  # fmt: skip
         line = bytes_line([s["adapter_bytes"] / bandwidth * 1e3 for s, _ in steps],
                           [extra for _, extra in steps])  # fmt: skip
@@ -193,9 +201,9 @@ def main() -> None:
     report["over_fit"] = f = over_fit(base, lora, bandwidth)
     print(f"against the base model's steps fit to their shape: the LoRA run's step mix "
           f"{f['schedule_s']:+.2f} s; beyond the fit, by kind of step and LoRA path:")  # fmt: skip
-    print(f"{'kind':>6} {'path':>26} {'steps':>5} {'extra s':>7} {'bytes s':>7}")
+    print(f"{'kind':>12} {'path':>26} {'steps':>5} {'extra s':>7} {'bytes s':>7}")
     for r in f["rows"]:
-        print(f"{r['kind']:>6} {r['path']:>26} {r['steps']:>5} {r['extra_s']:>7.2f} "
+        print(f"{r['kind']:>12} {r['path']:>26} {r['steps']:>5} {r['extra_s']:>7.2f} "
               f"{r['adapter_bytes_s']:>7.2f}")  # fmt: skip
     for kind, line in f["lines"].items():
         print(

@@ -91,6 +91,35 @@ def test_over_fit_charges_each_lora_step_beyond_the_base_models_cost_at_its_shap
     assert decode_line["fixed_ms"] == pytest.approx(0.5 - 2 / 3, abs=1e-3)
 
 
+def test_decode_sized_mixed_steps_are_their_own_kind_and_count_in_the_mixed_line():
+    # Base steps that cost 5 + 0.02 a token (mixed; context and pairs vary apart from tokens so
+    # the fit is exact) and 2 + 0.01 a sequence (decode).
+    def mix(tokens, kv, pairs):
+        return 5 + 0.02 * tokens + 0.0005 * kv + 0.00001 * pairs
+
+    base = [_step(s, 2 + 0.01 * s + 0.001 * kv, kv=kv) for s, kv in ((64, 9000), (128, 30000),
+                                                                      (300, 50000))]  # fmt: skip
+    base += [_step(300, mix(t, kv, p), prefill=t - 300, tokens=t, kv=kv, pairs=p)
+             for t, kv, p in ((400, 40000, 10**6), (2048, 60000, 3 * 10**6),
+                              (700, 20000, 5 * 10**5), (1500, 80000, 2 * 10**6),
+                              (1200, 30000, 4 * 10**6))]  # fmt: skip
+    # Two mixed steps, one of 512 tokens (decode-sized) and one of 513, 2 and 4 ms beyond.
+    lora = [_step(300, mix(t, 30000, 10**6) + extra, prefill=t - 300, tokens=t, kv=30000,
+                  pairs=10**6, nbytes=nbytes)
+            for t, extra, nbytes in ((512, 2.0, 10**9), (513, 4.0, 3 * 10**9))]  # fmt: skip
+    for s in lora:
+        s["lora"] = "fused, narrow"
+    f = over_fit(base, lora, bandwidth=1e12)
+    large, small = f["rows"]
+    assert (small["kind"], small["steps"]) == ("mixed, small", 1)
+    assert small["extra_s"] == pytest.approx(0.002, abs=1e-6)
+    assert (large["kind"], large["steps"]) == ("mixed", 1)
+    assert large["extra_s"] == pytest.approx(0.004, abs=1e-6)
+    (line,) = f["lines"].values()
+    assert f["lines"].keys() == {"mixed"} and line["steps"] == 2  # both kinds of mixed step
+    assert line["per_bytes"] == pytest.approx(1.0, abs=1e-3)  # 2 ms more on 2 ms more bytes
+
+
 def test_the_bytes_line_splits_a_fixed_cost_from_a_cost_a_byte():
     # Steps that cost 0.4 ms each plus 1.5x their bytes' time, with noise that cancels.
     bytes_ms = [0.2, 0.5, 1.0, 1.2, 0.2, 0.5, 1.0, 1.2]
