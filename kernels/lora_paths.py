@@ -86,8 +86,9 @@ ONE_TOKEN_PAIRS = True
 # 94 adapters, where nothing was measured: S1's saturating trace puts about 190 adapters in
 # such a step at n = 1000 (these steps, 57 of its 1376 with adapters, took 4.2 ms each beyond
 # the base model's steps fit to their shape on the shapes' path: bench/results/
-# step_compare_s1_e21fc80_h100_n1000_lora_pdl_on.json), at most 100 at n = 100 and 5 at
-# n = 5; at 10 requests/s a step holds about 16 sequences.
+# step_compare_s1_e21fc80_h100_n1000_lora_pdl_on.json; narrowed, 2.39-2.80 ms in serving:
+# step_compare_s1_c9d50d1_h100_n1000.json), at most 100 at n = 100 and 5 at n = 5; at 10
+# requests/s a step holds about 16 sequences.
 NARROW_MIN_ADAPTERS = 48
 # A narrow mixed step's decode tokens take one-token tiles when they share their adapters at
 # least this many to one (and at most ONE_TOKEN_MAX_SHARING): mixed_decodes_apart.
