@@ -106,12 +106,12 @@ _EXPAND_MAX_REGISTERS = 96
 # leave aside. Launches of more rank rows have no GEMV body (fused_config).
 _GEMV_MAX = 1
 _GEMV_BLOCK = 1024
-# A GEMV body of twice these rank rows (16) takes the tiles of adapters that fit them in blocks
-# of these rows, twice as wide (kernels/lora_fused.py; H200, the engine's S1 calls: 512 decode
-# tokens on 405 adapters 97.9 µs against 103.6 without, the n = 1000 trace's mixed steps 6-12%
-# less; bench/results/lora_engine_calls_narrow.json); fused_config gives calls whose adapters
-# all fit them such a body alone.
-_GEMV_NARROW_ROWS = lora_paths.ONE_TOKEN_ROWS
+# A GEMV body of 16 rank rows takes the tiles of adapters that fit lora_paths.ONE_TOKEN_ROWS (8)
+# in blocks of those rows, twice as wide (kernels/lora_fused.py; H200, the engine's S1 calls: 512
+# decode tokens on 405 adapters 97.9 µs against 103.6 without, the n = 1000 trace's mixed steps
+# 6-12% less; bench/results/lora_engine_calls_narrow.json); fused_config gives calls whose
+# adapters all fit them such a body alone, reading those rows when it chooses the launch (as it
+# reads every rule of lora_paths).
 # The fused grid's tiles lie along its y axis (the slices first: kernels/lora_fused.py), whose
 # size CUDA caps.
 _MAX_GRID_Y = 65535
@@ -314,20 +314,20 @@ def fused_config(
         # (bench/results/lora_engine_calls_s2_steps.json).
         block_k = block_n = _fit_block(128, width)
         warps = 4
-    # The GEMV body's rows: _GEMV_NARROW_ROWS (8) where every adapter fits them (a decode step
-    # on one-token tiles: kernels/lora_paths.one_token_step_fuses), in 4096-wide blocks streamed
-    # by 8 warps in decode (H200, one layer's S1 q/k/v and o calls, 8-63 tokens on one-token
-    # tiles: 12.9-20.3 µs against 14.9-21.6 with 2048-wide blocks and 4 warps;
-    # bench/results/lora_engine_calls_one_token.json), each one-token tile issuing every load
-    # before its first sum where one block holds a slice (gemv_hoists; against the loads in
-    # order, 8-63 tokens -0.1 to +0.6 µs faster, 512 on 98 adapters 51.3 against 55.8, on 390
-    # 75.2 against 77.2: lora_engine_calls_hoist.json); else the launch's rows, in 1024-wide
-    # ones.
+    # The GEMV body's rows: lora_paths.ONE_TOKEN_ROWS (8) where every adapter fits them (a decode
+    # step on one-token tiles: kernels/lora_paths.one_token_step_fuses), in 4096-wide blocks
+    # streamed by 8 warps in decode (H200, one layer's S1 q/k/v and o calls, 8-63 tokens on
+    # one-token tiles: 12.9-20.3 µs against 14.9-21.6 with 2048-wide blocks and 4 warps;
+    # bench/results/lora_engine_calls_one_token.json), each one-token tile issuing every load before
+    # its first sum where one block holds a slice (gemv_hoists; against the loads in order, 8-63
+    # tokens -0.1 to +0.6 µs faster, 512 on 98 adapters 51.3 against 55.8, on 390 75.2 against 77.2:
+    # lora_engine_calls_hoist.json); else the launch's rows, in 1024-wide ones.
+    narrow_rows = lora_paths.ONE_TOKEN_ROWS
     gemv_rows = rows
     gemv = _fit_block(_GEMV_BLOCK, width)
     hoist = False
-    if max_rank <= _GEMV_NARROW_ROWS:
-        gemv_rows = _GEMV_NARROW_ROWS
+    if max_rank <= narrow_rows:
+        gemv_rows = narrow_rows
         gemv = _fit_block(_GEMV_BLOCK * (4 if decode else 2), width)
         warps = 8 if decode else warps
         hoist = decode  # one-token tiles issue every load first (gemv_hoists)
@@ -345,7 +345,7 @@ def fused_config(
         gemv_k=gemv,
         gemv_n=gemv,
         gemv_r=gemv_rows,
-        gemv_narrow=_GEMV_NARROW_ROWS,
+        gemv_narrow=narrow_rows,
         gemv_hoist=hoist,
         gemv_pair=hoist and lora_paths.ONE_TOKEN_PAIRS,
     )

@@ -722,6 +722,16 @@ def test_fused_config_gemv_rows_fit_the_call():
     assert lora.fused_config(16, 1536, 8, 3, 1536, d_in=1536).gemv_k == 512  # fits the width
 
 
+def test_fused_config_reads_the_one_token_rows_when_called(monkeypatch):
+    """The GEMV body's narrow rows are lora_paths.ONE_TOKEN_ROWS as it is when a launch is
+    chosen, not as it was when kernels/lora.py was imported."""
+    monkeypatch.setattr(lora_paths, "ONE_TOKEN_ROWS", 4)
+    rank8 = lora.fused_config(16, 4096, 8, 3, 4096, d_in=4096)
+    assert (rank8.gemv_r, rank8.gemv_narrow, rank8.gemv_hoist) == (16, 4, False)
+    rank4 = lora.fused_config(16, 4096, 4, 3, 4096, d_in=4096)
+    assert (rank4.gemv_r, rank4.gemv_k, rank4.gemv_hoist) == (4, 4096, True)
+
+
 @pytest.mark.parametrize("fused", [True, False, None])
 def test_apply_fused_flag_picks_the_path(monkeypatch, fused):
     """lora_apply(fused=...) runs the path asked for (None: the shapes' choice, two launches
