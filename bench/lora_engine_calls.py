@@ -33,8 +33,9 @@ trace's mixed steps, by the fused kernel's one-token GEMV body with every load i
 two launches.
 
 With ``--sharing`` the cases are decode steps whose tokens share adapters more (SHARING_CASES),
-by the two launches against one-token tiles with every load issued first: where the one-token
-rule (kernels/lora_paths.one_token_step_fuses) stops.
+by the two launches against one-token tiles with every load issued first, and against tiles of
+up to two tokens of one adapter (as ``--pairs``): where the one-token rule
+(kernels/lora_paths.one_token_step_fuses) stops, and whether pairs move that end.
 
 With ``--pairs`` the cases are decode steps from 16 to 512 tokens on adapters drawn from 32 to
 2000 (PAIR_CASES), by the engine's one-token tiles (each token a tile, the GEMV body's loads
@@ -190,7 +191,7 @@ HOIST_STEP_CASES = STEP_CASES[:3]
 PAIR_CASES = ((16, 100), (64, 1000), (64, 100), (128, 1000), (229, 2000), (229, 1000),
               (229, 100), (292, 1000), (292, 100), (512, 1000), (512, 100), (256, 32))  # fmt: skip
 SHARING_CASES = ((64, 16), (64, 8), (128, 24), (128, 16), (256, 48), (256, 32), (512, 80),
-                 (512, 60), (512, 30), (512, 5))  # fmt: skip
+                 (512, 60), (512, 30), (512, 5), (256, 5))  # fmt: skip
 # --dot: (tile tokens, shrink block, expand block, warps, parts) of the fused kernel's dot body;
 # None: fused_config's own (the engine's narrow steps: 16, 256, 256, 4, 1 since 9af3fd9)
 DOT_POINTS = (
@@ -509,7 +510,8 @@ def main() -> None:
                 variants.append(dict(v, one_token=one_token, gemv_hoist=hoist))
     elif args.sharing:
         one = dict(gemv_variant((8, 1, 4096, 8)), one_token=True, gemv_hoist=True)
-        variants += [dict(max_rank=16, segments=514, fused=False), one]
+        variants += [dict(max_rank=16, segments=514, fused=False), one,
+                     dict(one, gemv_pair=True, pairs=True)]  # fmt: skip
     elif args.pairs:
         one = dict(gemv_variant((8, 1, 4096, 8)), one_token=True, gemv_hoist=True, gemv_pair=False)
         variants += [dict(max_rank=16, segments=514, fused=False), one,
