@@ -135,7 +135,7 @@ def over_fit(base: list[dict], lora: list[dict], bandwidth: float) -> dict:
     base_s = sum(s["gpu_ms"] for s in base) / 1e3
     lines = {}
     for kind in ("decode", "mixed"):
-        steps = [(s, extra) for (k, _), group in groups.items() if k.split(",")[0] == kind
+        steps = [(s, extra) for (k, _), group in groups.items() if k in (kind, f"{kind}, small")
                  for s, extra in group if s["adapter_bytes"]]  # fmt: skip
         line = bytes_line([s["adapter_bytes"] / bandwidth * 1e3 for s, _ in steps],
                           [extra for _, extra in steps])  # fmt: skip
