@@ -1,19 +1,18 @@
-"""What adapters add to each kind of step: one serving run's step log, a LoRA run against the
-base model's, step by step at the same batch.
+"""What adapters add to each kind of step: one serving run's step log, a LoRA run against the base
+model's, step by step at the same batch.
 
-bench/serving.py runs its traces one after another on one service, whose step log (one JSON
-line a step, engine/step_log.py) holds them all in order; each result of its JSON counts its
-run's steps. This splits the log into the runs (the steps before them are the service's own
-warm-up), then bins the decode steps (64 sequences and more) by batch and the mixed steps
-(over 512 tokens) by tokens, and prints for each bin the median GPU time of the base run's
-steps and of the LoRA run's, their difference, and the time the LoRA run's adapter bytes take
-at the copy bandwidth the serving run measured (the least the difference could be); then the
-whole runs' GPU time and the throughput ratio the adapter bytes alone would allow (totals); then
-every LoRA step against the base model's steps fit to its shape (over_fit), by kind of step
-(decode, mixed, and mixed steps of decode size, lora_paths.FUSED_MAX_TOKENS tokens or fewer,
-apart) and LoRA kernel path, and for decode and mixed steps a line through that time against
-their adapter bytes' time (bytes_line: a fixed cost a step, and a cost a byte as a multiple of
-the copy bandwidth's).
+bench/serving.py runs its traces one after another on one service, whose step log (one JSON line a
+step, engine/step_log.py) holds them all in order; each result of its JSON counts its run's steps.
+This splits the log into the runs (the steps before them are the service's own warm-up), then bins
+the decode steps (64 sequences and more) by batch and the mixed steps (over
+lora_paths.FUSED_MAX_TOKENS, 512) by tokens, and prints for each bin the median GPU time of the base
+run's steps and of the LoRA run's, their difference, and the time the LoRA run's adapter bytes take
+at the copy bandwidth the serving run measured (the least the difference could be); then the whole
+runs' GPU time and the throughput ratio the adapter bytes alone would allow (totals); then every
+LoRA step against the base model's steps fit to its shape (over_fit), by kind of step (decode,
+mixed, and mixed steps of decode size, FUSED_MAX_TOKENS tokens or fewer, apart) and LoRA kernel
+path, and for decode and mixed steps a line through that time against their adapter bytes' time
+(bytes_line: a fixed cost a step, and a cost a byte as a multiple of the copy bandwidth's).
 
     python bench/step_compare.py --serving bench/results/serving_s1_n1000.json \
         --steps bench/results/serving_s1_n1000_steps.jsonl.gz --base 0:2 --lora 1000:2
@@ -31,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.provenance import write_result  # noqa: E402
+from kernels.lora_paths import FUSED_MAX_TOKENS  # noqa: E402
 
 
 def split_runs(steps: list[dict], results: list[dict]) -> dict[tuple[str, int, int], list[dict]]:
@@ -58,7 +58,7 @@ def load_runs(serving_path: Path, steps_path: Path) -> tuple[dict, dict[tuple, l
 def bins(steps: list[dict], mixed: bool) -> dict[int, list[dict]]:
     out: dict[int, list[dict]] = {}
     for s in steps:
-        if mixed and s["prefill_tokens"] > 0 and s["tokens"] > 512:
+        if mixed and s["prefill_tokens"] > 0 and s["tokens"] > FUSED_MAX_TOKENS:
             out.setdefault(s["tokens"] // 256 * 256, []).append(s)
         elif not mixed and s["prefill_tokens"] == 0 and s["seqs"] >= 64:
             out.setdefault(s["seqs"] // 32 * 32, []).append(s)
@@ -113,7 +113,6 @@ def over_fit(base: list[dict], lora: list[dict], bandwidth: float) -> dict:
     picks their path by their adapters (lora_paths.mixed_step_narrows); the lines count them
     among the mixed steps."""
     from bench.admission import StepModel
-    from kernels.lora_paths import FUSED_MAX_TOKENS
 
     model = StepModel(base)
     fit = [model.ms(s) for s in lora]

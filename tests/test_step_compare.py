@@ -13,6 +13,12 @@ def _step(seqs, gpu_ms, prefill=0, tokens=None, adapters=0, nbytes=0, kv=0, pair
             "attn_pairs": pairs}  # fmt: skip
 
 
+def _mixed_ms(tokens, kv, pairs):
+    """A base mixed step's GPU ms: 5 + 0.02 a token + 0.0005 a context token + 0.00001 an
+    attention pair (what over_fit's StepModel fits exactly)."""
+    return 5 + 0.02 * tokens + 0.0005 * kv + 0.00001 * pairs
+
+
 def test_runs_are_split_by_their_step_counts_after_the_warm_up():
     warm_up = [_step(1, 99.0)] * 3
     base = [_step(64, 10.0)] * 5
@@ -58,9 +64,7 @@ def test_over_fit_charges_each_lora_step_beyond_the_base_models_cost_at_its_shap
     def dec(seqs, kv):
         return 2 + 0.01 * seqs + 0.001 * kv
 
-    def mix(tokens, kv, pairs):
-        return 5 + 0.02 * tokens + 0.0005 * kv + 0.00001 * pairs
-
+    mix = _mixed_ms
     base = [_step(s, dec(s, kv), kv=kv) for s, kv in ((64, 9000), (128, 30000), (300, 50000),
                                                       (200, 70000))]  # fmt: skip
     base += [_step(300, mix(t, kv, p), prefill=t - 300, tokens=t, kv=kv, pairs=p)
@@ -92,11 +96,9 @@ def test_over_fit_charges_each_lora_step_beyond_the_base_models_cost_at_its_shap
 
 
 def test_decode_sized_mixed_steps_are_their_own_kind_and_count_in_the_mixed_line():
-    # Base steps that cost 5 + 0.02 a token (mixed; context and pairs vary apart from tokens so
-    # the fit is exact) and 2 + 0.01 a sequence (decode).
-    def mix(tokens, kv, pairs):
-        return 5 + 0.02 * tokens + 0.0005 * kv + 0.00001 * pairs
-
+    # Base steps that cost _mixed_ms (context and pairs vary apart from tokens so the fit is
+    # exact) and 2 + 0.01 a sequence (decode).
+    mix = _mixed_ms
     base = [_step(s, 2 + 0.01 * s + 0.001 * kv, kv=kv) for s, kv in ((64, 9000), (128, 30000),
                                                                       (300, 50000))]  # fmt: skip
     base += [_step(300, mix(t, kv, p), prefill=t - 300, tokens=t, kv=kv, pairs=p)
