@@ -140,7 +140,9 @@ def decode_prefers_fused(adapter_tokens: int, distinct: int, step_rank: int) -> 
     return mostly_distinct and adapter_tokens * FUSED_DECODE_ROWS >= FUSED_DECODE_MIN_ROWS
 
 
-def one_token_step_fuses(adapter_tokens: int, distinct: int, step_rank: int) -> bool:
+def one_token_step_fuses(
+    adapter_tokens: int, distinct: int, step_rank: int, pairs: bool = False
+) -> bool:
     """Whether a decode step runs every LoRA call fused, each token its own one-token tile on
     the GEMV body, in programs of ONE_TOKEN_ROWS rank rows (4096-wide weight blocks, 8 warps,
     every load issued first: lora.fused_config): when its adapters all fit those rows, and it
@@ -166,7 +168,7 @@ def one_token_step_fuses(adapter_tokens: int, distinct: int, step_rank: int) -> 
     against 37.2)."""
     if adapter_tokens <= 0 or step_rank > ONE_TOKEN_ROWS:
         return False
-    if adapter_tokens * FUSED_DECODE_ROWS < FUSED_DECODE_MIN_ROWS:
+    if pairs or adapter_tokens * FUSED_DECODE_ROWS < FUSED_DECODE_MIN_ROWS:
         return True
     return adapter_tokens <= ONE_TOKEN_MAX_SHARING * distinct
 

@@ -363,9 +363,9 @@ class ModelRunner:
                 modules |= self.row_modules[r]
         rank = max(self.row_ranks[r] for r in rows)
         if tokens == len(entries) and self._one_token(tokens):  # one token each: decode
-            if lora_paths.one_token_step_fuses(adapter_tokens, len(rows), rank):
-                used = ALL_MODULES if modules is None else modules
-                pairs = (used & ~self.pair_modules) == 0  # every call takes two-token tiles
+            used = ALL_MODULES if modules is None else modules
+            pairs = (used & ~self.pair_modules) == 0  # every call takes two-token tiles
+            if lora_paths.one_token_step_fuses(adapter_tokens, len(rows), rank, pairs):
                 return StepLora(LoraMode.ONE_TOKEN, modules, True, pairs)
         decode_sized = tokens <= lora_paths.FUSED_MAX_TOKENS
         narrow = (
