@@ -55,7 +55,8 @@ FUSED_SINGLE_SLICE_MIN_ROWS = 4096
 # Decode steps whose adapters all fit this many rank rows run every call fused, each token its
 # own tile on the GEMV body, with programs of these rows (one_token_step_fuses): below the fused
 # rule's size (adapter tokens x FUSED_DECODE_ROWS under FUSED_DECODE_MIN_ROWS) whatever their
-# tokens share, and above it while they share adapters at most this much (tokens an adapter).
+# tokens share, and above it while they share adapters at most this much (tokens an adapter),
+# or at any sharing where every call takes two-token tiles (ONE_TOKEN_PAIRS).
 ONE_TOKEN_ROWS = 8
 ONE_TOKEN_MAX_SHARING = 8
 # Whether such a decode step's tokens that share an adapter go two to a tile (StepBatch.fill's
@@ -165,7 +166,13 @@ def one_token_step_fuses(
     (lora_engine_calls_sharing.json): 8 tokens an adapter still gain (64 on 8 adapters 13.9
     against 20.8, 128 on 16 19.9 against 31.2, 256 on 32 26.4 against 36.7, 512 on 60 47.1
     against 49.3), 17 run level (512 on 30: 44.5 against 44.1), 100 lose (512 on 5: 41.7
-    against 37.2)."""
+    against 37.2). Two tokens to a tile (``pairs``: every call of the step takes them) win at
+    every sharing timed, so such steps fuse whatever their tokens share; H100
+    (lora_engine_calls_sharing_pairs_e7ae61d_h100.json), pairs / one-token tiles / two
+    launches: 64 on 8 15.1 / 14.1 / 21.2, 256 on 32 26.8 / 28.6 / 37.4, 512 on 30 35.5 / 46.4 /
+    45.4, 512 on 5 32.1 / 42.5 / 38.6, 256 on 5 22.4 / 24.9 / 31.7. In serving, S1 n = 5's
+    decode steps (about 90 tokens an adapter) took 0.59 s beyond the base model's steps fit to
+    their shape against 0.75 (docs/benchmarks.md, runs (bc) and (be))."""
     if adapter_tokens <= 0 or step_rank > ONE_TOKEN_ROWS:
         return False
     if pairs or adapter_tokens * FUSED_DECODE_ROWS < FUSED_DECODE_MIN_ROWS:

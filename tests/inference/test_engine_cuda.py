@@ -261,10 +261,11 @@ def _small_adapter_requests(
     return requests
 
 
-def _large_decode_steps(tiny_models, monkeypatch, preset, addend, seed, steps=None):
+def _large_decode_steps(tiny_models, monkeypatch, preset, addend, seed, steps=None, adapters=10):
     """Decode steps of 64 sequences and more whose rank-4 and rank-8 adapters are shared at most
     ONE_TOKEN_MAX_SHARING tokens to one (ten adapter keys over r4's and r8's weights, seven
-    sequences each, beside the base model) on ``preset``'s model, in float32: they replay the
+    sequences each, beside the base model; ``adapters`` keys: 70 sequences over fewer of them
+    share more) on ``preset``'s model, in float32: they replay the
     ONE_TOKEN graphs of their size (every call fused, a tile a token, 8 rank rows, every load
     issued first), and every token matches HF + PEFT, the pool intact. (max_loras 80: the
     batch's segment capacity, max_loras + 2, bounds the one-token tiles a step's table holds.)
@@ -289,7 +290,7 @@ def _large_decode_steps(tiny_models, monkeypatch, preset, addend, seed, steps=No
 
         core.runner.step_lora = spy
     # 70 on ten adapters, 6 on the base model
-    keys = [i % 10 if i < 70 else None for i in range(76)]
+    keys = [i % adapters if i < 70 else None for i in range(76)]
     requests = _small_adapter_requests(tiny_models, core, keys, [5 + i % 4 for i in range(76)],
                                        max_new_tokens=5, seed=seed, preset=preset)  # fmt: skip
     _place_in_pool(core, {r.adapter for r, _ in requests} - {None})
@@ -343,6 +344,22 @@ def test_cuda_one_token_tiles_of_hoisted_calls_match_hf_peft(
     assert core.runner.pair_modules == (qkvo if pairs else 0)
     one_token = [s for s in steps if s.mode is model_runner.LoraMode.ONE_TOKEN]
     assert one_token and all(s.pair_tiles == pairs for s in one_token)
+
+
+def test_cuda_one_token_pairs_of_tokens_shared_many_to_one_match_hf_peft(tiny_models, monkeypatch):
+    """_large_decode_steps on tiny-mha whose 70 adapter sequences share 3 adapter keys (23-24
+    tokens to one, beyond ONE_TOKEN_MAX_SHARING): with every call taking two-token tiles
+    (lora_paths.ONE_TOKEN_PAIRS), such steps stay ONE_TOKEN at any sharing
+    (lora_paths.one_token_step_fuses), a tile for each pair, and match HF + PEFT."""
+    from services.inference.engine import model_runner
+
+    monkeypatch.setattr(lora_paths, "ONE_TOKEN_PAIRS", True)
+    steps = []
+    core = _large_decode_steps(tiny_models, monkeypatch, "tiny-mha", False, seed=79, steps=steps,
+                               adapters=3)  # fmt: skip
+    assert core.runner.pair_modules
+    shared = [s for s in steps if s.mode is model_runner.LoraMode.ONE_TOKEN]
+    assert shared and all(s.pair_tiles for s in shared)
 
 
 @pytest.mark.parametrize("addend", [False, True])

@@ -174,6 +174,15 @@ def test_one_token_steps_pair_their_tokens_where_every_call_takes_pairs(tiny_mod
     runner._fill_for(GraphKey(4, 4, LoraMode.ONE_TOKEN), entries, True, step.pair_tiles)
     tiles = runner.batch.lora_tokens.tiles[0]
     assert tiles[:4].tolist() == [[0, 0, 2], [0, 2, 3], [2, 3, 4], [-1, 0, 0]]
+    # From the fused rule's size (64 adapter tokens), tokens shared more than
+    # ONE_TOKEN_MAX_SHARING (8) to one stay ONE_TOKEN where they go two to a tile, and take the
+    # two launches where a module of theirs does not take pairs.
+    runner.batch.max_segments = 200  # the capacity of an engine of many resident adapters
+    shared = [BatchEntry([1], 3, [0], row, True) for row in [0] * 60 + [2] * 4]
+    assert runner.step_lora(shared) == StepLora(LoraMode.ONE_TOKEN, 1 << Q | 1 << V | 1 << O,
+                                                True, True)  # fmt: skip
+    shared_mlp = [BatchEntry([1], 3, [0], row, True) for row in [1] * 60 + [2] * 4]
+    assert runner.step_lora(shared_mlp).mode is LoraMode.TWO
 
 
 def test_pair_modules_are_the_calls_that_hoist(monkeypatch):

@@ -694,7 +694,8 @@ def test_decode_call_rule():
 def test_one_token_step_rule():
     """Decode steps whose adapters all fit ONE_TOKEN_ROWS (8) rank rows fuse every call on
     one-token tiles: below the fused rule's size (1024 // 16 = 64 adapter tokens) whatever
-    they share, from there while they share adapters at most ONE_TOKEN_MAX_SHARING to one."""
+    they share, from there while they share adapters at most ONE_TOKEN_MAX_SHARING to one, or
+    at any sharing when every call takes two-token tiles (``pairs``)."""
     rule = lora_paths.one_token_step_fuses
     assert lora_paths.ONE_TOKEN_ROWS == 8 and lora_paths.ONE_TOKEN_MAX_SHARING == 8
     assert rule(1, 1, 8) and rule(15, 14, 4) and rule(63, 1, 8)  # small: any sharing
@@ -703,6 +704,8 @@ def test_one_token_step_rule():
     assert not rule(512, 5, 8) and not rule(512, 63, 8) and rule(512, 64, 8)
     assert not rule(16, 16, 16) and not rule(512, 512, 9)  # wider than 8 rank rows
     assert not rule(0, 0, 0)
+    assert rule(512, 5, 8, True) and rule(256, 1, 8, True) and rule(64, 7, 8, True)  # pairs
+    assert not rule(512, 5, 16, True) and not rule(0, 0, 0, True)
 
 
 def test_fused_config_gemv_rows_fit_the_call():
