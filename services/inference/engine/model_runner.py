@@ -364,7 +364,8 @@ class ModelRunner:
         rank = max(self.row_ranks[r] for r in rows)
         if tokens == len(entries) and self._one_token(tokens):  # one token each: decode
             used = ALL_MODULES if modules is None else modules
-            pairs = (used & ~self.pair_modules) == 0  # every call takes two-token tiles
+            # every call takes two-token tiles
+            pairs = self.pair_modules != 0 and (used & ~self.pair_modules) == 0
             if lora_paths.one_token_step_fuses(adapter_tokens, len(rows), rank, pairs):
                 return StepLora(LoraMode.ONE_TOKEN, modules, True, pairs)
         decode_sized = tokens <= lora_paths.FUSED_MAX_TOKENS
