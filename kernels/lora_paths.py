@@ -171,8 +171,9 @@ def one_token_step_fuses(
     (lora_engine_calls_sharing_pairs_e7ae61d_h100.json), pairs / one-token tiles / two
     launches: 64 on 8 15.1 / 14.1 / 21.2, 256 on 32 26.8 / 28.6 / 37.4, 512 on 30 35.5 / 46.4 /
     45.4, 512 on 5 32.1 / 42.5 / 38.6, 256 on 5 22.4 / 24.9 / 31.7. In serving, S1 n = 5's
-    decode steps (about 90 tokens an adapter) took 0.59 s beyond the base model's steps fit to
-    their shape against 0.75 (docs/benchmarks.md, runs (bc) and (be))."""
+    decode steps (about 90 tokens an adapter) took 0.59 and 0.69 s beyond the base model's
+    steps fit to their shape in two runs, against 0.75 before (docs/benchmarks.md, runs
+    (bc)-(bf)): about 0.1 s a run, under a run's noise in the throughput ratio."""
     if adapter_tokens <= 0 or step_rank > ONE_TOKEN_ROWS:
         return False
     if pairs or adapter_tokens * FUSED_DECODE_ROWS < FUSED_DECODE_MIN_ROWS:

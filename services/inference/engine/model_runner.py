@@ -328,8 +328,9 @@ class ModelRunner:
 
     def step_lora(self, entries: Sequence[BatchEntry]) -> StepLora:
         """The step's LoRA path and modules, from one pass over its entries: for a decode step
-        whose adapters fit ONE_TOKEN_ROWS and share little, ONE_TOKEN
-        (lora_paths.one_token_step_fuses); else for a decode-sized step (up to FUSED_MAX_TOKENS
+        whose adapters fit ONE_TOKEN_ROWS and share little (or share any amount where every
+        call takes two-token tiles: pair_modules), ONE_TOKEN (lora_paths.one_token_step_fuses,
+        StepLora.pair_tiles); else for a decode-sized step (up to FUSED_MAX_TOKENS
         tokens) fused or two launches by lora_paths.decode_prefers_fused over its adapter
         tokens; for a prefill-sized one (and a decode-sized mixed one on
         lora_paths.NARROW_MIN_ADAPTERS adapters: lora_paths.mixed_step_narrows) NARROW
