@@ -24,7 +24,9 @@ This bound counts both:
   runs of the LoRA trace bound what overlapping could reach: with the bytes of steps with
   prefill hidden (those steps' GEMMs are compute-bound; decode steps are memory-bound, so their
   adapters' bytes add whatever runs beside them), and with every step's bytes free, which
-  leaves the pool pages' share alone.
+  leaves the pool pages' share alone. A fourth adds to each step's bytes the activations its
+  tokens' LoRA calls read and write (bench/step_compare.py activation_bytes_per_token): the
+  bound for LoRA kernels that run outside the base model's GEMMs, as the engine's do.
 
 Figures are modeled, not measured; the modeled LoRA run's steps and fullest step compare with
 the serving run's (printed beside them).
@@ -49,6 +51,7 @@ from bench.admission import fit_to, fullest_step, simulate  # noqa: E402
 from bench.bench_models import SHAPES  # noqa: E402
 from bench.provenance import write_result  # noqa: E402
 from bench.serving import WORKLOADS, make_trace, parse_run, with_adapters  # noqa: E402
+from bench.step_compare import activation_bytes_per_token  # noqa: E402
 from kernels.lora_layout import MODULES, plan_adapter  # noqa: E402
 from services.inference.engine.api import AdapterKey  # noqa: E402
 from services.inference.engine.page_pool import pages_needed  # noqa: E402
@@ -107,8 +110,10 @@ def same_headers(files: dict[int, AdapterFiles]) -> dict[int, AdapterFiles]:
 # Which steps pay their adapters' bytes at the copy bandwidth: every step (LoRA kernels that
 # run in turn with the base model's, as the engine's do), decode steps only (the bytes of steps
 # with prefill hidden under their compute-bound GEMMs: what overlapping them could reach at
-# best), or none (the pool pages alone).
-BYTES_IN = ("every step", "decode steps", "no step")
+# best), or none (the pool pages alone); or every step its adapters' bytes and its tokens'
+# activations that the LoRA calls read and write (bench/step_compare.py
+# activation_bytes_per_token: what LoRA kernels outside the base model's GEMMs move at least).
+BYTES_IN = ("every step", "decode steps", "no step", "with activations")
 
 
 class Bound:
@@ -120,6 +125,7 @@ class Bound:
         self.model_dir, self.cost, self.copy_bw = model_dir, cost, copy_bw
         self.pool_pages, self.trace_run, self.alpha = pool_pages, run, alpha
         self.ranks, self.modules = WORKLOADS[workload]
+        self.token_bytes = activation_bytes_per_token(real, self.modules)
         tiny = BaseModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
         # the real rank -> (its pool pages, its weights' bytes, the stand-in's rank on the tiny
         # model, which takes as many pages)
@@ -168,10 +174,12 @@ class Bound:
                     raise AssertionError(f"rank {r}'s stand-in counts other bytes")
 
         def step_ms(record: dict) -> float:
-            paid = bytes_in == "every step" or (
+            paid = bytes_in in ("every step", "with activations") or (
                 bytes_in == "decode steps" and record["prefill_tokens"] == 0
             )
             extra = self.real_bytes(record) / self.copy_bw * 1e3 if paid else 0.0
+            if bytes_in == "with activations" and record["adapters"]:
+                extra += record["tokens"] * self.token_bytes / self.copy_bw * 1e3
             return self.cost(record) + extra
 
         # each request's adapter as bench/serving.py draws it (its trace, its seed 0)
@@ -201,10 +209,13 @@ class Bound:
                 "bound_hidden_in_prefill": round(
                     runs["decode steps"]["modeled_output_tokens_per_s"] / tps, 4),
                 "pages_alone": round(runs["no step"]["modeled_output_tokens_per_s"] / tps, 4),
+                "bound_with_activations": round(
+                    runs["with activations"]["modeled_output_tokens_per_s"] / tps, 4),
             })  # fmt: skip
             r = rows[-1]
             print(f"n = {n}: bound {r['bound']:.3f} ({r['bound_hidden_in_prefill']:.3f} with "
-                  f"the bytes hidden in steps with prefill), the pages alone "
+                  f"the bytes hidden in steps with prefill, {r['bound_with_activations']:.3f} "
+                  f"with the activations the LoRA calls move), the pages alone "
                   f"{r['pages_alone']:.3f}; {lora['steps']} steps, fullest "
                   f"{lora['kv_read_p90']} context tokens", flush=True)  # fmt: skip
         return base, rows
@@ -257,7 +268,8 @@ def main() -> None:
                     row["measured"] = {"vs_base": got.get("vs_base"), "steps": len(steps),
                                        "kv_read_p90": fullest_step(steps)["kv_read"]}  # fmt: skip
             rows += pool_rows
-    print(f"\n{'pages':>6} {'n':>5} {'bound':>6} {'hidden':>6} {'pages':>6} {'measured':>8}  "
+    print(f"\n{'pages':>6} {'n':>5} {'bound':>6} {'hidden':>6} {'pages':>6} {'acts':>6} "
+          f"{'measured':>8}  "
           f"steps (modeled, measured; base {real['base']['steps']} measured); fullest step's "
           f"context tokens (base {real['base']['kv_read_p90']} measured)")  # fmt: skip
     for row in rows:
@@ -266,14 +278,15 @@ def main() -> None:
         print(
             f"{row['pool_pages']:>6} {row['adapters']:>5} {row['bound']:>6.3f} "
             f"{row['bound_hidden_in_prefill']:>6.3f} {row['pages_alone']:>6.3f} "
-            f"{m.get('vs_base') or float('nan'):>8.3f}  {lora['steps']} (base {base['steps']}), "
+            f"{row['bound_with_activations']:>6.3f} {m.get('vs_base') or float('nan'):>8.3f}  "
+            f"{lora['steps']} (base {base['steps']}), "
             f"{m.get('steps', '-')}; {lora['kv_read_p90']} (base {base['kv_read_p90']}), "
             f"{m.get('kv_read_p90', '-')}"
         )
     print(
         "(bound: modeled LoRA / base throughput with the adapters' pages and bytes; hidden: "
         "with the bytes of steps with prefill hidden under their GEMMs; pages: with their "
-        "pages only)"
+        "pages only; acts: the bound with the activations its LoRA calls read and write)"
     )
     write_result(args.out, "capacity_bound.py", {
         "benchmark": "a throughput bound for n adapters that counts the pool pages the running "

@@ -8,7 +8,8 @@ the decode steps (64 sequences and more) by batch and the mixed steps (over
 lora_paths.FUSED_MAX_TOKENS, 512) by tokens, and prints for each bin the median GPU time of the base
 run's steps and of the LoRA run's, their difference, and the time the LoRA run's adapter bytes take
 at the copy bandwidth the serving run measured (the least the difference could be); then the whole
-runs' GPU time and the throughput ratio the adapter bytes alone would allow (totals); then every
+runs' GPU time and the throughput ratio the adapter bytes alone would allow, and with them the
+activations the LoRA calls read and write (totals; from the run's shape and workload); then every
 LoRA step against the base model's steps fit to its shape (over_fit), by kind of step (decode,
 mixed, and mixed steps of decode size, FUSED_MAX_TOKENS tokens or fewer, apart) and LoRA kernel
 path, and for decode and mixed steps a line through that time against their adapter bytes' time
@@ -29,8 +30,34 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.bench_models import SHAPES  # noqa: E402
 from bench.provenance import write_result  # noqa: E402
+from bench.serving import WORKLOADS  # noqa: E402
 from kernels.lora_paths import FUSED_MAX_TOKENS  # noqa: E402
+from store.base_model import BaseModelShape  # noqa: E402
+
+# The engine's LoRA calls in a layer, by the modules each covers: q/k/v in one call (its input
+# read once), o, gate/up in one, down (models/llama.py).
+LAYER_CALLS = (
+    ("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)
+)  # fmt: skip
+
+
+def activation_bytes_per_token(
+    base: BaseModelShape, modules: tuple[str, ...], dtype_bytes: int = 2
+) -> int:
+    """Bytes a token's LoRA calls move besides the adapters' weights in one step through every
+    layer of ``base``, for adapters on ``modules``: each call covering one of them reads its
+    input once and reads and writes its outputs (in place; with the addend it writes the delta
+    and the GEMM reads it back: as much). What LoRA applied in kernels of its own, outside the
+    base model's GEMMs, cannot move less of."""
+    elements = 0
+    for call in LAYER_CALLS:
+        covered = [m for m in call if m in modules]
+        if covered:
+            elements += base.module_dims(covered[0]).d_in
+            elements += 2 * sum(base.module_dims(m).d_out for m in covered)
+    return elements * dtype_bytes * base.num_layers
 
 
 def split_runs(steps: list[dict], results: list[dict]) -> dict[tuple[str, int, int], list[dict]]:
@@ -84,20 +111,27 @@ def compare(base: list[dict], lora: list[dict], bandwidth: float, mixed: bool) -
     return rows
 
 
-def totals(base: list[dict], lora: list[dict], bandwidth: float) -> dict:
+def totals(base: list[dict], lora: list[dict], bandwidth: float, token_bytes: int = 0) -> dict:
     """Whole runs: GPU time of the base run's steps and of the LoRA run's (the same trace, so
     the same tokens), and the time the LoRA run's adapter bytes take at the copy bandwidth. A
     LoRA run whose steps each took the base model's time plus its adapters' bytes would run at
     ``bytes_bound_ratio`` of the base model's speed (steps bound by their bytes, as decode steps
-    are): the most its kernels' bytes allow."""
+    are): the most its kernels' bytes allow. ``token_bytes``: the activations' bytes a token's
+    LoRA calls move a step (activation_bytes_per_token), counted for every token of a step with
+    adapters (in the benchmark's LoRA runs every request has one): ``traffic_bound_ratio`` adds
+    their time to the adapters' bytes'."""
     base_s = sum(s["gpu_ms"] for s in base) / 1e3
     lora_s = sum(s["gpu_ms"] for s in lora) / 1e3
     bytes_s = sum(s["adapter_bytes"] for s in lora) / bandwidth
+    acts_s = sum(s["tokens"] for s in lora if s["adapters"]) * token_bytes / bandwidth
     return {
         "base_s": round(base_s, 3), "lora_s": round(lora_s, 3),
         "gpu_ratio": round(base_s / lora_s, 4), "adapter_bytes_s": round(bytes_s, 3),
         "bytes_bound_ratio": round(base_s / (base_s + bytes_s), 4),
         "extra_over_bytes": round((lora_s - base_s) / bytes_s, 2) if bytes_s else None,
+        "activation_bytes_s": round(acts_s, 3) if token_bytes else None,
+        "traffic_bound_ratio": (round(base_s / (base_s + bytes_s + acts_s), 4)
+                                if token_bytes else None),
     }  # fmt: skip
 
 
@@ -192,11 +226,20 @@ def main() -> None:
             print(f"{r['tokens' if mixed else 'batch']:>6} {r['steps']:>5} {r['base_ms']:>7.2f} "
                   f"{r['lora_ms']:>7.2f} {r['extra_ms']:>6.2f} {r['adapters']:>8.0f} "
                   f"{r['adapter_bytes_ms']:>6.2f}")  # fmt: skip
-    report["totals"] = t = totals(base, lora, bandwidth)
+    shape, workload = serving.get("shape"), serving.get("workload")
+    token_bytes = 0
+    if shape in SHAPES and workload in WORKLOADS:
+        token_bytes = activation_bytes_per_token(SHAPES[shape].base(), WORKLOADS[workload][1])
+    report["totals"] = t = totals(base, lora, bandwidth, token_bytes)
     print(f"all steps: base {t['base_s']:.2f} s, lora {t['lora_s']:.2f} s of GPU time "
           f"({t['gpu_ratio']:.3f}), the LoRA run's adapter bytes {t['adapter_bytes_s']:.2f} s: "
           f"the ratio they alone would allow {t['bytes_bound_ratio']:.3f}; the LoRA run's extra "
           f"time is {t['extra_over_bytes']:.1f}x its adapter bytes' time")  # fmt: skip
+    if token_bytes:
+        print(f"with the activations' traffic of its LoRA calls ({workload} on {shape}: each "
+              f"call's input read, its outputs read and written; {token_bytes / 1e6:.2f} MB a "
+              f"token a step) {t['activation_bytes_s']:.2f} s more: the ratio the traffic "
+              f"allows {t['traffic_bound_ratio']:.3f}")  # fmt: skip
     report["over_fit"] = f = over_fit(base, lora, bandwidth)
     print(f"against the base model's steps fit to their shape: the LoRA run's step mix "
           f"{f['schedule_s']:+.2f} s; beyond the fit, by kind of step and LoRA path:")  # fmt: skip

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from bench.step_compare import bytes_line, compare, over_fit, split_runs, totals
+from bench.bench_models import SHAPES
+from bench.serving import WORKLOADS
+from bench.step_compare import (
+    activation_bytes_per_token,
+    bytes_line,
+    compare,
+    over_fit,
+    split_runs,
+    totals,
+)
 
 
 def _step(seqs, gpu_ms, prefill=0, tokens=None, adapters=0, nbytes=0, kv=0, pairs=0):
@@ -56,6 +65,33 @@ def test_totals_say_what_the_adapter_bytes_alone_would_allow():
     assert t["gpu_ratio"] == 0.8 and t["bytes_bound_ratio"] == round(40 / 44, 4)
     assert t["extra_over_bytes"] == 2.5
     assert totals(base, base, 1e12)["extra_over_bytes"] is None  # no adapters, no bytes
+    assert t["activation_bytes_s"] is None and t["traffic_bound_ratio"] is None
+
+
+def test_totals_add_the_lora_calls_activation_traffic():
+    """With ``token_bytes`` every token of a step with adapters moves that many bytes more (its
+    calls' inputs and outputs): 4 steps of 64 tokens at 15.625 MB a token take 4 ms at 1 TB/s,
+    beside the adapters' 4 ms; steps without adapters move none."""
+    base = [_step(64, 10.0)] * 4
+    lora = [_step(64, 12.5, adapters=70, nbytes=10**9)] * 4 + [_step(64, 10.0)]
+    t = totals(base, lora, bandwidth=1e12, token_bytes=15_625_000)
+    assert t["activation_bytes_s"] == 0.004
+    assert t["traffic_bound_ratio"] == round(40 / 48, 4)
+    assert t["bytes_bound_ratio"] == round(40 / 44, 4)
+
+
+def test_activation_bytes_per_token_follow_the_engines_calls():
+    """A token's LoRA calls a step: q/k/v read the hidden state once and read and write their
+    three outputs, o reads its input and reads and writes the hidden state, gate/up share their
+    input, down reads the MLP's width; bf16, every layer. Llama-7B (4096 wide, 32 layers, MLP
+    11008): S1 (q/k/v/o) 40960 elements a layer, 2.62 MB a token; q and v only 20480."""
+    llama = SHAPES["llama-7b"].base()
+    assert activation_bytes_per_token(llama, WORKLOADS["S1"][1]) == 40960 * 2 * 32
+    assert activation_bytes_per_token(llama, ("q_proj", "v_proj")) == 20480 * 2 * 32
+    mlp = (4096 + 2 * 2 * 11008) + (11008 + 2 * 4096)
+    assert activation_bytes_per_token(llama, ("gate_proj", "up_proj", "down_proj")) == (
+        mlp * 2 * 32
+    )
 
 
 def test_over_fit_charges_each_lora_step_beyond_the_base_models_cost_at_its_shape():

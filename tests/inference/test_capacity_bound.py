@@ -51,6 +51,10 @@ def test_adapters_that_crowd_the_pool_cost_steps(tiny_models):
     assert pages_only["kv_read_p90"] < base["kv_read_p90"]
     assert pages_only["steps"] > base["steps"]
     assert row["bound"] < row["bound_hidden_in_prefill"] < row["pages_alone"] < 1.0
+    # The activations the LoRA calls move cost more still: every token of a step with
+    # adapters, 2.62 MB of S2's q/k/v/o calls on Llama-7B's 32 layers.
+    assert row["bound_with_activations"] < row["bound"]
+    assert bound.token_bytes == 40960 * 2 * 32
     with pytest.raises(ValueError, match="bytes_in"):
         bound.run(1, "some steps")
     # The bytes: every step with adapters pays their real bytes at 4 TB/s.
