@@ -26,7 +26,7 @@ This bound counts both:
   adapters' bytes add whatever runs beside them), and with every step's bytes free, which
   leaves the pool pages' share alone. A fourth adds to each step's bytes the activations its
   tokens' LoRA calls read and write (bench/step_compare.py activation_bytes_per_token): the
-  bound for LoRA kernels that run outside the base model's GEMMs, as the engine's do.
+  bound for LoRA kernels that run apart from the base model's GEMMs, as the engine's do.
 
 Figures are modeled, not measured; the modeled LoRA run's steps and fullest step compare with
 the serving run's (printed beside them).
@@ -112,7 +112,7 @@ def same_headers(files: dict[int, AdapterFiles]) -> dict[int, AdapterFiles]:
 # with prefill hidden under their compute-bound GEMMs: what overlapping them could reach at
 # best), or none (the pool pages alone); or every step its adapters' bytes and its tokens'
 # activations that the LoRA calls read and write (bench/step_compare.py
-# activation_bytes_per_token: what LoRA kernels outside the base model's GEMMs move at least).
+# activation_bytes_per_token: what LoRA kernels apart from the base model's GEMMs move).
 BYTES_IN = ("every step", "decode steps", "no step", "with activations")
 
 

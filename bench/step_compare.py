@@ -49,8 +49,9 @@ def activation_bytes_per_token(
     """Bytes a token's LoRA calls move besides the adapters' weights in one step through every
     layer of ``base``, for adapters on ``modules``: each call covering one of them reads its
     input once and reads and writes its outputs (in place; with the addend it writes the delta
-    and the GEMM reads it back: as much). What LoRA applied in kernels of its own, outside the
-    base model's GEMMs, cannot move less of."""
+    and the GEMM reads it back: as much). What LoRA applied in kernels of its own, apart from
+    the base model's GEMMs, moves through memory, short of fusing with the kernels around it
+    (or finding its input still in L2)."""
     elements = 0
     for call in LAYER_CALLS:
         covered = [m for m in call if m in modules]
