@@ -31,30 +31,27 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_models import SHAPES  # noqa: E402
+from bench.kernels import CALLS  # noqa: E402
 from bench.provenance import write_result  # noqa: E402
 from bench.serving import WORKLOADS  # noqa: E402
+from kernels.lora_layout import MODULES  # noqa: E402
 from kernels.lora_paths import FUSED_MAX_TOKENS  # noqa: E402
 from store.base_model import BaseModelShape  # noqa: E402
-
-# The engine's LoRA calls in a layer, by the modules each covers: q/k/v in one call (its input
-# read once), o, gate/up in one, down (models/llama.py).
-LAYER_CALLS = (
-    ("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)
-)  # fmt: skip
 
 
 def activation_bytes_per_token(
     base: BaseModelShape, modules: tuple[str, ...], dtype_bytes: int = 2
 ) -> int:
     """Bytes a token's LoRA calls move besides the adapters' weights in one step through every
-    layer of ``base``, for adapters on ``modules``: each call covering one of them reads its
+    layer of ``base``, for adapters on ``modules``: each of the engine's calls (bench/kernels.py
+    CALLS: q/k/v in one, o, gate/up in one, down) covering one of them reads its
     input once and reads and writes its outputs (in place; with the addend it writes the delta
     and the GEMM reads it back: as much). What LoRA applied in kernels of its own, apart from
     the base model's GEMMs, moves through memory, short of fusing with the kernels around it
     (or finding its input still in L2)."""
     elements = 0
-    for call in LAYER_CALLS:
-        covered = [m for m in call if m in modules]
+    for call, _, _ in CALLS:
+        covered = [MODULES[m] for m in call if MODULES[m] in modules]
         if covered:
             elements += base.module_dims(covered[0]).d_in
             elements += 2 * sum(base.module_dims(m).d_out for m in covered)
