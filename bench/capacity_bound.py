@@ -11,7 +11,8 @@ This bound counts both:
 
 - The engine's own scheduler, page pool and step loop run bench/serving.py's trace on the tiny
   generated model, as bench/admission.py runs it: the H200 service's pool (its pages from the
-  serving run's JSON), 512 sequences, 2048 tokens a step, the decode reserve on.
+  serving run's JSON), 512 sequences, 2048 tokens a step, the decode reserve on, adapter
+  affinity's bound the engine's default or --adapter-affinity.
 - Each of the n adapters is a tiny-model adapter that takes as many pool pages as the Llama-7B
   adapter it stands for (a rank on the tiny model's projections whose slot table fills the same
   number of 16-token pages: checked for every rank of the workload before the trace), and each
@@ -121,8 +122,9 @@ class Bound:
 
     def __init__(self, model_dir: Path, real: BaseModelShape, workload: str,
                  cost: Callable[[dict], float], copy_bw: float, pool_pages: int, run: str,
-                 alpha: float = 1.0) -> None:  # fmt: skip
+                 alpha: float = 1.0, affinity: int | None = None) -> None:  # fmt: skip
         self.model_dir, self.cost, self.copy_bw = model_dir, cost, copy_bw
+        self.affinity = affinity  # the engine's adapter_affinity (None: its default)
         self.pool_pages, self.trace_run, self.alpha = pool_pages, run, alpha
         self.ranks, self.modules = WORKLOADS[workload]
         self.token_bytes = activation_bytes_per_token(real, self.modules)
@@ -190,6 +192,7 @@ class Bound:
             adapter_of=lambda i: None if picks[i] is None else AdapterKey(f"a{picks[i]}", 1),
             setup=setup, compute=False,
             max_loras=self.pool_pages,  # the H200 service's: a row per page
+            adapter_affinity=self.affinity,
         )  # fmt: skip
 
     def rows(self, ns: list[int]) -> tuple[dict, list[dict]]:
@@ -234,6 +237,9 @@ def main() -> None:
     ap.add_argument("--pool-pages", type=int, nargs="+", default=None,
                     help="the pool's pages (default: the serving run's); several: each in "
                     "turn, what a larger or smaller pool would allow")  # fmt: skip
+    ap.add_argument("--adapter-affinity", type=int, default=None,
+                    help="the engine's adapter affinity bound (default: the engine's, two "
+                    "batches of the model's 512 sequences; 0: arrival order)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/capacity_bound.json")
     args = ap.parse_args()
     try:
@@ -252,7 +258,7 @@ def main() -> None:
         model_dir = make_model(Path(tmp) / "model", preset=TINY)
         for pool_pages in pools:
             bound = Bound(model_dir, SHAPES[args.shape].base(), args.workload, cost.ms, copy_bw,
-                          pool_pages, args.run, args.alpha)  # fmt: skip
+                          pool_pages, args.run, args.alpha, args.adapter_affinity)  # fmt: skip
             if not rows:
                 print(f"{args.shape} adapters (rank: pool pages, MB; the stand-in's rank): "
                       + ", ".join(f"{r}: {p}, {b / 1e6:.1f}; {t}"
@@ -296,6 +302,7 @@ def main() -> None:
         "serving_run": str(args.serving.relative_to(REPO)) if args.serving.is_relative_to(REPO)
         else str(args.serving),
         "workload": args.workload, "shape": args.shape, "run": args.run,
+        "adapter_affinity": args.adapter_affinity,
         "served_pool_pages": served, "copy_bytes_per_s": copy_bw,
         "cost_model": {"decode": cost.decode, "mixed": cost.mixed},
         "base_by_pool_pages": bases, "measured": real, "rows": rows,

@@ -19,7 +19,14 @@ def test_affinity_packs_the_same_trace_on_fewer_adapters():
     assert packed["adapter_steps"] < 0.9 * plain["adapter_steps"]
     assert abs(packed["steps"] - plain["steps"]) <= 0.05 * plain["steps"]
     assert plain["admitted"] == packed["admitted"] == 200  # every request, once
-    assert plain["ttft_steps_p99"] >= plain["ttft_steps_p50"] > 0
+    assert plain["ttft_steps_max"] >= plain["ttft_steps_p99"] >= plain["ttft_steps_p50"] > 0
+    # No request is admitted more than the bound's admissions beyond its place.
+    assert plain["most_admissions_late"] == 0
+    assert 0 < packed["most_admissions_late"] <= 64
+
+
+def test_a_wider_bound_packs_more():
+    assert _run(20, 128)["adapter_steps"] < _run(20, 64)["adapter_steps"]
 
 
 def test_base_model_requests_keep_their_order():
