@@ -96,7 +96,7 @@ class ServiceConfig:
     tenant_max_pinned_mb: float | None = None
     scheduling: str = "fair"  # fair: tenants share the batch (engine/fairness.py); fcfs
     fair_prefill_tokens: int = 256  # per tenant and step while tenants share (fair only)
-    adapter_affinity: int | None = None  # engine/affinity.py's bound; 0 off; None max_num_seqs
+    adapter_affinity: int | None = None  # engine/affinity.py's bound; 0 off; None 2x max seqs
     lora_side_stream: str = "on"  # on: small decode steps' LoRA beside the base GEMMs (CUDA)
     lora_addend: str = "on"  # on: large steps' GEMMs add onto their LoRA deltas
     load_format: str = "safetensors"  # or random: weights drawn at load (benchmarks)
@@ -391,7 +391,7 @@ _HELP = {
     "each tenant gets per step, keeping steps short for the others' first tokens (default 256)",
     "adapter_affinity": "queued requests whose adapter the running batch already uses join "
     "before others (fewer distinct adapters a step); each request is passed at most this many "
-    "times, and only the first this many of a tenant's queue are looked at (default "
+    "times, and only the first this many of a tenant's queue are looked at (default twice "
     "--max-num-seqs; 0: arrival order)",
     "max_num_batched_tokens": "tokens one step computes, prefill chunks and decodes (default "
     "2048, or --max-num-seqs if more); the largest mixed step's CUDA graph",

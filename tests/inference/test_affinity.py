@@ -167,8 +167,8 @@ def test_the_engine_packs_a_full_batch_on_fewer_adapters_with_the_same_tokens(
     # two requests of one adapter.
     assert set(adapters_per_step[0]) == {2}
     assert set(adapters_per_step[2]) == {1}
-    # The default bound is max_num_seqs.
-    assert make_core(model_dir, max_num_seqs=3).scheduler.affinity == 3
+    # The default bound is two batches' worth of admissions.
+    assert make_core(model_dir, max_num_seqs=3).scheduler.affinity == 6
 
 
 def _reference_take(queue: deque, active: set, limit: int):

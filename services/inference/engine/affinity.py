@@ -6,11 +6,15 @@ a step's tokens by adapter), so a step's LoRA cost grows with its distinct adapt
 Under a deep queue, admitting in arrival order fills the batch with as many adapters as the queue's
 head happens to hold; preferring requests of adapters already running packs the same tokens on fewer
 adapters. On DESIGN.md's saturating trace (1000 requests at once, uniform over n adapters)
-bench/affinity_sim.py counts the adapters summed over steps: n = 100 75.1k in queue order against
-54.5k with the default bound (-27%; -4% with half of it), n = 1000 215.6k against 191.0k (-11%), the
-number of steps within 1% and TTFT in steps within 2 at p50, 5 at p99; with no queue (arrivals below
-capacity) nothing changes. Through the services on the H200, S2 n = 100 (ranks 8-64) ran at 0.905 of
-the base model with it, 0.890 without; S1's rank-8 ratios did not move (README, *Benchmarks*).
+bench/affinity_sim.py counts the distinct adapters a step: with the H100 engine's 288 sequences,
+n = 100 77.0 in queue order, 55.1 with a bound of one batch (288) and 38.2 with the default of two
+(576); n = 1000 161.9, 143.3 and 134.0. The number of steps stays within 1% and TTFT in steps
+within 3% at p50, p99 and the last request; what the bound trades is how late one request may be
+against arrival order (576 admissions). Through the services on an H100, S2 n = 100 (ranks 8-64)
+ran at 0.873-0.878 of the base model with the one-batch bound, 78-81 adapters in its decode
+steps of 224 sequences, and at 0.911 with 44 (a run where 59 of its adapters were cold at its
+start, which held their requests back); on the H200 at 0.905 with the one-batch bound and 0.890
+without. S1's rank-8 ratios did not move then (docs/inference_service.md, *Adapter affinity*).
 
 The bound (``limit``, the engine's adapter_affinity; 0 turns this off): only the first
 ``limit`` requests of a tenant's queue are looked at, and a request that requests behind it have

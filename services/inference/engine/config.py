@@ -10,6 +10,10 @@ import torch
 from services.inference.engine.limits import RequestLimits
 from services.inference.models.config import LOAD_FORMATS
 
+# The default bound of adapter affinity (engine/affinity.py), in full batches of admissions:
+# a queued request waits at most this many batches' worth of admissions beyond its place.
+AFFINITY_BATCHES = 2
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -55,7 +59,8 @@ class EngineConfig:
     # so steps stay short for the others' first tokens (fairness.py).
     fair_prefill_tokens: int = 256
     # Adapter affinity in admission (engine/affinity.py): how often a queued request may be
-    # passed by later ones whose adapter the batch already runs; 0: off; None: max_num_seqs.
+    # passed by later ones whose adapter the batch already runs; 0: off; None:
+    # AFFINITY_BATCHES x max_num_seqs.
     adapter_affinity: int | None = None
     # Ranks the model is sharded over (engine/tensor_parallel.py); its heads, kv heads and MLP
     # width must divide by it. On CUDA rank r uses GPU r; CUDA graphs are off when above 1.

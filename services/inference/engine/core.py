@@ -33,7 +33,7 @@ from services.inference.engine.api import (
     TopLogprob,
 )
 from services.inference.engine.batch import BatchEntry
-from services.inference.engine.config import EngineConfig
+from services.inference.engine.config import AFFINITY_BATCHES, EngineConfig
 from services.inference.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from services.inference.engine.errors import (
     AdapterLoadFailed,
@@ -172,7 +172,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.pool, self.adapters, max_seqs, config.max_num_batched_tokens, self.max_len,
             config.scheduling, config.fair_prefill_tokens,
-            max_seqs if config.adapter_affinity is None else config.adapter_affinity,
+            AFFINITY_BATCHES * max_seqs if config.adapter_affinity is None
+            else config.adapter_affinity,
         )  # fmt: skip
         self.runner = ModelRunner(
             self.model, self.pool, self.adapters.index, config.max_lora_rank,

@@ -41,7 +41,7 @@ def test_engine_config_follows_the_service_config():
     assert own.fair_prefill_tokens == 64
     off = engine_config(ServiceConfig.from_args(["--model", "m", "--adapter-affinity", "0"]))
     assert off.adapter_affinity == 0
-    assert engine_config(ServiceConfig(model=Path("m"))).adapter_affinity is None  # max_num_seqs
+    assert engine_config(ServiceConfig(model=Path("m"))).adapter_affinity is None  # 2 x max seqs
     side = engine_config(ServiceConfig.from_args(["--model", "m", "--lora-side-stream", "off"]))
     assert not side.lora_side_stream
     share = ["--model", "m", "--gpu-memory-utilization", "0.9"]
