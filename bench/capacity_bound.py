@@ -55,6 +55,7 @@ from bench.serving import WORKLOADS, make_trace, parse_run, with_adapters  # noq
 from bench.step_compare import activation_bytes_per_token  # noqa: E402
 from kernels.lora_layout import MODULES, plan_adapter  # noqa: E402
 from services.inference.engine.api import AdapterKey  # noqa: E402
+from services.inference.engine.config import AFFINITY_BATCHES  # noqa: E402
 from services.inference.engine.page_pool import pages_needed  # noqa: E402
 from services.inference.tiny_model import make_model  # noqa: E402
 from store.base_model import BaseModelShape  # noqa: E402
@@ -238,8 +239,9 @@ def main() -> None:
                     help="the pool's pages (default: the serving run's); several: each in "
                     "turn, what a larger or smaller pool would allow")  # fmt: skip
     ap.add_argument("--adapter-affinity", type=int, default=None,
-                    help="the engine's adapter affinity bound (default: the engine's, two "
-                    "batches of the model's 512 sequences; 0: arrival order)")  # fmt: skip
+                    help="the engine's adapter affinity bound (default: the engine's, "
+                    f"{AFFINITY_BATCHES} batches of the model's 512 sequences; 0: arrival "
+                    "order)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/capacity_bound.json")
     args = ap.parse_args()
     try:
