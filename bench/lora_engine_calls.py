@@ -85,6 +85,12 @@ launches cost four launches' latency a layer (bench/results/step_compare_s2_f7c5
 .json: 1.15 ms a step beyond the base model's fit, against 0.22 ms of adapter bytes), against
 one fused launch a call at 64 rank rows on the segments' tiles (its dot body).
 
+With ``--s2-few`` the cases are S2's full decode steps on few to many adapters (S2_FEW_CASES:
+S2 n = 5's, and the 20-100 adapters that adapter affinity leaves n = 100's steps), by the
+engine's WIDE two launches (with the torch profiler's shrink and expand times) against their
+d_in splits, rank splits, rank rows, tile tokens and expand blocks (S2_FEW_POINTS), and the
+fused kernel at 64 rank rows on its dot body (S2_FUSED_POINTS).
+
 With ``--gemv`` the cases are both sets, decode-only and the trace's steps, and the variants the
 fused kernel's GEMV body (kernels/lora_fused.py) by rank rows, tiles it takes (gemv_max), weight
 block and warps (GEMV_POINTS), every call on the fused kernel, against the engine's fused-step
@@ -93,7 +99,7 @@ launches.
 
     python bench/lora_engine_calls.py [--splits] [--profile] [--steps] [--small] [--one-token] \
         [--hoist] [--sharing] [--pairs] [--dot] [--apart] [--s2] [--s2-steps] [--s2-gemv] \
-        [--s2-split] [--s2-small] \
+        [--s2-split] [--s2-small] [--s2-few] \
         [--gemv] [--points N] \
         [--out bench/results/lora_engine_calls.json]
 """
@@ -292,6 +298,24 @@ S2_GEMV_POINTS = (
     (128, 4, 32),
     (512, 8, 32),
 )
+# --s2-few: S2's decode steps (tokens, adapters drawn from); points (shrink rows, rank_split,
+# split_k, expand rows, expand_n, block_m)
+S2_FEW_CASES = ((224, 5, ()), (128, 5, ()), (224, 20, ()), (224, 40, ()), (288, 40, ()),
+                (224, 100, ()))  # fmt: skip
+S2_FEW_POINTS = (
+    (32, 2, 1, 32, 256, 16),
+    (32, 2, 2, 32, 256, 16),
+    (32, 2, 4, 32, 256, 16),
+    (32, 2, 8, 32, 256, 16),
+    (32, 1, 4, 32, 256, 16),
+    (16, 4, 4, 32, 256, 16),
+    (64, 1, 4, 64, 128, 16),
+    (32, 2, 2, 32, 256, 32),
+    (32, 2, 4, 32, 256, 32),
+    (32, 2, 4, 32, 128, 16),
+    (32, 2, 8, 32, 128, 32),
+    (32, 2, 4, 32, 256, 64),
+)
 S1_MODULES = (Q, K, V, O)
 LAYERS = 4  # each with its own weights, so one layer's adapters do not stay in L2
 
@@ -481,6 +505,11 @@ def main() -> None:
                     help="S2's decode steps, one-token tiles on a 64-row GEMV body")  # fmt: skip
     ap.add_argument("--s2-small", action="store_true",
                     help="S2's 10 req/s decode steps, WIDE against one fused launch")  # fmt: skip
+    ap.add_argument(
+        "--s2-few",
+        action="store_true",
+        help="S2's decode steps on few adapters by the two launches' splits",
+    )
     ap.add_argument("--points", type=int, default=None,
                     help="--gemv, --s2: the first this many of GEMV_POINTS, S2_POINTS")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/lora_engine_calls.json")
@@ -538,6 +567,13 @@ def main() -> None:
             variants.append(v)
             if (sr, rs, er) in ((16, 4, 32), (32, 2, 32)):
                 variants += [dict(v, sorted=True), dict(v, profile=True)]
+    elif args.s2_few:
+        wide = dict(max_rank=128, segments=514, fused=False, rank_block=32)
+        variants.append(dict(wide, profile=True))
+        for sr, rs, split, er, en, bm in S2_FEW_POINTS:
+            variants.append(dict(wide, shrink_r=sr, rank_split=rs, split_k=split, expand_r=er,
+                                 expand_n=en, block_m=bm))  # fmt: skip
+        variants += dot_variants(S2_FUSED_POINTS, max_rank=64, mlp=False)
     elif args.s2_small:
         variants.append(dict(max_rank=128, segments=514, fused=False, rank_block=32, mlp=True))
         variants += dot_variants((None,), max_rank=64, mlp=True)
@@ -603,6 +639,9 @@ def main() -> None:
     elif args.s2_split:
         rows = [r for t, n, p in S2_SPLIT_CASES
                 for r in time_case(t, n, gen, variants, p, S2_RANKS)]  # fmt: skip
+    elif args.s2_few:
+        rows = [r for t, n, p in S2_FEW_CASES
+                for r in time_case(t, n, gen, variants, p, S2_RANKS)]  # fmt: skip
     elif args.s2_small:
         rows = [r for t, n, p in S2_SMALL_CASES for _ in range(SMALL_DRAWS)
                 for r in time_case(t, n, gen, variants, p, S2_RANKS)]  # fmt: skip
@@ -622,7 +661,7 @@ def main() -> None:
     write_result(args.out, "lora_engine_calls.py", {
         "benchmark": "one layer's LoRA calls (q/k/v, o) as the engine makes them, "
         + ("S2 (ranks 8-64)" if args.s2 or args.s2_steps or args.s2_gemv or args.s2_rule
-           or args.s2_split or args.s2_small
+           or args.s2_split or args.s2_small or args.s2_few
            else "S1 (rank 8)"),
         "gpu": torch.cuda.get_device_name(), "rows": rows,
     })  # fmt: skip
