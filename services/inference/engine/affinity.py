@@ -10,11 +10,11 @@ bench/affinity_sim.py counts the distinct adapters a step: with the H100 engine'
 n = 100 77.0 in queue order, 55.1 with a bound of one batch (288) and 38.2 with the default of two
 (576); n = 1000 161.9, 143.3 and 134.0. The number of steps stays within 1%, and no TTFT percentile
 in steps (p50, p99, the last request) comes more than 2% later than in arrival order at n = 5-2000;
-what the bound trades is how late one request may come (576 admissions). Through the services on an
-H100, S2 n = 100 (ranks 8-64) ran at 0.873-0.878 of the base model with the one-batch bound, 78-81
-adapters in its decode steps of 224 sequences, and at 0.911 with 44 (a run where 59 of its adapters
-were cold at its start, which held their requests back); on the H200 at 0.905 with the one-batch
-bound and 0.890 without. S1's rank-8 ratios did not move then (docs/inference_service.md, *Adapter
+what the bound trades is how late one request may come (576 admissions). Through the services on one
+H100, S2 n = 100 (ranks 8-64) ran at 0.879 of the base model with the one-batch bound and 0.897 with
+the default, its steps on 60.3 and 50.8 adapters on average (0.894 with the default on another H100,
+0.873-0.878 with one batch at an earlier commit); on the H200 at 0.905 with the one-batch bound and
+0.890 without. S1's rank-8 ratios did not move then (docs/inference_service.md, *Adapter
 affinity*).
 
 The bound (``limit``, the engine's adapter_affinity; 0 turns this off): only the first
