@@ -91,6 +91,13 @@ engine's WIDE two launches (with the torch profiler's shrink and expand times) a
 d_in splits, rank splits, rank rows, tile tokens and expand blocks (S2_FEW_POINTS), and the
 fused kernel at 64 rank rows on its dot body (S2_FUSED_POINTS).
 
+With ``--s2-prefill`` the cases are S2's prefill-sized steps on few adapters (S2_PREFILL_CASES:
+a step's 2048 tokens of prompts, and prompts beside the decode tokens of 20-40 adapters, as adapter
+affinity leaves n = 100's), which take the WIDE two launches in 16-token tiles (fewer than
+WIDE_FUSED_MIN_ADAPTERS adapters), by the two launches' tile tokens and expand blocks
+(S2_PREFILL_POINTS), against the engine's WIDE_FUSED launch: whether larger tiles, each reading an
+adapter's A and Bᵀ for more tokens, pay where prompts fill them.
+
 With ``--gemv`` the cases are both sets, decode-only and the trace's steps, and the variants the
 fused kernel's GEMV body (kernels/lora_fused.py) by rank rows, tiles it takes (gemv_max), weight
 block and warps (GEMV_POINTS), every call on the fused kernel, against the engine's fused-step
@@ -99,7 +106,7 @@ launches.
 
     python bench/lora_engine_calls.py [--splits] [--profile] [--steps] [--small] [--one-token] \
         [--hoist] [--sharing] [--pairs] [--dot] [--apart] [--s2] [--s2-steps] [--s2-gemv] \
-        [--s2-split] [--s2-small] [--s2-few] \
+        [--s2-split] [--s2-small] [--s2-few] [--s2-prefill] \
         [--gemv] [--points N] \
         [--out bench/results/lora_engine_calls.json]
 """
@@ -318,6 +325,11 @@ S2_FEW_POINTS = (
     (32, 2, 4, 32, 128, 16),
     (32, 2, 8, 32, 128, 32),
 )
+# --s2-prefill: S2's prefill-sized steps (decode tokens, adapters drawn from, prompts' chunks);
+# points (block_m, expand_n) of the WIDE two launches (32 rank rows, no splits)
+S2_PREFILL_CASES = ((0, 5, (1024, 1024)), (0, 5, (512,) * 4), (100, 20, (512,) * 3),
+                    (224, 40, (512,) * 3), (64, 20, (1024, 960)))  # fmt: skip
+S2_PREFILL_POINTS = ((16, 256), (32, 256), (32, 128), (64, 128), (64, 64))
 S1_MODULES = (Q, K, V, O)
 LAYERS = 4  # each with its own weights, so one layer's adapters do not stay in L2
 
@@ -420,7 +432,17 @@ def time_case(
                         rank_block=rank_block,
                     )  # fmt: skip
 
-        us = kb.timed(fn, LAYERS, eager=False).graph_us
+        try:
+            us = kb.timed(fn, LAYERS, eager=False).graph_us
+        except Exception as e:  # noqa: BLE001 - a point that does not compile (ptxas: registers)
+            if torch.cuda.is_current_stream_capturing():
+                raise
+            lines = str(e).splitlines() or [type(e).__name__]
+            why = next((x for x in lines if "fatal" in x), lines[0])
+            row = dict(tokens=t, adapters=n, used=used, **v, error=why.strip()[:300])
+            print(json.dumps(row), flush=True)
+            out.append(row)
+            continue
         row = dict(tokens=t, adapters=n, used=used, **v, segments_used=cap, us=us,
                    decode_tokens=decode, prefill=list(prefill),
                    tb_per_s=round(nbytes / (us * 1e-6) / 1e12, 3))  # fmt: skip
@@ -512,6 +534,11 @@ def main() -> None:
         action="store_true",
         help="S2's decode steps on few adapters by the two launches' splits",
     )
+    ap.add_argument(
+        "--s2-prefill",
+        action="store_true",
+        help="S2's prefill-sized steps on few adapters by the two launches' tiles",
+    )
     ap.add_argument("--points", type=int, default=None,
                     help="--gemv, --s2: the first this many of GEMV_POINTS, S2_POINTS")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/lora_engine_calls.json")
@@ -569,6 +596,13 @@ def main() -> None:
             variants.append(v)
             if (sr, rs, er) in ((16, 4, 32), (32, 2, 32)):
                 variants += [dict(v, sorted=True), dict(v, profile=True)]
+    elif args.s2_prefill:
+        wide = dict(max_rank=128, segments=514, fused=False, rank_block=32)
+        variants.append(dict(wide, profile=True))
+        for bm, en in S2_PREFILL_POINTS:
+            variants.append(dict(wide, shrink_r=32, rank_split=1, split_k=1, expand_r=32,
+                                 expand_n=en, block_m=bm))  # fmt: skip
+        variants += dot_variants((None,), max_rank=64, mlp=False)
     elif args.s2_few:
         wide = dict(max_rank=128, segments=514, fused=False, rank_block=32)
         variants.append(dict(wide, profile=True))
@@ -641,6 +675,9 @@ def main() -> None:
     elif args.s2_split:
         rows = [r for t, n, p in S2_SPLIT_CASES
                 for r in time_case(t, n, gen, variants, p, S2_RANKS)]  # fmt: skip
+    elif args.s2_prefill:
+        rows = [r for t, n, p in S2_PREFILL_CASES
+                for r in time_case(t, n, gen, variants, p, S2_RANKS)]  # fmt: skip
     elif args.s2_few:
         rows = [r for t, n, p in S2_FEW_CASES
                 for r in time_case(t, n, gen, variants, p, S2_RANKS)]  # fmt: skip
@@ -663,7 +700,7 @@ def main() -> None:
     write_result(args.out, "lora_engine_calls.py", {
         "benchmark": "one layer's LoRA calls (q/k/v, o) as the engine makes them, "
         + ("S2 (ranks 8-64)" if args.s2 or args.s2_steps or args.s2_gemv or args.s2_rule
-           or args.s2_split or args.s2_small or args.s2_few
+           or args.s2_split or args.s2_small or args.s2_few or args.s2_prefill
            else "S1 (rank 8)"),
         "gpu": torch.cuda.get_device_name(), "rows": rows,
     })  # fmt: skip
