@@ -330,6 +330,10 @@ S2_FEW_POINTS = (
 S2_PREFILL_CASES = ((0, 5, (1024, 1024)), (0, 5, (512,) * 4), (100, 20, (512,) * 3),
                     (224, 40, (512,) * 3), (64, 20, (1024, 960)))  # fmt: skip
 S2_PREFILL_POINTS = ((16, 256), (32, 256), (32, 128), (64, 128), (64, 64))
+# each S2 mode's cases (ranks S2_RANKS cycled over the adapters)
+S2_MODE_CASES = {"s2": S2_CASES, "s2_split": S2_SPLIT_CASES, "s2_prefill": S2_PREFILL_CASES,
+                 "s2_few": S2_FEW_CASES, "s2_small": S2_SMALL_CASES, "s2_gemv": S2_GEMV_CASES,
+                 "s2_steps": S2_STEP_CASES, "s2_rule": S2_RULE_CASES}  # fmt: skip
 S1_MODULES = (Q, K, V, O)
 LAYERS = 4  # each with its own weights, so one layer's adapters do not stay in L2
 
@@ -645,6 +649,7 @@ def main() -> None:
         variants.insert(0, dict(max_rank=128, segments=514, fused=None, mlp=args.steps,
                                 profile=True))  # fmt: skip
     gen = torch.Generator().manual_seed(0)
+    s2_cases = next((cases for mode, cases in S2_MODE_CASES.items() if getattr(args, mode)), None)
     if args.gemv:
         decode = [v for v in variants if not v.get("mlp")]
         steps = [v for v in variants if v.get("mlp")]
@@ -670,28 +675,9 @@ def main() -> None:
         rows = [r for t, n, p in DOT_CASES for r in time_case(t, n, gen, variants, p)]
     elif args.apart:
         rows = [r for t, n, p in APART_CASES for r in time_case(t, n, gen, variants, p)]
-    elif args.s2:
-        rows = [r for t, n, p in S2_CASES for r in time_case(t, n, gen, variants, p, S2_RANKS)]
-    elif args.s2_split:
-        rows = [r for t, n, p in S2_SPLIT_CASES
-                for r in time_case(t, n, gen, variants, p, S2_RANKS)]  # fmt: skip
-    elif args.s2_prefill:
-        rows = [r for t, n, p in S2_PREFILL_CASES
-                for r in time_case(t, n, gen, variants, p, S2_RANKS)]  # fmt: skip
-    elif args.s2_few:
-        rows = [r for t, n, p in S2_FEW_CASES
-                for r in time_case(t, n, gen, variants, p, S2_RANKS)]  # fmt: skip
-    elif args.s2_small:
-        rows = [r for t, n, p in S2_SMALL_CASES for _ in range(SMALL_DRAWS)
-                for r in time_case(t, n, gen, variants, p, S2_RANKS)]  # fmt: skip
-    elif args.s2_gemv:
-        rows = [r for t, n, p in S2_GEMV_CASES
-                for r in time_case(t, n, gen, variants, p, S2_RANKS)]  # fmt: skip
-    elif args.s2_steps:
-        rows = [r for t, n, p in S2_STEP_CASES
-                for r in time_case(t, n, gen, variants, p, S2_RANKS)]  # fmt: skip
-    elif args.s2_rule:
-        rows = [r for t, n, p in S2_RULE_CASES
+    elif s2_cases is not None:  # S2's ranks; --s2-small's steps drawn SMALL_DRAWS times each
+        draws = SMALL_DRAWS if args.s2_small else 1
+        rows = [r for t, n, p in s2_cases for _ in range(draws)
                 for r in time_case(t, n, gen, variants, p, S2_RANKS)]  # fmt: skip
     elif args.steps:
         rows = [r for t, n, p in STEP_CASES for r in time_case(t, n, gen, variants, p)]
@@ -699,9 +685,7 @@ def main() -> None:
         rows = [r for t, n in CASES for r in time_case(t, n, gen, variants)]
     write_result(args.out, "lora_engine_calls.py", {
         "benchmark": "one layer's LoRA calls (q/k/v, o) as the engine makes them, "
-        + ("S2 (ranks 8-64)" if args.s2 or args.s2_steps or args.s2_gemv or args.s2_rule
-           or args.s2_split or args.s2_small or args.s2_few or args.s2_prefill
-           else "S1 (rank 8)"),
+        + ("S1 (rank 8)" if s2_cases is None else "S2 (ranks 8-64)"),
         "gpu": torch.cuda.get_device_name(), "rows": rows,
     })  # fmt: skip
 
