@@ -6,13 +6,20 @@ what a trace's LoRA bytes follow. The model: DESIGN.md's trace (bench/serving.ma
 with_adapters: the same requests and adapters as bench/serving.py), continuous batching with a
 token budget a step, a cap on running sequences and a KV capacity in tokens (a page of headroom
 kept per running sequence, as the scheduler's decode reserve), prompts chunked into the budget
-left by the decodes; admission takes each next request with engine/affinity.Affinity, the
-engine's own code. It has no preemption, no fairness between tenants (one tenant) and no
-adapter loads (every adapter ready), so it counts the order's effect alone; the steps are not
-timed. The defaults are the H200 engine's: 512 sequences, 2048 tokens a step, and KV for about
-430 running sequences of the trace (as in its serving runs).
+left by the decodes; admission as the engine's scheduler makes it (engine/scheduler.py): each
+step offers the queue's requests through engine/affinity.Affinity, the engine's own code, on a
+copy of the queue, admits what fits and stops at the first that does not, which stays where it
+is (and one request is offered even when the decodes and prompts already fill the step's
+budget). It has no preemption, no fairness between tenants (one tenant) and no adapter loads
+(every adapter ready), so it counts the order's effect alone; the steps are not timed. The
+defaults are the H200 engine's: 512 sequences, 2048 tokens a step, and KV for about 430 running
+sequences of the trace (as in its serving runs).
 
-    python bench/affinity_sim.py --adapters 5 100 1000 2000 --affinity 0 512 128
+``--count-offers`` counts a request as passed over when one behind it is offered rather than
+admitted, as the engine did before 2026-12-06 (affinity.py says why that undid the bound): with
+it the model gives the adapters a step that the services measured then.
+
+    python bench/affinity_sim.py --adapters 5 100 1000 2000 --affinity 0 512 128 [--count-offers]
 """
 
 from __future__ import annotations
@@ -49,14 +56,38 @@ class _Seq:
         return self.prefilled + self.generated
 
 
-def simulate(trace, affinity: int, max_seqs: int, budget: int, kv_tokens: int, page: int) -> dict:
-    queue = deque(_Seq(i, r.adapter, r.prompt_len, r.output_len) for i, r in enumerate(trace))
+class _CountOffers(Affinity):
+    """Affinity with the count before 2026-12-06: the requests ahead of one that is offered
+    are passed over, admitted or not."""
+
+    def take(self, queue: deque) -> _Seq:
+        seq = super().take(queue)
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            for i, passed in enumerate(pending[1]):
+                passed.passed_over += 1
+                if passed.passed_over >= self.limit:
+                    self._plain[pending[2]] = min(self._plain[pending[2]], i)
+        return seq
+
+
+def simulate(
+    trace,
+    affinity: int,
+    max_seqs: int,
+    budget: int,
+    kv_tokens: int,
+    page: int,
+    count_offers: bool = False,
+) -> dict:
+    waiting = [_Seq(i, r.adapter, r.prompt_len, r.output_len) for i, r in enumerate(trace)]
     running: list[_Seq] = []
     steps = mixed = 0
     adapter_steps = decode_adapter_steps = 0
     ttft: list[int] = []
     late = 0  # the most admissions a request waited beyond its place in arrival order
-    while queue or running:
+    order = _CountOffers if count_offers else Affinity
+    while waiting or running:
         steps += 1
         tokens = prefill = 0
         for seq in running:  # decodes and unfinished prompt chunks, oldest first
@@ -68,21 +99,25 @@ def simulate(trace, affinity: int, max_seqs: int, budget: int, kv_tokens: int, p
             else:
                 seq.generated += 1
                 tokens += 1
-        admission = Affinity(running, affinity)
+        admission = order(running, affinity)
         kv = sum(s.kv for s in running)
-        while queue and len(running) < max_seqs and tokens < budget:
-            seq = admission.take(queue)
-            if kv + seq.prompt + page * len(running) > kv_tokens:
-                queue.appendleft(seq)  # no room: it goes back first; nothing more joins now
-                break
+        offered = deque(waiting)  # the scheduler's admission reads a copy of its queue
+        admitted = set()
+        while offered and len(running) < max_seqs:
+            seq = admission.take(offered)
+            if tokens >= budget or kv + seq.prompt + page * len(running) > kv_tokens:
+                break  # no budget or no room: it stays in its place; nothing more joins now
             seq.prefilled = min(seq.prompt, budget - tokens)
             tokens += seq.prefilled
             prefill += seq.prefilled
             kv += seq.prompt
             running.append(seq)
+            admitted.add(id(seq))
             admission.admitted(seq)
             late = max(late, len(ttft) - seq.index)
             ttft.append(steps)
+        if admitted:
+            waiting = [s for s in waiting if id(s) not in admitted]
         distinct = len({s.adapter for s in running if s.adapter is not None})
         adapter_steps += distinct
         if prefill:
@@ -117,6 +152,11 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--alpha", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--count-offers",
+        action="store_true",
+        help="pass requests over when one behind is offered (the old count)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/affinity_sim.json")
     args = parser.parse_args()
 
@@ -133,7 +173,7 @@ def main() -> None:
         first = None
         for bound in args.affinity:
             r = simulate(trace, bound, args.max_num_seqs, args.tokens_per_step, args.kv_tokens,
-                         args.page_size)  # fmt: skip
+                         args.page_size, args.count_offers)  # fmt: skip
             first = first or r["adapter_steps"]
             row = {"adapters": n, "affinity": bound, **r,
                    "vs_first": r["adapter_steps"] / first if first else None}  # fmt: skip

@@ -9,9 +9,10 @@ from bench.affinity_sim import simulate
 from bench.serving import make_trace, with_adapters
 
 
-def _run(n: int, bound: int) -> dict:
+def _run(n: int, bound: int, count_offers: bool = False) -> dict:
     trace = with_adapters(make_trace(math.inf, 200, None, 0), n, 1.0, 0)
-    return simulate(trace, bound, max_seqs=64, budget=512, kv_tokens=30_000, page=16)
+    return simulate(trace, bound, max_seqs=64, budget=512, kv_tokens=30_000, page=16,
+                    count_offers=count_offers)  # fmt: skip
 
 
 def test_affinity_packs_the_same_trace_on_fewer_adapters():
@@ -33,3 +34,12 @@ def test_base_model_requests_keep_their_order():
     # No adapters: every request has affinity, so the order (and all counts) are arrival order's.
     assert _run(0, 64) == _run(0, 0)
     assert _run(0, 0)["adapter_steps"] == 0
+
+
+def test_counting_offers_as_passes_undoes_the_bound():
+    """The engine's count before 2026-12-06 (a request passed over whenever one behind it was
+    offered, admitted or not) let the requests ahead come due in a saturated engine: fewer
+    adapters a step than arrival order, more than the bound allows."""
+    plain, offers, packed = _run(20, 0), _run(20, 64, count_offers=True), _run(20, 64)
+    assert packed["adapter_steps"] < offers["adapter_steps"] < plain["adapter_steps"]
+    assert offers["admitted"] == 200

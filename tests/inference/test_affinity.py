@@ -83,13 +83,43 @@ def test_a_request_is_passed_at_most_limit_times():
     running = [_Seq("r", "a")]
     queue = _queue("b a a a a a")
     affinity = Affinity(running, limit=3)
-    taken = [affinity.take(queue).name for _ in range(4)]
-    assert taken == ["a1", "a2", "a3", "b0"]  # b0 was passed three times: it goes next
-    assert [s.passed_over for s in queue] == [0, 0]
+    taken = []
+    for _ in range(4):
+        taken.append(affinity.take(queue))
+        affinity.admitted(taken[-1])
+    assert [s.name for s in taken] == ["a1", "a2", "a3", "b0"]  # b0 passed three times: next
+    assert taken[-1].passed_over == 3 and [s.passed_over for s in queue] == [0, 0]
     # The count is the request's own: it holds across steps (a new Affinity each step).
     queue = _queue("b a a")
     queue[0].passed_over = 2
-    assert [Affinity(running, limit=3).take(queue).name for _ in range(2)] == ["a1", "b0"]
+    affinity = Affinity(running, limit=3)
+    first = affinity.take(queue)
+    affinity.admitted(first)
+    assert [first.name, affinity.take(queue).name] == ["a1", "b0"]
+
+
+def test_only_an_admission_passes_a_request_over():
+    """A request offered but not admitted (no room for its pages this step, its adapter still
+    loading) passes nobody: a saturated engine offers one every step, and counted so the
+    requests ahead of it came due within the bound's steps, undoing affinity."""
+    running = [_Seq("r", "a")]
+    queue = _queue("b c a a")
+    for _ in range(10):  # ten steps, each offering a2 (affine) and stopping there
+        offered = deque(queue)  # the scheduler offers from a copy of its queue
+        assert Affinity(running, limit=3).take(offered).name == "a2"
+    assert [s.passed_over for s in queue] == [0, 0, 0, 0]
+    # Offered and skipped (not ready), then another admitted: only the admitted one counts.
+    affinity, offered = Affinity(running, limit=3), deque(queue)
+    assert affinity.take(offered).name == "a2"  # skipped: its adapter is not ready
+    a3 = affinity.take(offered)
+    affinity.admitted(a3)
+    assert a3.name == "a3" and [s.passed_over for s in queue] == [1, 1, 0, 0]
+    # Passed enough, the head comes due in the same step, even after the memo of plain heads.
+    queue[0].passed_over = queue[1].passed_over = 2
+    affinity, offered = Affinity(running, limit=3), deque(queue)
+    a2 = affinity.take(offered)
+    affinity.admitted(a2)
+    assert a2.name == "a2" and affinity.take(offered).name == "b0"
 
 
 def test_the_batch_is_read_once_and_grows_with_admissions():
@@ -172,14 +202,14 @@ def test_the_engine_packs_a_full_batch_on_fewer_adapters_with_the_same_tokens(
 
 
 def _reference_take(queue: deque, active: set, limit: int):
-    """The order take promises, looking at every request each time."""
+    """The order take promises, looking at every request each time: the request, and those it
+    passes over if it is admitted."""
     for k, seq in enumerate(list(queue)[:limit]):
         if seq.adapter is None or seq.adapter in active or seq.passed_over >= limit:
-            for ahead in list(queue)[:k]:
-                ahead.passed_over += 1
+            ahead = list(queue)[:k]
             del queue[k]
-            return seq
-    return queue.popleft()
+            return seq, ahead
+    return queue.popleft(), []
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -199,9 +229,11 @@ def test_take_remembers_what_it_passed_without_changing_the_order(seed):
     running = [_Seq("r", rng.choice(adapters[1:]))]
     affinity, active = Affinity(running, limit), {running[0].adapter}
     while mine:
-        got, want = affinity.take(mine), _reference_take(ref, active, limit)
+        got, (want, ahead) = affinity.take(mine), _reference_take(ref, active, limit)
         assert got.name == want.name
-        assert [s.passed_over for s in mine] == [s.passed_over for s in ref]
         if rng.random() < 0.3:  # joined (the others were offered but not ready)
             affinity.admitted(got)
             active.add(got.adapter)
+            for passed in ahead:
+                passed.passed_over += 1
+        assert [s.passed_over for s in mine] == [s.passed_over for s in ref]

@@ -8,14 +8,15 @@ head happens to hold; preferring requests of adapters already running packs the 
 adapters. On DESIGN.md's saturating trace (1000 requests at once, uniform over n adapters)
 bench/affinity_sim.py counts the distinct adapters a step: with the H100 engine's 288 sequences,
 n = 100 77.0 in queue order, 55.1 with a bound of one batch (288) and 38.2 with the default of two
-(576); n = 1000 161.9, 143.3 and 134.0. The number of steps stays within 1%, and no TTFT percentile
+(576); n = 1000 161.9, 143.3 and 133.9. The number of steps stays within 1%, and no TTFT percentile
 in steps (p50, p99, the last request) comes more than 2% later than in arrival order at n = 5-2000;
 what the bound trades is how late one request may come (576 admissions). Through the services on one
 H100, S2 n = 100 (ranks 8-64) ran at 0.879 of the base model with the one-batch bound and 0.897 with
-the default, its steps on 60.3 and 50.8 adapters on average (0.894 with the default on another H100,
-0.873-0.878 with one batch at an earlier commit); on the H200 at 0.905 with the one-batch bound and
-0.890 without. S1's rank-8 ratios did not move then (docs/inference_service.md, *Adapter
-affinity*).
+the default, its steps on 60.3 and 50.8 adapters on average (0.894 with the default on another
+H100); on the H200 at 0.905 with the one-batch bound and 0.890 without. Those runs counted a request
+passed over whenever one behind it was offered (Affinity's docstring), which the model reproduces
+(62.1 and 49.8); counted on admissions, not yet run through the services. S1's rank-8 ratios did not
+move (docs/inference_service.md, *Adapter affinity*).
 
 The bound (``limit``, the engine's adapter_affinity; 0 turns this off): only the first
 ``limit`` requests of a tenant's queue are looked at, and a request that requests behind it have
@@ -35,19 +36,26 @@ from typing import Protocol
 
 class _Seq(Protocol):  # the parts of engine/request.Sequence this module reads and writes
     adapter: Hashable | None
-    passed_over: int  # how many requests behind it in its queue were taken before it
+    passed_over: int  # how many requests behind it in its queue were admitted before it
 
 
 class Affinity:
     """One step's admission: ``take`` the next request of a queue, ``admitted`` each request
     that joined (its adapter then counts as running for the rest of the step).
 
-    A scheduler offers a queue's requests one after another, many of them not admitted (their
-    adapter still loading), so ``take`` does not look at the same requests again: for each
-    queue it keeps how many at its head are known to have no affinity and not to be due (passed
-    fewer than ``limit`` times), until the batch's adapters change: between such changes each
-    request is checked once, as arrival order checks it, not once for every request offered
-    before it."""
+    A request is passed over when one behind it is admitted, not when one is only offered: a
+    scheduler offers requests it does not admit (no room for its KV pages this step, its
+    adapter still loading), and in a saturated engine it offers one in every step, the same
+    one while the batch stays full. Counted on offers, the requests ahead of it came due
+    within ``limit`` steps, and admission fell back to arrival order: S2 n = 100 through the
+    services held 50.8 adapters a step with a bound of two batches where the scheduler's model
+    said 38.2 (bench/affinity_sim.py's ``--count-offers`` models the old count: 49.8).
+
+    A scheduler offers a queue's requests one after another, many of them not admitted, so
+    ``take`` does not look at the same requests again: for each queue it keeps how many at its
+    head are known to have no affinity and not to be due (passed fewer than ``limit`` times),
+    until the batch's adapters change: between such changes each request is checked once, as
+    arrival order checks it, not once for every request offered before it."""
 
     def __init__(self, running: Iterable[_Seq], limit: int) -> None:
         if limit < 0:
@@ -58,6 +66,9 @@ class Affinity:
         # id(queue) -> how many of its head requests are known to be passed over (the queues
         # live as long as the step's admission that owns them and this)
         self._plain: dict[int, int] = {}
+        # the latest request taken from behind others: (it, the requests ahead of it, its
+        # queue's id), which admitted() counts as passed over
+        self._pending: tuple[_Seq, list[_Seq], int] | None = None
 
     def _has_affinity(self, seq: _Seq) -> bool:
         if seq.adapter is None:
@@ -69,6 +80,7 @@ class Affinity:
     def take(self, queue: deque) -> _Seq:
         """Remove and return the next request of a non-empty queue: the first of its first
         ``limit`` that has affinity or has been passed ``limit`` times, else its head."""
+        self._pending = None
         if not self.limit:
             return queue.popleft()
         window = min(self.limit, len(queue))
@@ -82,17 +94,20 @@ class Affinity:
             return queue.popleft()
         if k == 0:
             return queue.popleft()  # the head itself has affinity or is due
-        due = k
-        for i, ahead in enumerate(islice(queue, k)):
-            ahead.passed_over += 1
-            if ahead.passed_over >= self.limit:
-                due = min(due, i)
-        self._plain[id(queue)] = due
         seq = queue[k]
+        self._pending = (seq, list(islice(queue, k)), id(queue))
+        self._plain[id(queue)] = k  # the k ahead of it stay plain until it is admitted
         del queue[k]
         return seq
 
     def admitted(self, seq: _Seq) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] is seq:
+            _, ahead, queue_id = pending
+            for i, passed in enumerate(ahead):
+                passed.passed_over += 1
+                if passed.passed_over >= self.limit and queue_id in self._plain:
+                    self._plain[queue_id] = min(self._plain[queue_id], i)  # due: look again
         if self._active is not None and seq.adapter not in self._active:
             self._active.add(seq.adapter)
             self._plain.clear()  # requests of this adapter now have affinity
