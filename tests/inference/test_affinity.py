@@ -4,6 +4,7 @@ request in either order, on fewer adapters a step."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -237,3 +238,34 @@ def test_take_remembers_what_it_passed_without_changing_the_order(seed):
             for passed in ahead:
                 passed.passed_over += 1
         assert [s.passed_over for s in mine] == [s.passed_over for s in ref]
+
+
+def test_a_full_batch_offering_the_same_request_every_step_passes_nobody(tiny_models):
+    """The engine's scheduler offers a queued request in every step even while it cannot admit
+    it (here: the batch is full, first come first served); only admissions pass the requests
+    ahead of it over, so r2 (adapter b) waits for four admissions of the running adapter a, not
+    four steps."""
+    model_dir = tiny_models.model("tiny-llama")
+    a = AdapterKey("a", 1)
+    core = make_core(model_dir, max_num_seqs=2, adapter_affinity=4, scheduling="fcfs")
+    core.add_adapter_dir(a, tiny_models.adapter("tiny-llama", "r8"))
+    b = AdapterKey("b", 1)
+    core.add_adapter_dir(b, tiny_models.adapter("tiny-llama", "r16"))
+    keys = [a, a, b, a, a, a, a, a, a]
+    requests = _requests(keys, out=2)
+    # r0 holds the batch's second place for eight steps, r1 runs adapter a throughout
+    requests[0] = dataclasses.replace(requests[0], sampling=SamplingParams(8, ignore_eos=True))
+    requests[1] = dataclasses.replace(requests[1], sampling=SamplingParams(40, ignore_eos=True))
+    joined: list[str] = []
+
+    def after(core, step):
+        for seq in core.scheduler.running:
+            if seq.request_id not in joined:
+                joined.append(seq.request_id)
+
+    results = run(core, {0: requests}, after_step=after)
+    assert len(results) == 9
+    assert [rid.split("-")[0] for rid in joined] == [
+        "r0", "r1", "r3", "r4", "r5", "r6", "r2", "r7", "r8",
+    ]  # fmt: skip
+    core.check_integrity()
