@@ -253,7 +253,7 @@ def test_decode_sized_mixed_steps_narrow_on_many_adapters(core, tiny_models, mon
 
 def test_the_wide_fused_rule_wants_many_adapters_none_above_its_rows():
     """lora_paths.prefill_step_fuses_wide: an adapter above FUSED_PREFILL_MAX_ROWS (16), none
-    above WIDE_FUSED_ROWS (64), and at least WIDE_FUSED_MIN_ADAPTERS (64) distinct adapters."""
+    above WIDE_FUSED_ROWS (64), and at least WIDE_FUSED_MIN_ADAPTERS (48) distinct adapters."""
     many = lora_paths.WIDE_FUSED_MIN_ADAPTERS
     assert lora_paths.prefill_step_fuses_wide(64, many)
     assert lora_paths.prefill_step_fuses_wide(17, many)
