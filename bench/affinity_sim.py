@@ -62,12 +62,7 @@ class _CountOffers(Affinity):
 
     def take(self, queue: deque) -> _Seq:
         seq = super().take(queue)
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            for i, passed in enumerate(pending[1]):
-                passed.passed_over += 1
-                if passed.passed_over >= self.limit:
-                    self._plain[pending[2]] = min(self._plain[pending[2]], i)
+        self._pass_over()  # at once, not when (and if) it is admitted
         return seq
 
 

@@ -100,14 +100,22 @@ class Affinity:
         del queue[k]
         return seq
 
-    def admitted(self, seq: _Seq) -> None:
+    def _pass_over(self) -> None:
+        """The request ``take`` returned last passes those ahead of it over (any that come due
+        are looked at again); it is no longer pending."""
         pending, self._pending = self._pending, None
-        if pending is not None and pending[0] is seq:
-            _, ahead, queue_id = pending
-            for i, passed in enumerate(ahead):
-                passed.passed_over += 1
-                if passed.passed_over >= self.limit and queue_id in self._plain:
-                    self._plain[queue_id] = min(self._plain[queue_id], i)  # due: look again
+        if pending is None:
+            return
+        _, ahead, queue_id = pending
+        for i, passed in enumerate(ahead):
+            passed.passed_over += 1
+            if passed.passed_over >= self.limit and queue_id in self._plain:
+                self._plain[queue_id] = min(self._plain[queue_id], i)  # due: look again
+
+    def admitted(self, seq: _Seq) -> None:
+        if self._pending is not None and self._pending[0] is seq:
+            self._pass_over()
+        self._pending = None
         if self._active is not None and seq.adapter not in self._active:
             self._active.add(seq.adapter)
             self._plain.clear()  # requests of this adapter now have affinity
