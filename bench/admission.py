@@ -122,6 +122,7 @@ def simulate(
     adapter_of: Callable[[int], AdapterKey | None] = lambda i: None,
     setup: Callable[[EngineCore], None] = lambda core: None,
     compute: bool = True,
+    max_num_seqs: int = 512,
     **engine: object,
 ) -> dict:
     """One trace through the engine's scheduler on the CPU, each step's time ``cost(record)``
@@ -129,11 +130,12 @@ def simulate(
     ``setup``: called with the engine before the trace (to add those adapters); ``compute``:
     False skips the model's forward pass, every sampled token's logits zeros (what the
     scheduler decides depends on tokens and pages, not on the tokens' values: every request
-    ignores EOS); ``engine``: more EngineConfig fields."""
+    ignores EOS); ``max_num_seqs``: the running batch's bound (512: the H200 service's);
+    ``engine``: more EngineConfig fields."""
     rate, count, seconds = parse_run(run)
     cfg = EngineConfig(
         model_dir=model_dir, device="cpu", page_size=PAGE_SIZE, num_pages=num_pages,
-        max_num_seqs=512, max_num_batched_tokens=2048, max_model_len=1100, max_queue=8192,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, max_model_len=1100, max_queue=8192,
         **engine,
     )  # fmt: skip
     core = EngineCore(cfg, None)

@@ -10,9 +10,10 @@ H200: 966 steps against the base model's 914, 181k context tokens at its fullest
 This bound counts both:
 
 - The engine's own scheduler, page pool and step loop run bench/serving.py's trace on the tiny
-  generated model, as bench/admission.py runs it: the H200 service's pool (its pages from the
-  serving run's JSON), 512 sequences, 2048 tokens a step, the decode reserve on, adapter
-  affinity's bound the engine's default or --adapter-affinity.
+  generated model, as bench/admission.py runs it: the serving run's pool (its pages from its
+  JSON), as many sequences as the service derives from that pool (512 on the H200, 288 on an
+  H100), 2048 tokens a step, the decode reserve on, adapter affinity's bound the engine's
+  default (twice those sequences) or --adapter-affinity.
 - Each of the n adapters is a tiny-model adapter that takes as many pool pages as the Llama-7B
   adapter it stands for (a rank on the tiny model's projections whose slot table fills the same
   number of 16-token pages: checked for every rank of the workload before the trace), and each
@@ -57,11 +58,13 @@ from kernels.lora_layout import MODULES, plan_adapter  # noqa: E402
 from services.inference.engine.api import AdapterKey  # noqa: E402
 from services.inference.engine.config import AFFINITY_BATCHES  # noqa: E402
 from services.inference.engine.page_pool import pages_needed  # noqa: E402
+from services.inference.engine.pool_sizing import cuda_max_num_seqs  # noqa: E402
 from services.inference.tiny_model import make_model  # noqa: E402
 from store.base_model import BaseModelShape  # noqa: E402
 from store.synthetic import AdapterFiles, synthetic_adapter  # noqa: E402
 
 PAGE_SIZE = 16  # the service's default
+STEP_TOKENS = 2048  # a step's tokens, as bench/admission.py runs them
 TINY = "tiny-llama"
 
 
@@ -123,10 +126,14 @@ class Bound:
 
     def __init__(self, model_dir: Path, real: BaseModelShape, workload: str,
                  cost: Callable[[dict], float], copy_bw: float, pool_pages: int, run: str,
-                 alpha: float = 1.0, affinity: int | None = None) -> None:  # fmt: skip
+                 alpha: float = 1.0, affinity: int | None = None,
+                 max_num_seqs: int | None = None) -> None:  # fmt: skip
         self.model_dir, self.cost, self.copy_bw = model_dir, cost, copy_bw
         self.affinity = affinity  # the engine's adapter_affinity (None: its default)
         self.pool_pages, self.trace_run, self.alpha = pool_pages, run, alpha
+        # the running batch's bound; None: the service's default for this pool (an H100's
+        # 7284 pages: 288)
+        self.max_num_seqs = max_num_seqs or cuda_max_num_seqs(pool_pages, PAGE_SIZE, STEP_TOKENS)
         self.ranks, self.modules = WORKLOADS[workload]
         self.token_bytes = activation_bytes_per_token(real, self.modules)
         tiny = BaseModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
@@ -191,7 +198,7 @@ class Bound:
         return simulate(
             self.model_dir, self.trace_run, True, step_ms, self.pool_pages,
             adapter_of=lambda i: None if picks[i] is None else AdapterKey(f"a{picks[i]}", 1),
-            setup=setup, compute=False,
+            setup=setup, compute=False, max_num_seqs=self.max_num_seqs,
             max_loras=self.pool_pages,  # the H200 service's: a row per page
             adapter_affinity=self.affinity,
         )  # fmt: skip
@@ -240,8 +247,11 @@ def main() -> None:
                     "turn, what a larger or smaller pool would allow")  # fmt: skip
     ap.add_argument("--adapter-affinity", type=int, default=None,
                     help="the engine's adapter affinity bound (default: the engine's, "
-                    f"{AFFINITY_BATCHES} batches of the model's 512 sequences; 0: arrival "
+                    f"{AFFINITY_BATCHES} batches of the modeled sequences; 0: arrival "
                     "order)")  # fmt: skip
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="the running batch's bound (default: the service's for each pool, "
+                    "512 on the H200's, 288 on an H100's)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/capacity_bound.json")
     args = ap.parse_args()
     try:
@@ -260,16 +270,17 @@ def main() -> None:
         model_dir = make_model(Path(tmp) / "model", preset=TINY)
         for pool_pages in pools:
             bound = Bound(model_dir, SHAPES[args.shape].base(), args.workload, cost.ms, copy_bw,
-                          pool_pages, args.run, args.alpha, args.adapter_affinity)  # fmt: skip
+                          pool_pages, args.run, args.alpha, args.adapter_affinity,
+                          args.max_num_seqs)  # fmt: skip
             if not rows:
                 print(f"{args.shape} adapters (rank: pool pages, MB; the stand-in's rank): "
                       + ", ".join(f"{r}: {p}, {b / 1e6:.1f}; {t}"
                                   for r, (p, b, t) in bound.stand_in.items()),
                       flush=True)  # fmt: skip
-            print(f"a pool of {pool_pages} pages", flush=True)
+            print(f"a pool of {pool_pages} pages, {bound.max_num_seqs} sequences", flush=True)
             bases[pool_pages], pool_rows = bound.rows(args.adapters)
             for row in pool_rows:
-                row["pool_pages"] = pool_pages
+                row["pool_pages"], row["max_num_seqs"] = pool_pages, bound.max_num_seqs
                 got = measured.get((args.run, row["adapters"]))
                 steps = runs.get((args.run, row["adapters"], 1))
                 if got is not None and steps is not None and pool_pages == served:

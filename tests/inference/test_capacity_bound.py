@@ -43,8 +43,13 @@ def test_adapters_that_crowd_the_pool_cost_steps(tiny_models):
     def cost(record: dict) -> float:
         return 1.0 + 0.01 * record["tokens"] + 1e-4 * record["kv_read"]
 
-    bound = Bound(tiny_models.model("tiny-llama"), SHAPES["llama-7b"].base(), "S2", cost,
-                  copy_bw=4e12, pool_pages=600, run="inf:30")  # fmt: skip
+    model = tiny_models.model("tiny-llama")
+    # the service's running batch on 600 pages would be its floor of 16 sequences; the pool
+    # binds first with room for all 30
+    default = Bound(model, SHAPES["llama-7b"].base(), "S2", cost, 4e12, 600, "inf:30")
+    assert default.max_num_seqs == 16
+    bound = Bound(model, SHAPES["llama-7b"].base(), "S2", cost, copy_bw=4e12, pool_pages=600,
+                  run="inf:30", max_num_seqs=32)  # fmt: skip
     base, (row,) = bound.rows([24])
     assert base["requests"] == row["runs"]["every step"]["requests"] == 30
     pages_only = row["runs"]["no step"]

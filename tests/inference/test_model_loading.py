@@ -270,7 +270,7 @@ def test_limits_follow_the_pool_and_device():
     """Unset limits are derived: on CUDA from the pool's tokens (400 per sequence, 16 to 512,
     a multiple of 16), on the CPU 64 sequences; 16 waiting requests per running slot, at least
     1024, unless max_waiting or max_queue says otherwise."""
-    from services.inference.engine.pool_sizing import engine_limits
+    from services.inference.engine.pool_sizing import cuda_max_num_seqs, engine_limits
 
     def limits(cfg, num_pages, device):  # sequences and queue; the LoRA rows have their tests
         return engine_limits(cfg, num_pages, device, page_nbytes=2**20, slot_capacity=64)[:2]
@@ -286,3 +286,8 @@ def test_limits_follow_the_pool_and_device():
     assert limits(given, 10**7, cuda) == (8, 9)
     small = EngineConfig(model_dir="m", max_num_batched_tokens=32)
     assert limits(small, 10**7, cuda)[0] == 32
+    # the rule on its own (bench/capacity_bound.py models a pool's service by it): the H100
+    # service's 7284 pages of 16 tokens give 288, the H200's 14,568 the cap of 512
+    assert cuda_max_num_seqs(7284, 16, 2048) == 288 == limits(cfg, 7284, cuda)[0]
+    assert cuda_max_num_seqs(14_568, 16, 2048) == 512
+    assert cuda_max_num_seqs(14_568, 16, 100) == 100
