@@ -14,6 +14,8 @@ token (p50, p99) as the clients see them, how long after the last arrival the la
 and from the engine's step log (--step-log, engine/step_log.py) each step's share of its
 roofline (bench/roofline.py: bytes at the copy bandwidth, or FLOPs at the matmul rate, both
 measured on this machine in this run), as a distribution over the steps of 64 sequences or more.
+The step log itself is kept beside the JSON (NAME_steps.jsonl.gz) for bench/step_compare.py,
+bench/step_kinds.py and bench/capacity_bound.py.
 
     python bench/serving.py                                    # CUDA, Llama-7B shape, base model
     python bench/serving.py --runs inf:1000 40:15 --adapters 0 5 100 --workload S1
@@ -36,12 +38,14 @@ tokenizer only, and the service draws its weights (--load-format random): the Ll
 from __future__ import annotations
 
 import argparse
+import gzip
 import itertools
 import json
 import logging
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -449,6 +453,11 @@ def main() -> None:
                     p.kill()
     print(table(rows))
     print(f"wrote {args.out}")
+    if step_log.exists():  # beside the JSON, where bench/step_compare.py and the others look
+        kept = args.out.with_name(args.out.stem + "_steps.jsonl.gz")
+        with step_log.open("rb") as src, gzip.open(kept, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        print(f"wrote {kept}")
 
 
 if __name__ == "__main__":
