@@ -196,8 +196,8 @@ def wait_preloaded(
                 break
             time.sleep(0.5)
     seconds = time.monotonic() - start
-    log.info("preload: %d of %d adapters in the host cache, %d in the page pool, after %.1f s",
-             last[0], n, last[1], seconds)  # fmt: skip
+    log.info("preload: %d adapters wanted; %d in the host cache, %d in the page pool, after "
+             "%.1f s", n, last[0], last[1], seconds)  # fmt: skip
     return {
         "adapters": n,
         "in_host_cache": last[0],
