@@ -15,8 +15,8 @@ H100, S2 n = 100 (ranks 8-64) ran at 0.879 of the base model with the one-batch 
 the default, its steps on 60.3 and 50.8 adapters on average (0.894 with the default on another
 H100); on the H200 at 0.905 with the one-batch bound and 0.890 without. Those runs counted a request
 passed over whenever one behind it was offered (Affinity's docstring), which the model reproduces
-(62.1 and 49.8); counted on admissions, not yet run through the services. S1's rank-8 ratios did not
-move (docs/inference_service.md, *Adapter affinity*).
+(62.1 and 49.8); counted on admissions (55.1 and 38.2), S2 n = 100 ran at 0.920 on the H200 with
+the default bound. S1's rank-8 ratios did not move (docs/inference_service.md, *Adapter affinity*).
 
 The bound (``limit``, the engine's adapter_affinity; 0 turns this off): only the first
 ``limit`` requests of a tenant's queue are looked at, and a request that requests behind it have

@@ -13,7 +13,8 @@ from services.inference.models.config import LOAD_FORMATS
 # The default bound of adapter affinity (engine/affinity.py), in full batches of admissions:
 # a queued request waits at most this many batches' worth of admissions beyond its place. On one
 # H100 through the services, S2 n = 100 at 0.879 of the base model with one batch, 0.897 with two
-# (bench/results/serving_s2_aff{1,2b}_11d4682_h100.json, passes counted on offers: affinity.py).
+# (bench/results/serving_s2_aff{1,2b}_11d4682_h100.json, passes counted on offers: affinity.py);
+# counted on admissions, 0.920 on one H200 (serving_s2_n100_0d95b5f_h200.json).
 AFFINITY_BATCHES = 2
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
