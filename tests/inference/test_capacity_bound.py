@@ -44,8 +44,8 @@ def test_adapters_that_crowd_the_pool_cost_steps(tiny_models):
         return 1.0 + 0.01 * record["tokens"] + 1e-4 * record["kv_read"]
 
     model = tiny_models.model("tiny-llama")
-    # the service's running batch on 600 pages would be its floor of 16 sequences; the pool
-    # binds first with room for all 30
+    # the service's running batch on 600 pages would be its floor of 16 sequences; with 32, all
+    # 30 requests fit the batch and the pool is what binds
     default = Bound(model, SHAPES["llama-7b"].base(), "S2", cost, 4e12, 600, "inf:30")
     assert default.max_num_seqs == 16
     bound = Bound(model, SHAPES["llama-7b"].base(), "S2", cost, copy_bw=4e12, pool_pages=600,
