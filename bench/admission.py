@@ -46,6 +46,7 @@ from services.inference.engine.sampling_params import SamplingParams  # noqa: E4
 from services.inference.tiny_model import make_model  # noqa: E402
 
 PAGE_SIZE = 16  # the service's default
+STEP_TOKENS = 2048  # a step's tokens (prefill chunks + decodes), the service's default
 # The H200 service's pool at its defaults holds about this many KV pages: its saturating run's
 # steps read at most 206,956 context tokens (bench/results/serving_s1_apart.json's log).
 NUM_PAGES = 13000
@@ -135,7 +136,8 @@ def simulate(
     rate, count, seconds = parse_run(run)
     cfg = EngineConfig(
         model_dir=model_dir, device="cpu", page_size=PAGE_SIZE, num_pages=num_pages,
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, max_model_len=1100, max_queue=8192,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=STEP_TOKENS, max_model_len=1100,
+        max_queue=8192,
         **engine,
     )  # fmt: skip
     core = EngineCore(cfg, None)

@@ -49,7 +49,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.admission import fit_to, fullest_step, simulate  # noqa: E402
+from bench.admission import PAGE_SIZE, STEP_TOKENS, fit_to, fullest_step, simulate  # noqa: E402
 from bench.bench_models import SHAPES  # noqa: E402
 from bench.provenance import write_result  # noqa: E402
 from bench.serving import WORKLOADS, make_trace, parse_run, with_adapters  # noqa: E402
@@ -63,8 +63,6 @@ from services.inference.tiny_model import make_model  # noqa: E402
 from store.base_model import BaseModelShape  # noqa: E402
 from store.synthetic import AdapterFiles, synthetic_adapter  # noqa: E402
 
-PAGE_SIZE = 16  # the service's default
-STEP_TOKENS = 2048  # a step's tokens, as bench/admission.py runs them
 TINY = "tiny-llama"
 
 
@@ -199,7 +197,7 @@ class Bound:
             self.model_dir, self.trace_run, True, step_ms, self.pool_pages,
             adapter_of=lambda i: None if picks[i] is None else AdapterKey(f"a{picks[i]}", 1),
             setup=setup, compute=False, max_num_seqs=self.max_num_seqs,
-            max_loras=self.pool_pages,  # the H200 service's: a row per page
+            max_loras=self.pool_pages,  # the service's: a LoRA index row per page
             adapter_affinity=self.affinity,
         )  # fmt: skip
 
