@@ -52,12 +52,6 @@ warps, each walking tiles and looking up the next while the current one's weight
 adding its delta into y and writing it (delta: the engine's steps of 256 tokens or more, whose
 base GEMMs then add onto it).
 
-With ``--stream-steps`` the cases are the trace's mixed steps (STREAM_STEP_CASES), each call
-writing its delta as the engine's (addend) does for them, by the engine's narrow launch (16
-rank rows, every call fused: the decode tokens' one-token tiles on the GEMV body, the others on
-the dot body) against the streamed launch at 8 rank rows and 8 warps (its one- and two-token
-tiles on the hoisted GEMV body, the others on the dot body).
-
 With ``--dot`` the cases are the trace's mixed steps (and two prompts alone), every call fused
 at 16 rank rows as the engine's narrow steps make them, by the fused kernel's dot body, which
 their prompts' tiles take: tile tokens, weight blocks, warps and parts (DOT_POINTS; the run of
@@ -119,8 +113,8 @@ rule (q/k/v fused, o fused from 256 tokens; prefill-sized steps all fused) and a
 launches.
 
     python bench/lora_engine_calls.py [--splits] [--profile] [--steps] [--small] [--one-token] \
-        [--hoist] [--sharing] [--pairs] [--stream] [--stream-steps] [--dot] [--apart] [--s2] \
-        [--s2-steps] [--s2-gemv] [--s2-split] [--s2-small] [--s2-few] [--s2-prefill] \
+        [--hoist] [--sharing] [--pairs] [--stream] [--dot] [--apart] [--s2] [--s2-steps] \
+        [--s2-gemv] [--s2-split] [--s2-small] [--s2-few] [--s2-prefill] \
         [--gemv] [--points N] \
         [--out bench/results/lora_engine_calls.json]
 """
@@ -220,8 +214,6 @@ PAIR_CASES = ((16, 100), (64, 1000), (64, 100), (128, 1000), (229, 2000), (229, 
 # --stream: decode steps of PAIR_CASES' from 64 tokens; (programs an SM, warps) of the streamed
 # launch
 STREAM_CASES = tuple(c for c in PAIR_CASES if c[0] >= 64)
-# --stream-steps: the n = 1000 trace's mixed steps, and n = 5's
-STREAM_STEP_CASES = STEP_CASES[:3] + STEP_CASES[5:]
 STREAM_POINTS = ((1, 8), (2, 8), (1, 16))
 SHARING_CASES = ((64, 16), (64, 8), (128, 24), (128, 16), (256, 48), (256, 32), (512, 80),
                  (512, 60), (512, 30), (512, 5), (256, 5))  # fmt: skip
@@ -544,8 +536,6 @@ def main() -> None:
     )
     ap.add_argument("--stream", action="store_true",
                     help="--pairs' steps, the engine's launch and the streamed one")  # fmt: skip
-    ap.add_argument("--stream-steps", action="store_true",
-                    help="mixed steps, the narrow launch and the streamed one")  # fmt: skip
     ap.add_argument("--dot", action="store_true", help="mixed steps by the dot body's blocks")
     ap.add_argument("--apart", action="store_true",
                     help="mixed steps, decode tokens' tiles by segment and apart")  # fmt: skip
@@ -612,10 +602,6 @@ def main() -> None:
             variants.append(dict(pairs, delta=delta, stream=0))
             variants += [dict(pairs, delta=delta, stream=per_sm, warps=warps)
                          for per_sm, warps in STREAM_POINTS]  # fmt: skip
-    elif args.stream_steps:
-        variants.append(dict(max_rank=16, segments=514, fused=True, delta=True))
-        variants += [dict(gemv_variant((8, 1, 4096, 8)), gemv_hoist=True, stream=per_sm,
-                          delta=True) for per_sm in (1, 2)]  # fmt: skip
     elif args.dot:
         variants.append(dict(max_rank=16, segments=514, fused=False, mlp=True))
         variants += dot_variants(DOT_POINTS, max_rank=16, mlp=True)
@@ -710,8 +696,6 @@ def main() -> None:
     elif args.pairs or args.stream:
         cases = STREAM_CASES if args.stream else PAIR_CASES
         rows = [r for t, n in cases for r in time_case(t, n, gen, variants)]
-    elif args.stream_steps:
-        rows = [r for t, n, p in STREAM_STEP_CASES for r in time_case(t, n, gen, variants, p)]
     elif args.dot:
         rows = [r for t, n, p in DOT_CASES for r in time_case(t, n, gen, variants, p)]
     elif args.apart:
