@@ -44,14 +44,6 @@ token reuses the weights the program loaded for the first; the tables StepBatch.
 with pair_tiles), the one-token tiles on the launch compiled with pairs too, and the two
 launches.
 
-With ``--stream`` the cases are decode steps of 64 tokens and more from ``--pairs``' (STREAM_CASES),
-by the engine's launch for them (two
-tokens of an adapter to a tile, the GEMV body's loads hoisted, a program per tile and slice)
-against the streamed launch (kernels/lora_stream.py: a grid of STREAM_POINTS' programs an SM and
-warps, each walking tiles and looking up the next while the current one's weights load), each
-adding its delta into y and writing it (delta: the engine's steps of 256 tokens or more, whose
-base GEMMs then add onto it).
-
 With ``--dot`` the cases are the trace's mixed steps (and two prompts alone), every call fused
 at 16 rank rows as the engine's narrow steps make them, by the fused kernel's dot body, which
 their prompts' tiles take: tile tokens, weight blocks, warps and parts (DOT_POINTS; the run of
@@ -113,8 +105,8 @@ rule (q/k/v fused, o fused from 256 tokens; prefill-sized steps all fused) and a
 launches.
 
     python bench/lora_engine_calls.py [--splits] [--profile] [--steps] [--small] [--one-token] \
-        [--hoist] [--sharing] [--pairs] [--stream] [--dot] [--apart] [--s2] [--s2-steps] \
-        [--s2-gemv] [--s2-split] [--s2-small] [--s2-few] [--s2-prefill] \
+        [--hoist] [--sharing] [--pairs] [--dot] [--apart] [--s2] [--s2-steps] [--s2-gemv] \
+        [--s2-split] [--s2-small] [--s2-few] [--s2-prefill] \
         [--gemv] [--points N] \
         [--out bench/results/lora_engine_calls.json]
 """
@@ -211,10 +203,6 @@ HOIST_STEP_CASES = STEP_CASES[:3]
 # 230 on the H100's pool, 300 on the H200's) at n = 100 to 2000, and the sharing rule's ends
 PAIR_CASES = ((16, 100), (64, 1000), (64, 100), (128, 1000), (229, 2000), (229, 1000),
               (229, 100), (292, 1000), (292, 100), (512, 1000), (512, 100), (256, 32))  # fmt: skip
-# --stream: decode steps of PAIR_CASES' from 64 tokens; (programs an SM, warps) of the streamed
-# launch
-STREAM_CASES = tuple(c for c in PAIR_CASES if c[0] >= 64)
-STREAM_POINTS = ((1, 8), (2, 8), (1, 16))
 SHARING_CASES = ((64, 16), (64, 8), (128, 24), (128, 16), (256, 48), (256, 32), (512, 80),
                  (512, 60), (512, 30), (512, 5), (256, 5))  # fmt: skip
 # --dot: (tile tokens, shrink block, expand block, warps, parts) of the fused kernel's dot body;
@@ -390,8 +378,7 @@ def time_case(
         tokens = make_lora_tokens(case.rows, capacity=cap, modules=modules,
                                   one_token_tiles=bool(v.get("one_token") or v.get("apart")),
                                   entries=starts if v.get("apart") else None,
-                                  pair_tiles=bool(v.get("pairs")),
-                                  zeros=bool(v.get("delta")))  # fmt: skip
+                                  pair_tiles=bool(v.get("pairs")))  # fmt: skip
         if v.get("sorted"):
             tokens = rank_sorted(tokens, case.index.ranks[:, Q].cpu())
         cfgs = [None] * len(calls)
@@ -406,8 +393,7 @@ def time_case(
                 lora.fused_config(t, kb.POOL_W, max_rank, len(m), max(w), d_in=d)._replace(
                     gemv_max=v["gemv_max"], gemv_k=v["gemv_block"], gemv_n=v["gemv_block"],
                     shrink_warps=v["warps"], gemv_r=v.get("gemv_r", 0),
-                    **{k: v[k] for k in ("gemv_narrow", "gemv_hoist", "gemv_pair", "stream")
-                       if k in v},
+                    **{k: v[k] for k in ("gemv_narrow", "gemv_hoist", "gemv_pair") if k in v},
                 )
                 for m, d, w in calls
             ]  # fmt: skip
@@ -439,16 +425,15 @@ def time_case(
         ws = torch.empty(lora.workspace_size(t, 3, max_rank) * split, device=kb.DEV)
 
         block = v.get("rank_block", 16)
-        delta = bool(v.get("delta"))
 
         def fn(tokens=tokens, cfgs=cfgs, ws=ws, fused=fused, max_rank=max_rank, calls=calls,
-               rank_block=block, delta=delta):  # fmt: skip
+               rank_block=block):  # fmt: skip
             for layer in range(LAYERS):
                 for c, (m, _, w) in enumerate(calls):
                     lora.lora_apply(
                         ys[layer][c], xs[layer][c], case.pool[layer], case.index, tokens, m, w,
                         max_rank, workspace=ws, config=cfgs[c], fused=fused[c],
-                        rank_block=rank_block, delta=delta,
+                        rank_block=rank_block,
                     )  # fmt: skip
 
         try:
@@ -534,8 +519,6 @@ def main() -> None:
         action="store_true",
         help="decode steps on one-token tiles against two-token tiles of an adapter",
     )
-    ap.add_argument("--stream", action="store_true",
-                    help="--pairs' steps, the engine's launch and the streamed one")  # fmt: skip
     ap.add_argument("--dot", action="store_true", help="mixed steps by the dot body's blocks")
     ap.add_argument("--apart", action="store_true",
                     help="mixed steps, decode tokens' tiles by segment and apart")  # fmt: skip
@@ -595,13 +578,6 @@ def main() -> None:
         one = dict(gemv_variant((8, 1, 4096, 8)), one_token=True, gemv_hoist=True, gemv_pair=False)
         variants += [dict(max_rank=16, segments=514, fused=False), one,
                      dict(one, gemv_pair=True), dict(one, gemv_pair=True, pairs=True)]  # fmt: skip
-    elif args.stream:
-        pairs = dict(gemv_variant((8, 1, 4096, 8)), one_token=True, gemv_hoist=True,
-                     gemv_pair=True, pairs=True)  # fmt: skip
-        for delta in (False, True):
-            variants.append(dict(pairs, delta=delta, stream=0))
-            variants += [dict(pairs, delta=delta, stream=per_sm, warps=warps)
-                         for per_sm, warps in STREAM_POINTS]  # fmt: skip
     elif args.dot:
         variants.append(dict(max_rank=16, segments=514, fused=False, mlp=True))
         variants += dot_variants(DOT_POINTS, max_rank=16, mlp=True)
@@ -693,9 +669,8 @@ def main() -> None:
         rows += [r for t, n, p in HOIST_STEP_CASES for r in time_case(t, n, gen, steps, p)]
     elif args.sharing:
         rows = [r for t, n in SHARING_CASES for r in time_case(t, n, gen, variants)]
-    elif args.pairs or args.stream:
-        cases = STREAM_CASES if args.stream else PAIR_CASES
-        rows = [r for t, n in cases for r in time_case(t, n, gen, variants)]
+    elif args.pairs:
+        rows = [r for t, n in PAIR_CASES for r in time_case(t, n, gen, variants)]
     elif args.dot:
         rows = [r for t, n, p in DOT_CASES for r in time_case(t, n, gen, variants, p)]
     elif args.apart:

@@ -41,7 +41,6 @@ from kernels import lora_paths
 from kernels.lora_args import MAX_SLICES, check_call, check_float, check_modules, check_widths
 from kernels.lora_fused import lora_fused_kernel
 from kernels.lora_paths import fused_rank_rows, shapes_prefer_fused
-from kernels.lora_stream import lora_stream_kernel
 from kernels.tile_table import TILE_BLOCKS
 from kernels.tiles import (
     INTERPRET,
@@ -113,10 +112,6 @@ _GEMV_BLOCK = 1024
 # 6-12% less; bench/results/lora_engine_calls_narrow.json); fused_config gives calls whose
 # adapters all fit them such a body alone, reading those rows when it chooses the launch (as it
 # reads every rule of lora_paths).
-# Programs an SM of the streamed launch (kernels/lora_stream.py), which fused_config gives the
-# calls whose one-token tiles hoist their loads (a decode step on one-token tiles: every call of
-# lora_paths.one_token_step_fuses' steps, Llama-7B's q/k/v and o).
-_STREAM_PROGRAMS_PER_SM = 2
 # The fused grid's tiles lie along its y axis (the slices first: kernels/lora_fused.py), whose
 # size CUDA caps.
 _MAX_GRID_Y = 65535
@@ -186,10 +181,6 @@ class LoraLaunch(NamedTuple):
     # reusing the weights loaded for the first (the tables a decode step writes with pair_tiles:
     # tile_table.PAIR_BLOCK; kernels/lora_fused.py _hoisted_gemv, PAIR)
     gemv_pair: bool = False
-    # fused, where it hoists (gemv_hoists): the streamed launch (kernels/lora_stream.py) with
-    # this many programs an SM, each walking work items and looking up the next while the
-    # current one's weights load, rather than a program an item (0)
-    stream: int = 0
 
 
 def launch_config(
@@ -357,7 +348,6 @@ def fused_config(
         gemv_narrow=narrow_rows,
         gemv_hoist=hoist,
         gemv_pair=hoist and lora_paths.ONE_TOKEN_PAIRS,
-        stream=_STREAM_PROGRAMS_PER_SM if hoist else 0,
     )
 
 
@@ -702,12 +692,6 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
             f"a fused call takes at most {_MAX_GRID_Y} tiles (a grid's y), this one "
             f"{tiles}: use the two launches (fused=False) for {call.num_tokens} tokens"
         )
-    hoist = gemv_hoists(cfg, call.d_in, call.width, out_widths)
-    part_n = max(cfg.expand_n, _gemv_blocks(cfg, gemv_rows)) if cfg.gemv_max else cfg.expand_n
-    if cfg.stream and hoist:
-        _stream(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, call,
-                tiles, part_n, gemv_rows, delta)  # fmt: skip
-        return
     grid = (len(modules) * cfg.parts, tiles)
     lora_fused_kernel[grid](
         x, x.stride(0), y, y.stride(0),
@@ -719,37 +703,11 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
         D_IN=call.d_in, W=call.width, IN_CHUNKS=call.in_chunks,
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.shrink_k, BLOCK_N=cfg.expand_n, BLOCK_R=cfg.shrink_r,
         DOT_F32=dot_f32(y.dtype), MASKED=tokens.modules is not None,
-        PART_N=part_n,
+        PART_N=max(cfg.expand_n, _gemv_blocks(cfg, gemv_rows)) if cfg.gemv_max else cfg.expand_n,
         GEMV_MAX=cfg.gemv_max, GEMV_K=cfg.gemv_k, GEMV_N=cfg.gemv_n,
         GEMV_R=gemv_rows, GEMV_NARROW_R=cfg.gemv_narrow,
-        GEMV_HOIST=hoist,
+        GEMV_HOIST=gemv_hoists(cfg, call.d_in, call.width, out_widths),
         GEMV_PAIR=cfg.gemv_pair, DELTA=delta,
-        num_warps=cfg.shrink_warps, num_stages=cfg.stages,
-        **_slice_args(modules, out_widths), **lora_dependent(x.device),
-    )  # fmt: skip
-
-
-def _stream(
-    y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, call, tiles, part_n,
-    gemv_rows, delta,
-):  # fmt: skip
-    """The streamed launch (kernels/lora_stream.py): cfg.stream programs an SM over the call's
-    items (tile bound x slices x the parts that hold columns: a part is at least part_n wide)."""
-    parts = max(1, min(cfg.parts, -(-max(out_widths) // part_n)))
-    items = tiles * len(modules) * parts
-    grid = (max(1, min(items, cfg.stream * num_sms())),)
-    lora_stream_kernel[grid](
-        x, x.stride(0), y, y.stride(0),
-        pool_layer, pool_layer.stride(0), pool_layer.stride(1),
-        index.slot_table, index.slot_table.stride(0), index.ranks, index.a_offsets,
-        index.b_offsets, index.scales, index.ranks.stride(0), index.scales.stride(0),
-        _tiles(tokens, cfg.block_m), _mask(tokens),
-        max_rank, parts, items,
-        D_IN=call.d_in, W=call.width, SLICES=len(modules), PART_N=part_n,
-        BLOCK_K=cfg.gemv_k, BLOCK_N=cfg.gemv_n, BLOCK_R=gemv_rows,
-        MASKED=tokens.modules is not None,
-        DOT_M=cfg.block_m, DOT_K=cfg.shrink_k, DOT_N=cfg.expand_n, DOT_R=cfg.shrink_r,
-        DOT_F32=dot_f32(y.dtype), DELTA=delta,
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules, out_widths), **lora_dependent(x.device),
     )  # fmt: skip

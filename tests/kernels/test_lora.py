@@ -346,17 +346,14 @@ def test_wide_gemv_body_takes_s2_ranks_on_one_token_tiles():
 
 @pytest.mark.parametrize("tiles", ["one", "pair", "segments"])
 @pytest.mark.parametrize("delta", [False, True])
-@pytest.mark.parametrize("stream", [0, 1])
-def test_one_token_tiles_issue_every_load_first(tiles, delta, stream):
+def test_one_token_tiles_issue_every_load_first(tiles, delta):
     """Where a slice's A and Bᵀ rows fit one GEMV block and one pool chunk (lora.gemv_hoists),
     a one-token tile's program issues all its loads before its first sum (_hoisted_gemv), and
     with gemv_pair so does a two-token tile's, its second token reusing the first's weights
     (tiles "pair": a decode step's tokens that share an adapter two to a tile); tiles of more
     tokens ("segments": adapters shared by runs of tokens) keep the GEMV and dot bodies. All
     against the reference, ranks up to 8 beside base-model rows; ``delta``: the bodies write
-    the delta (a decode step's calls under lora_addend). ``stream``: the streamed launch
-    (kernels/lora_stream.py) with that many programs an SM, fewer than the items, so that each
-    program walks several: every kind of tile, the segments' longer ones token by token."""
+    the delta (a decode step's calls under lora_addend)."""
     one_token = tiles != "segments"
     gen = torch.Generator().manual_seed(500 + one_token)
     if ON_GPU:
@@ -368,7 +365,7 @@ def test_one_token_tiles_issue_every_load_first(tiles, delta, stream):
             block_m=16, shrink_k=16, shrink_r=16, expand_n=16, fused=True, parts=2,
             gemv_max=1, gemv_k=64, gemv_n=64, gemv_r=8, gemv_hoist=True,
         )  # fmt: skip
-    cfg = cfg._replace(gemv_pair=tiles == "pair", stream=stream)
+    cfg = cfg._replace(gemv_pair=tiles == "pair")
     assert lora.gemv_hoists(cfg, shape.d_in, shape.width, shape.widths)
     ranks = _ranks(ADAPTERS, shape.modules, (8, 5, 1), gen)
     rows = token_rows("base_mix", POP_BATCH, ADAPTERS, gen, grouped=True)
@@ -385,15 +382,13 @@ def test_gemv_hoists_where_one_block_holds_a_slice():
     block and one pool chunk; fused_config asks for it in decode calls of max_rank <= 8 only."""
     small = lora.fused_config(16, 4096, 8, 3, 4096, d_in=4096)
     assert small.gemv_hoist and lora.gemv_hoists(small, 4096, 4096, (4096, 4096, 4096))
-    assert small.stream > 0  # such calls take the streamed launch
     assert lora.gemv_hoists(small, 4096, 4096, (4096, 1024, 1024))  # GQA k, v: narrower
     assert not lora.gemv_hoists(small, 4096, 4096, (11008, 11008))  # gate/up: wider
     assert not lora.gemv_hoists(small, 11008, 4096, (4096,))  # down: d_in in three chunks
     assert not lora.gemv_hoists(small, 4096, 1024, (4096, 1024, 1024))  # four chunks a row
     assert not lora.gemv_hoists(small._replace(gemv_hoist=False), 4096, 4096, (4096,))
     assert not lora.gemv_hoists(small._replace(gemv_max=0), 4096, 4096, (4096,))
-    prefill = lora.fused_config(1024, 4096, 8, 3, 4096, d_in=4096)
-    assert not prefill.gemv_hoist and not prefill.stream
+    assert not lora.fused_config(1024, 4096, 8, 3, 4096, d_in=4096).gemv_hoist  # prefill
     assert not lora.fused_config(16, 4096, 16, 3, 4096, d_in=4096).gemv_hoist  # 16 rows
 
 
