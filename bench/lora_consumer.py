@@ -198,7 +198,8 @@ class Layer:
         self.kv = torch.zeros(2, t, kb.H, dtype=kb.DT, device=kb.DEV)  # one slot a token
         self.qkv = torch.empty(t, 3 * kb.H, dtype=kb.DT, device=kb.DEV)
         self.o = torch.empty(t, kb.H, dtype=kb.DT, device=kb.DEV)
-        self.normed = torch.empty(t, kb.H, dtype=kb.DT, device=kb.DEV)
+        self.normed = torch.empty(t, kb.H, dtype=kb.DT, device=kb.DEV)  # base's and today's
+        self.normed_c = torch.empty(t, kb.H, dtype=kb.DT, device=kb.DEV)  # consumer's
         self.h_qkv = torch.empty(t, 3, RANK, dtype=torch.float32, device=kb.DEV)
         self.h_o = torch.empty(t, 1, RANK, dtype=torch.float32, device=kb.DEV)
 
@@ -243,7 +244,7 @@ def run_consumer(ly: Layer, step: dict) -> None:
                            R=RANK, num_warps=8)  # fmt: skip
     torch.mm(ly.attn, ly.w_o.t(), out=ly.o)
     _norm_expand_kernel[(t,)](
-        ly.resid, ly.resid.stride(0), ly.o, ly.o.stride(0), ly.normed, ly.normed.stride(0),
+        ly.resid, ly.resid.stride(0), ly.o, ly.o.stride(0), ly.normed_c, ly.normed_c.stride(0),
         ly.norm_w, EPS, ly.h_o, *b_args, M=O, D=kb.H, R=RANK, num_warps=16,
     )  # fmt: skip
 
@@ -262,7 +263,8 @@ def check(layers: list[Layer], step: dict) -> float:
         ly.resid.copy_(ly.resid0)
         ly.kv.zero_()
         fn(ly, step)
-        outs.append([ly.qkv[:, : kb.H].clone(), ly.kv.clone(), ly.normed.clone(), ly.resid.clone()])
+        normed = ly.normed if fn is run_today else ly.normed_c
+        outs.append([ly.qkv[:, : kb.H].clone(), ly.kv.clone(), normed.clone(), ly.resid.clone()])
     worst = 0.0
     for a, b in zip(*outs, strict=True):
         err = (a.float() - b.float()).abs().max().item() / max(a.float().abs().max().item(), 1e-6)
