@@ -20,6 +20,9 @@ adapter as a step's are:
   pair tiles writing the delta; each GEMM adds onto it);
 - consumer: the shrinks, the plain GEMMs, and the two consumer kernels with the expand inside.
 
+The consumer kernels are those of kernels/layer_ops.py with the expand added, written out here
+(were the design taken, the expand would be an option of those kernels, not copies of them).
+
 Each row prints µs a layer and what LoRA adds to base; consumer's outputs (the rotated q, the
 K/V written, the normed rows and the residual) are checked against today's first.
 
