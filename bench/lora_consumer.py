@@ -18,7 +18,10 @@ adapter as a step's are:
 - base: qkv GEMM, rope_write_kv, o GEMM, residual add + RMSNorm;
 - today: the same with the engine's LoRA calls before each GEMM (the fused launch on one-token
   pair tiles writing the delta; each GEMM adds onto it);
-- consumer: the shrinks, the plain GEMMs, and the two consumer kernels with the expand inside.
+- consumer: the shrinks, the plain GEMMs, and the two consumer kernels with the expand inside;
+  its shrink a program per token and slice (A read per token: from L2 where tokens share it);
+- consumer_tiled: the same with the engine's two-launch shrink (kernels/lora.py lora_shrink, on
+  the step's tile table: A read once per tile of up to two tokens).
 
 The consumer kernels are those of kernels/layer_ops.py with the expand added, written out here
 (were the design taken, the expand would be an option of those kernels, not copies of them).
@@ -226,13 +229,22 @@ def run_today(ly: Layer, step: dict) -> None:
     ly.normed = layer_ops.rmsnorm(ly.resid, ly.norm_w, EPS, delta=ly.o)
 
 
-def run_consumer(ly: Layer, step: dict) -> None:
+def run_consumer(ly: Layer, step: dict, tiled: bool = False) -> None:
     index, rows, t = step["index"], step["rows"], ly.x.shape[0]
     pool = ly.pool
     idx = (pool[0], pool.stride(1), index.slot_table, index.slot_table.stride(0), index.ranks)
-    _shrink_kernel[(t, 3)](ly.x, ly.x.stride(0), ly.h_qkv, *idx, index.a_offsets,
-                           index.ranks.stride(0), rows, M0=Q, M1=K, M2=V, SLICES=3, D_IN=kb.H,
-                           R=RANK, num_warps=8)  # fmt: skip
+
+    def shrink(x, h, mods):
+        if tiled:
+            lora.lora_shrink(x, pool, index, step["shrink_tokens"], mods, RANK, out=h)
+            return
+        m = list(mods) + [mods[-1]] * (3 - len(mods))
+        _shrink_kernel[(t, len(mods))](x, x.stride(0), h, *idx, index.a_offsets,
+                                       index.ranks.stride(0), rows, M0=m[0], M1=m[1], M2=m[2],
+                                       SLICES=len(mods), D_IN=kb.H, R=RANK,
+                                       num_warps=8)  # fmt: skip
+
+    shrink(ly.x, ly.h_qkv, (Q, K, V))
     torch.mm(ly.x, ly.w_qkv.t(), out=ly.qkv)
     b_args = (pool, pool.stride(0), pool.stride(1), index.slot_table, index.slot_table.stride(0),
               index.ranks, index.b_offsets, index.scales, index.ranks.stride(0),
@@ -242,9 +254,7 @@ def run_consumer(ly: Layer, step: dict) -> None:
         step["pos"], ly.kv, ly.kv.stride(0), ly.kv.stride(1), step["slots"], *b_args,
         M0=Q, M1=K, M2=V, HEADS=kb.HEADS, HALF=HALF, R=RANK, num_warps=8,
     )  # fmt: skip
-    _shrink_kernel[(t, 1)](ly.attn, ly.attn.stride(0), ly.h_o, *idx, index.a_offsets,
-                           index.ranks.stride(0), rows, M0=O, M1=O, M2=O, SLICES=1, D_IN=kb.H,
-                           R=RANK, num_warps=8)  # fmt: skip
+    shrink(ly.attn, ly.h_o, (O,))
     torch.mm(ly.attn, ly.w_o.t(), out=ly.o)
     _norm_expand_kernel[(t,)](
         ly.resid, ly.resid.stride(0), ly.o, ly.o.stride(0), ly.normed_c, ly.normed_c.stride(0),
@@ -258,18 +268,22 @@ def _rope(ly: Layer, step: dict) -> None:
                             step["slots"])  # fmt: skip
 
 
+def run_consumer_tiled(ly: Layer, step: dict) -> None:
+    run_consumer(ly, step, tiled=True)
+
+
 def check(layers: list[Layer], step: dict) -> float:
-    """Largest relative difference between today's outputs and consumer's, layer 0."""
+    """Largest relative difference between today's outputs and each consumer's, layer 0."""
     ly = layers[0]
     outs = []
-    for fn in (run_today, run_consumer):
+    for fn in (run_today, run_consumer, run_consumer_tiled):
         ly.resid.copy_(ly.resid0)
         ly.kv.zero_()
         fn(ly, step)
         normed = ly.normed if fn is run_today else ly.normed_c
         outs.append([ly.qkv[:, : kb.H].clone(), ly.kv.clone(), normed.clone(), ly.resid.clone()])
     worst = 0.0
-    for a, b in zip(*outs, strict=True):
+    for a, b in [pair for other in outs[1:] for pair in zip(outs[0], other, strict=True)]:
         err = (a.float() - b.float()).abs().max().item() / max(a.float().abs().max().item(), 1e-6)
         worst = max(worst, err)
     return worst
@@ -282,18 +296,23 @@ def time_case(t: int, n: int, gen: torch.Generator) -> dict:
                               pair_tiles=True, zeros=True)  # fmt: skip
     inv = 1.0 / (10000 ** (torch.arange(0, HALF, dtype=torch.float32) / HALF))
     ang = torch.arange(MAX_LEN, dtype=torch.float32)[:, None] * inv[None, :]
-    step = dict(index=case.index, tokens=tokens, rows=case.rows,
+    shrink_tokens = make_lora_tokens(case.rows, capacity=min(n, t) + 2, one_token_tiles=True,
+                                     pair_tiles=True)  # fmt: skip
+    step = dict(index=case.index, tokens=tokens, rows=case.rows, shrink_tokens=shrink_tokens,
                 cos=ang.cos().to(kb.DEV), sin=ang.sin().to(kb.DEV),
                 pos=torch.randint(0, MAX_LEN, (t,), generator=gen).to(kb.DEV),
                 slots=torch.arange(t, dtype=torch.int64, device=kb.DEV))  # fmt: skip
     layers = [Layer(t, case.pool[i], gen) for i in range(LAYERS)]
     err = check(layers, step)
     row = dict(tokens=t, adapters=n, used=int(torch.unique(rows).numel()), max_rel_err=err)
-    for name, fn in (("base", run_base), ("today", run_today), ("consumer", run_consumer)):
+    runs = (("base", run_base), ("today", run_today), ("consumer", run_consumer),
+            ("consumer_tiled", run_consumer_tiled))  # fmt: skip
+    for name, fn in runs:
         row[f"{name}_us"] = kb.timed(lambda fn=fn: [fn(ly, step) for ly in layers], LAYERS,
                                      eager=False).graph_us  # fmt: skip
     row["today_lora_us"] = round(row["today_us"] - row["base_us"], 2)
     row["consumer_lora_us"] = round(row["consumer_us"] - row["base_us"], 2)
+    row["consumer_tiled_lora_us"] = round(row["consumer_tiled_us"] - row["base_us"], 2)
     print(row, flush=True)
     return row
 
@@ -310,11 +329,11 @@ def main() -> None:
         t, n = (int(v) for v in c.split(":"))
         rows.append(time_case(t, n, gen))
     print(f"{'tokens':>6} {'adapters':>8} {'base':>8} {'today':>8} {'consumer':>9} "
-          f"{'+today':>7} {'+consumer':>9}")  # fmt: skip
+          f"{'+today':>7} {'+consumer':>9} {'+tiled':>7}")  # fmt: skip
     for r in rows:
         print(f"{r['tokens']:>6} {r['used']:>8} {r['base_us']:>8} {r['today_us']:>8} "
               f"{r['consumer_us']:>9} {r['today_lora_us']:>7} "
-              f"{r['consumer_lora_us']:>9}")  # fmt: skip
+              f"{r['consumer_lora_us']:>9} {r['consumer_tiled_lora_us']:>7}")  # fmt: skip
     write_result(args.out, "lora_consumer.py", {
         "benchmark": "one Llama-7B layer's decode projections and their consumers with S1's "
         "LoRA: the delta through memory (today) against the expand in the consumers",
