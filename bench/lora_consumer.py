@@ -1,7 +1,7 @@
 """Whether a decode step's LoRA expand belongs in the kernels that consume the projections (CUDA;
-a question for the engine's next design, not what it does now).
+the engine's --lora-consumer-expand, LoraContext.consume, off by default).
 
-Today each LoRA call of a decode step on one-token tiles writes its delta (q/k/v: T x 12288
+By default each LoRA call of a decode step on one-token tiles writes its delta (q/k/v: T x 12288
 elements; o: T x 4096) and the base GEMM reads it back as its addend (models/llama.py,
 LoraContext.addend): per token and layer 64 KB of the 80 KB the calls move besides the adapters'
 weights, which bench/capacity_bound.py counts at about 1.1 points of S1 n = 1000's throughput on
