@@ -30,7 +30,7 @@ Each row prints µs a layer and what LoRA adds to base; consumer's outputs (the 
 K/V written, the normed rows and the residual) are checked against today's first.
 
     python bench/lora_consumer.py [--cases 64:1000 256:1000 512:1000 512:100] \\
-        [--out bench/results/lora_consumer.json]
+        [--shrink-blocks 1024 2048] [--out bench/results/lora_consumer.json]
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def check(layers: list[Layer], step: dict) -> float:
     return worst
 
 
-def time_case(t: int, n: int, gen: torch.Generator) -> dict:
+def time_case(t: int, n: int, gen: torch.Generator, shrink_blocks: list[int]) -> dict:
     rows = torch.randint(0, n, (t,), generator=gen).sort().values.to(torch.int32)
     case = kb.build_lora(n, RANK, LAYERS, rows)
     tokens = make_lora_tokens(case.rows, capacity=min(n, t) + 2, one_token_tiles=True,
@@ -169,6 +169,15 @@ def time_case(t: int, n: int, gen: torch.Generator) -> dict:
     row["today_lora_us"] = round(row["today_us"] - row["base_us"], 2)
     row["consumer_lora_us"] = round(row["consumer_us"] - row["base_us"], 2)
     row["consumer_tiled_lora_us"] = round(row["consumer_tiled_us"] - row["base_us"], 2)
+    default = lora_consumer._SHRINK_MAX_BLOCK
+    try:
+        for block in shrink_blocks:  # the per-token shrink's d_in blocks capped at ``block``
+            lora_consumer._SHRINK_MAX_BLOCK = block
+            us = kb.timed(lambda: [run_consumer(ly, step) for ly in layers], LAYERS,
+                          eager=False).graph_us  # fmt: skip
+            row[f"consumer_k{block}_lora_us"] = round(us - row["base_us"], 2)
+    finally:
+        lora_consumer._SHRINK_MAX_BLOCK = default
     print(row, flush=True)
     return row
 
@@ -177,19 +186,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="+", default=["64:1000", "256:1000", "512:1000", "512:100"],
                     help="decode tokens:adapters they are drawn from")  # fmt: skip
+    ap.add_argument("--shrink-blocks", type=int, nargs="*", default=[],
+                    help="also time the consumer path with the per-token shrink's d_in blocks "
+                    "capped at each of these (powers of two; the default cap: "
+                    f"{lora_consumer._SHRINK_MAX_BLOCK})")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/lora_consumer.json")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
     for c in args.cases:
         t, n = (int(v) for v in c.split(":"))
-        rows.append(time_case(t, n, gen))
+        rows.append(time_case(t, n, gen, args.shrink_blocks))
     print(f"{'tokens':>6} {'adapters':>8} {'base':>8} {'today':>8} {'consumer':>9} "
           f"{'+today':>7} {'+consumer':>9} {'+tiled':>7}")  # fmt: skip
     for r in rows:
         print(f"{r['tokens']:>6} {r['used']:>8} {r['base_us']:>8} {r['today_us']:>8} "
               f"{r['consumer_us']:>9} {r['today_lora_us']:>7} "
               f"{r['consumer_lora_us']:>9} {r['consumer_tiled_lora_us']:>7}")  # fmt: skip
+        for block in args.shrink_blocks:
+            print(f"{'':>6} {'':>8} shrink blocks of {block}: +{r[f'consumer_k{block}_lora_us']}")
     write_result(args.out, "lora_consumer.py", {
         "benchmark": "one Llama-7B layer's decode projections and their consumers with S1's "
         "LoRA: the delta through memory (today) against the expand in the consumers",

@@ -135,3 +135,32 @@ def test_consumers_reject_an_expand_that_does_not_fit():
                           lora=lora._replace(h=h.double()))  # fmt: skip
     with pytest.raises(ValueError, match="rank must be a power of two"):
         lora_consumer.lora_shrink_tokens(x, pool, index, tokens.token_lora, (O,), 6)
+
+
+@pytest.mark.parametrize("block", [None, 1024])
+def test_the_benchs_three_paths_agree(monkeypatch, block):
+    """bench/lora_consumer.py's check at Llama-7B's layer width: today's path (the delta through
+    memory), the consumer path with the per-token shrink (its d_in blocks capped at ``block``)
+    and with the two-launch shrink give the same rotated q, K/V, residual and normed rows within
+    bf16 rounding; a base-model token and two that share an adapter."""
+    from bench import kernels as kb
+    from bench import lora_consumer as bench
+
+    monkeypatch.setattr(kb, "DEV", DEVICE)
+    if block is not None:
+        monkeypatch.setattr(lora_consumer, "_SHRINK_MAX_BLOCK", block)
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.tensor([0, 1, 1, -1], dtype=torch.int32)
+    case = kb.build_lora(3, bench.RANK, 1, rows)
+    angles = torch.outer(torch.arange(64, dtype=torch.float32), torch.rand(bench.HALF))
+    step = dict(
+        index=case.index, rows=case.rows,
+        tokens=kernels.make_lora_tokens(case.rows, capacity=5, one_token_tiles=True,
+                                        pair_tiles=True, zeros=True),
+        shrink_tokens=kernels.make_lora_tokens(case.rows, capacity=5, one_token_tiles=True,
+                                               pair_tiles=True),
+        cos=angles.cos().to(DEVICE), sin=angles.sin().to(DEVICE),
+        pos=torch.randint(0, 64, (4,), generator=gen).to(DEVICE),
+        slots=torch.arange(4, device=DEVICE),
+    )  # fmt: skip
+    assert bench.check([bench.Layer(4, case.pool[0], gen)], step) < 2e-2
