@@ -4,7 +4,9 @@ One forward pass serves a whole engine step: packed tokens of many sequences ([T
 tokens), each sequence's K/V in pages of the unified pool, each token's adapter in the LoRA index.
 Every projection is one base GEMM for all tokens followed by the LoRA hook, kernels.lora_apply,
 which adds scale * x·Aᵀ·Bᵀ for the tokens whose request uses an adapter (linear_lora). q/k/v and
-gate/up are fused into one GEMM each, so their hooks cover several output slices in one call.
+gate/up are fused into one GEMM each, so their hooks cover several output slices in one call. With
+LoraContext.consume the attention's hooks only shrink (linear_shrunk), and the kernels that read
+q/k/v and o next add the expand.
 
 Weights are buffers created on the meta device and filled by models/loader.py. Under tensor
 parallelism (models/shard.py) the model holds one rank's heads and MLP share, and the outputs of
