@@ -75,8 +75,7 @@ class Layer:
         self.kv = torch.zeros(2, t, kb.H, dtype=kb.DT, device=kb.DEV)  # one slot a token
         self.qkv = torch.empty(t, 3 * kb.H, dtype=kb.DT, device=kb.DEV)
         self.o = torch.empty(t, kb.H, dtype=kb.DT, device=kb.DEV)
-        self.normed = torch.empty(t, kb.H, dtype=kb.DT, device=kb.DEV)  # base's and today's
-        self.normed_c = torch.empty(t, kb.H, dtype=kb.DT, device=kb.DEV)  # consumer's
+        self.normed: torch.Tensor | None = None  # the residual norm's output, the last run's
         self.h_qkv = torch.empty(t, 3, RANK, dtype=torch.float32, device=kb.DEV)
         self.h_o = torch.empty(t, 1, RANK, dtype=torch.float32, device=kb.DEV)
 
@@ -115,7 +114,7 @@ def run_consumer(ly: Layer, step: dict, tiled: bool = False) -> None:
     _rope(ly, step, expand)
     expand = shrink(ly.attn, ly.h_o, (O,))
     torch.mm(ly.attn, ly.w_o.t(), out=ly.o)
-    ly.normed_c = layer_ops.rmsnorm(ly.resid, ly.norm_w, EPS, delta=ly.o, lora=expand)
+    ly.normed = layer_ops.rmsnorm(ly.resid, ly.norm_w, EPS, delta=ly.o, lora=expand)
 
 
 def _rope(ly: Layer, step: dict, expand: LoraExpand | None = None) -> None:
@@ -136,8 +135,7 @@ def check(layers: list[Layer], step: dict) -> float:
         ly.resid.copy_(ly.resid0)
         ly.kv.zero_()
         fn(ly, step)
-        normed = ly.normed if fn is run_today else ly.normed_c
-        outs.append([ly.qkv[:, : kb.H].clone(), ly.kv.clone(), normed.clone(), ly.resid.clone()])
+        outs.append([ly.qkv[:, : kb.H].clone(), ly.kv.clone(), ly.normed.clone(), ly.resid.clone()])
     worst = 0.0
     for a, b in [pair for other in outs[1:] for pair in zip(outs[0], other, strict=True)]:
         err = (a.float() - b.float()).abs().max().item() / max(a.float().abs().max().item(), 1e-6)

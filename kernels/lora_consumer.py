@@ -22,18 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_args import MAX_SLICES
+from kernels.lora import _slice_args
+from kernels.lora_args import check_float, check_modules
+from kernels.lora_fused import _pick3
 from kernels.lora_layout import chunks
 from kernels.lora_ref import LoraExpand
 from kernels.tiles import dependent, launch_gate
 
 # The shrink's d_in block, at most: one block a pool chunk where the chunk is that wide or less.
 _SHRINK_MAX_BLOCK = 4096
-
-
-@triton.jit
-def _pick3(s, v0, v1, v2):
-    return tl.where(s == 0, v0, tl.where(s == 1, v1, v2))
 
 
 @triton.jit
@@ -127,13 +124,15 @@ def lora_shrink_tokens(
     """h[t, s, :rank] = x[t] · A_s(t)ᵀ for each token's adapter (LoraIndex row token_lora[t], -1:
     none, zeros), fp32 [T, slices, rank]; ``rank`` a power of two, the step's rank rows
     (adapters above it are clamped: the engine sizes a step's rows for its adapters)."""
+    check_float("x", x)
+    check_modules(modules, rank)
     t, d_in = x.shape
-    if not 1 <= len(modules) <= MAX_SLICES:
-        raise ValueError(f"1 to {MAX_SLICES} modules a call, got {len(modules)}")
-    if rank < 1 or rank & (rank - 1):
+    if rank & (rank - 1):
         raise ValueError(f"rank must be a power of two, got {rank}")
-    if x.stride(1) != 1 or token_lora.shape != (t,) or token_lora.dtype != torch.int32:
-        raise ValueError("x must have a unit last stride and token_lora be int32 [T]")
+    if token_lora.shape != (t,) or token_lora.dtype != torch.int32:
+        raise ValueError(
+            f"token_lora must be int32 [{t}], got {token_lora.dtype} {tuple(token_lora.shape)}"
+        )
     shape = (t, len(modules), rank)
     if out is None:
         out = torch.empty(shape, dtype=torch.float32, device=x.device)
@@ -143,14 +142,14 @@ def lora_shrink_tokens(
         return out
     width = pool_layer.shape[-1]
     block = _shrink_block(width)
-    mods = list(modules) + [modules[-1]] * (MAX_SLICES - len(modules))
     _shrink_tokens_kernel[(t, len(modules))](
         x, x.stride(0), out, pool_layer[0], pool_layer.stride(1),
         index.slot_table, index.slot_table.stride(0), index.ranks, index.a_offsets,
         index.ranks.stride(0), token_lora,
-        M0=mods[0], M1=mods[1], M2=mods[2], SLICES=len(modules), D_IN=d_in, W=width,
+        SLICES=len(modules), D_IN=d_in, W=width,
         IN_CHUNKS=chunks(d_in, width), BLOCK_K=block, R=rank,
-        num_warps=8 if rank * block >= 8192 else 4, **dependent(x.device),
+        num_warps=8 if rank * block >= 8192 else 4, **_slice_args(modules),
+        **dependent(x.device),
     )  # fmt: skip
     return out
 
