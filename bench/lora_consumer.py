@@ -146,11 +146,11 @@ def check(layers: list[Layer], step: dict) -> float:
 def time_case(t: int, n: int, gen: torch.Generator, shrink_blocks: list[int]) -> dict:
     rows = torch.randint(0, n, (t,), generator=gen).sort().values.to(torch.int32)
     case = kb.build_lora(n, RANK, LAYERS, rows)
-    tokens = make_lora_tokens(case.rows, capacity=min(n, t) + 2, one_token_tiles=True,
+    tokens = make_lora_tokens(case.rows, capacity=t + 2, one_token_tiles=True,
                               pair_tiles=True, zeros=True)  # fmt: skip
     inv = 1.0 / (10000 ** (torch.arange(0, HALF, dtype=torch.float32) / HALF))
     ang = torch.arange(MAX_LEN, dtype=torch.float32)[:, None] * inv[None, :]
-    shrink_tokens = make_lora_tokens(case.rows, capacity=min(n, t) + 2, one_token_tiles=True,
+    shrink_tokens = make_lora_tokens(case.rows, capacity=t + 2, one_token_tiles=True,
                                      pair_tiles=True)  # fmt: skip
     step = dict(index=case.index, tokens=tokens, rows=case.rows, shrink_tokens=shrink_tokens,
                 cos=ang.cos().to(kb.DEV), sin=ang.sin().to(kb.DEV),
