@@ -5,8 +5,6 @@ lora_shrink(...), lora_expand(...)            # kernels/lora_ref.py documents th
 write_kv(pool_layer, k, v, slot_mapping)
 paged_attention(q, pool_layer, block_tables, seq_lens, query_starts, page_size, scale)
 rmsnorm(x, weight, eps, delta=None), rope_write_kv(...), silu_mul(gate_up)   # layer_ops_ref.py
-lora_shrink_tokens(x, pool_layer, index, tokens, modules, rank)  # with rmsnorm's and
-                                              # rope_write_kv's lora=: kernels/lora_consumer.py
 
 The Triton modules are imported on the first CUDA call, so CPU serving never loads Triton.
 Optional keywords pass preallocated buffers (``lora_apply(workspace=)``, ``lora_shrink(out=)``,
@@ -24,7 +22,7 @@ from types import ModuleType
 import torch
 
 from kernels import attention_cpu, attention_ref, layer_ops_ref, lora_cpu, lora_ref
-from kernels.lora_ref import LoraExpand, LoraIndex, LoraTokens, make_lora_tokens
+from kernels.lora_ref import LoraIndex, LoraTokens, make_lora_tokens
 
 
 @functools.cache
@@ -58,19 +56,6 @@ def lora_shrink(x, pool_layer, index, tokens, modules, max_rank, *, out=None):
     out.zero_()
     out[:, :, :max_rank] = h
     return out
-
-
-def lora_shrink_tokens(x, pool_layer, index, tokens, modules, rank) -> torch.Tensor:
-    """h = x · Aᵀ per slice for each token's adapter (tokens.token_lora), at least float32
-    [T, slices, rank]: the shrink of a call whose expand its consumer adds (LoraExpand)."""
-    if x.is_cuda:
-        from kernels import lora_consumer
-
-        return lora_consumer.lora_shrink_tokens(
-            x, pool_layer, index, tokens.token_lora, modules, rank
-        )
-    h = lora_ref.lora_shrink(x, pool_layer, index, tokens, modules, rank)
-    return h.to(torch.promote_types(h.dtype, torch.float32))
 
 
 def lora_expand(y, h, pool_layer, index, tokens, modules, out_widths) -> None:
@@ -144,30 +129,19 @@ def paged_attention(
     )
 
 
-def rmsnorm(
-    x, weight, eps: float, *, delta: torch.Tensor | None = None, lora: LoraExpand | None = None
-) -> torch.Tensor:
-    """RMSNorm of x; with ``delta``, x += delta in place first (the residual add), delta plus
-    ``lora``'s expand when given (the o projection's)."""
+def rmsnorm(x, weight, eps: float, *, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of x; with ``delta``, x += delta in place first (the residual add)."""
     if x.is_cuda:
-        return _triton_layer_ops().rmsnorm(x, weight, eps, delta=delta, lora=lora)
+        return _triton_layer_ops().rmsnorm(x, weight, eps, delta=delta)
     if delta is None:
-        if lora is not None:
-            raise ValueError("a LoRA expand is added to the delta: pass delta too")
         return layer_ops_ref.rmsnorm(x, weight, eps)
-    return layer_ops_ref.add_rmsnorm(x, delta, weight, eps, lora)
+    return layer_ops_ref.add_rmsnorm(x, delta, weight, eps)
 
 
-def rope_write_kv(
-    q, k, v, cos_table, sin_table, positions, pool_layer, slot_mapping, *, lora=None
-) -> None:
-    """Rotary embedding of q (in place) and k, then k and v into the pool's slots; with
-    ``lora`` (the q/k/v call's LoraExpand), each plus its LoRA delta first."""
-    args = (q, k, v, cos_table, sin_table, positions, pool_layer, slot_mapping)
-    if q.is_cuda:
-        _triton_layer_ops().rope_write_kv(*args, lora=lora)
-    else:
-        layer_ops_ref.rope_write_kv(*args, lora)
+def rope_write_kv(q, k, v, cos_table, sin_table, positions, pool_layer, slot_mapping) -> None:
+    """Rotary embedding of q (in place) and k, then k and v into the pool's slots."""
+    impl = _triton_layer_ops() if q.is_cuda else layer_ops_ref
+    impl.rope_write_kv(q, k, v, cos_table, sin_table, positions, pool_layer, slot_mapping)
 
 
 def silu_mul(gate_up) -> torch.Tensor:
@@ -178,13 +152,11 @@ def silu_mul(gate_up) -> torch.Tensor:
 
 
 __all__ = [
-    "LoraExpand",
     "LoraIndex",
     "LoraTokens",
     "lora_apply",
     "lora_expand",
     "lora_shrink",
-    "lora_shrink_tokens",
     "make_lora_tokens",
     "paged_attention",
     "rmsnorm",

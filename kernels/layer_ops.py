@@ -6,10 +6,6 @@ eager Llama-7B decode step at batch 64 (bench/step_profile.py) spent 2.5 ms of i
 Semantics and roundings: kernels/layer_ops_ref.py. Each program computes in float32 and rounds
 its outputs once to the activation dtype (the residual sum first, as the reference's in-place
 add does, since the norm reads the rounded sum).
-
-The rotary/K-V write and the residual RMSNorm also take a LoRA expand (kernels/lora_consumer.py:
-LoraContext.consume's decode steps): they add each token's scale · h · Bᵀ to the projection
-they read (q/k/v, o), rounded once, before the rest of their work.
 """
 
 from __future__ import annotations
@@ -18,9 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_consumer import delta_args, lora_delta, lora_entry
-from kernels.lora_layout import chunks
-from kernels.lora_ref import LoraExpand
 from kernels.tiles import dependent, launch_gate
 
 
@@ -28,12 +21,7 @@ from kernels.tiles import dependent, launch_gate
 def _rmsnorm_kernel(
     # rows [T, D]: input (the residual), delta added to it in place when HAS_DELTA, output
     x_ptr, stride_x, d_ptr, stride_d, out_ptr, stride_o, w_ptr, dim, eps,
-    # the delta's LoRA expand (lora_consumer.delta_args), module L_M
-    lh_ptr, lpool_ptr, l_half, l_slot, ltab_ptr, l_tab, lranks_ptr, lboff_ptr, lscales_ptr,
-    l_idx, l_scale, lrows_ptr,
     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-    HAS_LORA: tl.constexpr = False, L_M: tl.constexpr = 0, L_W: tl.constexpr = 1,
-    L_CHUNKS: tl.constexpr = 1, L_R: tl.constexpr = 1,
 ):  # fmt: skip
     launch_gate(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -42,15 +30,6 @@ def _rmsnorm_kernel(
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     if HAS_DELTA:
         d = tl.load(d_ptr + row * stride_d + cols, mask=ok, other=0.0)
-        if HAS_LORA:  # the projection plus its LoRA delta, rounded once
-            rank, b_pos, scale = lora_entry(
-                row, L_M, ltab_ptr, l_tab, lranks_ptr, lboff_ptr, lscales_ptr, l_idx, l_scale,
-                lrows_ptr, L_R,
-            )  # fmt: skip
-            ld = lora_delta(row, 0, rank, b_pos, scale, cols, cols // L_W, ok, lh_ptr, 1,
-                            lpool_ptr, l_half, l_slot, L_W, L_CHUNKS, L_R,
-                            d_ptr.dtype.element_ty)  # fmt: skip
-            d = (d.to(tl.float32) + ld).to(d_ptr.dtype.element_ty)
         x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(x_ptr + row * stride_x + cols, x, mask=ok)
     h = x.to(tl.float32)
@@ -68,22 +47,14 @@ def _rope_kv_kernel(
     cos_ptr, sin_ptr, stride_cs, pos_ptr,
     # pool layer [2, slots, W] and each token's slot (negative: no write)
     pool_ptr, stride_half, stride_slot, slots_ptr,
-    # the q/k/v call's LoRA expand (lora_consumer.delta_args): modules L_M0, L_M1, L_M2
-    lh_ptr, lpool_ptr, l_half, l_slot, ltab_ptr, l_tab, lranks_ptr, lboff_ptr, lscales_ptr,
-    l_idx, l_scale, lrows_ptr,
     N_HEADS: tl.constexpr, N_KV: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
-    HAS_LORA: tl.constexpr = False, L_M0: tl.constexpr = 0, L_M1: tl.constexpr = 0,
-    L_M2: tl.constexpr = 0, L_W: tl.constexpr = 1, L_QCHUNKS: tl.constexpr = 1,
-    L_KVCHUNKS: tl.constexpr = 1, L_R: tl.constexpr = 1,
 ):  # fmt: skip
     """Program (t, 0): token t's query heads rotated in place, as one [heads, half] block;
-    program (t, 1): its K heads rotated into the pool and V copied there. With HAS_LORA each
-    first adds its LoRA delta, and V is program (t, 2)'s."""
+    program (t, 1): its K heads rotated into the pool and V copied there."""
     launch_gate(PDL)
     t = tl.program_id(0).to(tl.int64)
-    part = tl.program_id(1)
     i = tl.arange(0, BLOCK)
     i_ok = i < HALF
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -91,18 +62,12 @@ def _rope_kv_kernel(
     c = tl.load(cos_ptr + pos * stride_cs + i, mask=i_ok, other=0.0).to(dtype).to(tl.float32)
     s = tl.load(sin_ptr + pos * stride_cs + i, mask=i_ok, other=0.0).to(dtype).to(tl.float32)
     c, s = c[None, :], s[None, :]
-    if part == 0:
+    if tl.program_id(1) == 0:
         h = tl.arange(0, BLOCK_H)
         ok = (h < N_HEADS)[:, None] & i_ok[None, :]
         base = q_ptr + t * stride_q + h[:, None] * (2 * HALF) + i[None, :]
         x1 = tl.load(base, mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(base + HALF, mask=ok, other=0.0).to(tl.float32)
-        if HAS_LORA:
-            x1, x2 = _plus_lora_halves(
-                x1, x2, t, 0, L_M0, h, i, ok, HALF, L_W, L_QCHUNKS, L_R, dtype, lh_ptr,
-                lpool_ptr, l_half, l_slot, ltab_ptr, l_tab, lranks_ptr, lboff_ptr, lscales_ptr,
-                l_idx, l_scale, lrows_ptr,
-            )  # fmt: skip
         tl.store(base, (x1 * c - x2 * s).to(dtype), mask=ok)
         tl.store(base + HALF, (x2 * c + x1 * s).to(dtype), mask=ok)
     else:
@@ -111,50 +76,16 @@ def _rope_kv_kernel(
             h = tl.arange(0, BLOCK_KV)
             ok = (h < N_KV)[:, None] & i_ok[None, :]
             cols = h[:, None] * (2 * HALF) + i[None, :]
+            x1 = tl.load(k_ptr + t * stride_k + cols, mask=ok, other=0.0).to(tl.float32)
+            x2 = tl.load(k_ptr + t * stride_k + HALF + cols, mask=ok, other=0.0).to(tl.float32)
             dst = pool_ptr + slot * stride_slot + cols
             pool_dtype = pool_ptr.dtype.element_ty
-            if part == 1:
-                x1 = tl.load(k_ptr + t * stride_k + cols, mask=ok, other=0.0).to(tl.float32)
-                x2 = tl.load(k_ptr + t * stride_k + HALF + cols, mask=ok, other=0.0)
-                x2 = x2.to(tl.float32)
-                if HAS_LORA:
-                    x1, x2 = _plus_lora_halves(
-                        x1, x2, t, 1, L_M1, h, i, ok, HALF, L_W, L_KVCHUNKS, L_R, dtype,
-                        lh_ptr, lpool_ptr, l_half, l_slot, ltab_ptr, l_tab, lranks_ptr,
-                        lboff_ptr, lscales_ptr, l_idx, l_scale, lrows_ptr,
-                    )  # fmt: skip
-                tl.store(dst, (x1 * c - x2 * s).to(dtype).to(pool_dtype), mask=ok)
-                tl.store(dst + HALF, (x2 * c + x1 * s).to(dtype).to(pool_dtype), mask=ok)
-            if part == 2 or not HAS_LORA:
-                v1 = tl.load(v_ptr + t * stride_v + cols, mask=ok, other=0.0)
-                v2 = tl.load(v_ptr + t * stride_v + HALF + cols, mask=ok, other=0.0)
-                if HAS_LORA:
-                    v1, v2 = _plus_lora_halves(
-                        v1.to(tl.float32), v2.to(tl.float32), t, 2, L_M2, h, i, ok, HALF, L_W,
-                        L_KVCHUNKS, L_R, dtype, lh_ptr, lpool_ptr, l_half, l_slot, ltab_ptr,
-                        l_tab, lranks_ptr, lboff_ptr, lscales_ptr, l_idx, l_scale, lrows_ptr,
-                    )  # fmt: skip
-                tl.store(dst + stride_half, v1.to(pool_dtype), mask=ok)
-                tl.store(dst + stride_half + HALF, v2.to(pool_dtype), mask=ok)
-
-
-@triton.jit
-def _plus_lora_halves(
-    x1, x2, t, sl, m, h, i, ok, HALF: tl.constexpr, W: tl.constexpr, CHUNKS: tl.constexpr,
-    R: tl.constexpr, dtype: tl.constexpr, lh_ptr, lpool_ptr, l_half, l_slot, ltab_ptr, l_tab,
-    lranks_ptr, lboff_ptr, lscales_ptr, l_idx, l_scale, lrows_ptr,
-):  # fmt: skip
-    """Slice ``sl`` (module m) of token t's projection, its heads' two halves [heads, half] in
-    fp32, each plus its LoRA delta and rounded once to ``dtype`` (returned in fp32)."""
-    rank, b_pos, scale = lora_entry(t, m, ltab_ptr, l_tab, lranks_ptr, lboff_ptr, lscales_ptr,
-                                    l_idx, l_scale, lrows_ptr, R)  # fmt: skip
-    c1 = h[:, None] * (2 * HALF) + i[None, :]
-    chunk = (h * (2 * HALF) // W)[:, None]  # a head lies in one pool chunk (W = kv heads x dim)
-    d1 = lora_delta(t, sl, rank, b_pos, scale, c1, chunk, ok, lh_ptr, 3, lpool_ptr, l_half,
-                    l_slot, W, CHUNKS, R, dtype)  # fmt: skip
-    d2 = lora_delta(t, sl, rank, b_pos, scale, c1 + HALF, chunk, ok, lh_ptr, 3, lpool_ptr,
-                    l_half, l_slot, W, CHUNKS, R, dtype)  # fmt: skip
-    return (x1 + d1).to(dtype).to(tl.float32), (x2 + d2).to(dtype).to(tl.float32)
+            tl.store(dst, (x1 * c - x2 * s).to(dtype).to(pool_dtype), mask=ok)
+            tl.store(dst + HALF, (x2 * c + x1 * s).to(dtype).to(pool_dtype), mask=ok)
+            v1 = tl.load(v_ptr + t * stride_v + cols, mask=ok, other=0.0)
+            v2 = tl.load(v_ptr + t * stride_v + HALF + cols, mask=ok, other=0.0)
+            tl.store(dst + stride_half, v1.to(pool_dtype), mask=ok)
+            tl.store(dst + stride_half + HALF, v2.to(pool_dtype), mask=ok)
 
 
 @triton.jit
@@ -178,16 +109,10 @@ def _rows(name: str, x: torch.Tensor) -> None:
 
 
 def rmsnorm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    *,
-    delta: torch.Tensor | None = None,
-    lora: LoraExpand | None = None,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, delta: torch.Tensor | None = None
 ) -> torch.Tensor:
     """rmsnorm(x) (layer_ops_ref.rmsnorm); with ``delta``, x += delta in place first
-    (layer_ops_ref.add_rmsnorm), delta plus ``lora``'s expand when given. x, delta: [T, D];
-    weight: [D]."""
+    (layer_ops_ref.add_rmsnorm). x, delta: [T, D]; weight: [D]."""
     _rows("x", x)
     t, dim = x.shape
     if weight.shape != (dim,) or not weight.is_contiguous():
@@ -196,10 +121,6 @@ def rmsnorm(
         _rows("delta", delta)
         if delta.shape != x.shape or delta.dtype != x.dtype:
             raise ValueError(f"delta must be {tuple(x.shape)} {x.dtype}, got {delta.dtype}")
-    if lora is not None:
-        if delta is None:
-            raise ValueError("a LoRA expand is added to the delta: pass delta too")
-        _check_expand(lora, t, (dim,))
     out = torch.empty_like(x)
     if t == 0:
         return out
@@ -207,19 +128,15 @@ def rmsnorm(
     d = x if delta is None else delta
     _rmsnorm_kernel[(t,)](
         x, x.stride(0), d, d.stride(0), out, out.stride(0), weight, dim, eps,
-        *delta_args(lora, x),
         HAS_DELTA=delta is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-        **_lora_constants(lora, ("L_M",), L_CHUNKS=dim), **dependent(x.device),
+        **dependent(x.device),
     )  # fmt: skip
     return out
 
 
-def rope_write_kv(
-    q, k, v, cos_table, sin_table, positions, pool_layer, slot_mapping, *, lora=None
-) -> None:
+def rope_write_kv(q, k, v, cos_table, sin_table, positions, pool_layer, slot_mapping) -> None:
     """layer_ops_ref.rope_write_kv: q [T, n_heads, hd] rotated in place, k rotated and v copied
-    into the pool layer [2, slots, n_kv * hd] at slot_mapping (negative slots skipped); with
-    ``lora`` (LoraExpand of the q/k/v call), each plus its LoRA delta first."""
+    into the pool layer [2, slots, n_kv * hd] at slot_mapping (negative slots skipped)."""
     t, n_heads, head_dim = q.shape
     n_kv = k.shape[1]
     for name, x, heads in (("q", q, n_heads), ("k", k, n_kv), ("v", v, n_kv)):
@@ -235,50 +152,19 @@ def rope_write_kv(
         raise ValueError(f"pool_layer must be [2, slots, {n_kv * head_dim}]")
     if positions.shape != (t,) or slot_mapping.shape != (t,):
         raise ValueError(f"positions and slot_mapping must be [{t}]")
-    if lora is not None:
-        _check_expand(lora, t, (n_heads * head_dim, n_kv * head_dim, n_kv * head_dim))
     if t == 0:
         return
     half = head_dim // 2
     block_h = triton.next_power_of_2(n_heads)
-    _rope_kv_kernel[(t, 2 if lora is None else 3)](
+    _rope_kv_kernel[(t, 2)](
         q, q.stride(0), k, k.stride(0), v, v.stride(0),
         cos_table, sin_table, cos_table.stride(0), positions,
         pool_layer, pool_layer.stride(0), pool_layer.stride(1), slot_mapping,
-        *delta_args(lora, q),
         N_HEADS=n_heads, N_KV=n_kv, HALF=half, BLOCK_H=block_h,
         BLOCK_KV=triton.next_power_of_2(n_kv), BLOCK=triton.next_power_of_2(half),
         num_warps=min(8, max(1, block_h * half // 512)),
-        **_lora_constants(lora, ("L_M0", "L_M1", "L_M2"), L_QCHUNKS=n_heads * head_dim,
-                          L_KVCHUNKS=n_kv * head_dim),  # fmt: skip
         **dependent(q.device),
     )  # fmt: skip
-
-
-def _check_expand(lora: LoraExpand, t: int, widths: tuple[int, ...]) -> None:
-    """The expand fits a consumer of ``t`` tokens whose slices are ``widths`` wide."""
-    h = lora.h
-    if tuple(lora.widths) != widths or len(lora.modules) != len(widths):
-        raise ValueError(f"the LoRA expand's slices must be {widths}, got {tuple(lora.widths)}")
-    if h.dim() != 3 or h.shape[:2] != (t, len(widths)) or h.dtype != torch.float32:
-        raise ValueError(f"h must be float32 [{t}, {len(widths)}, R], got {tuple(h.shape)}")
-    if not h.is_contiguous() or h.shape[2] & (h.shape[2] - 1):
-        raise ValueError(f"h must be contiguous with a power-of-two R, got {tuple(h.shape)}")
-    if lora.tokens.token_lora.shape != (t,):
-        raise ValueError(f"the expand's token rows must be [{t}]")
-
-
-def _lora_constants(lora: LoraExpand | None, module_names: tuple[str, ...], **widths: int) -> dict:
-    """A consumer kernel's LoRA constants: HAS_LORA, its slices' modules (``module_names``), the
-    pool's row width, the rank rows, and for each name of ``widths`` the pool chunks that hold
-    an output row that wide."""
-    if lora is None:
-        return {"HAS_LORA": False}
-    width = lora.pool_layer.shape[-1]
-    return {
-        "HAS_LORA": True, **dict(zip(module_names, lora.modules, strict=True)), "L_W": width,
-        "L_R": lora.h.shape[2], **{name: chunks(w, width) for name, w in widths.items()},
-    }  # fmt: skip
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

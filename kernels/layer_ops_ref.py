@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from kernels import attention_ref
-from kernels.lora_ref import LoraExpand, lora_delta
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -26,17 +25,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rmsnorm(
-    residual: torch.Tensor,
-    delta: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    lora: LoraExpand | None = None,
+    residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """residual += delta in place (in its dtype), then rmsnorm(residual): [T, D]. With ``lora``
-    (the o projection's expand), delta is first the projection plus its LoRA delta, rounded
-    once."""
-    if lora is not None:
-        delta = _plus_lora(delta, lora_delta(lora, delta.dtype))
+    """residual += delta in place (in its dtype), then rmsnorm(residual): [T, D]."""
     residual.add_(delta)
     return rmsnorm(residual, weight, eps)
 
@@ -59,27 +50,13 @@ def rope_write_kv(
     positions: torch.Tensor,  # [T]
     pool_layer: torch.Tensor,  # [2, slots, W]
     slot_mapping: torch.Tensor,  # [T]; negative: no write
-    lora: LoraExpand | None = None,
 ) -> None:
     """Rotary embedding of q (in place) and k at each token's position, then k and v into the
-    pool's slots (attention_ref.write_kv). cos and sin are rounded to q's dtype first. With
-    ``lora`` (the q/k/v call's expand), q, k and v are first each plus its LoRA delta, rounded
-    once (q in place; k and v are left as they were)."""
-    if lora is not None:
-        t = q.shape[0]
-        dq, dk, dv = lora_delta(lora, q.dtype).split(lora.widths, dim=1)
-        q.copy_(_plus_lora(q, dq.view(q.shape)))
-        k = _plus_lora(k, dk.reshape(t, *k.shape[1:]))
-        v = _plus_lora(v, dv.reshape(t, *v.shape[1:]))
+    pool's slots (attention_ref.write_kv). cos and sin are rounded to q's dtype first."""
     cos = cos_table[positions].to(q.dtype)  # [T, head_dim // 2]
     sin = sin_table[positions].to(q.dtype)
     q.copy_(rope_rotate(q, cos, sin))
     attention_ref.write_kv(pool_layer, rope_rotate(k, cos, sin), v, slot_mapping)
-
-
-def _plus_lora(x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """x + delta (lora_delta's, at least float32), rounded once to x's dtype."""
-    return (x.to(delta.dtype) + delta).to(x.dtype)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

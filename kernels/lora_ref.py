@@ -56,19 +56,6 @@ class LoraTokens(NamedTuple):
     zero_tiles: bool = False
 
 
-class LoraExpand(NamedTuple):
-    """A call's LoRA expand left to the kernel that reads its projection next (a decode step's
-    q/k/v and o calls with LoraContext.consume: kernels/lora_consumer.py): that kernel adds
-    scale · h · Bᵀ to each token's projection as it reads it, rounding the sum once."""
-
-    h: torch.Tensor  # [T, slices, R] float32: each token's shrunk activations, x · Aᵀ
-    pool_layer: torch.Tensor  # [2, slots, W]
-    index: LoraIndex
-    tokens: LoraTokens  # only token_lora is read
-    modules: tuple[int, ...]
-    widths: tuple[int, ...]  # each slice's output width
-
-
 def make_lora_tokens(
     token_lora: torch.Tensor,
     capacity: int | None = None,
@@ -223,14 +210,3 @@ def lora_apply(
     if delta:
         y.zero_()
     lora_expand(y, h, pool_layer, index, tokens, modules, out_widths)
-
-
-def lora_delta(lora: LoraExpand, dtype: torch.dtype) -> torch.Tensor:
-    """The expand's deltas, [T, sum(widths)], float32 (float64 for float64 activations): scale ·
-    h · Bᵀ with h rounded to the activations' ``dtype`` first, as the fused kernels round it
-    (zeros for tokens without an adapter)."""
-    wide = torch.promote_types(dtype, torch.float32)
-    h = lora.h.to(dtype).to(wide)
-    y = torch.zeros(h.shape[0], sum(lora.widths), dtype=wide, device=h.device)
-    lora_expand(y, h, lora.pool_layer, lora.index, lora.tokens, lora.modules, lora.widths)
-    return y

@@ -29,7 +29,7 @@ ON_OFF = ("on", "off")
 _CHOICES = {
     "device": DEVICES, "engine": ENGINE_MODES, "scheduling": SCHEDULING,
     "preload_adapters": PRELOAD, "lora_side_stream": ON_OFF, "load_format": LOAD_FORMATS,
-    "cuda_graphs": ON_OFF, "lora_addend": ON_OFF, "lora_consumer_expand": ON_OFF,
+    "cuda_graphs": ON_OFF, "lora_addend": ON_OFF,
 }  # fmt: skip
 _FILES = (
     "auth_tokens", "tls_cert", "tls_key", "tls_client_ca",
@@ -99,7 +99,6 @@ class ServiceConfig:
     adapter_affinity: int | None = None  # engine/affinity.py's bound; 0 off; None 2x max seqs
     lora_side_stream: str = "on"  # on: small decode steps' LoRA beside the base GEMMs (CUDA)
     lora_addend: str = "on"  # on: large steps' GEMMs add onto their LoRA deltas
-    lora_consumer_expand: str = "off"  # on: one-token decode steps' q/k/v/o expand in consumers
     load_format: str = "safetensors"  # or random: weights drawn at load (benchmarks)
     cuda_graphs: str = "on"  # on: steps replay CUDA graphs captured at start-up; off: eager
 
@@ -405,10 +404,6 @@ _HELP = {
     "lora_addend": "on (default): steps of 256 tokens or more whose LoRA calls are all fused "
     "write each call's LoRA delta first and the base GEMM adds onto it, instead of the LoRA "
     "kernel reading the GEMM's output back; off: in place after the GEMM",
-    "lora_consumer_expand": "on: decode steps whose adapters all fit 8 rank rows (one-token "
-    "tiles) leave the attention projections' LoRA expand to the kernels that read them (the "
-    "rotary/KV write, the residual norm), so the deltas never go to memory; off (default): "
-    "each LoRA call writes its delta",
 }
 
 

@@ -69,7 +69,6 @@ def engine_config(config: ServiceConfig) -> EngineConfig:
         tensor_parallel_size=config.tensor_parallel_size,
         lora_side_stream=config.lora_side_stream == "on",
         lora_addend=config.lora_addend == "on",
-        lora_consumer_expand=config.lora_consumer_expand == "on",
         load_format=config.load_format,
         cuda_graphs=config.cuda_graphs == "on",
     )

@@ -261,9 +261,7 @@ def _small_adapter_requests(
     return requests
 
 
-def _large_decode_steps(
-    tiny_models, monkeypatch, preset, addend, seed, steps=None, adapters=10, consume=False
-):
+def _large_decode_steps(tiny_models, monkeypatch, preset, addend, seed, steps=None, adapters=10):
     """Decode steps of 64 sequences and more whose rank-4 and rank-8 adapters are shared at most
     ONE_TOKEN_MAX_SHARING tokens to one (ten adapter keys over r4's and r8's weights, seven
     sequences each, beside the base model; ``adapters`` keys: 70 sequences over fewer of them
@@ -274,8 +272,7 @@ def _large_decode_steps(
     Steps this large add their deltas in place (the side stream takes steps of up to
     SIDE_STREAM_MAX_TOKENS tokens); ``addend``: from 64 tokens (ADDEND_MIN_TOKENS lowered) their
     GEMMs add onto the deltas instead, the base-model sequences and the graphs' padding as zero
-    tiles. ``steps``: a list that gets each step's StepLora; ``consume``: lora_consumer_expand.
-    Returns the engine."""
+    tiles. ``steps``: a list that gets each step's StepLora. Returns the engine."""
     from services.inference.engine import model_runner
 
     monkeypatch.setattr(model_runner, "ADDEND_MIN_TOKENS", 64)
@@ -283,7 +280,7 @@ def _large_decode_steps(
     recorder = Recorder()
     core = make_core(model_dir, recorder, device="cuda", dtype="float32", max_num_seqs=80,
                      max_num_batched_tokens=640, max_loras=80, num_pages=2048,
-                     lora_addend=addend, lora_consumer_expand=consume)  # fmt: skip
+                     lora_addend=addend)  # fmt: skip
     if steps is not None:
         step_lora = core.runner.step_lora
 
@@ -347,24 +344,6 @@ def test_cuda_one_token_tiles_of_hoisted_calls_match_hf_peft(
     assert core.runner.pair_modules == (qkvo if pairs else 0)
     one_token = [s for s in steps if s.mode is model_runner.LoraMode.ONE_TOKEN]
     assert one_token and all(s.pair_tiles == pairs for s in one_token)
-
-
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mha"])
-def test_cuda_one_token_steps_with_the_expand_in_consumers_match_hf_peft(
-    tiny_models, monkeypatch, preset
-):
-    """_large_decode_steps with lora_consumer_expand: the ONE_TOKEN graphs shrink their q/k/v
-    and o calls per token (kernels/lora_consumer.py) and the rotary/K-V write and the residual
-    norm add the expand; tiny-llama's grouped-query q and o rows span several pool chunks,
-    tiny-mha's one (Llama-7B's geometry). Every token against HF + PEFT, the pool intact."""
-    from kernels import lora_consumer
-
-    shrinks = []
-    shrink = lora_consumer.lora_shrink_tokens
-    monkeypatch.setattr(lora_consumer, "lora_shrink_tokens",
-                        lambda *a: (shrinks.append(a[4]), shrink(*a))[1])  # fmt: skip
-    _large_decode_steps(tiny_models, monkeypatch, preset, True, seed=80, consume=True)
-    assert {(0, 1, 2), (3,)} <= set(shrinks)
 
 
 def test_cuda_one_token_pairs_of_tokens_shared_many_to_one_match_hf_peft(tiny_models, monkeypatch):

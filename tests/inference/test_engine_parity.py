@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
 from kernels import lora_paths
 from services.inference.engine import model_runner
 from services.inference.engine.api import AdapterKey, GenerationRequest
@@ -172,49 +171,6 @@ def test_addend_steps_match_hf_peft(tiny_models, monkeypatch, preset):
     assert took & {LoraMode.FUSED, LoraMode.ONE_TOKEN}  # decode steps too
     assert any(not addend for *_, addend, _ in seen)  # the others kept the in-place add
     assert not any(addend and beside for *_, addend, beside in seen)
-    core.check_integrity()
-    assert core.stats().kv_pages == 0
-
-
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
-def test_consumer_expand_steps_match_hf_peft(tiny_models, monkeypatch, preset):
-    """With lora_consumer_expand, the ONE_TOKEN decode steps shrink their q/k/v and o calls only
-    (kernels.lora_shrink_tokens) and the rotary/K-V write and the residual norm add each
-    token's expand (LoraContext.consume; on the CPU the references), q/k/v biases (tiny-qwen2)
-    in the plain GEMM; every other step keeps its path. The parity requests whose adapters fit
-    8 rank rows (r4 on q and v, r8 on q/k/v/o) and the base model's, all at once, so that their
-    decode steps are ONE_TOKEN; every request against HF + PEFT."""
-    model_dir = tiny_models.model(preset)
-    recorder = Recorder()
-    core = make_core(model_dir, recorder, max_num_batched_tokens=48, lora_consumer_expand=True)
-    seen = []  # per step with LoRA calls: its mode, whether its attention calls left the expand
-    lora_for = core.runner._lora_for
-
-    def spy(mode, modules):
-        lora = lora_for(mode, modules)
-        if lora is not None:
-            seen.append((mode, lora.consume))
-        return lora
-
-    core.runner._lora_for = spy
-    shrinks = []
-    shrink = kernels.lora_shrink_tokens
-
-    def spy_shrink(x, pool_layer, index, tokens, modules, rank):
-        shrinks.append(modules)
-        return shrink(x, pool_layer, index, tokens, modules, rank)
-
-    monkeypatch.setattr(kernels, "lora_shrink_tokens", spy_shrink)
-    for name in ("r4", "r8"):
-        core.add_adapter_dir(AdapterKey(name, 1), tiny_models.adapter(preset, name))
-    requests = [
-        (r, n) for r, n in _requests(core.model_config.vocab_size) if n in (None, "r4", "r8")
-    ]
-    results = run(core, {0: [r for r, _ in requests]}, recorder)
-    assert_matches_hf(tiny_models, preset, model_dir, requests, results)
-    assert all(consume == (mode is LoraMode.ONE_TOKEN) for mode, consume in seen)
-    assert any(consume for _, consume in seen) and not all(consume for _, consume in seen)
-    assert set(shrinks) == {(model_runner.Q, model_runner.K, model_runner.V), (model_runner.O,)}
     core.check_integrity()
     assert core.stats().kv_pages == 0
 

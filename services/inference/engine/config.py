@@ -78,10 +78,6 @@ class EngineConfig:
     # (bench/lora_addend.py: the mixed steps' LoRA time beyond the GEMMs 0.71-0.95x of in place
     # on an H100).
     lora_addend: bool = True
-    # Decode steps on one-token tiles (model_runner.LoraMode.ONE_TOKEN) shrink their attention
-    # calls only and leave each expand to the kernel that reads the projection
-    # (LoraContext.consume, kernels/lora_consumer.py); not under tensor parallelism.
-    lora_consumer_expand: bool = False
     # "safetensors": the model directory's weights; "random": drawn at load from a seed of each
     # weight's name (models/loader.py RandomWeights), for benchmarks of shapes whose checkpoint
     # does not fit the disk; the directory then needs its config and tokenizer only.

@@ -140,14 +140,12 @@ class EngineCore:
         log.info(
             "engine ready: %d pages of %d tokens (%.1f MiB), context %d, up to %d sequences "
             "per step and %d requests in flight, %d resident adapters (LoRA index %.1f MiB), "
-            "adapter affinity %d, LoRA deltas as the GEMMs' addends %s, LoRA expand in the "
-            "consumers %s, device %s, %s",
+            "adapter affinity %d, LoRA deltas as the GEMMs' addends %s, device %s, %s",
             self.pool.num_pages, config.page_size, self.pool.tensor.nbytes / 2**20, self.max_len,
             self.limits.max_num_seqs, self.limits.max_queue, self.limits.max_loras,
             self.limits.max_loras * lora_row_bytes(self.slot_capacity) / 2**20,
             self.scheduler.affinity,
             f"from {ADDEND_MIN_TOKENS} tokens" if config.lora_addend else "off",
-            "on" if config.lora_consumer_expand and self.tp is None else "off",
             self.device, self.dtype,
         )  # fmt: skip
 
@@ -181,7 +179,7 @@ class EngineCore:
             self.model, self.pool, self.adapters.index, config.max_lora_rank,
             max_seqs, config.max_num_batched_tokens, self.max_len, max_loras,
             self.adapters.row_ranks, self.adapters.row_modules, config.lora_side_stream,
-            config.lora_addend, config.lora_consumer_expand,
+            config.lora_addend,
         )  # fmt: skip
         graph_sizes = config.graph_sizes(max_seqs)
         if self.tp is not None:

@@ -193,7 +193,6 @@ class ModelRunner:
         row_modules: Sequence[int] | None = None,
         lora_side_stream: bool = False,
         lora_addend: bool = True,
-        lora_consumer_expand: bool = False,
     ) -> None:
         """``row_ranks``: each LoRA index row's largest rank, kept current by the adapter
         manager (read per step to choose the kernel path); ``row_modules``: each row's modules
@@ -201,9 +200,7 @@ class ModelRunner:
         ``lora_side_stream``: small decode steps (up to SIDE_STREAM_MAX_TOKENS tokens) compute
         their LoRA deltas beside the base GEMMs (LoraContext), on a side stream on CUDA;
         ``lora_addend``: steps on ADDEND_MODES write their LoRA deltas first and their base GEMMs
-        add onto them (LoraContext.addend); ``lora_consumer_expand``: ONE_TOKEN steps leave
-        their attention calls' expand to the projections' consumers (LoraContext.consume;
-        never under tensor parallelism)."""
+        add onto them (LoraContext.addend)."""
         self.model, self.pool = model, pool
         self.max_lora_rank = max_lora_rank
         self.row_ranks, self.row_modules = row_ranks, row_modules
@@ -212,7 +209,6 @@ class ModelRunner:
         # the kernels only compute up to each adapter's own rank.
         self.lora = LoraContext(lora_index, max_lora_rank)
         self._addend = lora_addend
-        self._consume = lora_consumer_expand
         self._side_tokens = 0
         if lora_side_stream:
             self._side_tokens = min(SIDE_STREAM_MAX_TOKENS, max_num_batched_tokens)
@@ -401,7 +397,6 @@ class ModelRunner:
         self.lora.rank_block = lora_paths.WIDE_RANK_ROWS if mode is LoraMode.WIDE else 16
         self.lora.addend = self._zero_tiles(mode, self.batch.num_tokens)
         self.lora.beside = not self.lora.addend and 0 < self.batch.num_tokens <= self._side_tokens
-        self.lora.consume = self._consume and mode is LoraMode.ONE_TOKEN and self.tp is None
         return self.lora
 
     def _rows(self, mode: LoraMode) -> int:

@@ -4,9 +4,7 @@ One forward pass serves a whole engine step: packed tokens of many sequences ([T
 tokens), each sequence's K/V in pages of the unified pool, each token's adapter in the LoRA index.
 Every projection is one base GEMM for all tokens followed by the LoRA hook, kernels.lora_apply,
 which adds scale * x·Aᵀ·Bᵀ for the tokens whose request uses an adapter (linear_lora). q/k/v and
-gate/up are fused into one GEMM each, so their hooks cover several output slices in one call. With
-LoraContext.consume the attention's hooks only shrink (linear_shrunk), and the kernels that read
-q/k/v and o next add the expand.
+gate/up are fused into one GEMM each, so their hooks cover several output slices in one call.
 
 Weights are buffers created on the meta device and filled by models/loader.py. Under tensor
 parallelism (models/shard.py) the model holds one rank's heads and MLP share, and the outputs of
@@ -24,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels import LoraExpand, LoraIndex, lora_paths
+from kernels import LoraIndex, lora_paths
 from kernels.lora_layout import DOWN, GATE, UP, K, O, Q, V
 from services.inference.engine.batch import StepBatch
 from services.inference.models.config import ModelConfig, RopeConfig
@@ -58,15 +56,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.register_buffer("weight", torch.empty(dim))
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        delta: torch.Tensor | None = None,
-        lora: LoraExpand | None = None,
-    ) -> torch.Tensor:
-        """RMSNorm of x [T, D]; with ``delta``, the residual add x += delta (in place) first,
-        delta plus ``lora``'s expand when given: one kernel on CUDA (kernels/layer_ops.py)."""
-        return kernels.rmsnorm(x, self.weight, self.eps, delta=delta, lora=lora)
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm of x [T, D]; with ``delta``, the residual add x += delta (in place) first:
+        one kernel on CUDA (kernels/layer_ops.py)."""
+        return kernels.rmsnorm(x, self.weight, self.eps, delta=delta)
 
 
 class LoraContext:
@@ -95,15 +88,7 @@ class LoraContext:
     A small decode step's LoRA launches are latency-bound, a few programs each: run after the
     GEMM, each adds its whole latency to the step; beside it they run slower (on the SMs the
     GEMM leaves) but mostly hidden, and the add stays on the step's path. Without a side stream
-    (the CPU) the same delta is computed before the GEMM.
-
-    ``consume`` (set per step by the engine with lora_consumer_expand: its ONE_TOKEN decode
-    steps, one rank rows' block): the attention's q/k/v and o calls shrink only (h = x · Aᵀ, a
-    few floats a token: kernels.lora_shrink_tokens), their GEMMs run plain, and the kernels that
-    read the projections next add each token's scale · h · Bᵀ as they read them, the rotary/K-V
-    write (q/k/v) and the residual RMSNorm (o): the delta never goes to memory
-    (kernels/lora_consumer.py). The MLP's calls keep their path. Not under tensor parallelism,
-    where o's h would be a partial sum."""
+    (the CPU) the same delta is computed before the GEMM."""
 
     def __init__(self, index: LoraIndex, max_rank: int) -> None:
         self.index = index
@@ -114,7 +99,6 @@ class LoraContext:
         self.one_token = False
         self.addend = False
         self.beside = False
-        self.consume = False
         self._side: torch.cuda.Stream | None = None
         self._workspace: torch.Tensor | None = None  # 1-D, the output dtype
 
@@ -205,25 +189,6 @@ def linear_lora(
     return y.add_(delta)
 
 
-def linear_shrunk(
-    x: torch.Tensor,  # [T, d_in]
-    weight: torch.Tensor,  # [d_out, d_in]
-    bias: torch.Tensor | None,
-    batch: StepBatch,
-    pool_layer: torch.Tensor,
-    lora: LoraContext,
-    modules: tuple[int, ...],
-    widths: tuple[int, ...],
-) -> tuple[torch.Tensor, LoraExpand]:
-    """x · Wᵀ + b without the LoRA delta, and the call's expand for the projection's consumer to
-    add (LoraContext.consume): [T, d_out], LoraExpand."""
-    tokens = batch.lora_tokens
-    rows = 1 << (lora.rows - 1).bit_length()  # the kernels' blocks: a power of two
-    h = kernels.lora_shrink_tokens(x, pool_layer, lora.index, tokens, modules, rows)
-    expand = LoraExpand(h, pool_layer, lora.index, tokens, modules, widths)
-    return F.linear(x, weight, bias), expand
-
-
 # Sums a tensor over the tensor-parallel ranks, in place (engine/tensor_parallel.py).
 AllReduce = Callable[[torch.Tensor], None]
 
@@ -256,39 +221,25 @@ class Attention(nn.Module):
         batch: StepBatch,
         pool_layer: torch.Tensor,  # [2, slots, W]: this layer's K/V pages and adapter rows
         lora: LoraContext | None,
-    ) -> tuple[torch.Tensor, LoraExpand | None]:
-        """The attention's output [T, hidden], and with ``lora.consume`` the o call's LoRA
-        expand, which the caller's residual norm adds (None: the output holds the delta)."""
+    ) -> torch.Tensor:
         t = x.shape[0]
         widths = (self.q_dim, self.kv_dim, self.kv_dim)
-        consume = lora is not None and lora.consume and self.tp is None
-        qkv_lora = None
-        if consume and lora.covers((Q, K, V)):
-            qkv, qkv_lora = linear_shrunk(
-                x, self.wqkv, self.bqkv, batch, pool_layer, lora, (Q, K, V), widths
-            )
-        else:
-            qkv = linear_lora(x, self.wqkv, self.bqkv, batch, pool_layer, lora, (Q, K, V), widths)
+        qkv = linear_lora(x, self.wqkv, self.bqkv, batch, pool_layer, lora, (Q, K, V), widths)
         # qkv: [T, q_dim + 2 * kv_dim]
         q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
         q = q.view(t, self.n_heads, self.head_dim)  # [T, n_heads, head_dim]
         k = k.view(t, self.n_kv, self.head_dim)  # [T, n_kv, head_dim]
         v = v.view(t, self.n_kv, self.head_dim)  # [T, n_kv, head_dim]
-        # q rotated in place; k rotated and v copied into the pool at each token's slot (each
-        # plus its LoRA delta first with qkv_lora)
-        kernels.rope_write_kv(
-            q, k, v, *rope, batch.positions, pool_layer, batch.slot_mapping, lora=qkv_lora
-        )
+        # q rotated in place; k rotated and v copied into the pool at each token's slot
+        kernels.rope_write_kv(q, k, v, *rope, batch.positions, pool_layer, batch.slot_mapping)
         o = kernels.paged_attention(
             q, pool_layer, batch.block_tables, batch.seq_lens, batch.query_starts,
             batch.page_size, self.scale, prefill_tiles=batch.attention_tiles,
         )  # fmt: skip
         o = o.reshape(t, self.q_dim)  # [T, n_heads * head_dim]
-        if consume and lora.covers((O,)):
-            return linear_shrunk(o, self.wo, self.bo, batch, pool_layer, lora, (O,), (self.hidden,))
         # Row-split under tensor parallelism: this rank's partial sum (its LoRA share included).
         out = linear_lora(o, self.wo, self.bo, batch, pool_layer, lora, (O,), (self.hidden,))
-        return all_reduce(out, self.tp), None  # [T, hidden]
+        return all_reduce(out, self.tp)  # [T, hidden]
 
 
 class MLP(nn.Module):
@@ -332,9 +283,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x, h, rope, batch, pool_layer, lora) -> torch.Tensor:
         """x: the residual stream [T, hidden], updated in place; h = input_layernorm(x).
         Returns the MLP's output, which the next norm adds to x (Transformer.forward)."""
-        attn, o_lora = self.attn(h, rope, batch, pool_layer, lora)  # [T, hidden]
-        # x += attn (plus the o call's LoRA delta with o_lora); h = norm(x)
-        h = self.post_attention_layernorm(x, delta=attn, lora=o_lora)
+        attn = self.attn(h, rope, batch, pool_layer, lora)  # [T, hidden]
+        h = self.post_attention_layernorm(x, delta=attn)  # x += attn; h = norm(x)
         return self.mlp(h, batch, pool_layer, lora)  # [T, hidden]
 
 

@@ -52,9 +52,6 @@ def test_engine_config_follows_the_service_config():
     assert not addend.lora_addend
     with pytest.raises(SystemExit):  # a word outside on/off is refused by the parser
         ServiceConfig.from_args(["--model", "m", "--lora-addend", "yes"])
-    assert not defaults.lora_consumer_expand  # off until a GPU has measured it
-    consume = ["--model", "m", "--lora-consumer-expand=on"]
-    assert engine_config(ServiceConfig.from_args(consume)).lora_consumer_expand
     assert defaults.max_num_batched_tokens == 2048
     eager = ["--model", "m", "--cuda-graphs", "off", "--max-num-batched-tokens", "1024"]
     own = engine_config(ServiceConfig.from_args(eager))
