@@ -39,7 +39,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels import lora_paths
 from kernels.lora_args import MAX_SLICES, check_call, check_float, check_modules, check_widths
-from kernels.lora_fused import lora_fused_kernel
+from kernels.lora_fused import _pick3, lora_fused_kernel
 from kernels.lora_paths import fused_rank_rows, shapes_prefer_fused
 from kernels.tile_table import TILE_BLOCKS
 from kernels.tiles import (
@@ -365,11 +365,6 @@ def _fit_block(preferred: int, width: int) -> int:
     while b > 16 and width % b:
         b //= 2
     return b if width % b == 0 else preferred
-
-
-@triton.jit
-def _pick3(s, v0, v1, v2):
-    return tl.where(s == 0, v0, tl.where(s == 1, v1, v2))
 
 
 @triton.jit
