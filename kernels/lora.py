@@ -39,7 +39,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels import lora_paths
 from kernels.lora_args import MAX_SLICES, check_call, check_float, check_modules, check_widths
-from kernels.lora_fused import _pick3, lora_fused_kernel
+from kernels.lora_fused import lora_fused_kernel, pick3
 from kernels.lora_paths import fused_rank_rows, shapes_prefer_fused
 from kernels.tile_table import TILE_BLOCKS
 from kernels.tiles import (
@@ -392,7 +392,7 @@ def _lora_shrink_kernel(
     s = q // (SPLIT_K * RANK_SPLIT)
     ks = q // RANK_SPLIT % SPLIT_K
     rp = q % RANK_SPLIT  # this program's rank blocks: rp, rp + RANK_SPLIT, ...
-    m = _pick3(s, M0, M1, M2)
+    m = pick3(s, M0, M1, M2)
     if MASKED:
         if tl.load(mods_ptr + m) == 0:  # no adapter of the step has this module
             return
@@ -530,16 +530,16 @@ def _lora_expand_kernel(
 ):  # fmt: skip
     nb = tl.program_id(1)
     s = tl.where(nb < NB0, 0, tl.where(nb < NB0 + NB1, 1, 2))  # this block's slice
-    n0 = (nb - _pick3(s, 0, NB0, NB0 + NB1)) * BLOCK_N  # first column inside the slice
-    width = _pick3(s, N0, N1, N2)
-    m = _pick3(s, M0, M1, M2)
+    n0 = (nb - pick3(s, 0, NB0, NB0 + NB1)) * BLOCK_N  # first column inside the slice
+    width = pick3(s, N0, N1, N2)
+    m = pick3(s, M0, M1, M2)
     if MASKED:
         if tl.load(mods_ptr + m) == 0:  # no adapter of the step has this module
             return
     out_chunks = (width + W - 1) // W
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < width
-    y_cols = y_ptr + _pick3(s, 0, N0, N0 + N1) + offs_n[None, :]
+    y_cols = y_ptr + pick3(s, 0, N0, N0 + N1) + offs_n[None, :]
     # Two tiles ahead, as in the shrink: the table row of the tile after next and the next
     # tile's index row load while this tile's block streams.
     tile = tl.program_id(0)

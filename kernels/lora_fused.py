@@ -54,7 +54,9 @@ _ZERO_ROW = tl.constexpr(ZERO_ROW)
 
 
 @triton.jit
-def _pick3(s, v0, v1, v2):
+def pick3(s, v0, v1, v2):
+    """Slice s's value of three (v0, v1, v2): a launch's per-slice widths and offsets
+    (kernels/lora.py's two-launch kernels use it too)."""
     return tl.where(s == 0, v0, tl.where(s == 1, v1, v2))
 
 
@@ -88,7 +90,7 @@ def lora_fused_kernel(
     q = tl.program_id(0)
     s = q // PARTS
     p = q % PARTS
-    m = _pick3(s, M0, M1, M2)
+    m = pick3(s, M0, M1, M2)
     if not DELTA:
         if MASKED:
             if tl.load(mods_ptr + m) == 0:  # no adapter of the step has it
@@ -99,13 +101,13 @@ def lora_fused_kernel(
             return
         if a != _ZERO_ROW:  # past the step's last tile
             return
-    width = _pick3(s, N0, N1, N2)
+    width = pick3(s, N0, N1, N2)
     per = tl.cdiv(tl.cdiv(width, PART_N), PARTS) * PART_N
     lo = p * per
     hi = tl.minimum(lo + per, width)
     if lo >= hi:  # a narrow slice (GQA k, v) has fewer blocks than parts
         return
-    y_base = y_ptr + _pick3(s, 0, N0, N0 + N1)
+    y_base = y_ptr + pick3(s, 0, N0, N0 + N1)
     a64 = tl.maximum(a, 0).to(tl.int64)
     rank = tl.minimum(tl.load(ranks_ptr + a64 * stride_idx + m), MAX_RANK)
     if DELTA:  # tokens without this module's delta get zeros: no adapter, rank 0, none has it
