@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import itertools
 import json
 import logging
 import math
@@ -260,6 +259,17 @@ def run_trace(args, address: str, trace: list[Request], names: list[str], tag: s
     return results
 
 
+def run_order(
+    adapters: list[int], runs: list[str], passes: int, interleave: bool = False
+) -> list[tuple[int, str, int]]:
+    """The (n, run, pass) triples in the order they run: every pass of each n in turn, or with
+    ``interleave`` each pass of every n in turn. Either way a base-model row (n = 0, listed
+    first) comes before the rows of its pass that are compared with it."""
+    if interleave:
+        return [(n, run, p) for p in range(1, passes + 1) for n in adapters for run in runs]
+    return [(n, run, p) for n in adapters for run in runs for p in range(1, passes + 1)]
+
+
 def parse_run(text: str) -> tuple[float, int | None, float | None]:
     """'inf:1000' = 1000 requests at once; '40:15' = 40 requests/s for 15 s."""
     rate, _, amount = text.partition(":")
@@ -272,6 +282,7 @@ def write_result(args, ceilings, rows: list[dict], preload: dict | None = None,
                  uploaded: dict | None = None) -> None:  # fmt: skip
     """The JSON so far (written after every run, so a failure keeps what was measured)."""
     from bench.adapter_load import machine
+    from bench.serving_report import vs_base_over_passes
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
@@ -282,13 +293,14 @@ def write_result(args, ceilings, rows: list[dict], preload: dict | None = None,
         "ceilings": ceilings._asdict(),
         "machine": machine(),
         "command": "python bench/serving.py " + " ".join(sys.argv[1:]), "results": rows,
+        "vs_base_over_passes": vs_base_over_passes(rows),
     }, indent=2) + "\n")  # fmt: skip
 
 
 def main() -> None:
     from bench.bench_models import SHAPES, make_model
     from bench.roofline import Ceilings, Roofline, measure_ceilings_subprocess
-    from bench.serving_report import StepLogReader, analyse, table
+    from bench.serving_report import StepLogReader, analyse, table, vs_base_over_passes
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-7b")
@@ -307,6 +319,12 @@ def main() -> None:
         help="run each trace this many times in a row: in the first no adapter has served a "
         "request yet (preloaded in the host cache, the service's default, or in the store only "
         "with --serve-flag=--preload-adapters=off: cold), in later ones they have (warm)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--interleave", action="store_true",
+        help="with --passes: each pass runs every adapter count in turn (the base model first), "
+        "rather than every pass of one count before the next, so that the machine's drift over "
+        "the run touches each count alike",
     )  # fmt: skip
     parser.add_argument("--alpha", type=float, default=1.0, help="popularity power law")
     parser.add_argument("--seed", type=int, default=0)
@@ -408,41 +426,40 @@ def main() -> None:
                       http if via == "gateway" else None)  # fmt: skip
         base_tps: dict[tuple, float] = {}
         grpc_rows: dict[tuple, dict] = {}
-        for n in args.adapters:  # the base model first: every later row is compared with it
-            for run, pas in itertools.product(args.runs, range(1, args.passes + 1)):
-                rate, count, duration = parse_run(run)
-                trace = with_adapters(make_trace(rate, count, duration, args.seed), n,
-                                      args.alpha, args.seed)  # fmt: skip
-                in_pool = None
-                if n and mode == "pool":  # KV took adapters' pages in the last trace: back?
-                    in_pool = wait_preloaded(address, n, pool=True)["in_pool"]
-                for via in args.via:  # the same trace through each front, one after the other
-                    log.info("run %s pass %d, %d adapters, via %s: %d requests", run, pas, n, via,
-                             len(trace))  # fmt: skip
-                    tag = f"r{run}-p{pas}-n{n}-{via}".replace(":", "_")
-                    results = run_trace(args, address, trace, names[:n], tag, shape.vocab, work,
-                                        http if via == "gateway" else None)  # fmt: skip
-                    idle = wait_idle(address)
-                    steps = step_reader.read()
-                    row = {"run": run, "pass": pas, "adapters": n, "via": via,
-                           **analyse(results, steps, roof)}  # fmt: skip
-                    if in_pool is not None:
-                        row["in_pool_at_start"] = in_pool
-                    row["device_memory"] = device_memory(idle)
-                    key = run, pas, via
-                    if n == 0:
-                        base_tps[key] = row["output_tokens_per_s"]
-                    elif base_tps.get(key):
-                        row["vs_base"] = row["output_tokens_per_s"] / base_tps[key]
-                    if via == "grpc":
-                        grpc_rows[run, pas, n] = row
-                    elif (run, pas, n) in grpc_rows:
-                        g = grpc_rows[run, pas, n]
-                        row["vs_grpc"] = row["output_tokens_per_s"] / g["output_tokens_per_s"]
-                        row["ttft_p50_added_s"] = row["ttft_p50_s"] - g["ttft_p50_s"]
-                    rows.append(row)
-                    print(table(rows[-1:]).splitlines()[1], flush=True)
-                    write_result(args, ceilings, rows, preload, uploaded)
+        for n, run, pas in run_order(args.adapters, args.runs, args.passes, args.interleave):
+            rate, count, duration = parse_run(run)
+            trace = with_adapters(make_trace(rate, count, duration, args.seed), n,
+                                  args.alpha, args.seed)  # fmt: skip
+            in_pool = None
+            if n and mode == "pool":  # KV took adapters' pages in the last trace: back?
+                in_pool = wait_preloaded(address, n, pool=True)["in_pool"]
+            for via in args.via:  # the same trace through each front, one after the other
+                log.info("run %s pass %d, %d adapters, via %s: %d requests", run, pas, n, via,
+                         len(trace))  # fmt: skip
+                tag = f"r{run}-p{pas}-n{n}-{via}".replace(":", "_")
+                results = run_trace(args, address, trace, names[:n], tag, shape.vocab, work,
+                                    http if via == "gateway" else None)  # fmt: skip
+                idle = wait_idle(address)
+                steps = step_reader.read()
+                row = {"run": run, "pass": pas, "adapters": n, "via": via,
+                       **analyse(results, steps, roof)}  # fmt: skip
+                if in_pool is not None:
+                    row["in_pool_at_start"] = in_pool
+                row["device_memory"] = device_memory(idle)
+                key = run, pas, via
+                if n == 0:
+                    base_tps[key] = row["output_tokens_per_s"]
+                elif base_tps.get(key):
+                    row["vs_base"] = row["output_tokens_per_s"] / base_tps[key]
+                if via == "grpc":
+                    grpc_rows[run, pas, n] = row
+                elif (run, pas, n) in grpc_rows:
+                    g = grpc_rows[run, pas, n]
+                    row["vs_grpc"] = row["output_tokens_per_s"] / g["output_tokens_per_s"]
+                    row["ttft_p50_added_s"] = row["ttft_p50_s"] - g["ttft_p50_s"]
+                rows.append(row)
+                print(table(rows[-1:]).splitlines()[1], flush=True)
+                write_result(args, ceilings, rows, preload, uploaded)
     finally:
         for p in (gateway, service, store):
             if p is not None and p.poll() is None:
@@ -452,6 +469,10 @@ def main() -> None:
                 except subprocess.TimeoutExpired:
                     p.kill()
     print(table(rows))
+    for v in vs_base_over_passes(rows):
+        if v["passes"] > 1:
+            print(f"{v['run']} {v['via']} n = {v['adapters']}: vs base {v['mean']:.3f} over "
+                  f"{v['passes']} passes ({v['min']:.3f}-{v['max']:.3f})")  # fmt: skip
     print(f"wrote {args.out}")
     if step_log.exists():  # beside the JSON, where bench/step_compare.py and the others look
         kept = args.out.with_name(args.out.stem + "_steps.jsonl.gz")

@@ -98,6 +98,24 @@ class StepLogReader:
         return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
 
 
+def vs_base_over_passes(rows: list[dict]) -> list[dict]:
+    """Each (run, front, n)'s throughput ratio to the base model over its passes (each pass's
+    ratio is against the base model's run of the same pass): mean, lowest, highest. One pass's
+    ratio moves by about a point from run to run, so several passes, each side by side with its
+    own base run, say more than one."""
+    ratios: dict[tuple, list[float]] = {}
+    for r in rows:
+        if "vs_base" in r:
+            ratios.setdefault((r["run"], r.get("via", "grpc"), r["adapters"]), []).append(
+                r["vs_base"]
+            )
+    return [
+        {"run": run, "via": via, "adapters": n, "passes": len(v), "mean": sum(v) / len(v),
+         "min": min(v), "max": max(v)}
+        for (run, via, n), v in ratios.items()
+    ]  # fmt: skip
+
+
 def table(rows: list[dict]) -> str:
     head = (
         f"{'run':<10}{'pass':>5}{'via':>8}{'n':>6}{'done':>7}{'rej':>5}{'tok/s':>9}{'vs base':>8}"

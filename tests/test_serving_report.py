@@ -38,3 +38,32 @@ def test_no_preemption_recomputes_nothing():
     results = [_result(0.0, 0.5, 2.0, 10, 30)]
     row = analyse(results, [_step(0.1, 1, 30), _step(0.5, 1, 0)], ROOF)
     assert row["recomputed_tokens"] == 0
+
+
+def test_vs_base_over_passes_averages_each_n_over_its_passes():
+    from bench.serving_report import vs_base_over_passes
+
+    rows = [
+        {"run": "inf:8", "pass": 1, "adapters": 0, "output_tokens_per_s": 100.0},
+        {"run": "inf:8", "pass": 1, "adapters": 5, "vs_base": 0.94},
+        {"run": "inf:8", "pass": 2, "adapters": 0, "output_tokens_per_s": 98.0},
+        {"run": "inf:8", "pass": 2, "adapters": 5, "vs_base": 0.96},
+        {"run": "inf:8", "pass": 1, "adapters": 9, "vs_base": 0.9, "via": "gateway"},
+    ]
+    got = {(s["via"], s["adapters"]): s for s in vs_base_over_passes(rows)}
+    assert set(got) == {("grpc", 5), ("gateway", 9)}
+    five = got["grpc", 5]
+    assert five["passes"] == 2 and abs(five["mean"] - 0.95) < 1e-12
+    assert (five["min"], five["max"]) == (0.94, 0.96)
+    assert got["gateway", 9]["passes"] == 1
+
+
+def test_run_order_puts_each_pass_base_row_before_its_comparisons():
+    from bench.serving import run_order
+
+    assert run_order([0, 5], ["inf:8"], 2) == [
+        (0, "inf:8", 1), (0, "inf:8", 2), (5, "inf:8", 1), (5, "inf:8", 2)
+    ]  # fmt: skip
+    assert run_order([0, 5], ["inf:8"], 2, interleave=True) == [
+        (0, "inf:8", 1), (5, "inf:8", 1), (0, "inf:8", 2), (5, "inf:8", 2)
+    ]  # fmt: skip
