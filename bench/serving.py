@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import logging
 import math
@@ -205,6 +206,32 @@ def wait_preloaded(
     }
 
 
+def place_adapters(address: str, names: list[str]) -> int:
+    """Loads into the page pool those of ``names`` that are not there, one after the other,
+    while the pool has room for them (it stops at the first load that leaves the pool's count of
+    adapters where it was: that load evicted another); returns how many of ``names`` are in the
+    pool then. The preload waits for n adapters in the pool, not for these n: after a trace of
+    more adapters the pool holds what that trace left in it."""
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+
+        def in_pool() -> set[str]:
+            listed = stub.ListAdapters(pb.ListResidentAdaptersRequest(), timeout=30).adapters
+            return {a.adapter_id for a in listed if a.residency == pb.RESIDENCY_GPU}
+
+        held = in_pool()
+        count = stub.GetStats(pb.GetStatsRequest(), timeout=10).resident_adapters
+        for name in names:
+            if name in held:
+                continue
+            stub.LoadAdapter(pb.LoadAdapterRequest(adapter_id=name), timeout=120)
+            now = stub.GetStats(pb.GetStatsRequest(), timeout=10).resident_adapters
+            if now <= count:
+                break
+            count = now
+        return len(in_pool() & set(names))
+
+
 def wait_idle(address: str, timeout: float = 600.0) -> pb.GetStatsResponse:
     """Waits until nothing runs or waits; returns the service's stats then."""
     with grpc.insecure_channel(address) as channel:
@@ -259,17 +286,6 @@ def run_trace(args, address: str, trace: list[Request], names: list[str], tag: s
     return results
 
 
-def run_order(
-    adapters: list[int], runs: list[str], passes: int, interleave: bool = False
-) -> list[tuple[int, str, int]]:
-    """The (n, run, pass) triples in the order they run: every pass of each n in turn, or with
-    ``interleave`` each pass of every n in turn. Either way a base-model row (n = 0, listed
-    first) comes before the rows of its pass that are compared with it."""
-    if interleave:
-        return [(n, run, p) for p in range(1, passes + 1) for n in adapters for run in runs]
-    return [(n, run, p) for n in adapters for run in runs for p in range(1, passes + 1)]
-
-
 def parse_run(text: str) -> tuple[float, int | None, float | None]:
     """'inf:1000' = 1000 requests at once; '40:15' = 40 requests/s for 15 s."""
     rate, _, amount = text.partition(":")
@@ -319,12 +335,6 @@ def main() -> None:
         help="run each trace this many times in a row: in the first no adapter has served a "
         "request yet (preloaded in the host cache, the service's default, or in the store only "
         "with --serve-flag=--preload-adapters=off: cold), in later ones they have (warm)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--interleave", action="store_true",
-        help="with --passes: each pass runs every adapter count in turn (the base model first), "
-        "rather than every pass of one count before the next, so that the machine's drift over "
-        "the run touches each count alike",
     )  # fmt: skip
     parser.add_argument("--alpha", type=float, default=1.0, help="popularity power law")
     parser.add_argument("--seed", type=int, default=0)
@@ -415,7 +425,8 @@ def main() -> None:
         # its traffic: with preload on, the traces start once the service has preloaded them
         # (in pool mode each trace of n adapters waits until at least n adapters are in the pool
         # again: the last trace's KV cache may have taken their pages, and the preloader places
-        # them again).
+        # them again; then those of its own n that the pool lacks are loaded while it has room,
+        # place_adapters: after a trace of more adapters it holds what that trace left).
         preload = None
         mode = preload_mode(args.serve_flag)
         if max(args.adapters) and mode != "off":
@@ -426,13 +437,15 @@ def main() -> None:
                       http if via == "gateway" else None)  # fmt: skip
         base_tps: dict[tuple, float] = {}
         grpc_rows: dict[tuple, dict] = {}
-        for n, run, pas in run_order(args.adapters, args.runs, args.passes, args.interleave):
+        # the base model first: every later row is compared with it
+        for n, run, pas in itertools.product(args.adapters, args.runs, range(1, args.passes + 1)):
             rate, count, duration = parse_run(run)
             trace = with_adapters(make_trace(rate, count, duration, args.seed), n,
                                   args.alpha, args.seed)  # fmt: skip
             in_pool = None
             if n and mode == "pool":  # KV took adapters' pages in the last trace: back?
                 in_pool = wait_preloaded(address, n, pool=True)["in_pool"]
+                trace_in_pool = place_adapters(address, names[:n])
             for via in args.via:  # the same trace through each front, one after the other
                 log.info("run %s pass %d, %d adapters, via %s: %d requests", run, pas, n, via,
                          len(trace))  # fmt: skip
@@ -445,6 +458,7 @@ def main() -> None:
                        **analyse(results, steps, roof)}  # fmt: skip
                 if in_pool is not None:
                     row["in_pool_at_start"] = in_pool
+                    row["trace_adapters_in_pool_at_start"] = trace_in_pool
                 row["device_memory"] = device_memory(idle)
                 key = run, pas, via
                 if n == 0:

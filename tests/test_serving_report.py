@@ -57,13 +57,3 @@ def test_vs_base_over_passes_averages_each_n_over_its_passes():
     assert (five["min"], five["max"]) == (0.94, 0.96)
     assert got["gateway", 9]["passes"] == 1
 
-
-def test_run_order_puts_each_pass_base_row_before_its_comparisons():
-    from bench.serving import run_order
-
-    assert run_order([0, 5], ["inf:8"], 2) == [
-        (0, "inf:8", 1), (0, "inf:8", 2), (5, "inf:8", 1), (5, "inf:8", 2)
-    ]  # fmt: skip
-    assert run_order([0, 5], ["inf:8"], 2, interleave=True) == [
-        (0, "inf:8", 1), (5, "inf:8", 1), (0, "inf:8", 2), (5, "inf:8", 2)
-    ]  # fmt: skip
