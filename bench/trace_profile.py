@@ -68,17 +68,19 @@ class Window:
         self.kernels: dict[str, list[float]] = {}
         self.done = False
 
-    def poll(self, steps: int, cuda: bool) -> None:
+    def poll(self, steps: int, cuda: bool, end: bool = False) -> None:
+        """Start or stop the profiler at ``steps`` (the engine's count); ``end``: the trace ended,
+        so a window still open ends at ``steps``."""
         if self.done:
             return
-        if self.prof is None and steps >= self.first:
+        if self.prof is None and steps >= self.first and not end:
             from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
             self.prof = profile(activities=activities)
             self.prof.__enter__()
             self.first = steps  # the step the window really begins at
-        elif self.prof is not None and steps >= self.last:
+        elif self.prof is not None and (steps >= self.last or end):
             if cuda:
                 torch.cuda.synchronize()
             self.prof.__exit__(None, None, None)
@@ -159,7 +161,7 @@ async def run_trace(engine: Engine, trace, keys, vocab: int, windows: list[Windo
     await watcher
     for w in windows:
         if w.prof is not None:  # the trace ended inside it: end it there
-            w.poll(math.inf, cuda)
+            w.poll(engine.core.steps, cuda, end=True)
     return sum(counts), seconds
 
 
