@@ -16,7 +16,7 @@ import torch
 from kernels import adapter_write
 from kernels.lora_layout import MODULES, PIECE_COLS
 from services.inference.engine.adapter_copy import to_device, write_adapter_torch
-from services.inference.engine.host_adapter import build_host_adapter
+from services.inference.engine.host_adapter import build_host_adapter, pack_pairs
 from services.inference.models.shard import Shard
 from store.peft import BaseModelShape
 from store.synthetic import lora_config_json, lora_tensors, safetensors_bytes
@@ -108,7 +108,7 @@ def test_a_matrix_at_an_offset_its_dtype_does_not_divide_takes_the_torch_path():
     host = build_host_adapter("k", config, body, SHAPE, WIDTH, 16, pin=False)
     (key, pair), *_ = host.pairs.items()
     odd = pair._replace(a=pair.a._replace(offset=pair.a.offset + 2))
-    moved = dataclasses.replace(host, pairs={**host.pairs, key: odd})
+    moved = dataclasses.replace(host, pair_table=pack_pairs({**host.pairs, key: odd}))
     assert moved.pieces is None
 
 

@@ -109,6 +109,7 @@ def write_adapter_torch(
 ) -> None:
     """write_adapter with torch operations (``slots`` int64): the CPU path."""
     num_layers, width = pool.shape[0], pool.shape[-1]
+    by_pair = host.pairs
     for m, place in enumerate(host.plan.placements):
         if place is None:
             continue
@@ -122,7 +123,7 @@ def write_adapter_torch(
                             device=pool.device)  # fmt: skip
         b_pad = torch.zeros(num_layers, place.rank, place.out_chunks * width, dtype=pool.dtype,
                             device=pool.device)  # fmt: skip
-        pairs: list[LoraPair | None] = [host.pairs.get((layer, m)) for layer in range(num_layers)]
+        pairs: list[LoraPair | None] = [by_pair.get((layer, m)) for layer in range(num_layers)]
         uniform = all(
             p is not None and p.fold is None and p.a.shape[0] == place.rank for p in pairs
         )
