@@ -6,7 +6,9 @@ bench/serving.py measures the trace end to end through the services; this shows 
 spend their time on, which a step's total (the step log) cannot: the trace of 1000 requests at
 once (bench/serving.py's, same seed), for the base model and with n rank-8 q/k/v/o adapters,
 each window's kernels summed by kind (GEMMs, attention's decode and prefill kernels, LoRA,
-the pointwise kernels, the rest) in ms per step, beside the steps' own GPU time.
+the pointwise kernels, the rest) in ms per step, beside the steps' own GPU time. Each trace's
+adapters are placed in the pool's free room first, as the services' preload places them (with
+``--cold`` they start in the host cache).
 
     python bench/trace_profile.py --adapters 0 100 --windows 40:70 300:330 700:730
     python bench/trace_profile.py --shape tiny --device cpu --requests 24 --windows 2:6
@@ -37,6 +39,7 @@ from bench.serving import WORKLOADS, make_trace, with_adapters  # noqa: E402
 from services.inference.engine.api import AdapterKey, GenerationRequest  # noqa: E402
 from services.inference.engine.config import EngineConfig  # noqa: E402
 from services.inference.engine.engine import Engine  # noqa: E402
+from services.inference.engine.errors import PoolBusy  # noqa: E402
 from services.inference.engine.sampling_params import SamplingParams  # noqa: E402
 from store.synthetic import synthetic_adapter  # noqa: E402
 
@@ -165,6 +168,17 @@ async def run_trace(engine: Engine, trace, keys, vocab: int, windows: list[Windo
     return sum(counts), seconds
 
 
+async def place(engine: Engine, keys: list) -> int:
+    """Copies ``keys``' adapters into the pool's free room, as the services' preload does (no
+    eviction; it stops at the first that finds none); returns how many it placed."""
+    for i, key in enumerate(keys):
+        try:
+            await engine.load_adapter(key, if_free=True)
+        except PoolBusy:
+            return i
+    return len(keys)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-7b")
@@ -174,6 +188,11 @@ def main() -> None:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="S1")
     parser.add_argument("--windows", nargs="+", default=["40:70", "300:330", "700:730"],
                         help="FIRST:LAST step ranges to profile in each trace")  # fmt: skip
+    parser.add_argument(
+        "--cold", action="store_true",
+        help="leave the adapters in the host cache before each trace; by default the trace's "
+        "adapters are placed in the pool first, as the services' preload places them",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "lorafleet-serving"
@@ -215,6 +234,7 @@ def main() -> None:
             for n in args.adapters:
                 trace = with_adapters(make_trace(math.inf, args.requests, None, args.seed), n,
                                       1.0, args.seed)  # fmt: skip
+                placed = 0 if args.cold else await place(engine, keys[:n])
                 before = engine.core.steps
                 windows = [Window(before + int(a), before + int(b))
                            for a, b in (w.split(":") for w in args.windows)]  # fmt: skip
@@ -226,13 +246,15 @@ def main() -> None:
                                                      r["attn_pairs"], r["adapter_bytes"])
                             for r in records) / 1e3  # fmt: skip
                 row = {
-                    "adapters": n, "requests": len(trace), "output_tokens": tokens,
+                    "adapters": n, "placed_in_pool": placed, "requests": len(trace),
+                    "output_tokens": tokens,
                     "seconds": seconds, "output_tokens_per_s": tokens / seconds,
                     "steps": len(records), "gpu_s": gpu, "phase_bound_s": bound,
                     "windows": [w.report(records) for w in windows if w.done],
                 }  # fmt: skip
                 rows.append(row)
-                print(f"n={n}: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.0f} tok/s, "
+                print(f"n={n} ({placed} placed in the pool first): {tokens} tokens in "
+                      f"{seconds:.2f} s = {tokens / seconds:.0f} tok/s, "
                       f"{len(records)} steps, GPU {gpu:.2f} s, phase bound {bound:.2f} s",
                       flush=True)  # fmt: skip
                 for w in row["windows"]:
