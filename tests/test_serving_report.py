@@ -56,4 +56,3 @@ def test_vs_base_over_passes_averages_each_n_over_its_passes():
     assert five["passes"] == 2 and abs(five["mean"] - 0.95) < 1e-12
     assert (five["min"], five["max"]) == (0.94, 0.96)
     assert got["gateway", 9]["passes"] == 1
-
