@@ -1,5 +1,6 @@
 """engine/host_adapter.py: the pair table (pack_pairs) describes every pair of the file, per-layer
-folds included, and an adapter costs the garbage collector a few objects, not a few per pair."""
+folds included, and an adapter costs the garbage collector a few objects, not a few per pair; so
+does the AdapterSpec (engine/adapter_spec.py) that the service's host cache holds for it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import safetensors.torch
 import torch
 
+from services.inference.engine.adapter_spec import PairSpec, validate_and_describe
 from services.inference.engine.host_adapter import (
     LoraPair,
     TensorRef,
@@ -88,3 +90,21 @@ def test_an_adapter_costs_the_collector_the_same_few_objects_at_any_depth():
     # 32 layers x 4 modules as named tuples would be 384 objects an adapter
     assert deep <= 40, deep
     assert abs(deep - shallow) <= 4, (shallow, deep)
+
+
+def test_a_spec_is_one_object_to_the_collector_and_names_its_pairs():
+    shape = _shape(32)
+    config, body, tensors = _files(shape)
+    spec = validate_and_describe(config, memoryview(body), shape, 16)
+    # the collector stops tracking a plain tuple once what it holds is untracked, one level a
+    # collection: the shapes, then each pair, then the tuple of pairs
+    for _ in range(3):
+        gc.collect()
+    assert not gc.is_tracked(spec.pairs)
+    assert all(not gc.is_tracked(p) for p in spec.pairs)
+    named = spec.pair_specs()
+    assert len(named) == len(tensors) // 2 == shape.num_layers * len(MODULES)
+    assert all(isinstance(p, PairSpec) for p in named)
+    assert [(p.layer, p.module) for p in named] == sorted((p.layer, p.module) for p in named)
+    host = build_host_adapter("k", config, body, shape, 16, 16, pin=False, spec=spec)
+    assert host.pairs == build_host_adapter("k", config, body, shape, 16, 16, pin=False).pairs

@@ -180,7 +180,7 @@ def build_host_adapter(
             TensorRef(p.b_offset, TORCH_DTYPES[p.b_dtype], p.b_shape),
             p.fold,
         )
-        for p in spec.pairs
+        for p in spec.pair_specs()
     }
     ranks = tuple(spec.ranks.get(name, 0) for name in MODULES)
     scales = tuple(spec.scales.get(name, 0.0) for name in MODULES)
