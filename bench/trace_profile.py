@@ -15,6 +15,16 @@ adapters are placed in the pool's free room first, as the services' preload plac
 
 On the CPU (a check that the script runs) the profiler, started from the event loop's thread,
 does not see the step thread's operators: the windows there report their steps, no kernels.
+
+With ``--by-step`` (CUDA) one window of each trace is profiled from the step thread instead, and
+every launch is preceded by a marker kernel on the step's stream (torch.cuda._sleep's
+spin_kernel): the kernels between two markers, in the GPU's order, are one step's, so each step's
+kernel time by kind joins its step log record, and the report sums them by step kind (decode
+steps, mixed steps) beside the adapter bytes and activations those steps move. The profiled
+trace's throughput is not the engine's (the window ends on the step thread, which then sums the
+profile): compare the kernel times, not its tokens/s.
+
+    python bench/trace_profile.py --adapters 0 1000 --by-step 0:3000
 """
 
 from __future__ import annotations
@@ -121,6 +131,100 @@ class Window:
         }
 
 
+MARKER = "spin_kernel"  # torch.cuda._sleep's kernel: one before every launch (--by-step)
+
+
+def kernels_by_step(
+    kernels: list[tuple[str, float, float]], marks: list[int | None]
+) -> tuple[dict[int, dict[str, float]], int]:
+    """Each step's kernel time by kind (kind_of), ms, and how many markers the profile holds:
+    ``kernels`` are (name, GPU start µs, duration µs) in any order, ``marks`` the step each
+    MARKER kernel opened, in launch order (None: a launch that ran no step). Kernels before the
+    first marker are no step's; a step opened by a marker runs until the next one. Where the
+    profile holds fewer or more markers than ``marks`` (a profiler that dropped records), the
+    caller must not trust the steps: the count says so."""
+    ordered = sorted(kernels, key=lambda k: k[1])
+    out: dict[int, dict[str, float]] = {}
+    current: dict[str, float] | None = None
+    seen = 0
+    for name, _, us in ordered:
+        if MARKER in name:
+            step = marks[seen] if seen < len(marks) else None
+            seen += 1
+            current = None if step is None else out.setdefault(step, defaultdict(float))
+        elif current is not None:
+            current[kind_of(name)] += us / 1e3
+    return {step: dict(kinds) for step, kinds in out.items()}, seen
+
+
+class StepProfile:
+    """--by-step: the profiler over launches [first, last) of the engine's count, started and
+    stopped on the step thread (EngineCore.launch wrapped), a marker kernel before each launch."""
+
+    def __init__(self, core, first: int, last: int) -> None:
+        self.core, self.first, self.last = core, first, last
+        self.prof = None
+        self.marks: list[int | None] = []
+        self.steps: dict[int, dict[str, float]] = {}
+        self.markers_found = 0
+        self.done = False
+        self._launch = core.launch
+        core.launch = self.launch
+
+    def launch(self, during=None):
+        step = self.core.steps  # the number the step about to launch gets
+        if self.prof is None and not self.done and step >= self.first:
+            from torch.profiler import ProfilerActivity, profile
+
+            self.prof = profile(activities=[ProfilerActivity.CUDA])
+            self.prof.__enter__()
+        if self.prof is not None:
+            torch.cuda._sleep(1)
+        launched = self._launch(during=during)
+        if self.prof is not None:
+            self.marks.append(step if launched is not None else None)
+            if self.core.steps >= self.last:
+                self.stop()
+        return launched
+
+    def stop(self) -> None:
+        """Ends the window (on the step thread, or after the trace) and sums it by step."""
+        if self.prof is None:
+            return
+        torch.cuda.synchronize()
+        self.prof.__exit__(None, None, None)
+        kernels = [
+            (e.name, e.time_range.start, e.time_range.end - e.time_range.start)
+            for e in self.prof.events()
+            if e.device_type.name == "CUDA"
+        ]  # fmt: skip
+        self.steps, self.markers_found = kernels_by_step(kernels, self.marks)
+        self.prof, self.done = None, True
+
+    def restore(self) -> None:
+        self.core.launch = self._launch
+
+
+def by_step_report(steps: dict[int, dict[str, float]], records: list[dict]) -> dict:
+    """The profiled steps' kernel time by kind, summed over decode steps and over mixed steps
+    (s), beside their adapter bytes and LoRA activations (GB) and their GPU time (s)."""
+    out = {}
+    for label, mixed in (("decode", False), ("mixed", True)):
+        rows = [r for r in records if r["step"] in steps and (r["prefill_tokens"] > 0) == mixed]
+        kinds: dict[str, float] = defaultdict(float)
+        for r in rows:
+            for kind, ms in steps[r["step"]].items():
+                kinds[kind] += ms / 1e3
+        out[label] = {
+            "steps": len(rows),
+            "gpu_s": sum(r["gpu_ms"] or 0.0 for r in rows) / 1e3,
+            "kernel_s": {k: round(v, 4) for k, v in sorted(kinds.items())},
+            "adapter_gb": sum(r["adapter_bytes"] for r in rows) / 1e9,
+            "tokens": sum(r["tokens"] for r in rows),
+        }
+    return out
+
+
 def warm_profiler(cuda: bool) -> None:
     """Start and stop the profiler once before the traces: its first start initializes the
     tracing library, which took long enough on the H200 for a hundred steps to pass before the
@@ -189,6 +293,11 @@ def main() -> None:
     parser.add_argument("--windows", nargs="+", default=["40:70", "300:330", "700:730"],
                         help="FIRST:LAST step ranges to profile in each trace")  # fmt: skip
     parser.add_argument(
+        "--by-step", default=None, metavar="FIRST:LAST",
+        help="CUDA: profile these launches of each trace from the step thread, each step's "
+        "kernels apart (marker kernels), instead of --windows",
+    )  # fmt: skip
+    parser.add_argument(
         "--cold", action="store_true",
         help="leave the adapters in the host cache before each trace; by default the trace's "
         "adapters are placed in the pool first, as the services' preload places them",
@@ -201,6 +310,8 @@ def main() -> None:
         "--out", type=Path, default=REPO / "bench" / "results" / "trace_profile.json"
     )
     args = parser.parse_args()
+    if args.by_step and args.device != "cuda":
+        parser.error("--by-step needs CUDA (its markers are kernels)")
 
     from bench.adapter_load import machine
     from bench.roofline import Roofline, measure_ceilings
@@ -236,10 +347,22 @@ def main() -> None:
                                       1.0, args.seed)  # fmt: skip
                 placed = 0 if args.cold else await place(engine, keys[:n])
                 before = engine.core.steps
-                windows = [Window(before + int(a), before + int(b))
-                           for a, b in (w.split(":") for w in args.windows)]  # fmt: skip
-                tokens, seconds = await run_trace(engine, trace, keys[:n], shape.vocab,
-                                                  windows, args.seed)  # fmt: skip
+                marked = None
+                if args.by_step:
+                    a, b = (int(v) for v in args.by_step.split(":"))
+                    marked = StepProfile(engine.core, before + a, before + b)
+                    windows = []
+                else:
+                    windows = [Window(before + int(a), before + int(b))
+                               for a, b in (w.split(":") for w in args.windows)]  # fmt: skip
+                try:
+                    tokens, seconds = await run_trace(engine, trace, keys[:n], shape.vocab,
+                                                      windows, args.seed)  # fmt: skip
+                finally:
+                    if marked is not None:
+                        marked.restore()
+                if marked is not None:  # the trace ended inside the window: the engine idles
+                    marked.stop()
                 records = [r.public() for r in engine.core.step_log.recent if r.step >= before]
                 gpu = sum(r["gpu_ms"] or 0.0 for r in records) / 1e3
                 bound = sum(roof.step_phase_bound_ms(r["tokens"], r["kv_read"], r["kv_written"],
@@ -252,6 +375,22 @@ def main() -> None:
                     "steps": len(records), "gpu_s": gpu, "phase_bound_s": bound,
                     "windows": [w.report(records) for w in windows if w.done],
                 }  # fmt: skip
+                if marked is not None:
+                    row["markers"] = {"launches": len(marked.marks), "found": marked.markers_found}
+                    if marked.markers_found != len(marked.marks):
+                        print(f"  the profile holds {marked.markers_found} markers for "
+                              f"{len(marked.marks)} launches: its steps are not each step's",
+                              flush=True)  # fmt: skip
+                    row["by_step"] = by_step_report(marked.steps, records)
+                    row["steps_profiled"] = {
+                        str(k): {kind: round(ms, 4) for kind, ms in v.items()}
+                        for k, v in sorted(marked.steps.items())
+                    }  # fmt: skip
+                    for label, v in row["by_step"].items():
+                        print(f"  {label} steps: {v['steps']}, GPU {v['gpu_s']:.2f} s, adapter "
+                              f"bytes {v['adapter_gb']:.1f} GB | " + ", ".join(
+                                  f"{k} {t:.3f}" for k, t in v["kernel_s"].items()),
+                              flush=True)  # fmt: skip
                 rows.append(row)
                 print(f"n={n} ({placed} placed in the pool first): {tokens} tokens in "
                       f"{seconds:.2f} s = {tokens / seconds:.0f} tok/s, "
