@@ -20,7 +20,7 @@ With ``--by-step`` (CUDA) one window of each trace is profiled from the step thr
 every launch is preceded by a marker kernel on the step's stream (torch.cuda._sleep's
 spin_kernel): the kernels between two markers, in the GPU's order, are one step's, so each step's
 kernel time by kind joins its step log record, and the report sums them by step kind (decode
-steps, mixed steps) beside the adapter bytes and activations those steps move. The profiled
+steps, mixed steps) beside those steps' adapter bytes, tokens and GPU time. The profiled
 trace's throughput is not the engine's (the window ends on the step thread, which then sums the
 profile): compare the kernel times, not its tokens/s.
 
@@ -207,7 +207,7 @@ class StepProfile:
 
 def by_step_report(steps: dict[int, dict[str, float]], records: list[dict]) -> dict:
     """The profiled steps' kernel time by kind, summed over decode steps and over mixed steps
-    (s), beside their adapter bytes and LoRA activations (GB) and their GPU time (s)."""
+    (s), beside their adapter bytes (GB), tokens and GPU time (s)."""
     out = {}
     for label, mixed in (("decode", False), ("mixed", True)):
         rows = [r for r in records if r["step"] in steps and (r["prefill_tokens"] > 0) == mixed]
