@@ -102,7 +102,7 @@ def test_a_spec_is_one_object_to_the_collector_and_names_its_pairs():
         gc.collect()
     assert not gc.is_tracked(spec.pairs)
     assert all(not gc.is_tracked(p) for p in spec.pairs)
-    named = spec.pair_specs()
+    named = [PairSpec(*p) for p in spec.pairs]
     assert len(named) == len(tensors) // 2 == shape.num_layers * len(MODULES)
     assert all(isinstance(p, PairSpec) for p in named)
     assert [(p.layer, p.module) for p in named] == sorted((p.layer, p.module) for p in named)

@@ -38,15 +38,12 @@ class AdapterSpec(NamedTuple):
     total_size: int  # bytes of adapter_model.safetensors
     ranks: dict[str, int]  # module -> largest rank over its layers (targeted modules only)
     scales: dict[str, float]  # module -> the LoRA index scale (targeted modules only)
-    # PairSpec's fields as plain tuples, sorted by (layer, module) (pair_specs() names them). A
+    # PairSpec's fields as plain tuples, sorted by (layer, module) (PairSpec(*p) names one). A
     # plain tuple of ints, strings, floats and None is one the garbage collector stops tracking
     # (a named tuple it never does), and the service's host cache holds a spec for every adapter
     # it caches: 2000 Llama-7B S1 specs of named tuples were 260,000 objects that every full
     # collection of its event loop's thread scanned.
     pairs: tuple[tuple, ...]
-
-    def pair_specs(self) -> list[PairSpec]:
-        return [PairSpec(*p) for p in self.pairs]
 
 
 def describe_adapter(config: LoraAdapterConfig, header: SafetensorsHeader) -> AdapterSpec:

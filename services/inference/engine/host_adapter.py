@@ -20,7 +20,7 @@ The pairs are held as one int64 table (``pair_table``, pack_pairs), not as a dic
 an engine holds its adapters for as long as it runs, and each pair as a named tuple was three
 objects that every full garbage collection scans (a Llama-7B S1 adapter: 384; with 500 such
 adapters held, a full collection took 18 ms on a 2-core development machine, 0.3 ms with the
-table). ``pairs`` builds the dict when asked (a copy's fallback path, a pieces table once, tests).
+table). ``pairs`` builds the dict when asked (the torch copy path, tests).
 """
 
 from __future__ import annotations
@@ -69,17 +69,26 @@ PAIR_COLS = 12
 _TABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+_DTYPE_CODE = {dtype: i for i, dtype in enumerate(_TABLE_DTYPES)}
+
+
+def _pair_table(rows) -> torch.Tensor:
+    """pair_table from (layer, module id, A offset, A dtype, A shape, B offset, B dtype, B shape,
+    fold) rows, dtypes as torch dtypes."""
+    table = [
+        (layer, m, a_off, _DTYPE_CODE[a_dt], *a_shape, b_off, _DTYPE_CODE[b_dt], *b_shape,
+         fold is not None, 0 if fold is None else int(np.float64(fold).view(np.int64)))
+        for layer, m, a_off, a_dt, a_shape, b_off, b_dt, b_shape, fold in rows
+    ]  # fmt: skip
+    return torch.from_numpy(np.asarray(table, dtype=np.int64).reshape(-1, PAIR_COLS))
+
+
 def pack_pairs(pairs: dict[tuple[int, int], LoraPair]) -> torch.Tensor:
     """``pairs`` as one int64 tensor [len(pairs), PAIR_COLS], rows by (layer, module)."""
-    rows = []
-    for (layer, m), pair in sorted(pairs.items()):
-        row = [layer, m]
-        for ref in (pair.a, pair.b):
-            row += [ref.offset, _TABLE_DTYPES.index(ref.dtype), *ref.shape]
-        fold = 0.0 if pair.fold is None else pair.fold
-        row += [pair.fold is not None, int(np.float64(fold).view(np.int64))]
-        rows.append(row)
-    return torch.from_numpy(np.asarray(rows, dtype=np.int64).reshape(-1, PAIR_COLS))
+    return _pair_table(
+        (layer, m, p.a.offset, p.a.dtype, p.a.shape, p.b.offset, p.b.dtype, p.b.shape, p.fold)
+        for (layer, m), p in sorted(pairs.items())
+    )
 
 
 def unpack_pairs(table: torch.Tensor) -> dict[tuple[int, int], LoraPair]:
@@ -174,21 +183,19 @@ def build_host_adapter(
         spec = validate_and_describe(config_json, memoryview(raw.numpy()), base, max_rank)
     if pin and not raw.is_pinned():
         raw = raw.pin_memory()
-    pairs = {
-        (p.layer, MODULE_ID[p.module]): LoraPair(
-            TensorRef(p.a_offset, TORCH_DTYPES[p.a_dtype], p.a_shape),
-            TensorRef(p.b_offset, TORCH_DTYPES[p.b_dtype], p.b_shape),
-            p.fold,
-        )
-        for p in spec.pair_specs()
-    }
+    # spec.pairs: adapter_spec.PairSpec's fields, sorted by (layer, module)
+    pair_table = _pair_table(
+        (layer, MODULE_ID[module], a_off, TORCH_DTYPES[a_dt], a_shape, b_off, TORCH_DTYPES[b_dt],
+         b_shape, fold)
+        for layer, module, a_off, a_dt, a_shape, b_off, b_dt, b_shape, fold in spec.pairs
+    )  # fmt: skip
     ranks = tuple(spec.ranks.get(name, 0) for name in MODULES)
     scales = tuple(spec.scales.get(name, 0.0) for name in MODULES)
     dims = tuple(tuple(base.module_dims(name)) for name in MODULES)
     plan_base = base if shard is None else shard_base_shape(base, shard.size)
     plan = plan_for(spec, plan_base, width)
     return HostAdapter(
-        key, ranks, dims, scales, pack_pairs(pairs), plan, num_layers=base.num_layers, raw=raw,
+        key, ranks, dims, scales, pair_table, plan, num_layers=base.num_layers, raw=raw,
         shard=shard,
     )  # fmt: skip
 
@@ -199,7 +206,7 @@ def copy_pieces(host: HostAdapter) -> torch.Tensor | None:
     are the file's rows (columns contiguous), Bᵀ's rows the file's B columns (stride r_l); a
     shard's slice of A's columns or B's rows moves the start."""
     table = []
-    pairs = host.pairs
+    rows = {(r[0], r[1]): r for r in host.pair_table.tolist()}  # (layer, module id) -> its row
     for m, place in enumerate(host.plan.placements):
         if place is None:
             continue
@@ -209,22 +216,21 @@ def copy_pieces(host: HostAdapter) -> torch.Tensor | None:
             a_cols, b_rows = lora_slices(m, d_in, d_out, host.shard)
             a_part, b_part = a_part[a_cols], b_part[b_rows]
         for layer in range(host.num_layers):
-            pair = pairs.get((layer, m))
+            row = rows.get((layer, m))
             a_row = [layer, 0, place.a_offset, place.rank, place.in_chunks]
             b_row = [layer, 1, place.b_offset, place.rank, place.out_chunks]
-            if pair is None:  # a layer the module does not transform: zeros
+            if row is None:  # a layer the module does not transform: zeros
                 table += [a_row + [0] * 6 + [_F32_ONE], b_row + [0] * 6 + [_F32_ONE]]
                 continue
-            r_l = pair.a.shape[0]
-            for ref in (pair.a, pair.b):
-                if ref.offset % ref.dtype.itemsize:
-                    return None
-            a, b = pair.a, pair.b
-            a_start = a.offset // a.dtype.itemsize + a_part.start
-            b_start = b.offset // b.dtype.itemsize + b_part.start * r_l
-            fold = _F32_ONE if pair.fold is None else _f32_bits(pair.fold)
-            a_code, b_code = PIECE_DTYPES[a.dtype], PIECE_DTYPES[b.dtype]
-            table.append(a_row + [a_start, a.shape[1], 1, r_l, len(a_part), a_code, _F32_ONE])
+            _, _, a_off, a_dt, r_l, a_cols_n, b_off, b_dt, _, _, folds, bits = row
+            a_dtype, b_dtype = _TABLE_DTYPES[a_dt], _TABLE_DTYPES[b_dt]
+            if a_off % a_dtype.itemsize or b_off % b_dtype.itemsize:
+                return None
+            a_start = a_off // a_dtype.itemsize + a_part.start
+            b_start = b_off // b_dtype.itemsize + b_part.start * r_l
+            fold = _f32_bits(float(np.int64(bits).view(np.float64))) if folds else _F32_ONE
+            a_code, b_code = PIECE_DTYPES[a_dtype], PIECE_DTYPES[b_dtype]
+            table.append(a_row + [a_start, a_cols_n, 1, r_l, len(a_part), a_code, _F32_ONE])
             table.append(b_row + [b_start, 1, r_l, r_l, len(b_part), b_code, fold])
     out = torch.from_numpy(np.asarray(table, dtype=np.int64).reshape(-1, PIECE_COLS))
     # Pinned beside pinned bytes: a copy from pageable memory would wait for the copy stream.
