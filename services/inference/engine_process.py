@@ -4,11 +4,13 @@ Why: in one process the step thread shares the GIL with the event loop that stre
 serves RPCs and follows the store; every millisecond of that Python which falls between two
 steps delays the next one. On the H200, 64 streams through gRPC with cold loads gave a decode
 step p99 1.02-1.10x of the quiet step, against 1.03x for the engine alone
-(bench/service_load.py, bench/adapter_load.py). Here the step thread's only neighbour is the
-thread that reads commands: it sleeps in a socket read between them and only unpickles each
-one into the engine's inbox. The step thread applies them, between steps or while a step
-computes (Engine._drain: adapter commands wait for a step's GPU time; commands that depend on
-each other keep their order), so their Python does not compete with it for the GIL either.
+(bench/service_load.py, bench/adapter_load.py). Here the step thread's only neighbours are the
+thread that reads commands, which sleeps in a socket read between them and only unpickles each
+one into the engine's inbox, and the one that sends reports (ReportSender: the step thread
+queues them, so that a service that stops reading for a while does not stop the steps). The
+step thread applies the commands, between steps or while a step computes (Engine._drain:
+adapter commands wait for a step's GPU time; commands that depend on each other keep their
+order), so their Python does not compete with it for the GIL either.
 
 The service keeps everything else: the registry, the host cache and its arena, the fetch
 worker, the gRPC server. Adapter bytes do not travel: the arena is a memfd that this process
@@ -37,8 +39,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 from typing import NamedTuple
@@ -56,6 +60,9 @@ log = logging.getLogger(__name__)
 
 _STATS_EVERY_S = 0.05  # a busy engine's stats reach the service this often
 _POLL_S = 0.5  # the command reader checks this often that the step loop is still alive
+# Reports the step thread may queue ahead of what the socket takes: a full batch's report is
+# some 25 KB, so at most about 25 MB, 25-40 s of steps.
+MAX_PENDING_REPORTS = 1024
 
 
 class EngineInfo(NamedTuple):
@@ -113,6 +120,50 @@ def _command(msg: tuple) -> _Command:
     return _Command(msg, kind, (msg[2],))  # abort: the request id; the others: the adapter
 
 
+class ReportSender:
+    """The step thread's reports, sent to the service on a thread of their own.
+
+    A send blocks once the socket's buffer is full (some 200 KB on Linux: about eight steps of
+    a full batch's tokens), and it fills whenever the service's event loop stops reading for
+    longer than that (a full garbage collection of its heap, a burst of RPCs). Sent from the
+    step thread between two launches, such a report kept the next step from launching and the
+    GPU idled until the service read again (an experiment that stopped the service for 1 s with
+    32 sequences decoding on the CPU: the engine ran 0.8 s, then stood still until the service
+    went on). Queued here, reports wait in this process's memory while the step loop goes on.
+    The queue holds at most ``max_pending``: a service slower than the engine for good still
+    holds the engine back, as before (put() blocks).
+
+    Invariants:
+    - messages go out in the order put() took them, one thread sending;
+    - once the connection broke (``gone``), messages are dropped, never block;
+    - close() returns after every message put before it was sent or dropped.
+    """
+
+    def __init__(self, conn: Connection, max_pending: int = MAX_PENDING_REPORTS) -> None:
+        self._conn = conn
+        self._queue: queue.Queue[tuple | None] = queue.Queue(max_pending)
+        self.gone = False
+        self._thread = threading.Thread(target=self._run, name="engine-reports", daemon=True)
+        self._thread.start()
+
+    def put(self, msg: tuple) -> None:
+        if not self.gone:
+            self._queue.put(msg)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (msg := self._queue.get()) is not None:
+            if self.gone:
+                continue  # drained, so that put() never waits on a dead connection
+            try:
+                self._conn.send(msg)
+            except OSError:  # the service is gone; the command reader sees it and stops
+                self.gone = True
+
+
 class ProcessEngine(Engine):
     """An Engine whose outputs and news go to the service over ``conn``."""
 
@@ -137,7 +188,7 @@ class ProcessEngine(Engine):
         self._stats_at = 0.0
         self._was_busy = False  # the engine had requests at the last report
         self._last_stats: EngineStats | None = None
-        self._gone = False  # the connection broke
+        self._sender = ReportSender(conn)
         self.core.adapters.track_changes()
         self.add_load_listener(self._copied)
 
@@ -248,13 +299,12 @@ class ProcessEngine(Engine):
         if not news and applied == self._reported:
             return
         self._reported = applied
-        if self._gone:
-            return
-        report = Report(applied, outputs, errors, adapters, copies, loaded, aborted, stats)
-        try:
-            self._conn.send(("report", report))
-        except OSError:  # the service is gone; the command reader sees it and stops the engine
-            self._gone = True
+        self._sender.put(("report", Report(applied, outputs, errors, adapters, copies, loaded,
+                                           aborted, stats)))  # fmt: skip
+
+    def close_reports(self) -> None:
+        """After the final report: every report is sent (or the service is gone)."""
+        self._sender.close()
 
 
 def serve(conn: Connection, arena_fd: int, arena_bytes: int) -> int:
@@ -296,6 +346,7 @@ def serve(conn: Connection, arena_fd: int, arena_bytes: int) -> int:
         engine.report(final=True)
     except Exception:  # after a failed step the core may be inconsistent; still say why
         log.exception("the final report failed")
+    engine.close_reports()
     try:
         conn.send(("stopped", reason))
     except OSError:

@@ -12,7 +12,7 @@ import pytest
 
 from services.inference.arena import HostArena
 from services.inference.engine.adapter_manager import AdapterState
-from services.inference.engine.api import AdapterKey, GenerationRequest
+from services.inference.engine.api import AdapterKey, GenerationOutput, GenerationRequest
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.engine import Engine
 from services.inference.engine.errors import (
@@ -368,3 +368,56 @@ def test_an_engine_gone_idle_reports_its_stats_at_once(svc_models):
     )
     engine.report(final=False)
     assert gathered == [1] and ours.recv()[1].stats.adapters_host == 1
+
+
+def test_a_service_that_stops_reading_does_not_stop_the_step_thread(svc_models):
+    """Reports go out on a thread of their own: with the service not reading, reports far
+    larger than the socket's buffer leave report() at once (before, the step thread blocked in
+    the send until the service read again and the GPU idled meanwhile); once it reads, every
+    one arrives, in order, and close_reports() returns after the last."""
+    from multiprocessing import Pipe
+
+    from services.inference.engine_process import ProcessEngine
+
+    ours, theirs = Pipe()
+    engine = ProcessEngine(_config(svc_models), theirs)
+    tokens = tuple(range(4096))  # some 12 KB pickled: 64 reports hold several socket buffers
+    start = time.monotonic()
+    for i in range(64):
+        engine._deliver([GenerationOutput(f"r{i}", tokens, "", None, 2, len(tokens))])
+        engine.report(final=False)
+    assert time.monotonic() - start < 2.0, "report() waited for the service to read"
+    assert [ours.recv()[1].outputs[0][0] for _ in range(64)] == [f"r{i}" for i in range(64)]
+    engine.close_reports()
+    assert not ours.poll(0.1)
+
+
+def test_report_sender_bounds_what_it_holds_and_drops_after_the_service_is_gone():
+    """At max_pending queued reports put() waits for the socket (a service slower than the
+    engine for good holds it back, memory stays bounded); after the service closed its end,
+    puts neither block nor raise, and close() returns."""
+    import threading
+    from multiprocessing import Pipe
+
+    from services.inference.engine_process import ReportSender
+
+    ours, theirs = Pipe()
+    sender = ReportSender(theirs, max_pending=2)
+    big = ("report", b"x" * (4 << 20))  # blocks the sending thread: nobody reads yet
+    done = threading.Event()
+
+    def fill() -> None:
+        for _ in range(4):  # one in the send, two queued, the fourth waits
+            sender.put(big)
+        done.set()
+
+    filler = threading.Thread(target=fill, daemon=True)
+    filler.start()
+    assert not done.wait(0.5), "put() went past max_pending while nothing was read"
+    assert [len(ours.recv()[1]) for _ in range(4)] == [4 << 20] * 4
+    assert done.wait(5)
+    ours.close()
+    for _ in range(8):
+        sender.put(big)  # the first fails in the send; the rest are dropped
+    sender.close()
+    assert sender.gone
