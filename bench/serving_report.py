@@ -31,6 +31,14 @@ def analyse(results: list[dict], steps: list[dict], roof) -> dict:
         lora = s.get("adapter_bytes", 0)  # the step's adapters' weights, read once
         s["share"] = roof.step_bound_ms(*args, adapter_bytes=lora) / s["gpu_ms"]
         s["phase_share"] = roof.step_phase_bound_ms(*args, adapter_bytes=lora) / s["gpu_ms"]
+    # The device's busy share of the steps' span: with steps launched ahead it is below 1 only
+    # where the step thread launched nothing while the device had finished (the host's stalls)
+    gpu_s = sum(s["gpu_ms"] for s in window) / 1e3
+    span_s = (
+        window[-1]["launched_at"] + window[-1]["gpu_ms"] / 1e3 - window[0]["launched_at"]
+        if window
+        else 0.0
+    )
     big = [s["share"] for s in window if s["seqs"] >= 64]
     big_steps = [s for s in window if s["seqs"] >= 64]
     return {
@@ -49,6 +57,8 @@ def analyse(results: list[dict], steps: list[dict], roof) -> dict:
         "tpot_p99_s": pct(tpot, 99),
         "last_end_after_last_arrival_s": end - max(r["arrival"] for r in results),
         "steps": len(window),
+        "step_gpu_s": gpu_s,
+        "gpu_busy_share": gpu_s / span_s if span_s > 0 else None,
         "steps_batch_64_plus": len(big),
         "roofline_share_batch_64_plus": {q: pct(big, q) for q in (10, 25, 50, 75, 90)},
         "roofline_share_all": {q: pct([s["share"] for s in window], q) for q in (10, 50, 90)},
@@ -121,6 +131,7 @@ def table(rows: list[dict]) -> str:
         f"{'run':<10}{'pass':>5}{'via':>8}{'n':>6}{'done':>7}{'rej':>5}{'tok/s':>9}{'vs base':>8}"
         f"{'req/s':>7}"
         f"{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}{'tail s':>8}{'step/roof':>10}"
+        f"{'GPU busy':>9}"
     )
 
     def ms(x):
@@ -129,19 +140,22 @@ def table(rows: list[dict]) -> str:
     lines = [head]
     for r in rows:
         share = r["roofline_share_batch_64_plus"][50]
+        busy = r.get("gpu_busy_share")
         lines.append(
             f"{r['run']:<10}{r.get('pass', 1):>5}{r.get('via', 'grpc'):>8}{r['adapters']:>6}"
             f"{r['completed']:>7}"
             f"{r['rejected']:>5}"
-            f"{r['output_tokens_per_s']:>9.0f}{r.get('vs_base', 1.0):>8.2f}"
+            f"{r['output_tokens_per_s']:>9.0f}{r.get('vs_base', 1.0):>8.3f}"
             f"{r['requests_per_s']:>7.1f}{ms(r['ttft_p50_s']):>10}{ms(r['ttft_p99_s']):>8}"
             f"{ms(r['tpot_p50_s']):>10}{ms(r['tpot_p99_s']):>8}"
             f"{r['last_end_after_last_arrival_s']:>8.1f}"
             f"{'-' if share is None else f'{share:.2f}':>10}"
+            f"{'-' if busy is None else f'{busy:.3f}':>9}"
         )
     return (
         "\n".join(lines) + "\n(TTFT, TPOT in ms; pass 1: no adapter has served a request yet "
         "(preloaded in the host cache, or in the store only with --preload-adapters off), later "
         "passes: they have; tail: last end after the last arrival; "
-        "step/roof: median step's share of its roofline, steps of >= 64 sequences)"
+        "step/roof: median step's share of its roofline, steps of >= 64 sequences; GPU busy: "
+        "the steps' device time over their span)"
     )

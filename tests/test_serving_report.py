@@ -3,6 +3,8 @@ log."""
 
 from __future__ import annotations
 
+import pytest
+
 from bench.roofline import Ceilings, Roofline
 from bench.serving_report import analyse
 
@@ -56,3 +58,15 @@ def test_vs_base_over_passes_averages_each_n_over_its_passes():
     assert five["passes"] == 2 and abs(five["mean"] - 0.95) < 1e-12
     assert (five["min"], five["max"]) == (0.94, 0.96)
     assert got["gateway", 9]["passes"] == 1
+
+
+def test_gpu_busy_share_is_the_steps_device_time_over_their_span():
+    """Steps of 5 ms launched 0.1 s apart from 0.1 to 1.5 s: 4 of them busy the device 20 ms
+    of the 1.405 s from the first launch to the last step's end."""
+    results = [_result(0.0, 0.5, 2.0, 10, 30)]
+    steps = [_step(-1.0, 1, 64), _step(0.1, 2, 10), _step(0.3, 2, 0), _step(1.0, 1, 0),
+             _step(1.5, 2, 0)]  # fmt: skip
+    row = analyse(results, steps, ROOF)
+    assert row["step_gpu_s"] == pytest.approx(0.020)
+    assert row["gpu_busy_share"] == pytest.approx(0.020 / 1.405)
+    assert analyse(results, [], ROOF)["gpu_busy_share"] is None
