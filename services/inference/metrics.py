@@ -93,6 +93,23 @@ class _SnapshotCollector(Collector):
         for kind, value in s.memory._asdict().items():
             memory.add_metric([kind], value)
         yield memory
+        runs = CounterMetricFamily(
+            "lorafleet_engine_gc_collections",
+            "Garbage collections the engine's step thread ran between steps, by generation "
+            "(2: full)",
+            labels=["generation"],
+        )
+        seconds = CounterMetricFamily(
+            "lorafleet_engine_gc_seconds",
+            "Their time, by generation: a collection that outlasts the step queued before it "
+            "idles the device for the difference",
+            labels=["generation"],
+        )
+        for gen in range(3):
+            runs.add_metric([str(gen)], s.engine_gc.collections[gen])
+            seconds.add_metric([str(gen)], s.engine_gc.seconds[gen])
+        yield runs
+        yield seconds
 
 
 def tenant_label(caller: Caller | None) -> str:

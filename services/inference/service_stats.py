@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from services.inference.engine.api import DeviceMemory
+from services.inference.engine.gc_pacing import PacingStats
 
 
 class LatencySummary(NamedTuple):
@@ -102,3 +103,4 @@ class StatsSnapshot(NamedTuple):
     evictions_gpu_queued: int  # of evictions_gpu: adapters queued requests waited for
     fetch_worker_starts: int  # 0 without a store; above 1 after the worker died
     memory: DeviceMemory = DeviceMemory()  # the engine's (EngineStats.memory)
+    engine_gc: PacingStats = PacingStats()  # the engine's step thread's (EngineStats.gc)

@@ -327,6 +327,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             evictions_gpu_queued=e.adapter_evictions_queued,
             fetch_worker_starts=store.fetch_worker_starts if store is not None else 0,
             memory=e.memory,
+            engine_gc=e.gc,
         )
 
     # --- shutdown ---------------------------------------------------------------------------

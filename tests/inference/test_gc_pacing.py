@@ -162,6 +162,34 @@ def test_full_collections_spaced_by_their_duration(gc_state):
     assert [g for g, _ in gc_state].count(2) >= 2  # the real gc ran them (gc.collect above too)
 
 
+def test_a_slow_full_collection_is_logged(gc_state, caplog):
+    """A full collection of SLOW_FULL_S or more outlasts a decode step: a warning says how
+    long it took and how long the next one waits; shorter ones say nothing."""
+    clock = _Clock()
+    pacer = GcPacer(full_duty=0.01, full_min_interval_s=1.0, clock=clock)
+    gc.set_threshold(50, 1, 1)
+    pacer.pace(freeze=False)
+    gc.collect()
+    keep: list = []
+
+    def full(seconds: float) -> None:
+        """Collections that each "take" ``seconds`` until a full one ran."""
+        clock.now += 100.0  # past any interval
+        clock.per_call = seconds
+        for _ in range(10):
+            allocate(keep, 60)
+            if pacer.collect_if_due() == 2:
+                return
+        raise AssertionError("no full collection came")
+
+    with caplog.at_level("WARNING", logger="services.inference.engine.gc_pacing"):
+        full(0.01)
+        assert not caplog.records
+        full(0.12)
+    [record] = caplog.records
+    assert "took 120 ms" in record.getMessage() and "next waits 12 s" in record.getMessage()
+
+
 def test_release_restores_automatic_collection(gc_state):
     gc_pacing.pace_collections(freeze=False)
     assert not gc.isenabled() and gc_pacing.stats().active
@@ -219,6 +247,8 @@ async def test_engine_collects_on_its_step_thread(gc_state, tiny_models):
         await engine.stop()
     assert stepping and {thread for _, thread in gc_state} == {"engine-step-loop"}
     assert sum(gc_pacing.stats().collections) > sum(before.collections)
+    # The engine's stats carry them (the metrics' lorafleet_engine_gc_* counters)
+    assert engine.core.stats().gc == gc_pacing.stats()
 
 
 async def test_failed_step_loop_gives_collection_back(gc_state, tiny_models):

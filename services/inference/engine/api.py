@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from services.inference.engine.gc_pacing import PacingStats
 from services.inference.engine.sampling_params import SamplingParams
 
 
@@ -114,3 +115,4 @@ class EngineStats:
     adapter_evictions: int
     adapter_evictions_queued: int  # of those, adapters queued requests wait for (KV took them)
     memory: DeviceMemory = DeviceMemory()  # read at most once a second (DeviceMemoryReader)
+    gc: PacingStats = PacingStats()  # the step thread's paced garbage collections (gc_pacing)

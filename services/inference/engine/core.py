@@ -45,6 +45,7 @@ from services.inference.engine.errors import (
     UnknownAdapter,
 )
 from services.inference.engine.gc_pacing import collect_if_due
+from services.inference.engine.gc_pacing import stats as gc_stats
 from services.inference.engine.host_adapter import HostAdapter, build_host_adapter
 from services.inference.engine.model_runner import ADDEND_MIN_TOKENS, ModelRunner
 from services.inference.engine.page_allocator import OwnerKind
@@ -618,6 +619,7 @@ class EngineCore:
             adapter_evictions=self.adapters.evictions,
             adapter_evictions_queued=self.adapters.queued_evictions,
             memory=self._memory.read(),
+            gc=gc_stats(),
         )
 
 

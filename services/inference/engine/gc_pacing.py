@@ -43,12 +43,15 @@ log = logging.getLogger(__name__)
 # host during adapter loads (bench/adapter_load.py, automatic collection).
 FULL_DUTY = 0.01
 FULL_MIN_INTERVAL_S = 1.0
+# A full collection this long is logged as a warning: it outlasts a decode step of a full batch
+# on a GPU (tens of ms), so the device idles for the difference.
+SLOW_FULL_S = 0.05
 
 
 class PacingStats(NamedTuple):
-    collections: tuple[int, int, int]  # paced collections run, per generation
-    seconds: tuple[float, float, float]  # their total duration, per generation
-    active: bool
+    collections: tuple[int, int, int] = (0, 0, 0)  # paced collections run, per generation
+    seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)  # their total duration, per generation
+    active: bool = False
 
 
 def due_generation(
@@ -132,6 +135,13 @@ class GcPacer:
             self._seconds[gen] += end - now
             if gen == 2:
                 self._full_end, self._full_seconds = end, end - now
+                if end - now >= SLOW_FULL_S:
+                    log.warning(
+                        "a full garbage collection took %.0f ms on the step thread (the device "
+                        "idles for what outlasts the step queued before it); the next waits %.0f s",
+                        (end - now) * 1000, max(self.full_min_interval_s,
+                                                (end - now) / self.full_duty),
+                    )  # fmt: skip
             return gen
         finally:
             self._lock.release()

@@ -260,6 +260,8 @@ def test_health_reflection_and_metrics(stack):
         # a CPU service: no device memory to report
         'lorafleet_device_memory_bytes{kind="total"} 0.0',
         'lorafleet_device_memory_bytes{kind="peak_reserved"} 0.0',
+        'lorafleet_engine_gc_collections_total{generation="2"}',
+        'lorafleet_engine_gc_seconds_total{generation="0"}',
     ):  # fmt: skip
         assert name in body, name
     # The service follows the store from its start, so its fetch worker runs, once.
