@@ -130,12 +130,19 @@ class _Clock:
         return t
 
 
-def test_full_collections_spaced_by_their_duration(gc_state):
+def _clocked_pacer() -> tuple[_Clock, GcPacer]:
+    """A pacer on a test clock (1% duty, 1 s minimum), pacing from a fresh collection; a full
+    collection's count is reached after each generation-1 one (thresholds 50, 1, 1)."""
     clock = _Clock()
     pacer = GcPacer(full_duty=0.01, full_min_interval_s=1.0, clock=clock)
     gc.set_threshold(50, 1, 1)
     pacer.pace(freeze=False)
     gc.collect()
+    return clock, pacer
+
+
+def test_full_collections_spaced_by_their_duration(gc_state):
+    clock, pacer = _clocked_pacer()
     keep: list = []
 
     def drive(n: int) -> list[int | None]:
@@ -165,11 +172,7 @@ def test_full_collections_spaced_by_their_duration(gc_state):
 def test_a_slow_full_collection_is_logged(gc_state, caplog):
     """A full collection of SLOW_FULL_S or more outlasts a decode step: a warning says how
     long it took and how long the next one waits; shorter ones say nothing."""
-    clock = _Clock()
-    pacer = GcPacer(full_duty=0.01, full_min_interval_s=1.0, clock=clock)
-    gc.set_threshold(50, 1, 1)
-    pacer.pace(freeze=False)
-    gc.collect()
+    clock, pacer = _clocked_pacer()
     keep: list = []
 
     def full(seconds: float) -> None:
