@@ -62,21 +62,18 @@ class LoraPair(NamedTuple):
     fold: float | None  # the layer's scale, multiplied into B when written; None = index scale
 
 
-# pair_table's columns: layer, module id, then A's and B's byte offset, dtype (an index into
-# _TABLE_DTYPES) and two dims each, then whether the pair folds a scale and that scale's float64
-# bits
+# pair_table's columns: layer, module id, then A's and B's byte offset, dtype (its code in the
+# copy's pieces table, PIECE_DTYPES) and two dims each, then whether the pair folds a scale and
+# that scale's float64 bits
 PAIR_COLS = 12
-_TABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-_DTYPE_CODE = {dtype: i for i, dtype in enumerate(_TABLE_DTYPES)}
+_CODE_DTYPE = {code: dtype for dtype, code in PIECE_DTYPES.items()}
 
 
 def _pair_table(rows) -> torch.Tensor:
     """pair_table from (layer, module id, A offset, A dtype, A shape, B offset, B dtype, B shape,
     fold) rows, dtypes as torch dtypes."""
     table = [
-        (layer, m, a_off, _DTYPE_CODE[a_dt], *a_shape, b_off, _DTYPE_CODE[b_dt], *b_shape,
+        (layer, m, a_off, PIECE_DTYPES[a_dt], *a_shape, b_off, PIECE_DTYPES[b_dt], *b_shape,
          fold is not None, 0 if fold is None else int(np.float64(fold).view(np.int64)))
         for layer, m, a_off, a_dt, a_shape, b_off, b_dt, b_shape, fold in rows
     ]  # fmt: skip
@@ -91,14 +88,19 @@ def pack_pairs(pairs: dict[tuple[int, int], LoraPair]) -> torch.Tensor:
     )
 
 
+def _fold(folds: int, bits: int) -> float | None:
+    """A pair_table row's scale to fold into B (its last two columns); None: the index scale."""
+    return float(np.int64(bits).view(np.float64)) if folds else None
+
+
 def unpack_pairs(table: torch.Tensor) -> dict[tuple[int, int], LoraPair]:
     """pack_pairs' inverse."""
     out = {}
     for row in table.tolist():
         layer, m, a_off, a_dt, a0, a1, b_off, b_dt, b0, b1, folds, bits = row
-        fold = float(np.int64(bits).view(np.float64)) if folds else None
-        a = TensorRef(a_off, _TABLE_DTYPES[a_dt], (a0, a1))
-        b = TensorRef(b_off, _TABLE_DTYPES[b_dt], (b0, b1))
+        fold = _fold(folds, bits)
+        a = TensorRef(a_off, _CODE_DTYPE[a_dt], (a0, a1))
+        b = TensorRef(b_off, _CODE_DTYPE[b_dt], (b0, b1))
         out[layer, m] = LoraPair(a, b, fold)
     return out
 
@@ -223,15 +225,15 @@ def copy_pieces(host: HostAdapter) -> torch.Tensor | None:
                 table += [a_row + [0] * 6 + [_F32_ONE], b_row + [0] * 6 + [_F32_ONE]]
                 continue
             _, _, a_off, a_dt, r_l, a_cols_n, b_off, b_dt, _, _, folds, bits = row
-            a_dtype, b_dtype = _TABLE_DTYPES[a_dt], _TABLE_DTYPES[b_dt]
-            if a_off % a_dtype.itemsize or b_off % b_dtype.itemsize:
+            a_size, b_size = _CODE_DTYPE[a_dt].itemsize, _CODE_DTYPE[b_dt].itemsize
+            if a_off % a_size or b_off % b_size:
                 return None
-            a_start = a_off // a_dtype.itemsize + a_part.start
-            b_start = b_off // b_dtype.itemsize + b_part.start * r_l
-            fold = _f32_bits(float(np.int64(bits).view(np.float64))) if folds else _F32_ONE
-            a_code, b_code = PIECE_DTYPES[a_dtype], PIECE_DTYPES[b_dtype]
-            table.append(a_row + [a_start, a_cols_n, 1, r_l, len(a_part), a_code, _F32_ONE])
-            table.append(b_row + [b_start, 1, r_l, r_l, len(b_part), b_code, fold])
+            a_start = a_off // a_size + a_part.start
+            b_start = b_off // b_size + b_part.start * r_l
+            fold = _fold(folds, bits)
+            fold = _F32_ONE if fold is None else _f32_bits(fold)
+            table.append(a_row + [a_start, a_cols_n, 1, r_l, len(a_part), a_dt, _F32_ONE])
+            table.append(b_row + [b_start, 1, r_l, r_l, len(b_part), b_dt, fold])
     out = torch.from_numpy(np.asarray(table, dtype=np.int64).reshape(-1, PIECE_COLS))
     # Pinned beside pinned bytes: a copy from pageable memory would wait for the copy stream.
     return out.pin_memory() if host.raw.is_pinned() else out
