@@ -225,6 +225,26 @@ def by_step_report(steps: dict[int, dict[str, float]], records: list[dict]) -> d
     return out
 
 
+def marked_fields(marked: StepProfile, records: list[dict]) -> dict:
+    """A trace's --by-step results, for its row (and printed): the markers found against the
+    launches, the by-step report, and every profiled step's kernel time by kind."""
+    found, launches = marked.markers_found, len(marked.marks)
+    if found != launches:
+        print(f"  the profile holds {found} markers for {launches} launches: its steps are not "
+              "each step's", flush=True)  # fmt: skip
+    report = by_step_report(marked.steps, records)
+    for label, v in report.items():
+        print(f"  {label} steps: {v['steps']}, GPU {v['gpu_s']:.2f} s, adapter bytes "
+              f"{v['adapter_gb']:.1f} GB | " + ", ".join(
+                  f"{k} {t:.3f}" for k, t in v["kernel_s"].items()), flush=True)  # fmt: skip
+    return {
+        "markers": {"launches": launches, "found": found},
+        "by_step": report,
+        "steps_profiled": {str(k): {kind: round(ms, 4) for kind, ms in v.items()}
+                           for k, v in sorted(marked.steps.items())},
+    }  # fmt: skip
+
+
 def warm_profiler(cuda: bool) -> None:
     """Start and stop the profiler once before the traces: its first start initializes the
     tracing library, which took long enough on the H200 for a hundred steps to pass before the
@@ -376,21 +396,7 @@ def main() -> None:
                     "windows": [w.report(records) for w in windows if w.done],
                 }  # fmt: skip
                 if marked is not None:
-                    row["markers"] = {"launches": len(marked.marks), "found": marked.markers_found}
-                    if marked.markers_found != len(marked.marks):
-                        print(f"  the profile holds {marked.markers_found} markers for "
-                              f"{len(marked.marks)} launches: its steps are not each step's",
-                              flush=True)  # fmt: skip
-                    row["by_step"] = by_step_report(marked.steps, records)
-                    row["steps_profiled"] = {
-                        str(k): {kind: round(ms, 4) for kind, ms in v.items()}
-                        for k, v in sorted(marked.steps.items())
-                    }  # fmt: skip
-                    for label, v in row["by_step"].items():
-                        print(f"  {label} steps: {v['steps']}, GPU {v['gpu_s']:.2f} s, adapter "
-                              f"bytes {v['adapter_gb']:.1f} GB | " + ", ".join(
-                                  f"{k} {t:.3f}" for k, t in v["kernel_s"].items()),
-                              flush=True)  # fmt: skip
+                    row.update(marked_fields(marked, records))
                 rows.append(row)
                 print(f"n={n} ({placed} placed in the pool first): {tokens} tokens in "
                       f"{seconds:.2f} s = {tokens / seconds:.0f} tok/s, "

@@ -45,3 +45,17 @@ def test_the_report_sums_decode_and_mixed_steps_apart():
     assert decode["kernel_s"] == {"gemm": 0.005, "lora": 0.005}
     assert decode["gpu_s"] == pytest.approx(0.012) and decode["adapter_gb"] == pytest.approx(3.0)
     assert mixed["steps"] == 1 and mixed["kernel_s"] == {"gemm": 0.03, "lora": 0.01}
+
+
+def test_a_traces_row_holds_its_markers_report_and_steps(capsys):
+    from types import SimpleNamespace
+
+    from bench.trace_profile import marked_fields
+
+    marked = SimpleNamespace(markers_found=1, marks=[3, 4], steps={3: {"lora": 1.23456}})
+    records = [{"step": 3, "prefill_tokens": 0, "gpu_ms": 2.0, "adapter_bytes": 0, "tokens": 9}]
+    fields = marked_fields(marked, records)
+    assert fields["markers"] == {"launches": 2, "found": 1}
+    assert fields["by_step"]["decode"]["steps"] == 1
+    assert fields["steps_profiled"] == {"3": {"lora": 1.2346}}
+    assert "holds 1 markers for 2 launches" in capsys.readouterr().out
