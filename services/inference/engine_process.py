@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import queue
 import signal
 import sys
@@ -53,6 +54,7 @@ from services.inference.engine.adapter_manager import AdapterEntryStatus
 from services.inference.engine.api import AdapterKey, EngineStats, GenerationOutput
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.engine import Abort, CommandKind, Engine, Load, request_names
+from services.inference.engine.errors import EngineError
 from services.inference.engine.pool_sizing import EngineLimits
 from store.peft import BaseModelShape
 
@@ -136,6 +138,9 @@ class ReportSender:
     Invariants:
     - messages go out in the order put() took them, one thread sending;
     - once the connection broke (``gone``), messages are dropped, never block;
+    - a message that cannot be pickled is logged and dropped (nothing of it was written), and
+      the thread goes on: dead, it would leave put() to block for good once the queue filled
+      (the errors a report carries are made portable first: ``portable``);
     - close() returns after every message put before it was sent or dropped.
     """
 
@@ -159,9 +164,23 @@ class ReportSender:
             if self.gone:
                 continue  # drained, so that put() never waits on a dead connection
             try:
-                self._conn.send(msg)
+                self._conn.send(msg)  # pickled whole before a byte is written
             except OSError:  # the service is gone; the command reader sees it and stops
                 self.gone = True
+            except Exception:
+                log.exception("a %r message could not be sent to the service; dropped", msg[0])
+
+
+def portable(exc: BaseException) -> BaseException:
+    """``exc`` if it makes the trip to the service (pickled here, unpickled there), else an
+    EngineError naming it: an exception whose attributes do not pickle, or whose class cannot be
+    rebuilt from its args, would keep the whole report from the service (every request's
+    tokens in it) or break the service's reader. The engine's own errors pass as they are."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return EngineError(f"{type(exc).__name__}: {exc}")
+    return exc
 
 
 class ProcessEngine(Engine):
@@ -234,7 +253,7 @@ class ProcessEngine(Engine):
         try:
             self.core.add_request(request)
         except Exception as exc:  # invalid request, unknown adapter, overloaded: the caller's
-            self._errors.append((request.request_id, exc))
+            self._errors.append((request.request_id, portable(exc)))
 
     def _add(self, key, raw, config_json, spec) -> None:
         try:
@@ -244,10 +263,10 @@ class ProcessEngine(Engine):
             self._failed_adds[key] = None
 
     def _fail_requests(self, errors: list[tuple[str, BaseException]]) -> None:
-        self._errors.extend(errors)
+        self._errors.extend((rid, portable(exc)) for rid, exc in errors)
 
     def _answer(self, n: int, error: BaseException | None) -> None:
-        self._loaded.append((n, error))
+        self._loaded.append((n, None if error is None else portable(error)))
 
     def _copied(self, key: AdapterKey, seconds: float) -> None:
         self._copies.append((key, seconds))

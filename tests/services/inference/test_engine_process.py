@@ -421,3 +421,56 @@ def test_report_sender_bounds_what_it_holds_and_drops_after_the_service_is_gone(
         sender.put(big)  # the first fails in the send; the rest are dropped
     sender.close()
     assert sender.gone
+
+
+class _NeedsTwo(Exception):
+    """Pickles (its args), but cannot be rebuilt from them on the other side."""
+
+    def __init__(self, what: str, why: str) -> None:
+        super().__init__(f"{what}: {why}")
+
+
+def test_errors_that_would_not_reach_the_service_go_as_engine_errors():
+    """An error whose class cannot be rebuilt from its args, or that holds what does not
+    pickle, goes as an EngineError naming it (sent as it was, it would keep the whole report,
+    every request's tokens in it, from the service, or break the service's reader); the
+    engine's own errors and plain ones pass unchanged."""
+    import pickle
+    import threading
+
+    from services.inference.engine.errors import EngineError
+    from services.inference.engine_process import portable
+
+    held = RuntimeError("lock held")
+    held.lock = threading.Lock()
+    for exc in (_NeedsTwo("adapter a", "bad bytes"), held):
+        out = portable(exc)
+        assert type(out) is EngineError
+        assert str(out) == f"{type(exc).__name__}: {exc}"
+        assert str(pickle.loads(pickle.dumps(out))) == str(out)
+    for exc in (InvalidRequest("prompt too long"), ValueError("temperature < 0")):
+        assert portable(exc) is exc
+
+
+def test_report_sender_drops_a_message_that_does_not_pickle_and_goes_on(caplog):
+    """A message that cannot be pickled is logged and dropped, nothing of it written, and the
+    next one arrives whole: a dead sending thread would leave the step thread blocked in put()
+    once the queue filled."""
+    import threading
+    from multiprocessing import Pipe
+
+    from services.inference.engine_process import ReportSender
+
+    ours, theirs = Pipe()
+    sender = ReportSender(theirs)
+    sender.put(("report", threading.Lock()))
+    for i in range(4):
+        sender.put(("report", i))
+    got = []
+    for _ in range(4):
+        assert ours.poll(5), f"the sender stopped after {got}"
+        got.append(ours.recv())
+    assert got == [("report", i) for i in range(4)]
+    sender.close()
+    assert not ours.poll(0.1)
+    assert "a 'report' message could not be sent to the service; dropped" in caplog.text
