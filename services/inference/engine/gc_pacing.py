@@ -125,7 +125,7 @@ class GcPacer:
             if not self._active:  # released meanwhile
                 return None
             now = self._clock()
-            interval = max(self.full_min_interval_s, self._full_seconds / self.full_duty)
+            interval = self._full_interval(self._full_seconds)
             gen = due_generation(gc.get_count(), gc.get_threshold(), now - self._full_end, interval)
             if gen is None:
                 return None
@@ -139,12 +139,15 @@ class GcPacer:
                     log.warning(
                         "a full garbage collection took %.0f ms on the step thread (the device "
                         "idles for what outlasts the step queued before it); the next waits %.0f s",
-                        (end - now) * 1000, max(self.full_min_interval_s,
-                                                (end - now) / self.full_duty),
+                        (end - now) * 1000, self._full_interval(end - now),
                     )  # fmt: skip
             return gen
         finally:
             self._lock.release()
+
+    def _full_interval(self, full_seconds: float) -> float:
+        """How long after a full collection of ``full_seconds`` the next may run."""
+        return max(self.full_min_interval_s, full_seconds / self.full_duty)
 
     def stats(self) -> PacingStats:
         return PacingStats(tuple(self._collections), tuple(self._seconds), self._active)
