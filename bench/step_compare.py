@@ -13,7 +13,8 @@ activations the LoRA calls read and write (totals; from the run's shape and work
 LoRA step against the base model's steps fit to its shape (over_fit), by kind of step (decode,
 mixed, and mixed steps of decode size, FUSED_MAX_TOKENS tokens or fewer, apart) and LoRA kernel
 path, and for decode and mixed steps a line through that time against their adapter bytes' time
-(bytes_line: a fixed cost a step, and a cost a byte as a multiple of the copy bandwidth's).
+(bytes_line: a fixed cost a step, and a cost a byte as a multiple of the copy bandwidth's); last,
+what sets the step mix (schedule: each run's steps, decode batch and peak of context tokens).
 
     python bench/step_compare.py --serving bench/results/serving_s1_n1000.json \
         --steps bench/results/serving_s1_n1000_steps.jsonl.gz --base 0:2 --lora 1000:2
@@ -175,6 +176,24 @@ def over_fit(base: list[dict], lora: list[dict], bandwidth: float) -> dict:
     return {"schedule_s": round(sum(fit) / 1e3 - base_s, 3), "rows": rows, "lines": lines}
 
 
+def schedule(base: list[dict], lora: list[dict]) -> dict:
+    """What the step mix comes from, for each run: its steps, its decode steps' mean batch and
+    the most context tokens one step read (about the KV cache's peak). The same trace gives both
+    runs the same tokens and context reads, so a run of more steps reads the weights more often;
+    with adapters the pool's pages also hold the adapters in use, which leaves less room for the
+    KV cache, so smaller batches fill it."""
+
+    def one(steps: list[dict]) -> dict:
+        decode = [s["seqs"] for s in steps if not s["prefill_tokens"]]
+        return {
+            "steps": len(steps),
+            "decode_mean_batch": round(statistics.fmean(decode), 1) if decode else None,
+            "peak_kv_tokens": max((s["kv_read"] for s in steps), default=0),
+        }
+
+    return {"base": one(base), "lora": one(lora)}
+
+
 def bytes_line(bytes_ms: list[float], extra_ms: list[float]) -> dict | None:
     """The least-squares line extra = fixed + per_bytes x bytes through steps' time beyond the
     fit against their adapter bytes' time (both ms; bench/admission.py's least_squares):
@@ -251,6 +270,13 @@ def main() -> None:
             f"{line['fixed_ms']:.2f} ms + {line['per_bytes']:.2f}x their adapter bytes' time "
             f"(mean {line['mean_extra_ms']:.2f} ms on {line['mean_bytes_ms']:.2f} ms of bytes)"
         )
+    report["schedule"] = m = schedule(base, lora)
+    b, lo = m["base"], m["lora"]
+    print(
+        f"the step mix: {lo['steps']} steps against the base run's {b['steps']}, decode "
+        f"steps' mean batch {lo['decode_mean_batch']} against {b['decode_mean_batch']}, at "
+        f"most {lo['peak_kv_tokens']} context tokens a step against {b['peak_kv_tokens']}"
+    )
     if args.out:
         write_result(args.out, "step_compare.py", {"serving_commit": serving.get("commit"),
                                                    **report})  # fmt: skip

@@ -11,6 +11,7 @@ from bench.step_compare import (
     bytes_line,
     compare,
     over_fit,
+    schedule,
     split_runs,
     totals,
 )
@@ -169,3 +170,14 @@ def test_the_bytes_line_splits_a_fixed_cost_from_a_cost_a_byte():
     assert line["mean_bytes_ms"] == pytest.approx(0.725)
     assert bytes_line([1.0, 1.0, 1.0], [2.0, 2.1, 1.9]) is None  # bytes that do not vary
     assert bytes_line([1.0], [2.0]) is None
+
+
+def test_schedule_counts_the_steps_their_decode_batch_and_the_kv_peak():
+    base = [_step(100, 10.0, kv=50_000)] * 3 + [_step(40, 8.0, prefill=600, tokens=800, kv=60_000)]
+    lora = [_step(90, 10.5, adapters=60, kv=47_000), _step(80, 10.4, adapters=60, kv=45_000)] * 2
+    lora += [_step(40, 8.2, prefill=600, tokens=800, adapters=3, kv=52_000)]
+    m = schedule(base, lora)
+    assert m["base"] == {"steps": 4, "decode_mean_batch": 100.0, "peak_kv_tokens": 60_000}
+    assert m["lora"] == {"steps": 5, "decode_mean_batch": 85.0, "peak_kv_tokens": 52_000}
+    assert schedule([], [])["base"] == {"steps": 0, "decode_mean_batch": None,
+                                        "peak_kv_tokens": 0}  # fmt: skip
