@@ -50,6 +50,11 @@ their prompts' tiles take: tile tokens, weight blocks, warps and parts (DOT_POIN
 bench/results/lora_engine_calls_dot.json also timed the expand loading y a block ahead, an
 option of the kernel at e10a3fb that lost on the many-adapter steps and was removed).
 
+With ``--stages`` the cases are ``--dot``'s and mixed steps of the few-adapter traces
+(STAGES_CASES), every call fused at 16 rank rows by fused_config's own launch, by its software
+pipeline's depth (STAGES: the loads a program keeps in flight in the dot body's shrink and expand
+loops, which set a prompt tile's program's time), beside the two launches.
+
 With ``--s2`` the cases are S2's steps (ranks 8-64, which take the two launches) by the two
 launches' blocks (S2_POINTS), and on the fused kernel holding all 64 rank rows (S2_FUSED_POINTS:
 its dot body's tiles, weight blocks, warps and parts).
@@ -219,6 +224,11 @@ DOT_POINTS = (
     (32, 256, 256, 8, 2),
 )
 DOT_CASES = (*STEP_CASES[:3], *STEP_CASES[4:])  # the 10 requests/s prompt step too
+# --stages: the dot body's pipeline depth (fused_config's own launch otherwise), on --dot's
+# cases and the mixed steps of S1 n = 5 / 100 / 1000's traces on an H100 (about 900 tokens, 650 of
+# them prompts', on average; bench/results/step_compare_s1_small_2b669a6_h100_n5.json)
+STAGES = (3, 2, 4, 5, 6)
+STAGES_CASES = (*DOT_CASES, (250, 5, (400, 250)), (220, 100, (300,)), (220, 1000, (300,)))
 # --s2: S2's steps (ranks 8, 16, 32 and 64 cycled over n = 100 adapters, q/k/v/o), which take
 # the two launches at the engine's max_lora_rank (a fused step needs every rank <= 16): decode
 # steps at the saturating trace's batch and a mixed step; by the two launches' blocks (rank rows
@@ -406,6 +416,12 @@ def time_case(
                     block_m=bm, shrink_k=sk, expand_n=en, shrink_warps=warps, parts=parts)
                 for m, d, w in calls
             ]  # fmt: skip
+        if v.get("stages"):
+            cfgs = [
+                lora.fused_config(t, kb.POOL_W, max_rank, len(m), max(w), d_in=d)._replace(
+                    stages=v["stages"])
+                for m, d, w in calls
+            ]  # fmt: skip
         if v.get("no_gemv"):  # the fused launch without its GEMV body: every tile on the dot body
             cfgs = [
                 lora.fused_config(t, kb.POOL_W, max_rank, len(m), max(w), d_in=d)._replace(
@@ -520,6 +536,8 @@ def main() -> None:
         help="decode steps on one-token tiles against two-token tiles of an adapter",
     )
     ap.add_argument("--dot", action="store_true", help="mixed steps by the dot body's blocks")
+    ap.add_argument("--stages", action="store_true",
+                    help="mixed steps by the dot body's pipeline depth")  # fmt: skip
     ap.add_argument("--apart", action="store_true",
                     help="mixed steps, decode tokens' tiles by segment and apart")  # fmt: skip
     ap.add_argument("--s2", action="store_true", help="S2's steps by two-launch blocks")
@@ -581,6 +599,9 @@ def main() -> None:
     elif args.dot:
         variants.append(dict(max_rank=16, segments=514, fused=False, mlp=True))
         variants += dot_variants(DOT_POINTS, max_rank=16, mlp=True)
+    elif args.stages:
+        variants.append(dict(max_rank=16, segments=514, fused=False))
+        variants += [dict(max_rank=16, segments=514, fused=True, stages=n) for n in STAGES]
     elif args.apart:
         narrow = dict(max_rank=16, segments=514, fused=True, mlp=True)  # the engine's NARROW
         variants += [narrow, dict(narrow, apart=True), dict(narrow, no_gemv=True)]
@@ -673,6 +694,8 @@ def main() -> None:
         rows = [r for t, n in PAIR_CASES for r in time_case(t, n, gen, variants)]
     elif args.dot:
         rows = [r for t, n, p in DOT_CASES for r in time_case(t, n, gen, variants, p)]
+    elif args.stages:
+        rows = [r for t, n, p in STAGES_CASES for r in time_case(t, n, gen, variants, p)]
     elif args.apart:
         rows = [r for t, n, p in APART_CASES for r in time_case(t, n, gen, variants, p)]
     elif s2_cases is not None:  # S2's ranks; --s2-small's steps drawn SMALL_DRAWS times each
