@@ -314,6 +314,18 @@ def fused_config(
         # (bench/results/lora_engine_calls_s2_steps.json).
         block_k = block_n = _fit_block(128, width)
         warps = 4
+    # A prefill-sized call's prompt tiles (of 16 tokens: the engine's mixed steps) stream their
+    # shrink and expand loops with 3 weight blocks in flight, not 2, where that keeps the
+    # programs an SM (16 rank rows: 48 KB of shared memory, 4 programs an SM as with 2 in
+    # flight). H100, one layer's S1 q/k/v and o calls of mixed steps, 4 stages against 3 (µs):
+    # 400 decode tokens on 331 adapters beside four 400-token prompts 142.2 / 142.7, beside
+    # three 200-token prompts 109.4 / 110.7; 300 on 266 beside three 512-token prompts 121.1 /
+    # 122.1, on 5 adapters 89.3 / 90.1; 220 on 204 beside a 300-token prompt 80.6 / 84.3, on 90
+    # 65.4 / 67.5; 250 on 5 beside two prompts 63.1 / 64.8. One in flight (2 stages) was 10-39%
+    # slower; 5 and 6 stages hold 3 and 2 programs an SM and were level or slower but for the
+    # steps of 5 adapters (bench/results/lora_engine_calls_stages_066495a_h100.json, --stages).
+    prompt_tiles = not decode and num_tokens <= _DOT_16_MAX_TOKENS  # 16-token tiles
+    stages = 4 if prompt_tiles and rows <= lora_paths.FUSED_DECODE_ROWS else 3
     # The GEMV body's rows: lora_paths.ONE_TOKEN_ROWS (8) where every adapter fits them (a decode
     # step on one-token tiles: kernels/lora_paths.one_token_step_fuses), in 4096-wide blocks
     # streamed by 8 warps in decode (H200, one layer's S1 q/k/v and o calls, 8-63 tokens on
@@ -340,7 +352,7 @@ def fused_config(
         shrink_warps=warps,
         fused=True,
         parts=parts,
-        stages=3,
+        stages=stages,
         gemv_max=_GEMV_MAX if rows <= lora_paths.FUSED_DECODE_ROWS else 0,
         gemv_k=gemv,
         gemv_n=gemv,

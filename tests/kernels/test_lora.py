@@ -407,6 +407,21 @@ def test_wide_prefill_sized_fused_calls_take_128_wide_blocks():
     assert decode.shrink_warps in (8, lora._NARROW[64].warps) and decode.shrink_r == 64
 
 
+def test_prompt_tiles_of_prefill_sized_fused_calls_keep_three_blocks_in_flight():
+    """fused_config: the 16-token prompt tiles of a prefill-sized call at up to 16 rank rows (a
+    narrow mixed step's) stream with 4 stages, which on sm_90 keep 4 programs an SM
+    (bench/kernel_resources.py); decode-sized calls, 32-token tiles and wider rank rows keep
+    3. Under the interpreter stages change nothing; on a GPU test_apply_prefill_segments and
+    the engine's narrow mixed steps run the launch."""
+    for slices, out_width in ((3, 4096), (1, 4096)):
+        for max_rank in (8, 16):
+            assert lora.fused_config(600, 4096, max_rank, slices, out_width, d_in=4096).stages == 4
+            assert lora.fused_config(2048, 4096, max_rank, slices, out_width, d_in=4096).stages == 4
+            assert lora.fused_config(512, 4096, max_rank, slices, out_width, d_in=4096).stages == 3
+        assert lora.fused_config(4096, 4096, 16, slices, out_width, d_in=4096).stages == 3
+        assert lora.fused_config(2048, 4096, 64, slices, out_width, d_in=4096).stages == 3
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_apply_prefill_segments(dtype, path):
