@@ -55,6 +55,12 @@ With ``--stages`` the cases are ``--dot``'s and mixed steps of the few-adapter t
 pipeline's depth (STAGES: the loads a program keeps in flight in the dot body's shrink and expand
 loops, which set a prompt tile's program's time), beside the two launches.
 
+With ``--floor`` the cases are prompts alone (one adapter, 64 to 1024 tokens), decode tokens alone
+and the two together (FLOOR_CASES), every call at 16 rank rows: fused_config's own launch, its dot
+body split over 2 and 4 parts, and the two launches. Where a mixed step's time stays when its
+tokens shrink (about 1.25 ms a step in S1's serving runs, whatever their tokens) says which tiles
+set it.
+
 With ``--s2`` the cases are S2's steps (ranks 8-64, which take the two launches) by the two
 launches' blocks (S2_POINTS), and on the fused kernel holding all 64 rank rows (S2_FUSED_POINTS:
 its dot body's tiles, weight blocks, warps and parts).
@@ -229,6 +235,13 @@ DOT_CASES = (*STEP_CASES[:3], *STEP_CASES[4:])  # the 10 requests/s prompt step 
 # them prompts', on average; bench/results/step_compare_s1_small_2b669a6_h100_n5.json)
 STAGES = (3, 2, 4, 5, 6)
 STAGES_CASES = (*DOT_CASES, (250, 5, (400, 250)), (220, 100, (300,)), (220, 1000, (300,)))
+# --floor: (decode tokens, adapters they are drawn from, prompts' lengths), the prompts each on an
+# adapter of its own; the fused dot body's parts (fused_config's own, then 2 and 4)
+FLOOR_CASES = (
+    (0, 1, (64,)), (0, 1, (256,)), (0, 1, (512,)), (0, 1, (1024,)), (0, 4, (256,) * 4),
+    (250, 5, ()), (250, 5, (400, 250)), (220, 1000, ()), (220, 1000, (300,)),
+)  # fmt: skip
+FLOOR_PARTS = (None, 2, 4)
 # --s2: S2's steps (ranks 8, 16, 32 and 64 cycled over n = 100 adapters, q/k/v/o), which take
 # the two launches at the engine's max_lora_rank (a fused step needs every rank <= 16): decode
 # steps at the saturating trace's batch and a mixed step; by the two launches' blocks (rank rows
@@ -422,6 +435,12 @@ def time_case(
                     stages=v["stages"])
                 for m, d, w in calls
             ]  # fmt: skip
+        if v.get("parts"):
+            cfgs = [
+                lora.fused_config(t, kb.POOL_W, max_rank, len(m), max(w), d_in=d)._replace(
+                    parts=v["parts"])
+                for m, d, w in calls
+            ]  # fmt: skip
         if v.get("no_gemv"):  # the fused launch without its GEMV body: every tile on the dot body
             cfgs = [
                 lora.fused_config(t, kb.POOL_W, max_rank, len(m), max(w), d_in=d)._replace(
@@ -538,6 +557,8 @@ def main() -> None:
     ap.add_argument("--dot", action="store_true", help="mixed steps by the dot body's blocks")
     ap.add_argument("--stages", action="store_true",
                     help="mixed steps by the dot body's pipeline depth")  # fmt: skip
+    ap.add_argument("--floor", action="store_true",
+                    help="prompts alone, decode tokens alone and together, by parts")  # fmt: skip
     ap.add_argument("--apart", action="store_true",
                     help="mixed steps, decode tokens' tiles by segment and apart")  # fmt: skip
     ap.add_argument("--s2", action="store_true", help="S2's steps by two-launch blocks")
@@ -602,6 +623,11 @@ def main() -> None:
     elif args.stages:
         variants.append(dict(max_rank=16, segments=514, fused=False))
         variants += [dict(max_rank=16, segments=514, fused=True, stages=n) for n in STAGES]
+    elif args.floor:
+        variants.append(dict(max_rank=16, segments=514, fused=False))
+        for parts in FLOOR_PARTS:
+            v = dict(max_rank=16, segments=514, fused=True)
+            variants.append(dict(v, parts=parts) if parts else v)
     elif args.apart:
         narrow = dict(max_rank=16, segments=514, fused=True, mlp=True)  # the engine's NARROW
         variants += [narrow, dict(narrow, apart=True), dict(narrow, no_gemv=True)]
@@ -696,6 +722,8 @@ def main() -> None:
         rows = [r for t, n, p in DOT_CASES for r in time_case(t, n, gen, variants, p)]
     elif args.stages:
         rows = [r for t, n, p in STAGES_CASES for r in time_case(t, n, gen, variants, p)]
+    elif args.floor:
+        rows = [r for t, n, p in FLOOR_CASES for r in time_case(t, n, gen, variants, p)]
     elif args.apart:
         rows = [r for t, n, p in APART_CASES for r in time_case(t, n, gen, variants, p)]
     elif s2_cases is not None:  # S2's ranks; --s2-small's steps drawn SMALL_DRAWS times each
