@@ -361,6 +361,14 @@ S1_MODULES = (Q, K, V, O)
 LAYERS = 4  # each with its own weights, so one layer's adapters do not stay in L2
 
 
+def fused_launches(t: int, max_rank: int, calls, **fields) -> list:
+    """fused_config's launch for each of ``calls`` at ``t`` tokens, with ``fields`` replaced."""
+    return [
+        lora.fused_config(t, kb.POOL_W, max_rank, len(m), max(w), d_in=d)._replace(**fields)
+        for m, d, w in calls
+    ]
+
+
 def time_case(
     t: int,
     n: int,
@@ -412,41 +420,24 @@ def time_case(
         if v.get("o_two"):  # o (the last call) on the two launches
             fused[-1] = False
         if v.get("gemv_max"):
-            cfgs = [
-                lora.fused_config(t, kb.POOL_W, max_rank, len(m), max(w), d_in=d)._replace(
-                    gemv_max=v["gemv_max"], gemv_k=v["gemv_block"], gemv_n=v["gemv_block"],
-                    shrink_warps=v["warps"], gemv_r=v.get("gemv_r", 0),
-                    **{k: v[k] for k in ("gemv_narrow", "gemv_hoist", "gemv_pair") if k in v},
-                )
-                for m, d, w in calls
-            ]  # fmt: skip
+            cfgs = fused_launches(
+                t, max_rank, calls,
+                gemv_max=v["gemv_max"], gemv_k=v["gemv_block"], gemv_n=v["gemv_block"],
+                shrink_warps=v["warps"], gemv_r=v.get("gemv_r", 0),
+                **{k: v[k] for k in ("gemv_narrow", "gemv_hoist", "gemv_pair") if k in v},
+            )  # fmt: skip
             if v.get("o_two"):
                 cfgs[-1] = None
         if v.get("dot"):
             bm, sk, en, warps, parts = v["dot"]
-            cfgs = [
-                lora.fused_config(t, kb.POOL_W, max_rank, len(m), max(w), d_in=d)._replace(
-                    block_m=bm, shrink_k=sk, expand_n=en, shrink_warps=warps, parts=parts)
-                for m, d, w in calls
-            ]  # fmt: skip
+            cfgs = fused_launches(t, max_rank, calls, block_m=bm, shrink_k=sk, expand_n=en,
+                                  shrink_warps=warps, parts=parts)  # fmt: skip
         if v.get("stages"):
-            cfgs = [
-                lora.fused_config(t, kb.POOL_W, max_rank, len(m), max(w), d_in=d)._replace(
-                    stages=v["stages"])
-                for m, d, w in calls
-            ]  # fmt: skip
+            cfgs = fused_launches(t, max_rank, calls, stages=v["stages"])
         if v.get("parts"):
-            cfgs = [
-                lora.fused_config(t, kb.POOL_W, max_rank, len(m), max(w), d_in=d)._replace(
-                    parts=v["parts"])
-                for m, d, w in calls
-            ]  # fmt: skip
+            cfgs = fused_launches(t, max_rank, calls, parts=v["parts"])
         if v.get("no_gemv"):  # the fused launch without its GEMV body: every tile on the dot body
-            cfgs = [
-                lora.fused_config(t, kb.POOL_W, max_rank, len(m), max(w), d_in=d)._replace(
-                    gemv_max=0)
-                for m, d, w in calls
-            ]  # fmt: skip
+            cfgs = fused_launches(t, max_rank, calls, gemv_max=0)
         if v.get("split_k"):
             cfgs = [
                 lora.launch_config(t, d, kb.POOL_W, max_rank, len(m))._replace(
