@@ -321,7 +321,7 @@ def fused_config(
     # 400 decode tokens on 331 adapters beside four 400-token prompts 142.2 / 142.7, beside
     # three 200-token prompts 109.4 / 110.7; 300 on 266 beside three 512-token prompts 121.1 /
     # 122.1, on 5 adapters 89.3 / 90.1; 220 on 204 beside a 300-token prompt 80.6 / 84.3, on 90
-    # 65.4 / 67.5; 250 on 5 beside two prompts 63.1 / 64.8. One in flight (2 stages) was 10-39%
+    # 65.4 / 67.5; 250 on 5 beside two prompts 63.1 / 64.8. One in flight (2 stages) was 11-39%
     # slower; 5 and 6 stages hold 3 and 2 programs an SM and were level or slower but for the
     # steps of 5 adapters (bench/results/lora_engine_calls_stages_066495a_h100.json, --stages).
     prompt_tiles = not decode and num_tokens <= _DOT_16_MAX_TOKENS  # 16-token tiles
