@@ -75,6 +75,11 @@ blocks shared over programs (rank_split), its d_in split, rank rows and expand b
 (S2_SPLIT_POINTS), with the tiles listed by rank and not, and the torch profiler's shrink and
 expand times for some (kernels.lora._wide_split chose from it).
 
+With ``--parts`` the cases are ``--stages``' and prompts alone (PARTS_CASES), every call as the
+engine's narrow steps of 256 tokens or more make them (fused at 16 rank rows, writing the delta
+onto which the GEMM adds, decode tokens apart where kernels.lora_paths.mixed_decodes_apart says),
+by the dot body's parts (fused_config's own, then 2 and 4), beside the two launches in place.
+
 With ``--apart`` the cases are mixed steps whose decode tokens share adapters (drawn from 5,
 30, 100 and 1000) beside prompts, every call fused at 16 rank rows as the engine's narrow steps
 make them (the masked MLP calls beside), on the segments' tiles (the decode tokens of one
@@ -242,6 +247,10 @@ FLOOR_CASES = (
     (250, 5, ()), (250, 5, (400, 250)), (220, 1000, ()), (220, 1000, (300,)),
 )  # fmt: skip
 FLOOR_PARTS = (None, 2, 4)
+# --parts: the engine's mixed steps (--stages' cases) and prompts alone, as its narrow steps of
+# 256 tokens or more make them (every call fused, writing the delta, decode tokens apart where
+# lora_paths.mixed_decodes_apart says), by the dot body's parts (fused_config's own, 2, 4)
+PARTS_CASES = (*STAGES_CASES, (0, 1, (512,)), (0, 4, (256,) * 4), (0, 1, (1024,)))
 # --s2: S2's steps (ranks 8, 16, 32 and 64 cycled over n = 100 adapters, q/k/v/o), which take
 # the two launches at the engine's max_lora_rank (a fused step needs every rank <= 16): decode
 # steps at the saturating trace's batch and a mixed step; by the two launches' blocks (rank rows
@@ -381,6 +390,7 @@ def time_case(
     those lengths, each on an adapter of its own (a prompt's), after the decode tokens; the
     adapters' ranks cycled from ``ranks``."""
     rows = torch.randint(0, n, (t,), generator=gen)
+    decode_distinct = int(torch.unique(rows).numel())
     prompts = torch.randperm(n, generator=gen)[: len(prefill)]
     # the step's entries (adapter, tokens): each decode token, then each prompt's chunk,
     # grouped by adapter as the engine's steps are (a stable sort: decode tokens first)
@@ -406,10 +416,14 @@ def time_case(
         # With the MLP calls the step's module mask is S1's (q, k, v, o): they find no work.
         calls = all_calls if v.get("mlp") else CALLS
         modules = S1_MODULES if v.get("mlp") else None
+        apart = v.get("apart")
+        if apart == "engine":  # the engine's narrow mixed step's choice at S1's rank 8
+            apart = lora_paths.mixed_decodes_apart(decode, decode_distinct, 8)
         tokens = make_lora_tokens(case.rows, capacity=cap, modules=modules,
-                                  one_token_tiles=bool(v.get("one_token") or v.get("apart")),
-                                  entries=starts if v.get("apart") else None,
-                                  pair_tiles=bool(v.get("pairs")))  # fmt: skip
+                                  one_token_tiles=bool(v.get("one_token") or apart),
+                                  entries=starts if apart else None,
+                                  pair_tiles=bool(v.get("pairs")),
+                                  zeros=bool(v.get("delta")))  # fmt: skip
         if v.get("sorted"):
             tokens = rank_sorted(tokens, case.index.ranks[:, Q].cpu())
         cfgs = [None] * len(calls)
@@ -452,14 +466,16 @@ def time_case(
 
         block = v.get("rank_block", 16)
 
+        delta = bool(v.get("delta"))
+
         def fn(tokens=tokens, cfgs=cfgs, ws=ws, fused=fused, max_rank=max_rank, calls=calls,
-               rank_block=block):  # fmt: skip
+               rank_block=block, delta=delta):  # fmt: skip
             for layer in range(LAYERS):
                 for c, (m, _, w) in enumerate(calls):
                     lora.lora_apply(
                         ys[layer][c], xs[layer][c], case.pool[layer], case.index, tokens, m, w,
                         max_rank, workspace=ws, config=cfgs[c], fused=fused[c],
-                        rank_block=rank_block,
+                        rank_block=rank_block, delta=delta,
                     )  # fmt: skip
 
         try:
@@ -473,6 +489,8 @@ def time_case(
             print(json.dumps(row), flush=True)
             out.append(row)
             continue
+        if "apart" in v:
+            v = dict(v, apart_taken=bool(apart))
         row = dict(tokens=t, adapters=n, used=used, **v, segments_used=cap, us=us,
                    decode_tokens=decode, prefill=list(prefill),
                    tb_per_s=round(nbytes / (us * 1e-6) / 1e12, 3))  # fmt: skip
@@ -550,6 +568,8 @@ def main() -> None:
                     help="mixed steps by the dot body's pipeline depth")  # fmt: skip
     ap.add_argument("--floor", action="store_true",
                     help="prompts alone, decode tokens alone and together, by parts")  # fmt: skip
+    ap.add_argument("--parts", action="store_true",
+                    help="the engine's mixed steps writing the delta, by parts")  # fmt: skip
     ap.add_argument("--apart", action="store_true",
                     help="mixed steps, decode tokens' tiles by segment and apart")  # fmt: skip
     ap.add_argument("--s2", action="store_true", help="S2's steps by two-launch blocks")
@@ -618,6 +638,11 @@ def main() -> None:
         variants.append(dict(max_rank=16, segments=514, fused=False))
         for parts in FLOOR_PARTS:
             v = dict(max_rank=16, segments=514, fused=True)
+            variants.append(dict(v, parts=parts) if parts else v)
+    elif args.parts:
+        variants.append(dict(max_rank=16, segments=514, fused=False))
+        for parts in FLOOR_PARTS:
+            v = dict(max_rank=16, segments=514, fused=True, delta=True, apart="engine")
             variants.append(dict(v, parts=parts) if parts else v)
     elif args.apart:
         narrow = dict(max_rank=16, segments=514, fused=True, mlp=True)  # the engine's NARROW
@@ -715,6 +740,8 @@ def main() -> None:
         rows = [r for t, n, p in STAGES_CASES for r in time_case(t, n, gen, variants, p)]
     elif args.floor:
         rows = [r for t, n, p in FLOOR_CASES for r in time_case(t, n, gen, variants, p)]
+    elif args.parts:
+        rows = [r for t, n, p in PARTS_CASES for r in time_case(t, n, gen, variants, p)]
     elif args.apart:
         rows = [r for t, n, p in APART_CASES for r in time_case(t, n, gen, variants, p)]
     elif s2_cases is not None:  # S2's ranks; --s2-small's steps drawn SMALL_DRAWS times each
