@@ -80,6 +80,11 @@ engine's narrow steps of 256 tokens or more make them (fused at 16 rank rows, wr
 onto which the GEMM adds, decode tokens apart where kernels.lora_paths.mixed_decodes_apart says),
 by the dot body's parts (fused_config's own, then 2 and 4), beside the two launches in place.
 
+With ``--delta-dot`` the cases are mixed steps of the S1 traces and a prompt alone
+(DELTA_DOT_CASES), every call as ``--parts`` makes them, by the dot body's tile tokens, weight
+blocks and warps (DELTA_DOT_POINTS) and its pipeline depth (DELTA_STAGES), beside the two
+launches in place.
+
 With ``--apart`` the cases are mixed steps whose decode tokens share adapters (drawn from 5,
 30, 100 and 1000) beside prompts, every call fused at 16 rank rows as the engine's narrow steps
 make them (the masked MLP calls beside), on the segments' tiles (the decode tokens of one
@@ -251,6 +256,23 @@ FLOOR_PARTS = (None, 2, 4)
 # 256 tokens or more make them (every call fused, writing the delta, decode tokens apart where
 # lora_paths.mixed_decodes_apart says), by the dot body's parts (fused_config's own, 2, 4)
 PARTS_CASES = (*STAGES_CASES, (0, 1, (512,)), (0, 4, (256,) * 4), (0, 1, (1024,)))
+# --delta-dot: the engine's mixed steps (S1 n = 5 / 100 / 1000 traces' and a prompt alone), every
+# call writing the delta as --parts', by the dot body's tile tokens, weight blocks and warps
+# (block_m, shrink_k, expand_n, warps, parts; None: fused_config's own) and pipeline depth
+DELTA_DOT_CASES = (STEP_CASES[0], STEP_CASES[2], STEP_CASES[5], (250, 5, (400, 250)),
+                   (220, 100, (300,)), (220, 1000, (300,)), (0, 1, (1024,)))  # fmt: skip
+DELTA_DOT_POINTS = (
+    None,
+    (32, 256, 256, 4, 1),
+    (64, 256, 256, 8, 1),
+    (16, 128, 128, 4, 1),
+    (16, 256, 256, 8, 1),
+    (16, 512, 512, 8, 1),
+    (16, 256, 512, 4, 1),
+    (16, 128, 256, 4, 1),
+    (32, 128, 128, 4, 1),
+)
+DELTA_STAGES = (3, 5)
 # --s2: S2's steps (ranks 8, 16, 32 and 64 cycled over n = 100 adapters, q/k/v/o), which take
 # the two launches at the engine's max_lora_rank (a fused step needs every rank <= 16): decode
 # steps at the saturating trace's batch and a mixed step; by the two launches' blocks (rank rows
@@ -570,6 +592,8 @@ def main() -> None:
                     help="prompts alone, decode tokens alone and together, by parts")  # fmt: skip
     ap.add_argument("--parts", action="store_true",
                     help="the engine's mixed steps writing the delta, by parts")  # fmt: skip
+    ap.add_argument("--delta-dot", action="store_true",
+                    help="mixed steps writing the delta, by dot-body points")  # fmt: skip
     ap.add_argument("--apart", action="store_true",
                     help="mixed steps, decode tokens' tiles by segment and apart")  # fmt: skip
     ap.add_argument("--s2", action="store_true", help="S2's steps by two-launch blocks")
@@ -644,6 +668,12 @@ def main() -> None:
         for parts in FLOOR_PARTS:
             v = dict(max_rank=16, segments=514, fused=True, delta=True, apart="engine")
             variants.append(dict(v, parts=parts) if parts else v)
+    elif args.delta_dot:
+        variants.append(dict(max_rank=16, segments=514, fused=False))
+        engine = dict(delta=True, apart="engine")
+        variants += [dict(v, **engine) for v in dot_variants(DELTA_DOT_POINTS, 16, False)]
+        v = dict(max_rank=16, segments=514, fused=True, **engine)
+        variants += [dict(v, stages=n) for n in DELTA_STAGES]
     elif args.apart:
         narrow = dict(max_rank=16, segments=514, fused=True, mlp=True)  # the engine's NARROW
         variants += [narrow, dict(narrow, apart=True), dict(narrow, no_gemv=True)]
@@ -742,6 +772,8 @@ def main() -> None:
         rows = [r for t, n, p in FLOOR_CASES for r in time_case(t, n, gen, variants, p)]
     elif args.parts:
         rows = [r for t, n, p in PARTS_CASES for r in time_case(t, n, gen, variants, p)]
+    elif args.delta_dot:
+        rows = [r for t, n, p in DELTA_DOT_CASES for r in time_case(t, n, gen, variants, p)]
     elif args.apart:
         rows = [r for t, n, p in APART_CASES for r in time_case(t, n, gen, variants, p)]
     elif s2_cases is not None:  # S2's ranks; --s2-small's steps drawn SMALL_DRAWS times each
