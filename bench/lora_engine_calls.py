@@ -56,10 +56,12 @@ pipeline's depth (STAGES: the loads a program keeps in flight in the dot body's 
 loops, which set a prompt tile's program's time), beside the two launches.
 
 With ``--floor`` the cases are prompts alone (one adapter, 64 to 1024 tokens), decode tokens alone
-and the two together (FLOOR_CASES), every call at 16 rank rows: fused_config's own launch, its dot
-body split over 2 and 4 parts, and the two launches. Where a mixed step's time stays when its
-tokens shrink says which tiles set its floor (S1 n = 5's mixed steps took 1.65 ms each beyond the
-base model's on next to no adapter bytes: step_compare_s1_small_2b669a6_h100_n5.json).
+and the two together (FLOOR_CASES), every call at 16 rank rows adding into y in place (as the
+engine's steps under 256 tokens do; ``--parts`` times its larger ones, which write the delta):
+fused_config's own launch, its dot body split over 2 and 4 parts, and the two launches. Where a
+mixed step's time stays when its tokens shrink says which tiles set its floor (S1 n = 5's mixed
+steps took 1.65 ms each beyond the base model's on next to no adapter bytes:
+step_compare_s1_small_2b669a6_h100_n5.json).
 
 With ``--s2`` the cases are S2's steps (ranks 8-64, which take the two launches) by the two
 launches' blocks (S2_POINTS), and on the fused kernel holding all 64 rank rows (S2_FUSED_POINTS:

@@ -324,6 +324,12 @@ def fused_config(
     # 65.4 / 67.5; 250 on 5 beside two prompts 63.1 / 64.8. One in flight (2 stages) was 11-39%
     # slower; 5 and 6 stages hold 3 and 2 programs an SM and were level or slower but for the
     # steps of 5 adapters (bench/results/lora_engine_calls_stages_066495a_h100.json, --stages).
+    # Those calls added into y in place; writing the delta, as the engine's steps of 256 tokens
+    # or more do, this launch (one part, 4 stages, 16-token tiles) led 2 and 4 parts on every
+    # mixed step of 520 tokens or more, by 3-22%, and 8 other dot-body points and 3 or 5 stages
+    # on all but one (300 decode tokens on 5 adapters beside three 512-token prompts: 5 stages
+    # 56.9 µs, 32-token tiles 57.1, against 62.3; H100, lora_engine_calls_parts_9b8108a_h100.json
+    # and lora_engine_calls_delta_dot_6c7816f_h100.json, --parts and --delta-dot).
     prompt_tiles = not decode and num_tokens <= _DOT_16_MAX_TOKENS  # 16-token tiles
     stages = 4 if prompt_tiles and rows <= lora_paths.FUSED_DECODE_ROWS else 3
     # The GEMV body's rows: lora_paths.ONE_TOKEN_ROWS (8) where every adapter fits them (a decode
