@@ -87,6 +87,10 @@ With ``--delta-dot`` the cases are mixed steps of the S1 traces and a prompt alo
 blocks and warps (DELTA_DOT_POINTS) and its pipeline depth (DELTA_STAGES), beside the two
 launches in place.
 
+With ``--delta-split`` the cases are ``--delta-dot``'s, each call timed alone (q/k/v, then o):
+writing the delta by fused_config's own launch and by 2 parts, and adding in place; a row's
+tb_per_s counts that call's bytes (a delta's y written once, not read and written).
+
 With ``--apart`` the cases are mixed steps whose decode tokens share adapters (drawn from 5,
 30, 100 and 1000) beside prompts, every call fused at 16 rank rows as the engine's narrow steps
 make them (the masked MLP calls beside), on the segments' tiles (the decode tokens of one
@@ -275,6 +279,8 @@ DELTA_DOT_POINTS = (
     (32, 128, 128, 4, 1),
 )
 DELTA_STAGES = (3, 5)
+# --delta-split: --delta-dot's cases, each call alone (q/k/v, then o), writing the delta by
+# fused_config's own launch and by 2 parts, and adding in place by fused_config's own launch
 # --s2: S2's steps (ranks 8, 16, 32 and 64 cycled over n = 100 adapters, q/k/v/o), which take
 # the two launches at the engine's max_lora_rank (a fused step needs every rank <= 16): decode
 # steps at the saturating trace's batch and a mixed step; by the two launches' blocks (rank rows
@@ -491,11 +497,14 @@ def time_case(
         block = v.get("rank_block", 16)
 
         delta = bool(v.get("delta"))
+        only = v.get("only")  # the index in calls of the one call timed (None: every call)
 
         def fn(tokens=tokens, cfgs=cfgs, ws=ws, fused=fused, max_rank=max_rank, calls=calls,
-               rank_block=block, delta=delta):  # fmt: skip
+               rank_block=block, delta=delta, only=only):  # fmt: skip
             for layer in range(LAYERS):
                 for c, (m, _, w) in enumerate(calls):
+                    if only is not None and c != only:
+                        continue
                     lora.lora_apply(
                         ys[layer][c], xs[layer][c], case.pool[layer], case.index, tokens, m, w,
                         max_rank, workspace=ws, config=cfgs[c], fused=fused[c],
@@ -515,9 +524,13 @@ def time_case(
             continue
         if "apart" in v:
             v = dict(v, apart_taken=bool(apart))
+        row_bytes = nbytes
+        if only is not None:  # the one call's bytes; a delta's y written, not read
+            call = CALLS[only]
+            row_bytes = kb.lora_bytes(rows, ranks, t, (call,)) - delta * t * sum(call[2]) * kb.EL
         row = dict(tokens=t, adapters=n, used=used, **v, segments_used=cap, us=us,
                    decode_tokens=decode, prefill=list(prefill),
-                   tb_per_s=round(nbytes / (us * 1e-6) / 1e12, 3))  # fmt: skip
+                   tb_per_s=round(row_bytes / (us * 1e-6) / 1e12, 3))  # fmt: skip
         if v.get("profile"):
             row["kernels_us"] = kernel_times(fn)
         print(json.dumps(row), flush=True)
@@ -596,6 +609,8 @@ def main() -> None:
                     help="the engine's mixed steps writing the delta, by parts")  # fmt: skip
     ap.add_argument("--delta-dot", action="store_true",
                     help="mixed steps writing the delta, by dot-body points")  # fmt: skip
+    ap.add_argument("--delta-split", action="store_true",
+                    help="--delta-dot's steps, each call alone, delta and in place")  # fmt: skip
     ap.add_argument("--apart", action="store_true",
                     help="mixed steps, decode tokens' tiles by segment and apart")  # fmt: skip
     ap.add_argument("--s2", action="store_true", help="S2's steps by two-launch blocks")
@@ -676,6 +691,11 @@ def main() -> None:
         variants += [dict(v, **engine) for v in dot_variants(DELTA_DOT_POINTS, 16, False)]
         v = dict(max_rank=16, segments=514, fused=True, **engine)
         variants += [dict(v, stages=n) for n in DELTA_STAGES]
+    elif args.delta_split:
+        v = dict(max_rank=16, segments=514, fused=True, apart="engine")
+        for only in range(len(CALLS)):
+            variants += [dict(v, delta=True, only=only), dict(v, delta=True, parts=2, only=only),
+                         dict(v, only=only)]  # fmt: skip
     elif args.apart:
         narrow = dict(max_rank=16, segments=514, fused=True, mlp=True)  # the engine's NARROW
         variants += [narrow, dict(narrow, apart=True), dict(narrow, no_gemv=True)]
@@ -774,7 +794,7 @@ def main() -> None:
         rows = [r for t, n, p in FLOOR_CASES for r in time_case(t, n, gen, variants, p)]
     elif args.parts:
         rows = [r for t, n, p in PARTS_CASES for r in time_case(t, n, gen, variants, p)]
-    elif args.delta_dot:
+    elif args.delta_dot or args.delta_split:
         rows = [r for t, n, p in DELTA_DOT_CASES for r in time_case(t, n, gen, variants, p)]
     elif args.apart:
         rows = [r for t, n, p in APART_CASES for r in time_case(t, n, gen, variants, p)]
