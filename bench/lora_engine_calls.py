@@ -88,8 +88,10 @@ blocks and warps (DELTA_DOT_POINTS) and its pipeline depth (DELTA_STAGES), besid
 launches in place.
 
 With ``--delta-split`` the cases are ``--delta-dot``'s, each call timed alone (q/k/v, then o):
-writing the delta by fused_config's own launch and by 2 parts, and adding in place; a row's
-tb_per_s counts that call's bytes (a delta's y written once, not read and written).
+writing the delta by fused_config's own launch, by 2 parts and with a grid of the step's own
+tiles (a segment capacity of the adapters used + 2, not the engine's 514: the programs that find
+no tile left out), and adding in place; a row's tb_per_s counts that call's bytes (a delta's y
+written once, not read and written).
 
 With ``--apart`` the cases are mixed steps whose decode tokens share adapters (drawn from 5,
 30, 100 and 1000) beside prompts, every call fused at 16 rank rows as the engine's narrow steps
@@ -280,7 +282,7 @@ DELTA_DOT_POINTS = (
 )
 DELTA_STAGES = (3, 5)
 # --delta-split: --delta-dot's cases, each call alone (q/k/v, then o), writing the delta by
-# fused_config's own launch and by 2 parts, and adding in place by fused_config's own launch
+# fused_config's own launch, by 2 parts and on a grid of the step's own tiles, and adding in place
 # --s2: S2's steps (ranks 8, 16, 32 and 64 cycled over n = 100 adapters, q/k/v/o), which take
 # the two launches at the engine's max_lora_rank (a fused step needs every rank <= 16): decode
 # steps at the saturating trace's batch and a mixed step; by the two launches' blocks (rank rows
@@ -694,7 +696,8 @@ def main() -> None:
     elif args.delta_split:
         v = dict(max_rank=16, segments=514, fused=True, apart="engine")
         for only in range(len(CALLS)):
-            variants += [dict(v, delta=True, only=only), dict(v, delta=True, parts=2, only=only),
+            delta = dict(v, delta=True, only=only)
+            variants += [delta, dict(delta, parts=2), dict(delta, segments=None),
                          dict(v, only=only)]  # fmt: skip
     elif args.apart:
         narrow = dict(max_rank=16, segments=514, fused=True, mlp=True)  # the engine's NARROW
