@@ -89,9 +89,9 @@ launches in place.
 
 With ``--delta-split`` the cases are ``--delta-dot``'s, each call timed alone (q/k/v, then o):
 writing the delta by fused_config's own launch, by 2 parts and with a grid of the step's own
-tiles (a segment capacity of the adapters used + 2, not the engine's 514: the programs that find
-no tile left out), and adding in place; a row's tb_per_s counts that call's bytes (a delta's y
-written once, not read and written).
+tiles (a segment capacity of its adapters + 2, or of its entries + 2 where its decode tokens are
+apart, not the engine's 514: the programs that find no tile left out), and adding in place; a
+row's tb_per_s counts that call's bytes (a delta's y written once, not read and written).
 
 With ``--apart`` the cases are mixed steps whose decode tokens share adapters (drawn from 5,
 30, 100 and 1000) beside prompts, every call fused at 16 rank rows as the engine's narrow steps
@@ -444,13 +444,16 @@ def time_case(
           for _ in range(LAYERS)]  # fmt: skip
     out = []
     for v in variants:
-        max_rank, cap = v["max_rank"], v["segments"] or used + 2
+        max_rank, cap = v["max_rank"], v["segments"]
         # With the MLP calls the step's module mask is S1's (q, k, v, o): they find no work.
         calls = all_calls if v.get("mlp") else CALLS
         modules = S1_MODULES if v.get("mlp") else None
         apart = v.get("apart")
         if apart == "engine":  # the engine's narrow mixed step's choice at S1's rank 8
             apart = lora_paths.mixed_decodes_apart(decode, decode_distinct, 8)
+        if cap == "own":  # the step's own segments: its entries where they are apart
+            cap = (len(starts) - 1 if apart else used) + 2
+        cap = cap or used + 2
         tokens = make_lora_tokens(case.rows, capacity=cap, modules=modules,
                                   one_token_tiles=bool(v.get("one_token") or apart),
                                   entries=starts if apart else None,
@@ -697,7 +700,7 @@ def main() -> None:
         v = dict(max_rank=16, segments=514, fused=True, apart="engine")
         for only in range(len(CALLS)):
             delta = dict(v, delta=True, only=only)
-            variants += [delta, dict(delta, parts=2), dict(delta, segments=None),
+            variants += [delta, dict(delta, parts=2), dict(delta, segments="own"),
                          dict(v, only=only)]  # fmt: skip
     elif args.apart:
         narrow = dict(max_rank=16, segments=514, fused=True, mlp=True)  # the engine's NARROW
