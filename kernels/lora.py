@@ -326,10 +326,11 @@ def fused_config(
     # steps of 5 adapters (bench/results/lora_engine_calls_stages_066495a_h100.json, --stages).
     # Those calls added into y in place; writing the delta, as the engine's steps of 256 tokens
     # or more do, this launch (one part, 4 stages, 16-token tiles) led 2 and 4 parts on every
-    # mixed step of 520 tokens or more, by 3-22%, and 8 other dot-body points and 3 or 5 stages
-    # on all but one (300 decode tokens on 5 adapters beside three 512-token prompts: 5 stages
-    # 56.9 µs, 32-token tiles 57.1, against 62.3; H100, lora_engine_calls_parts_9b8108a_h100.json
-    # and lora_engine_calls_delta_dot_6c7816f_h100.json, --parts and --delta-dot).
+    # mixed step of 520 tokens or more, by 3-22%, and led 8 other dot-body points and 3 or 5
+    # stages, or trailed by at most 0.2 µs, on all but one (300 decode tokens on 5 adapters beside
+    # three 512-token prompts: 5 stages 56.9 µs, 32-token tiles 57.1, against 62.3; H100,
+    # lora_engine_calls_parts_9b8108a_h100.json and lora_engine_calls_delta_dot_6c7816f_h100.json,
+    # --parts and --delta-dot).
     prompt_tiles = not decode and num_tokens <= _DOT_16_MAX_TOKENS  # 16-token tiles
     stages = 4 if prompt_tiles and rows <= lora_paths.FUSED_DECODE_ROWS else 3
     # The GEMV body's rows: lora_paths.ONE_TOKEN_ROWS (8) where every adapter fits them (a decode
