@@ -586,59 +586,39 @@ def gemv_variant(point: tuple[int, int, int, int], mlp: bool = False) -> dict:
                 warps=warps, mlp=mlp)  # fmt: skip
 
 
+# the modes (flags of their own): (flag, help)
+FLAGS = (
+    ("--splits", "two launches by split_k, expand_n"),
+    ("--profile", "kernel times of the engine default"),
+    ("--steps", "the serving trace's step compositions"),
+    ("--gemv", "the fused kernel's GEMV body, both sets"),
+    ("--small", "the decode steps of 10 requests/s, by GEMV body"),
+    ("--one-token", "--small's steps with every tile one token"),
+    ("--hoist", "one-token GEMV bodies, loads issued first and not"),
+    ("--sharing", "decode steps of shared adapters, by path"),
+    ("--pairs", "decode steps on one-token tiles against two-token tiles of an adapter"),
+    ("--dot", "mixed steps by the dot body's blocks"),
+    ("--stages", "mixed steps by the dot body's pipeline depth"),
+    ("--floor", "prompts alone, decode tokens alone and together, by parts"),
+    ("--parts", "the engine's mixed steps writing the delta, by parts"),
+    ("--delta-dot", "mixed steps writing the delta, by dot-body points"),
+    ("--delta-split", "--delta-dot's steps, each call alone, delta and in place"),
+    ("--apart", "mixed steps, decode tokens' tiles by segment and apart"),
+    ("--s2", "S2's steps by two-launch blocks"),
+    ("--s2-steps", "S2's mixed steps, two launches against fused at 64 rows"),
+    ("--s2-rule", "S2's mixed steps by their adapters, WIDE against WIDE_FUSED"),
+    ("--s2-split", "S2's decode steps, shrink rank blocks over programs"),
+    ("--s2-gemv", "S2's decode steps, one-token tiles on a 64-row GEMV body"),
+    ("--s2-small", "S2's 10 req/s decode steps, WIDE against one fused launch"),
+    ("--s2-few", "S2's decode steps on few adapters by the two launches' splits"),
+    ("--s2-prefill", "S2's prefill-sized steps on few adapters by the two launches' tiles"),
+)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--splits", action="store_true", help="two launches by split_k, expand_n")
-    ap.add_argument("--profile", action="store_true", help="kernel times of the engine default")
-    ap.add_argument("--steps", action="store_true", help="the serving trace's step compositions")
-    ap.add_argument("--gemv", action="store_true", help="the fused kernel's GEMV body, both sets")
-    ap.add_argument("--small", action="store_true",
-                    help="the decode steps of 10 requests/s, by GEMV body")  # fmt: skip
-    ap.add_argument("--one-token", action="store_true",
-                    help="--small's steps with every tile one token")  # fmt: skip
-    ap.add_argument("--hoist", action="store_true",
-                    help="one-token GEMV bodies, loads issued first and not")  # fmt: skip
-    ap.add_argument("--sharing", action="store_true",
-                    help="decode steps of shared adapters, by path")  # fmt: skip
-    ap.add_argument(
-        "--pairs",
-        action="store_true",
-        help="decode steps on one-token tiles against two-token tiles of an adapter",
-    )
-    ap.add_argument("--dot", action="store_true", help="mixed steps by the dot body's blocks")
-    ap.add_argument("--stages", action="store_true",
-                    help="mixed steps by the dot body's pipeline depth")  # fmt: skip
-    ap.add_argument("--floor", action="store_true",
-                    help="prompts alone, decode tokens alone and together, by parts")  # fmt: skip
-    ap.add_argument("--parts", action="store_true",
-                    help="the engine's mixed steps writing the delta, by parts")  # fmt: skip
-    ap.add_argument("--delta-dot", action="store_true",
-                    help="mixed steps writing the delta, by dot-body points")  # fmt: skip
-    ap.add_argument("--delta-split", action="store_true",
-                    help="--delta-dot's steps, each call alone, delta and in place")  # fmt: skip
-    ap.add_argument("--apart", action="store_true",
-                    help="mixed steps, decode tokens' tiles by segment and apart")  # fmt: skip
-    ap.add_argument("--s2", action="store_true", help="S2's steps by two-launch blocks")
-    ap.add_argument("--s2-steps", action="store_true",
-                    help="S2's mixed steps, two launches against fused at 64 rows")  # fmt: skip
-    ap.add_argument("--s2-rule", action="store_true",
-                    help="S2's mixed steps by their adapters, WIDE against WIDE_FUSED")  # fmt: skip
-    ap.add_argument("--s2-split", action="store_true",
-                    help="S2's decode steps, shrink rank blocks over programs")  # fmt: skip
-    ap.add_argument("--s2-gemv", action="store_true",
-                    help="S2's decode steps, one-token tiles on a 64-row GEMV body")  # fmt: skip
-    ap.add_argument("--s2-small", action="store_true",
-                    help="S2's 10 req/s decode steps, WIDE against one fused launch")  # fmt: skip
-    ap.add_argument(
-        "--s2-few",
-        action="store_true",
-        help="S2's decode steps on few adapters by the two launches' splits",
-    )
-    ap.add_argument(
-        "--s2-prefill",
-        action="store_true",
-        help="S2's prefill-sized steps on few adapters by the two launches' tiles",
-    )
+    for flag, text in FLAGS:
+        ap.add_argument(flag, action="store_true", help=text)
     ap.add_argument("--points", type=int, default=None,
                     help="--gemv, --s2: the first this many of GEMV_POINTS, S2_POINTS")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/lora_engine_calls.json")
@@ -680,16 +660,12 @@ def main() -> None:
     elif args.stages:
         variants.append(dict(max_rank=16, segments=514, fused=False))
         variants += [dict(max_rank=16, segments=514, fused=True, stages=n) for n in STAGES]
-    elif args.floor:
+    elif args.floor or args.parts:  # --parts: as the engine's steps of 256 tokens or more
         variants.append(dict(max_rank=16, segments=514, fused=False))
-        for parts in FLOOR_PARTS:
-            v = dict(max_rank=16, segments=514, fused=True)
-            variants.append(dict(v, parts=parts) if parts else v)
-    elif args.parts:
-        variants.append(dict(max_rank=16, segments=514, fused=False))
-        for parts in FLOOR_PARTS:
-            v = dict(max_rank=16, segments=514, fused=True, delta=True, apart="engine")
-            variants.append(dict(v, parts=parts) if parts else v)
+        v = dict(max_rank=16, segments=514, fused=True)
+        if args.parts:
+            v.update(delta=True, apart="engine")
+        variants += [dict(v, parts=parts) if parts else v for parts in FLOOR_PARTS]
     elif args.delta_dot:
         variants.append(dict(max_rank=16, segments=514, fused=False))
         engine = dict(delta=True, apart="engine")
