@@ -317,20 +317,17 @@ def fused_config(
     # A prefill-sized call's prompt tiles (of 16 tokens: the engine's mixed steps) stream their
     # shrink and expand loops with 3 weight blocks in flight, not 2, where that keeps the
     # programs an SM (16 rank rows: 48 KB of shared memory, 4 programs an SM as with 2 in
-    # flight). H100, one layer's S1 q/k/v and o calls of mixed steps, 4 stages against 3 (µs):
-    # 400 decode tokens on 331 adapters beside four 400-token prompts 142.2 / 142.7, beside
-    # three 200-token prompts 109.4 / 110.7; 300 on 266 beside three 512-token prompts 121.1 /
-    # 122.1, on 5 adapters 89.3 / 90.1; 220 on 204 beside a 300-token prompt 80.6 / 84.3, on 90
-    # 65.4 / 67.5; 250 on 5 beside two prompts 63.1 / 64.8. One in flight (2 stages) was 11-39%
-    # slower; 5 and 6 stages hold 3 and 2 programs an SM and were level or slower but for the
-    # steps of 5 adapters (bench/results/lora_engine_calls_stages_066495a_h100.json, --stages).
-    # Those calls added into y in place; writing the delta, as the engine's steps of 256 tokens
-    # or more do, this launch (one part, 4 stages, 16-token tiles) led 2 and 4 parts on every
-    # mixed step of 520 tokens or more, by 3-22%, and led 8 other dot-body points and 3 or 5
-    # stages, or trailed by at most 0.2 µs, on all but one (300 decode tokens on 5 adapters beside
-    # three 512-token prompts: 5 stages 56.9 µs, 32-token tiles 57.1, against 62.3; H100,
-    # lora_engine_calls_parts_9b8108a_h100.json and lora_engine_calls_delta_dot_6c7816f_h100.json,
-    # --parts and --delta-dot).
+    # flight). H100, one layer's S1 q/k/v and o calls of the traces' mixed steps writing the
+    # delta, as the engine's steps of 256 tokens or more do (µs): 4 stages against 3 took
+    # 0.3-8% less on all 7 steps (400 decode tokens on 331 adapters beside four 400-token prompts
+    # 116.6 / 117.3, 220 on 187 beside a 300-token prompt 59.4 / 64.6, a 1024-token prompt 44.9 /
+    # 48.3); 2 and 4 parts lost 3-30% on every step of 520 tokens or more; 5 stages (3 programs
+    # an SM) and 8 other dot-body points led by more than 0.2 µs on one step only, 300 decode
+    # tokens on 5 adapters beside three 512-token prompts (5 stages 56.9, 32-token tiles 57.1,
+    # against 62.3), and both of those lost 4-27% on the steps of 90 adapters or more
+    # (bench/results/lora_engine_calls_delta_dot_6c7816f_h100.json, --delta-dot, and
+    # lora_engine_calls_parts_9b8108a_h100.json, --parts). Adding in place, 2 stages were 11-39%
+    # slower (lora_engine_calls_stages_066495a_h100.json, --stages).
     prompt_tiles = not decode and num_tokens <= _DOT_16_MAX_TOKENS  # 16-token tiles
     stages = 4 if prompt_tiles and rows <= lora_paths.FUSED_DECODE_ROWS else 3
     # The GEMV body's rows: lora_paths.ONE_TOKEN_ROWS (8) where every adapter fits them (a decode

@@ -17,6 +17,7 @@ from services.inference.engine.config import EngineConfig
 from services.inference.engine.engine import Engine
 from services.inference.engine.errors import (
     DuplicateRequest,
+    EngineError,
     EngineStopped,
     InvalidRequest,
     UnknownAdapter,
@@ -438,7 +439,6 @@ def test_errors_that_would_not_reach_the_service_go_as_engine_errors():
     import pickle
     import threading
 
-    from services.inference.engine.errors import EngineError
     from services.inference.engine_process import portable
 
     held = RuntimeError("lock held")
