@@ -90,7 +90,9 @@ launches in place.
 With ``--delta-split`` the cases are ``--delta-dot``'s, each call timed alone (q/k/v, then o):
 writing the delta by fused_config's own launch, by 2 parts and with a grid of the step's own
 tiles (a segment capacity of its adapters + 2, or of its entries + 2 where its decode tokens are
-apart, not the engine's 514: the programs that find no tile left out), and adding in place; a
+apart, not the engine's 514: the programs that find no tile left out), with the dot body's tiles
+sharing d_in among 2 and 4 programs (LoraLaunch.split_k: the last to arrive expands), and adding
+in place; a
 row's tb_per_s counts that call's bytes (a delta's y written once, not read and written).
 
 With ``--apart`` the cases are mixed steps whose decode tokens share adapters (drawn from 5,
@@ -485,6 +487,8 @@ def time_case(
             cfgs = fused_launches(t, max_rank, calls, stages=v["stages"])
         if v.get("parts"):
             cfgs = fused_launches(t, max_rank, calls, parts=v["parts"])
+        if v.get("fsplit"):  # the dot body's tiles share d_in among this many programs
+            cfgs = fused_launches(t, max_rank, calls, split_k=v["fsplit"], parts=1)
         if v.get("no_gemv"):  # the fused launch without its GEMV body: every tile on the dot body
             cfgs = fused_launches(t, max_rank, calls, gemv_max=0)
         if v.get("split_k"):
@@ -677,6 +681,7 @@ def main() -> None:
         for only in range(len(CALLS)):
             delta = dict(v, delta=True, only=only)
             variants += [delta, dict(delta, parts=2), dict(delta, segments="own"),
+                         dict(delta, fsplit=2), dict(delta, fsplit=4),
                          dict(v, only=only)]  # fmt: skip
     elif args.apart:
         narrow = dict(max_rank=16, segments=514, fused=True, mlp=True)  # the engine's NARROW

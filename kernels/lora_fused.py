@@ -71,6 +71,9 @@ def lora_fused_kernel(
     stride_scale,
     tiles_ptr,  # the call's tile table [K, 3] (kernels/tile_table.py)
     mods_ptr,  # [7] int32: the modules the step's adapters have (LoraTokens.modules)
+    # SPLIT_K > 1: fp32 partial sums [K, 3, SPLIT_K, BLOCK_M, BLOCK_R] and int32 arrivals [K, 3]
+    # (zeros between launches: the last program of a cell resets its count)
+    part_h_ptr, arrivals_ptr,
     MAX_RANK, PARTS,
     D_IN: tl.constexpr, W: tl.constexpr, IN_CHUNKS: tl.constexpr,
     M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr,
@@ -86,10 +89,18 @@ def lora_fused_kernel(
     GEMV_PAIR: tl.constexpr = False,  # with GEMV_HOIST, two-token tiles take that body too
     DELTA: tl.constexpr = False,  # y = the delta (every token: ZERO_ROW tiles) rather than y +=
     PDL: tl.constexpr = False,  # a dependent launch: reads x and y, writes y, past launch_gate
+    SPLIT_K: tl.constexpr = 1,  # dot-body tiles: programs sharing d_in (PARTS is 1)
+    K_PER: tl.constexpr = 0,  # with SPLIT_K > 1: d_in elements a program's share (BLOCK_K's)
 ):  # fmt: skip
     q = tl.program_id(0)
-    s = q // PARTS
-    p = q % PARTS
+    if SPLIT_K > 1:  # (slice, share of d_in): one part of the output columns
+        s = q // SPLIT_K
+        ks = q % SPLIT_K
+        p = 0
+    else:
+        s = q // PARTS
+        ks = 0
+        p = q % PARTS
     m = pick3(s, M0, M1, M2)
     if not DELTA:
         if MASKED:
@@ -115,11 +126,16 @@ def lora_fused_kernel(
         if MASKED:
             rank = tl.where(tl.load(mods_ptr + m) == 0, 0, rank)
         if rank == 0:
-            launch_gate(PDL)
-            _store_zeros(y_base, stride_yt, m_start, m_end, lo, hi, BLOCK_M, BLOCK_N)
+            if ks == 0:
+                launch_gate(PDL)
+                _store_zeros(y_base, stride_yt, m_start, m_end, lo, hi, BLOCK_M, BLOCK_N)
             return
     if rank == 0:
         return
+    if SPLIT_K > 1:  # a GEMV body's tile is its first program's alone
+        if ks > 0:
+            if m_end - m_start <= GEMV_MAX:
+                return
     table_row = table_ptr + a64 * stride_table
     # A row j, chunk c at a_off + j*IN_CHUNKS + c; Bᵀ row j, chunk c at b_off + j*out_chunks + c
     a_base = table_row + tl.load(a_off_ptr + a64 * stride_idx + m)
@@ -159,6 +175,15 @@ def lora_fused_kernel(
                 D_IN, W, IN_CHUNKS, GEMV_MAX, GEMV_K, GEMV_N, GEMV_R, DELTA,
             )  # fmt: skip
             return
+    if SPLIT_K > 1:
+        _split_tile_dot(
+            x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
+            a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
+            part_h_ptr, arrivals_ptr, tl.program_id(1) * 3 + s, ks,
+            D_IN, W, IN_CHUNKS, BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_R, DOT_F32, DELTA, SPLIT_K,
+            K_PER,
+        )  # fmt: skip
+        return
     _tile_dot(
         x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
         a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
@@ -194,7 +219,6 @@ def _tile_dot(
     rows = tl.arange(0, BLOCK_R)  # every rank row at once: BLOCK_R >= MAX_RANK
     row_ok = rows < rank
     a_pos = a_base + rows * IN_CHUNKS
-    b_pos = b_base + rows * ((width + W - 1) // W)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     m_ok = offs_m < m_end
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xt
@@ -215,7 +239,80 @@ def _tile_dot(
                 h += tl.dot(xt.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:
                 h += tl.dot(xt, tl.trans(w.to(xt.dtype)))  # [M, K] x [K, R]
+    _dot_expand(
+        h, y_base, stride_yt, pool_ptr, stride_half, stride_slot, b_base, scale, rank, width,
+        m_start, m_end, lo, hi, W, BLOCK_M, BLOCK_N, BLOCK_R, DOT_F32, DELTA,
+    )  # fmt: skip
 
+
+@triton.jit
+def _split_tile_dot(
+    x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
+    a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
+    part_h_ptr, arrivals_ptr, cell, ks,
+    D_IN: tl.constexpr, W: tl.constexpr, IN_CHUNKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, DELTA: tl.constexpr,
+    SPLIT_K: tl.constexpr, K_PER: tl.constexpr,
+):  # fmt: skip
+    """_tile_dot with d_in shared by SPLIT_K programs: each sums x · Aᵀ over its K_PER
+    elements of d_in and stores that partial h in its place of the cell's (tile, slice) partial
+    sums; the last to arrive adds them in program order (the same sums whichever arrives last)
+    and expands, and sets the cell's count back to zero for the next launch."""
+    rows = tl.arange(0, BLOCK_R)
+    row_ok = rows < rank
+    a_pos = a_base + rows * IN_CHUNKS
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < m_end
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xt
+    offs_k = tl.arange(0, BLOCK_K)
+    k_lo = ks * K_PER
+    k_hi = tl.minimum(D_IN, k_lo + K_PER)
+    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for c in range(k_lo // W, tl.cdiv(k_hi, W)):
+        slot = tl.load(a_pos + c, mask=row_ok, other=0).to(tl.int64)
+        w_rows = pool_ptr + slot[:, None] * stride_slot - c * W
+        k_end = tl.minimum(k_hi, c * W + W)
+        for k0 in range(tl.maximum(k_lo, c * W), k_end, BLOCK_K):
+            if W % BLOCK_K == 0:
+                k0 = tl.multiple_of(k0, BLOCK_K)
+            kk = k0 + offs_k
+            k_ok = kk < k_end
+            w = tl.load(w_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            xt = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if DOT_F32:
+                h += tl.dot(xt.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                h += tl.dot(xt, tl.trans(w.to(xt.dtype)))
+    cell_h = part_h_ptr + cell.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_R)
+    at = tl.arange(0, BLOCK_M)[:, None] * BLOCK_R + rows[None, :]
+    tl.store(cell_h + ks * (BLOCK_M * BLOCK_R) + at, h)
+    tl.debug_barrier()  # every thread's stores before the one release below
+    arrived = tl.atomic_add(arrivals_ptr + cell, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_K - 1:  # the last: every other partial is stored and visible
+        tl.atomic_xchg(arrivals_ptr + cell, 0, sem="relaxed", scope="gpu")
+        h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for j in tl.static_range(SPLIT_K):  # from L2: another SM wrote them
+            h += tl.load(cell_h + j * (BLOCK_M * BLOCK_R) + at, cache_modifier=".cg")
+        _dot_expand(
+            h, y_base, stride_yt, pool_ptr, stride_half, stride_slot, b_base, scale, rank,
+            width, m_start, m_end, lo, hi, W, BLOCK_M, BLOCK_N, BLOCK_R, DOT_F32, DELTA,
+        )  # fmt: skip
+
+
+@triton.jit
+def _dot_expand(
+    h, y_base, stride_yt, pool_ptr, stride_half, stride_slot, b_base, scale, rank, width,
+    m_start, m_end, lo, hi, W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, DELTA: tl.constexpr,
+):  # fmt: skip
+    """A dot-body tile's expand of its h [BLOCK_M, BLOCK_R] (fp32) onto columns [lo, hi) of
+    y: y = scale · h · Bᵀ, or y += with DELTA off."""
+    rows = tl.arange(0, BLOCK_R)
+    row_ok = rows < rank
+    b_pos = b_base + rows * ((width + W - 1) // W)
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < m_end
     y_rows = y_base + offs_m[:, None].to(tl.int64) * stride_yt
     if DOT_F32:
         hd = h
