@@ -136,7 +136,8 @@ def fused_resources(
         DELTA=delta, PDL=pdl, SPLIT_K=launch.split_k,
         K_PER=chunks(chunks(d_in, launch.split_k), launch.shrink_k) * launch.shrink_k,
     )  # fmt: skip
-    ints = dict(INTS, stride_xt=d_in, stride_yt=sum(widths), MAX_RANK=launch.shrink_r)
+    ints = dict(INTS, stride_xt=d_in, stride_yt=sum(widths), MAX_RANK=launch.shrink_r,
+                num_tiles=514)  # fmt: skip
     options = dict(num_warps=launch.shrink_warps, num_stages=launch.stages, launch_pdl=pdl)
     return compile_resources(lora_fused_kernel, constexprs, ints, options)
 

@@ -87,12 +87,12 @@ With ``--delta-dot`` the cases are mixed steps of the S1 traces and a prompt alo
 blocks and warps (DELTA_DOT_POINTS) and its pipeline depth (DELTA_STAGES), beside the two
 launches in place.
 
-With ``--delta-split`` the cases are ``--delta-dot``'s, each call timed alone (q/k/v, then o):
-writing the delta by fused_config's own launch, by 2 parts and with a grid of the step's own
-tiles (a segment capacity of its adapters + 2, or of its entries + 2 where its decode tokens are
-apart, not the engine's 514: the programs that find no tile left out), with the dot body's tiles
-sharing d_in among 2 and 4 programs (LoraLaunch.split_k: the last to arrive expands), and adding
-in place; a
+With ``--delta-split`` the cases are ``--delta-dot``'s, each call timed alone (q/k/v, then o),
+writing the delta: by fused_config's own launch; with a grid of the step's own tiles (a segment
+capacity of its adapters + 2, or of its entries + 2 where its decode tokens are apart, not the
+engine's 514: the programs that find no tile left out); with 3 and 6 programs an SM along the
+tiles, striding over them (LoraLaunch.tile_programs); with the dot body's tiles sharing d_in
+among 2 programs (LoraLaunch.split_k: the last to arrive expands); and with both, 3 and 2. A
 row's tb_per_s counts that call's bytes (a delta's y written once, not read and written).
 
 With ``--apart`` the cases are mixed steps whose decode tokens share adapters (drawn from 5,
@@ -159,6 +159,7 @@ from bench.provenance import write_result  # noqa: E402
 from kernels import lora, lora_paths  # noqa: E402
 from kernels.lora_layout import K, O, Q, V  # noqa: E402
 from kernels.lora_ref import make_lora_tokens  # noqa: E402
+from kernels.tiles import num_sms  # noqa: E402
 
 CALLS = (kb.CALLS[0], kb.CALLS[1])  # q/k/v and o: S1's modules
 # tokens, adapters (drawn uniformly, as S1's power law with alpha 1): the last three are the
@@ -489,6 +490,13 @@ def time_case(
             cfgs = fused_launches(t, max_rank, calls, parts=v["parts"])
         if v.get("fsplit"):  # the dot body's tiles share d_in among this many programs
             cfgs = fused_launches(t, max_rank, calls, split_k=v["fsplit"], parts=1)
+        if v.get("stride"):  # stride x SMs programs, over the slices, stride over the tiles
+            cfgs = [
+                c._replace(tile_programs=max(1, v["stride"] * num_sms() // len(m)))
+                for c, (m, _, _) in zip(
+                    cfgs if cfgs[0] else fused_launches(t, max_rank, calls), calls, strict=True
+                )
+            ]
         if v.get("no_gemv"):  # the fused launch without its GEMV body: every tile on the dot body
             cfgs = fused_launches(t, max_rank, calls, gemv_max=0)
         if v.get("split_k"):
@@ -680,9 +688,9 @@ def main() -> None:
         v = dict(max_rank=16, segments=514, fused=True, apart="engine")
         for only in range(len(CALLS)):
             delta = dict(v, delta=True, only=only)
-            variants += [delta, dict(delta, parts=2), dict(delta, segments="own"),
-                         dict(delta, fsplit=2), dict(delta, fsplit=4),
-                         dict(v, only=only)]  # fmt: skip
+            variants += [delta, dict(delta, segments="own"), dict(delta, stride=3),
+                         dict(delta, stride=6), dict(delta, fsplit=2),
+                         dict(delta, stride=3, fsplit=2)]  # fmt: skip
     elif args.apart:
         narrow = dict(max_rank=16, segments=514, fused=True, mlp=True)  # the engine's NARROW
         variants += [narrow, dict(narrow, apart=True), dict(narrow, no_gemv=True)]

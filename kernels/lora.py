@@ -165,7 +165,9 @@ class LoraLaunch(NamedTuple):
     pdl: bool = True  # overlap expand's prologue with shrink (Hopper and later)
     fused: bool = False  # one launch (kernels/lora_fused.py) instead of shrink + expand
     parts: int = 1  # fused: programs sharing one (tile, slice)'s output columns
-    tile_programs: int = 0  # two launches: programs along the tiles (0: _tile_programs picks)
+    # programs along the tiles, which they stride over: two launches (0: _tile_programs picks),
+    # fused (0: a program a tile)
+    tile_programs: int = 0
     gemv_max: int = 0  # fused: tiles of at most this many tokens take the GEMV body (0: none)
     gemv_k: int = 256  # fused: the GEMV body's d_in block
     gemv_n: int = 256  # fused: the GEMV body's column block
@@ -710,7 +712,8 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
             raise ValueError(f"a fused launch splits d_in or columns: split_k {split}, "
                              f"parts {cfg.parts}")  # fmt: skip
         part_h, arrivals = split_state(x.device, tiles * 3, split * cfg.block_m * cfg.shrink_r)
-    grid = (len(modules) * cfg.parts * split, tiles)
+    stride = 0 < cfg.tile_programs < tiles  # programs stride over the tiles
+    grid = (len(modules) * cfg.parts * split, cfg.tile_programs if stride else tiles)
     lora_fused_kernel[grid](
         x, x.stride(0), y, y.stride(0),
         pool_layer, pool_layer.stride(0), pool_layer.stride(1),
@@ -727,6 +730,7 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
         GEMV_HOIST=gemv_hoists(cfg, call.d_in, call.width, out_widths),
         GEMV_PAIR=cfg.gemv_pair, DELTA=delta, SPLIT_K=split,
         K_PER=triton.cdiv(triton.cdiv(call.d_in, split), cfg.shrink_k) * cfg.shrink_k,
+        num_tiles=tiles, STRIDE=stride,
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules, out_widths), **lora_dependent(x.device),
     )  # fmt: skip

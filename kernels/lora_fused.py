@@ -91,7 +91,55 @@ def lora_fused_kernel(
     PDL: tl.constexpr = False,  # a dependent launch: reads x and y, writes y, past launch_gate
     SPLIT_K: tl.constexpr = 1,  # dot-body tiles: programs sharing d_in (PARTS is 1)
     K_PER: tl.constexpr = 0,  # with SPLIT_K > 1: d_in elements a program's share (BLOCK_K's)
+    num_tiles=0,  # with STRIDE: the tile table's rows
+    STRIDE: tl.constexpr = False,  # fewer programs along the tiles than the table's rows
 ):  # fmt: skip
+    if STRIDE:  # each program takes every tl.num_programs(1)-th tile until the step's last
+        tile = tl.program_id(1)
+        while tile < num_tiles:
+            row = tl.load(tiles_ptr + tile * 3)
+            if row < 0 and row != _ZERO_ROW:  # past the step's last tile
+                tile = num_tiles
+            else:
+                _fused_tile(
+                    x_ptr, stride_xt, y_ptr, stride_yt, pool_ptr, stride_half,
+                    stride_slot, table_ptr, stride_table, ranks_ptr, a_off_ptr,
+                    b_off_ptr, scales_ptr, stride_idx, stride_scale, tiles_ptr,
+                    mods_ptr, part_h_ptr, arrivals_ptr, MAX_RANK, PARTS, D_IN,
+                    W, IN_CHUNKS, M0, M1, M2, N0, N1, N2, BLOCK_M, BLOCK_K,
+                    BLOCK_N, BLOCK_R, DOT_F32, MASKED, PART_N, GEMV_MAX, GEMV_K,
+                    GEMV_N, GEMV_R, GEMV_NARROW_R, GEMV_HOIST, GEMV_PAIR, DELTA,
+                    PDL, SPLIT_K, K_PER,
+                    tile,
+                )  # fmt: skip
+                tile += tl.num_programs(1)
+    else:
+        _fused_tile(
+            x_ptr, stride_xt, y_ptr, stride_yt, pool_ptr, stride_half, stride_slot,
+            table_ptr, stride_table, ranks_ptr, a_off_ptr, b_off_ptr, scales_ptr,
+            stride_idx, stride_scale, tiles_ptr, mods_ptr, part_h_ptr, arrivals_ptr,
+            MAX_RANK, PARTS, D_IN, W, IN_CHUNKS, M0, M1, M2, N0, N1, N2, BLOCK_M,
+            BLOCK_K, BLOCK_N, BLOCK_R, DOT_F32, MASKED, PART_N, GEMV_MAX, GEMV_K,
+            GEMV_N, GEMV_R, GEMV_NARROW_R, GEMV_HOIST, GEMV_PAIR, DELTA, PDL, SPLIT_K,
+            K_PER,
+            tl.program_id(1),
+        )  # fmt: skip
+
+
+@triton.jit
+def _fused_tile(
+    x_ptr, stride_xt, y_ptr, stride_yt, pool_ptr, stride_half, stride_slot, table_ptr, stride_table,
+    ranks_ptr, a_off_ptr, b_off_ptr, scales_ptr, stride_idx, stride_scale, tiles_ptr, mods_ptr,
+    part_h_ptr, arrivals_ptr, MAX_RANK, PARTS, D_IN: tl.constexpr, W: tl.constexpr,
+    IN_CHUNKS: tl.constexpr, M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr, N0: tl.constexpr,
+    N1: tl.constexpr, N2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr,
+    PART_N: tl.constexpr, GEMV_MAX: tl.constexpr, GEMV_K: tl.constexpr, GEMV_N: tl.constexpr,
+    GEMV_R: tl.constexpr, GEMV_NARROW_R: tl.constexpr, GEMV_HOIST: tl.constexpr,
+    GEMV_PAIR: tl.constexpr, DELTA: tl.constexpr, PDL: tl.constexpr, SPLIT_K: tl.constexpr,
+    K_PER: tl.constexpr, tile,
+):  # fmt: skip
+    """The kernel's work on one tile of its table (lora_fused_kernel's arguments)."""
     q = tl.program_id(0)
     if SPLIT_K > 1:  # (slice, share of d_in): one part of the output columns
         s = q // SPLIT_K
@@ -106,7 +154,7 @@ def lora_fused_kernel(
         if MASKED:
             if tl.load(mods_ptr + m) == 0:  # no adapter of the step has it
                 return
-    a, m_start, m_end = table_tile(tiles_ptr, tl.program_id(1))
+    a, m_start, m_end = table_tile(tiles_ptr, tile)
     if a < 0:
         if not DELTA:
             return
@@ -179,7 +227,7 @@ def lora_fused_kernel(
         _split_tile_dot(
             x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
             a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
-            part_h_ptr, arrivals_ptr, tl.program_id(1) * 3 + s, ks,
+            part_h_ptr, arrivals_ptr, tile * 3 + s, ks,
             D_IN, W, IN_CHUNKS, BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_R, DOT_F32, DELTA, SPLIT_K,
             K_PER,
         )  # fmt: skip

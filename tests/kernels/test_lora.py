@@ -492,6 +492,27 @@ def test_fused_dot_tiles_split_d_in(split_k, path, delta):
         assert not arrivals.any(), "every cell's arrival count is back at zero"
 
 
+@pytest.mark.parametrize("tile_programs", [1, 3])
+@pytest.mark.parametrize("path", ("fused", "gemv"))
+@pytest.mark.parametrize("delta", [False, True])
+def test_fused_programs_stride_over_tiles(tile_programs, path, delta):
+    """A fused launch of fewer programs along the tiles than its table's rows (tile_programs):
+    each takes every tile_programs-th tile until the step's last, zero tiles included; with
+    split_k too."""
+    i = tile_programs * 4 + ("fused", "gemv").index(path) * 2 + delta
+    gen = torch.Generator().manual_seed(800 + i)
+    shape = LORA_SHAPES[i % 2]
+    ranks = _ranks(4, shape.modules, RANKS, gen)
+    prompt = PREFILL_TOKENS // 2
+    rows = torch.tensor([2, 0, 1, 1, -1, 2] + [3] * prompt + [-1] * 3, dtype=torch.int32)
+    max_rank = max(max(r.values()) for r in ranks)
+    config = _config(path, shape, rows.numel(), max_rank)
+    for split in (1, 2):
+        cfg = config._replace(tile_programs=tile_programs, split_k=split,
+                              parts=config.parts if split == 1 else 1)  # fmt: skip
+        _check_apply(shape, ranks, rows, DTYPES[i % len(DTYPES)], gen, config=cfg, delta=delta)
+
+
 def test_fused_split_refuses_parts():
     gen = torch.Generator().manual_seed(5)
     shape = LORA_SHAPES[0]
