@@ -133,7 +133,7 @@ def fused_resources(
         GEMV_MAX=launch.gemv_max, GEMV_K=launch.gemv_k, GEMV_N=launch.gemv_n,
         GEMV_R=gemv_rows, GEMV_NARROW_R=launch.gemv_narrow,
         GEMV_HOIST=lora.gemv_hoists(launch, d_in, W, widths), GEMV_PAIR=launch.gemv_pair,
-        DELTA=delta, PDL=pdl, SPLIT_K=launch.split_k,
+        DELTA=delta, PDL=pdl, SPLIT_K=launch.split_k, STRIDE=False,
         K_PER=chunks(chunks(d_in, launch.split_k), launch.shrink_k) * launch.shrink_k,
     )  # fmt: skip
     ints = dict(INTS, stride_xt=d_in, stride_yt=sum(widths), MAX_RANK=launch.shrink_r,
