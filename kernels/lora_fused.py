@@ -36,6 +36,15 @@ expand (for bf16 and fp16 outputs), y once.
 Slot lookups are hoisted out of both streaming loops (one per rank row and pool chunk), as in
 the two-launch kernels, so the loops are plain strided streams that software-pipeline.
 
+Two options of the launch: with SPLIT_K > 1 (LoraLaunch.split_k; PARTS 1) the programs of a
+dot-body tile share its d_in, each storing its partial h (fp32) in a buffer of the device's
+(kernels/lora.py split_state) and counting itself in; the last to arrive adds the partials in
+program order and expands, and sets the count back to zero for the next launch; the others end,
+as do all but the first of a GEMV-body tile. With STRIDE (LoraLaunch.tile_programs) the grid has
+fewer programs along the tiles than the table's rows, and each takes every num_programs(1)-th
+tile until the step's last, instead of a program a row, most of which find no tile in a step of
+few adapters (docs/kernels.md, bench/lora_engine_calls.py --delta-split).
+
 With PDL (a programmatic dependent launch: kernels/tiles.py lora_pdl_launch) a program reads
 before launch_gate only what existed before the kernel ahead of it in the stream started: its
 tile (the step's table), the index, and a hoisted body's slot rows; x, the weights and y after
