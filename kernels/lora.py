@@ -746,7 +746,8 @@ def split_state(device: torch.device, cells: int, per_cell: int) -> tuple[torch.
     it). One pair a device, grown on demand, so launches on a device must not overlap (the
     engine's LoRA calls run one after the other: on the step's stream, or beside it on the
     one side stream). Growing allocates, which a CUDA graph capture cannot: call it once
-    beforehand with the largest sizes (the engine does at start)."""
+    beforehand with the largest sizes (a warm-up run outside the capture does; the engine's
+    launches do not split: docs/kernels.md)."""
     have = _SPLIT_STATE.get(device)
     if have is not None and have[1].numel() >= cells and have[0].numel() >= cells * per_cell:
         return have
