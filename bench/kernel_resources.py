@@ -70,9 +70,8 @@ INTS = dict(
     PARTS=1,
 )
 POINTERS = dict.fromkeys(
-    ("table_ptr", "ranks_ptr", "a_off_ptr", "b_off_ptr", "tiles_ptr", "mods_ptr", "arrivals_ptr"),
-    "*i32",
-) | {"scales_ptr": "*fp32", "h_ptr": "*fp32", "part_h_ptr": "*fp32"}  # x, y, the pool: bf16
+    ("table_ptr", "ranks_ptr", "a_off_ptr", "b_off_ptr", "tiles_ptr", "mods_ptr"), "*i32"
+) | {"scales_ptr": "*fp32", "h_ptr": "*fp32"}  # the others (x, y, the pool) are bf16
 
 
 class Resources(NamedTuple):
@@ -133,8 +132,7 @@ def fused_resources(
         GEMV_MAX=launch.gemv_max, GEMV_K=launch.gemv_k, GEMV_N=launch.gemv_n,
         GEMV_R=gemv_rows, GEMV_NARROW_R=launch.gemv_narrow,
         GEMV_HOIST=lora.gemv_hoists(launch, d_in, W, widths), GEMV_PAIR=launch.gemv_pair,
-        DELTA=delta, PDL=pdl, SPLIT_K=launch.split_k, STRIDE=False,
-        K_PER=chunks(chunks(d_in, launch.split_k), launch.shrink_k) * launch.shrink_k,
+        DELTA=delta, PDL=pdl, STRIDE=False,
     )  # fmt: skip
     ints = dict(INTS, stride_xt=d_in, stride_yt=sum(widths), MAX_RANK=launch.shrink_r,
                 num_tiles=514)  # fmt: skip

@@ -90,10 +90,11 @@ launches in place.
 With ``--delta-split`` the cases are ``--delta-dot``'s, each call timed alone (q/k/v, then o),
 writing the delta: by fused_config's own launch; with a grid of the step's own tiles (a segment
 capacity of its adapters + 2, or of its entries + 2 where its decode tokens are apart, not the
-engine's 514: the programs that find no tile left out); with 3 and 6 programs an SM along the
-tiles, striding over them (LoraLaunch.tile_programs); with the dot body's tiles sharing d_in
-among 2 programs (LoraLaunch.split_k: the last to arrive expands); and with both, 3 and 2. A
-row's tb_per_s counts that call's bytes (a delta's y written once, not read and written).
+engine's 514: the programs that find no tile left out); and with 3 and 6 programs an SM along
+the tiles, striding over them (LoraLaunch.tile_programs). A row's tb_per_s counts that call's
+bytes (a delta's y written once, not read and written). At 9f4d3b9 it also timed 2 parts, the
+calls in place, and the dot body's tiles sharing d_in among 2 and 4 programs (a split the fused
+kernel had then: docs/kernels.md).
 
 With ``--apart`` the cases are mixed steps whose decode tokens share adapters (drawn from 5,
 30, 100 and 1000) beside prompts, every call fused at 16 rank rows as the engine's narrow steps
@@ -488,8 +489,6 @@ def time_case(
             cfgs = fused_launches(t, max_rank, calls, stages=v["stages"])
         if v.get("parts"):
             cfgs = fused_launches(t, max_rank, calls, parts=v["parts"])
-        if v.get("fsplit"):  # the dot body's tiles share d_in among this many programs
-            cfgs = fused_launches(t, max_rank, calls, split_k=v["fsplit"], parts=1)
         if v.get("stride"):  # stride x SMs programs, over the slices, stride over the tiles
             cfgs = [
                 c._replace(tile_programs=max(1, v["stride"] * num_sms() // len(m)))
@@ -689,8 +688,7 @@ def main() -> None:
         for only in range(len(CALLS)):
             delta = dict(v, delta=True, only=only)
             variants += [delta, dict(delta, segments="own"), dict(delta, stride=3),
-                         dict(delta, stride=6), dict(delta, fsplit=2),
-                         dict(delta, stride=3, fsplit=2)]  # fmt: skip
+                         dict(delta, stride=6)]  # fmt: skip
     elif args.apart:
         narrow = dict(max_rank=16, segments=514, fused=True, mlp=True)  # the engine's NARROW
         variants += [narrow, dict(narrow, apart=True), dict(narrow, no_gemv=True)]

@@ -705,21 +705,14 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
             f"a fused call takes at most {_MAX_GRID_Y} tiles (a grid's y), this one "
             f"{tiles}: use the two launches (fused=False) for {call.num_tokens} tokens"
         )
-    split = cfg.split_k
-    part_h = arrivals = x  # unread unless split
-    if split > 1:
-        if cfg.parts != 1:
-            raise ValueError(f"a fused launch splits d_in or columns: split_k {split}, "
-                             f"parts {cfg.parts}")  # fmt: skip
-        part_h, arrivals = split_state(x.device, tiles * 3, split * cfg.block_m * cfg.shrink_r)
     stride = 0 < cfg.tile_programs < tiles  # programs stride over the tiles
-    grid = (len(modules) * cfg.parts * split, cfg.tile_programs if stride else tiles)
+    grid = (len(modules) * cfg.parts, cfg.tile_programs if stride else tiles)
     lora_fused_kernel[grid](
         x, x.stride(0), y, y.stride(0),
         pool_layer, pool_layer.stride(0), pool_layer.stride(1),
         index.slot_table, index.slot_table.stride(0), index.ranks, index.a_offsets,
         index.b_offsets, index.scales, index.ranks.stride(0), index.scales.stride(0),
-        _tiles(tokens, cfg.block_m), _mask(tokens), part_h, arrivals,
+        _tiles(tokens, cfg.block_m), _mask(tokens),
         max_rank, cfg.parts,
         D_IN=call.d_in, W=call.width, IN_CHUNKS=call.in_chunks,
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.shrink_k, BLOCK_N=cfg.expand_n, BLOCK_R=cfg.shrink_r,
@@ -728,44 +721,10 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
         GEMV_MAX=cfg.gemv_max, GEMV_K=cfg.gemv_k, GEMV_N=cfg.gemv_n,
         GEMV_R=gemv_rows, GEMV_NARROW_R=cfg.gemv_narrow,
         GEMV_HOIST=gemv_hoists(cfg, call.d_in, call.width, out_widths),
-        GEMV_PAIR=cfg.gemv_pair, DELTA=delta, SPLIT_K=split,
-        K_PER=triton.cdiv(triton.cdiv(call.d_in, split), cfg.shrink_k) * cfg.shrink_k,
-        num_tiles=tiles, STRIDE=stride,
+        GEMV_PAIR=cfg.gemv_pair, DELTA=delta, num_tiles=tiles, STRIDE=stride,
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules, out_widths), **lora_dependent(x.device),
     )  # fmt: skip
-
-
-_SPLIT_STATE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def split_state(device: torch.device, cells: int, per_cell: int) -> tuple[torch.Tensor, ...]:
-    """The device's buffers for fused launches that split d_in (LoraLaunch.split_k): fp32
-    partial sums, ``per_cell`` for each of ``cells`` (tile, slice) cells, and an int32 count
-    of arrivals a cell, zeros between launches (each launch's last program of a cell resets
-    it). One pair a device, grown on demand, so launches on a device must not overlap (the
-    engine's LoRA calls run one after the other: on the step's stream, or beside it on the
-    one side stream). Growing allocates, which a CUDA graph capture cannot: call it once
-    beforehand with the largest sizes (a warm-up run outside the capture does; the engine's
-    launches do not split: docs/kernels.md)."""
-    have = _SPLIT_STATE.get(device)
-    if have is not None and have[1].numel() >= cells and have[0].numel() >= cells * per_cell:
-        return have
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"a fused split-d_in launch needs {cells} x {per_cell} partial sums on {device}, "
-            "more than reserved: call kernels.lora.split_state with the largest sizes before "
-            "capturing"
-        )
-    if have is not None:
-        cells = max(cells, have[1].numel())
-        per_cell = max(per_cell, have[0].numel() // have[1].numel())
-    state = (
-        torch.empty(cells * per_cell, dtype=torch.float32, device=device),
-        torch.zeros(cells, dtype=torch.int32, device=device),
-    )
-    _SPLIT_STATE[device] = state
-    return state
 
 
 def gemv_hoists(cfg: LoraLaunch, d_in: int, width: int, out_widths: tuple[int, ...]) -> bool:

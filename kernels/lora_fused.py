@@ -36,14 +36,10 @@ expand (for bf16 and fp16 outputs), y once.
 Slot lookups are hoisted out of both streaming loops (one per rank row and pool chunk), as in
 the two-launch kernels, so the loops are plain strided streams that software-pipeline.
 
-Two options of the launch: with SPLIT_K > 1 (LoraLaunch.split_k; PARTS 1) the programs of a
-dot-body tile share its d_in, each storing its partial h (fp32) in a buffer of the device's
-(kernels/lora.py split_state) and counting itself in; the last to arrive adds the partials in
-program order and expands, and sets the count back to zero for the next launch; the others end,
-as do all but the first of a GEMV-body tile. With STRIDE (LoraLaunch.tile_programs) the grid has
-fewer programs along the tiles than the table's rows, and each takes every num_programs(1)-th
-tile until the step's last, instead of a program a row, most of which find no tile in a step of
-few adapters (docs/kernels.md, bench/lora_engine_calls.py --delta-split).
+With STRIDE (LoraLaunch.tile_programs) the grid has fewer programs along the tiles than the
+table's rows, and each takes every num_programs(1)-th tile until the step's last, instead of a
+program a row, most of which find no tile in a step of few adapters (docs/kernels.md,
+bench/lora_engine_calls.py --delta-split).
 
 With PDL (a programmatic dependent launch: kernels/tiles.py lora_pdl_launch) a program reads
 before launch_gate only what existed before the kernel ahead of it in the stream started: its
@@ -80,9 +76,6 @@ def lora_fused_kernel(
     stride_scale,
     tiles_ptr,  # the call's tile table [K, 3] (kernels/tile_table.py)
     mods_ptr,  # [7] int32: the modules the step's adapters have (LoraTokens.modules)
-    # SPLIT_K > 1: fp32 partial sums [K, 3, SPLIT_K, BLOCK_M, BLOCK_R] and int32 arrivals [K, 3]
-    # (zeros between launches: the last program of a cell resets its count)
-    part_h_ptr, arrivals_ptr,
     MAX_RANK, PARTS,
     D_IN: tl.constexpr, W: tl.constexpr, IN_CHUNKS: tl.constexpr,
     M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr,
@@ -98,12 +91,10 @@ def lora_fused_kernel(
     GEMV_PAIR: tl.constexpr = False,  # with GEMV_HOIST, two-token tiles take that body too
     DELTA: tl.constexpr = False,  # y = the delta (every token: ZERO_ROW tiles) rather than y +=
     PDL: tl.constexpr = False,  # a dependent launch: reads x and y, writes y, past launch_gate
-    SPLIT_K: tl.constexpr = 1,  # dot-body tiles: programs sharing d_in (PARTS is 1)
-    K_PER: tl.constexpr = 0,  # with SPLIT_K > 1: d_in elements a program's share (BLOCK_K's)
     num_tiles=0,  # with STRIDE: the tile table's rows
     STRIDE: tl.constexpr = False,  # fewer programs along the tiles than the table's rows
 ):  # fmt: skip
-    if STRIDE:  # each program takes every tl.num_programs(1)-th tile until the step's last
+    if STRIDE:  # each program takes every num_programs(1)-th tile until the step's last
         tile = tl.program_id(1)
         while tile < num_tiles:
             row = tl.load(tiles_ptr + tile * 3)
@@ -111,26 +102,22 @@ def lora_fused_kernel(
                 tile = num_tiles
             else:
                 _fused_tile(
-                    x_ptr, stride_xt, y_ptr, stride_yt, pool_ptr, stride_half,
-                    stride_slot, table_ptr, stride_table, ranks_ptr, a_off_ptr,
-                    b_off_ptr, scales_ptr, stride_idx, stride_scale, tiles_ptr,
-                    mods_ptr, part_h_ptr, arrivals_ptr, MAX_RANK, PARTS, D_IN,
-                    W, IN_CHUNKS, M0, M1, M2, N0, N1, N2, BLOCK_M, BLOCK_K,
-                    BLOCK_N, BLOCK_R, DOT_F32, MASKED, PART_N, GEMV_MAX, GEMV_K,
-                    GEMV_N, GEMV_R, GEMV_NARROW_R, GEMV_HOIST, GEMV_PAIR, DELTA,
-                    PDL, SPLIT_K, K_PER,
+                    x_ptr, stride_xt, y_ptr, stride_yt, pool_ptr, stride_half, stride_slot,
+                    table_ptr, stride_table, ranks_ptr, a_off_ptr, b_off_ptr, scales_ptr,
+                    stride_idx, stride_scale, tiles_ptr, mods_ptr, MAX_RANK, PARTS, D_IN, W,
+                    IN_CHUNKS, M0, M1, M2, N0, N1, N2, BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_R, DOT_F32,
+                    MASKED, PART_N, GEMV_MAX, GEMV_K, GEMV_N, GEMV_R, GEMV_NARROW_R, GEMV_HOIST,
+                    GEMV_PAIR, DELTA, PDL,
                     tile,
                 )  # fmt: skip
                 tile += tl.num_programs(1)
     else:
         _fused_tile(
-            x_ptr, stride_xt, y_ptr, stride_yt, pool_ptr, stride_half, stride_slot,
-            table_ptr, stride_table, ranks_ptr, a_off_ptr, b_off_ptr, scales_ptr,
-            stride_idx, stride_scale, tiles_ptr, mods_ptr, part_h_ptr, arrivals_ptr,
-            MAX_RANK, PARTS, D_IN, W, IN_CHUNKS, M0, M1, M2, N0, N1, N2, BLOCK_M,
-            BLOCK_K, BLOCK_N, BLOCK_R, DOT_F32, MASKED, PART_N, GEMV_MAX, GEMV_K,
-            GEMV_N, GEMV_R, GEMV_NARROW_R, GEMV_HOIST, GEMV_PAIR, DELTA, PDL, SPLIT_K,
-            K_PER,
+            x_ptr, stride_xt, y_ptr, stride_yt, pool_ptr, stride_half, stride_slot, table_ptr,
+            stride_table, ranks_ptr, a_off_ptr, b_off_ptr, scales_ptr, stride_idx, stride_scale,
+            tiles_ptr, mods_ptr, MAX_RANK, PARTS, D_IN, W, IN_CHUNKS, M0, M1, M2, N0, N1, N2,
+            BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_R, DOT_F32, MASKED, PART_N, GEMV_MAX, GEMV_K, GEMV_N,
+            GEMV_R, GEMV_NARROW_R, GEMV_HOIST, GEMV_PAIR, DELTA, PDL,
             tl.program_id(1),
         )  # fmt: skip
 
@@ -139,25 +126,18 @@ def lora_fused_kernel(
 def _fused_tile(
     x_ptr, stride_xt, y_ptr, stride_yt, pool_ptr, stride_half, stride_slot, table_ptr, stride_table,
     ranks_ptr, a_off_ptr, b_off_ptr, scales_ptr, stride_idx, stride_scale, tiles_ptr, mods_ptr,
-    part_h_ptr, arrivals_ptr, MAX_RANK, PARTS, D_IN: tl.constexpr, W: tl.constexpr,
-    IN_CHUNKS: tl.constexpr, M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr, N0: tl.constexpr,
-    N1: tl.constexpr, N2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr,
-    PART_N: tl.constexpr, GEMV_MAX: tl.constexpr, GEMV_K: tl.constexpr, GEMV_N: tl.constexpr,
-    GEMV_R: tl.constexpr, GEMV_NARROW_R: tl.constexpr, GEMV_HOIST: tl.constexpr,
-    GEMV_PAIR: tl.constexpr, DELTA: tl.constexpr, PDL: tl.constexpr, SPLIT_K: tl.constexpr,
-    K_PER: tl.constexpr, tile,
+    MAX_RANK, PARTS, D_IN: tl.constexpr, W: tl.constexpr, IN_CHUNKS: tl.constexpr, M0: tl.constexpr,
+    M1: tl.constexpr, M2: tl.constexpr, N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_F32: tl.constexpr, MASKED: tl.constexpr, PART_N: tl.constexpr, GEMV_MAX: tl.constexpr,
+    GEMV_K: tl.constexpr, GEMV_N: tl.constexpr, GEMV_R: tl.constexpr, GEMV_NARROW_R: tl.constexpr,
+    GEMV_HOIST: tl.constexpr, GEMV_PAIR: tl.constexpr, DELTA: tl.constexpr, PDL: tl.constexpr, tile,
 ):  # fmt: skip
-    """The kernel's work on one tile of its table (lora_fused_kernel's arguments)."""
+    """The kernel's work on the tile of its table's row ``tile`` (lora_fused_kernel's
+    arguments)."""
     q = tl.program_id(0)
-    if SPLIT_K > 1:  # (slice, share of d_in): one part of the output columns
-        s = q // SPLIT_K
-        ks = q % SPLIT_K
-        p = 0
-    else:
-        s = q // PARTS
-        ks = 0
-        p = q % PARTS
+    s = q // PARTS
+    p = q % PARTS
     m = pick3(s, M0, M1, M2)
     if not DELTA:
         if MASKED:
@@ -183,16 +163,11 @@ def _fused_tile(
         if MASKED:
             rank = tl.where(tl.load(mods_ptr + m) == 0, 0, rank)
         if rank == 0:
-            if ks == 0:
-                launch_gate(PDL)
-                _store_zeros(y_base, stride_yt, m_start, m_end, lo, hi, BLOCK_M, BLOCK_N)
+            launch_gate(PDL)
+            _store_zeros(y_base, stride_yt, m_start, m_end, lo, hi, BLOCK_M, BLOCK_N)
             return
     if rank == 0:
         return
-    if SPLIT_K > 1:  # a GEMV body's tile is its first program's alone
-        if ks > 0:
-            if m_end - m_start <= GEMV_MAX:
-                return
     table_row = table_ptr + a64 * stride_table
     # A row j, chunk c at a_off + j*IN_CHUNKS + c; Bᵀ row j, chunk c at b_off + j*out_chunks + c
     a_base = table_row + tl.load(a_off_ptr + a64 * stride_idx + m)
@@ -232,15 +207,6 @@ def _fused_tile(
                 D_IN, W, IN_CHUNKS, GEMV_MAX, GEMV_K, GEMV_N, GEMV_R, DELTA,
             )  # fmt: skip
             return
-    if SPLIT_K > 1:
-        _split_tile_dot(
-            x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
-            a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
-            part_h_ptr, arrivals_ptr, tile * 3 + s, ks,
-            D_IN, W, IN_CHUNKS, BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_R, DOT_F32, DELTA, SPLIT_K,
-            K_PER,
-        )  # fmt: skip
-        return
     _tile_dot(
         x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
         a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
@@ -276,6 +242,7 @@ def _tile_dot(
     rows = tl.arange(0, BLOCK_R)  # every rank row at once: BLOCK_R >= MAX_RANK
     row_ok = rows < rank
     a_pos = a_base + rows * IN_CHUNKS
+    b_pos = b_base + rows * ((width + W - 1) // W)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     m_ok = offs_m < m_end
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xt
@@ -296,80 +263,7 @@ def _tile_dot(
                 h += tl.dot(xt.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:
                 h += tl.dot(xt, tl.trans(w.to(xt.dtype)))  # [M, K] x [K, R]
-    _dot_expand(
-        h, y_base, stride_yt, pool_ptr, stride_half, stride_slot, b_base, scale, rank, width,
-        m_start, m_end, lo, hi, W, BLOCK_M, BLOCK_N, BLOCK_R, DOT_F32, DELTA,
-    )  # fmt: skip
 
-
-@triton.jit
-def _split_tile_dot(
-    x_ptr, stride_xt, y_base, stride_yt, pool_ptr, stride_half, stride_slot,
-    a_base, b_base, scale, rank, width, m_start, m_end, lo, hi,
-    part_h_ptr, arrivals_ptr, cell, ks,
-    D_IN: tl.constexpr, W: tl.constexpr, IN_CHUNKS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, DELTA: tl.constexpr,
-    SPLIT_K: tl.constexpr, K_PER: tl.constexpr,
-):  # fmt: skip
-    """_tile_dot with d_in shared by SPLIT_K programs: each sums x · Aᵀ over its K_PER
-    elements of d_in and stores that partial h in its place of the cell's (tile, slice) partial
-    sums; the last to arrive adds them in program order (the same sums whichever arrives last)
-    and expands, and sets the cell's count back to zero for the next launch."""
-    rows = tl.arange(0, BLOCK_R)
-    row_ok = rows < rank
-    a_pos = a_base + rows * IN_CHUNKS
-    offs_m = m_start + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < m_end
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xt
-    offs_k = tl.arange(0, BLOCK_K)
-    k_lo = ks * K_PER
-    k_hi = tl.minimum(D_IN, k_lo + K_PER)
-    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for c in range(k_lo // W, tl.cdiv(k_hi, W)):
-        slot = tl.load(a_pos + c, mask=row_ok, other=0).to(tl.int64)
-        w_rows = pool_ptr + slot[:, None] * stride_slot - c * W
-        k_end = tl.minimum(k_hi, c * W + W)
-        for k0 in range(tl.maximum(k_lo, c * W), k_end, BLOCK_K):
-            if W % BLOCK_K == 0:
-                k0 = tl.multiple_of(k0, BLOCK_K)
-            kk = k0 + offs_k
-            k_ok = kk < k_end
-            w = tl.load(w_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            xt = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            if DOT_F32:
-                h += tl.dot(xt.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            else:
-                h += tl.dot(xt, tl.trans(w.to(xt.dtype)))
-    cell_h = part_h_ptr + cell.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_R)
-    at = tl.arange(0, BLOCK_M)[:, None] * BLOCK_R + rows[None, :]
-    tl.store(cell_h + ks * (BLOCK_M * BLOCK_R) + at, h)
-    tl.debug_barrier()  # every thread's stores before the one release below
-    arrived = tl.atomic_add(arrivals_ptr + cell, 1, sem="acq_rel", scope="gpu")
-    if arrived == SPLIT_K - 1:  # the last: every other partial is stored and visible
-        tl.atomic_xchg(arrivals_ptr + cell, 0, sem="relaxed", scope="gpu")
-        h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for j in tl.static_range(SPLIT_K):  # from L2: another SM wrote them
-            h += tl.load(cell_h + j * (BLOCK_M * BLOCK_R) + at, cache_modifier=".cg")
-        _dot_expand(
-            h, y_base, stride_yt, pool_ptr, stride_half, stride_slot, b_base, scale, rank,
-            width, m_start, m_end, lo, hi, W, BLOCK_M, BLOCK_N, BLOCK_R, DOT_F32, DELTA,
-        )  # fmt: skip
-
-
-@triton.jit
-def _dot_expand(
-    h, y_base, stride_yt, pool_ptr, stride_half, stride_slot, b_base, scale, rank, width,
-    m_start, m_end, lo, hi, W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, DELTA: tl.constexpr,
-):  # fmt: skip
-    """A dot-body tile's expand of its h [BLOCK_M, BLOCK_R] (fp32) onto columns [lo, hi) of
-    y: y = scale · h · Bᵀ, or y += with DELTA off."""
-    rows = tl.arange(0, BLOCK_R)
-    row_ok = rows < rank
-    b_pos = b_base + rows * ((width + W - 1) // W)
-    offs_m = m_start + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < m_end
     y_rows = y_base + offs_m[:, None].to(tl.int64) * stride_yt
     if DOT_F32:
         hd = h

@@ -469,36 +469,12 @@ def test_apply_delta_of_a_mixed_step_apart_and_padded(path):
                  entries=entries, delta=True)  # fmt: skip
 
 
-@pytest.mark.parametrize("split_k", [2, 3])
-@pytest.mark.parametrize("path", ("fused", "gemv"))
-@pytest.mark.parametrize("delta", [False, True])
-def test_fused_dot_tiles_split_d_in(split_k, path, delta):
-    """A fused launch with split_k shares each dot-body tile's d_in among split_k programs (the
-    last to arrive adds their partial sums and expands; GEMV-body tiles stay one program's):
-    exact as without, twice in a row on the same arrival counts, which end at zero."""
-    i = split_k * 4 + ("fused", "gemv").index(path) * 2 + delta
-    gen = torch.Generator().manual_seed(700 + i)
-    shape = LORA_SHAPES[i % 2]
-    ranks = _ranks(4, shape.modules, RANKS, gen)
-    prompt = PREFILL_TOKENS // 2
-    rows = torch.tensor([0, 1, 1, -1, 2] + [3] * prompt + [-1] * 3 + [1] * prompt,
-                        dtype=torch.int32)  # fmt: skip
-    max_rank = max(max(r.values()) for r in ranks)
-    config = _config(path, shape, rows.numel(), max_rank)._replace(parts=1, split_k=split_k)
-    for _ in range(2):
-        _check_apply(shape, ranks, rows, DTYPES[i % len(DTYPES)], gen, config=config,
-                     delta=delta)  # fmt: skip
-    for _, arrivals in lora._SPLIT_STATE.values():
-        assert not arrivals.any(), "every cell's arrival count is back at zero"
-
-
 @pytest.mark.parametrize("tile_programs", [1, 3])
 @pytest.mark.parametrize("path", ("fused", "gemv"))
 @pytest.mark.parametrize("delta", [False, True])
 def test_fused_programs_stride_over_tiles(tile_programs, path, delta):
     """A fused launch of fewer programs along the tiles than its table's rows (tile_programs):
-    each takes every tile_programs-th tile until the step's last, zero tiles included; with
-    split_k too."""
+    each takes every tile_programs-th tile until the step's last, zero tiles included."""
     i = tile_programs * 4 + ("fused", "gemv").index(path) * 2 + delta
     gen = torch.Generator().manual_seed(800 + i)
     shape = LORA_SHAPES[i % 2]
@@ -506,22 +482,8 @@ def test_fused_programs_stride_over_tiles(tile_programs, path, delta):
     prompt = PREFILL_TOKENS // 2
     rows = torch.tensor([2, 0, 1, 1, -1, 2] + [3] * prompt + [-1] * 3, dtype=torch.int32)
     max_rank = max(max(r.values()) for r in ranks)
-    config = _config(path, shape, rows.numel(), max_rank)
-    for split in (1, 2):
-        cfg = config._replace(tile_programs=tile_programs, split_k=split,
-                              parts=config.parts if split == 1 else 1)  # fmt: skip
-        _check_apply(shape, ranks, rows, DTYPES[i % len(DTYPES)], gen, config=cfg, delta=delta)
-
-
-def test_fused_split_refuses_parts():
-    gen = torch.Generator().manual_seed(5)
-    shape = LORA_SHAPES[0]
-    ranks = _ranks(2, shape.modules, RANKS, gen)
-    rows = torch.tensor([0, 1, 1], dtype=torch.int32)
-    max_rank = max(max(r.values()) for r in ranks)
-    config = _config("fused", shape, 3, max_rank)._replace(parts=2, split_k=2)
-    with pytest.raises(ValueError, match="split_k 2, parts 2"):
-        _check_apply(shape, ranks, rows, DTYPES[0], gen, config=config)
+    config = _config(path, shape, rows.numel(), max_rank)._replace(tile_programs=tile_programs)
+    _check_apply(shape, ranks, rows, DTYPES[i % len(DTYPES)], gen, config=config, delta=delta)
 
 
 def test_apply_delta_of_a_module_marked_unused_is_zero():
