@@ -286,7 +286,7 @@ DELTA_DOT_POINTS = (
 )
 DELTA_STAGES = (3, 5)
 # --delta-split: --delta-dot's cases, each call alone (q/k/v, then o), writing the delta by
-# fused_config's own launch, by 2 parts and on a grid of the step's own tiles, and adding in place
+# fused_config's own launch, on a grid of the step's own tiles, and striding over the tiles
 # --s2: S2's steps (ranks 8, 16, 32 and 64 cycled over n = 100 adapters, q/k/v/o), which take
 # the two launches at the engine's max_lora_rank (a fused step needs every rank <= 16): decode
 # steps at the saturating trace's batch and a mixed step; by the two launches' blocks (rank rows
@@ -492,9 +492,7 @@ def time_case(
         if v.get("stride"):  # stride x SMs programs, over the slices, stride over the tiles
             cfgs = [
                 c._replace(tile_programs=max(1, v["stride"] * num_sms() // len(m)))
-                for c, (m, _, _) in zip(
-                    cfgs if cfgs[0] else fused_launches(t, max_rank, calls), calls, strict=True
-                )
+                for c, (m, _, _) in zip(fused_launches(t, max_rank, calls), calls, strict=True)
             ]
         if v.get("no_gemv"):  # the fused launch without its GEMV body: every tile on the dot body
             cfgs = fused_launches(t, max_rank, calls, gemv_max=0)
@@ -613,7 +611,7 @@ FLAGS = (
     ("--floor", "prompts alone, decode tokens alone and together, by parts"),
     ("--parts", "the engine's mixed steps writing the delta, by parts"),
     ("--delta-dot", "mixed steps writing the delta, by dot-body points"),
-    ("--delta-split", "--delta-dot's steps, each call alone, delta and in place"),
+    ("--delta-split", "--delta-dot's steps, each call alone, by the grid along the tiles"),
     ("--apart", "mixed steps, decode tokens' tiles by segment and apart"),
     ("--s2", "S2's steps by two-launch blocks"),
     ("--s2-steps", "S2's mixed steps, two launches against fused at 64 rows"),
