@@ -132,10 +132,9 @@ def fused_resources(
         GEMV_MAX=launch.gemv_max, GEMV_K=launch.gemv_k, GEMV_N=launch.gemv_n,
         GEMV_R=gemv_rows, GEMV_NARROW_R=launch.gemv_narrow,
         GEMV_HOIST=lora.gemv_hoists(launch, d_in, W, widths), GEMV_PAIR=launch.gemv_pair,
-        DELTA=delta, PDL=pdl, STRIDE=False,
+        DELTA=delta, PDL=pdl,
     )  # fmt: skip
-    ints = dict(INTS, stride_xt=d_in, stride_yt=sum(widths), MAX_RANK=launch.shrink_r,
-                num_tiles=514)  # fmt: skip
+    ints = dict(INTS, stride_xt=d_in, stride_yt=sum(widths), MAX_RANK=launch.shrink_r)
     options = dict(num_warps=launch.shrink_warps, num_stages=launch.stages, launch_pdl=pdl)
     return compile_resources(lora_fused_kernel, constexprs, ints, options)
 

@@ -88,13 +88,13 @@ blocks and warps (DELTA_DOT_POINTS) and its pipeline depth (DELTA_STAGES), besid
 launches in place.
 
 With ``--delta-split`` the cases are ``--delta-dot``'s, each call timed alone (q/k/v, then o),
-writing the delta: by fused_config's own launch; with a grid of the step's own tiles (a segment
-capacity of its adapters + 2, or of its entries + 2 where its decode tokens are apart, not the
-engine's 514: the programs that find no tile left out); and with 3 and 6 programs an SM along
-the tiles, striding over them (LoraLaunch.tile_programs). A row's tb_per_s counts that call's
-bytes (a delta's y written once, not read and written). At 9f4d3b9 it also timed 2 parts, the
-calls in place, and the dot body's tiles sharing d_in among 2 and 4 programs (a split the fused
-kernel had then: docs/kernels.md).
+writing the delta: by fused_config's own launch, and with a grid of the step's own tiles (a
+segment capacity of its adapters + 2, or of its entries + 2 where its decode tokens are apart,
+not the engine's 514: the programs that find no tile left out). A row's tb_per_s counts that
+call's bytes (a delta's y written once, not read and written). At 9f4d3b9 it also timed 2 parts,
+the calls in place, and the dot body's tiles sharing d_in among 2 and 4 programs; at b43b3ef 3
+and 6 programs an SM striding over the tiles (options the fused kernel had then:
+docs/kernels.md).
 
 With ``--apart`` the cases are mixed steps whose decode tokens share adapters (drawn from 5,
 30, 100 and 1000) beside prompts, every call fused at 16 rank rows as the engine's narrow steps
@@ -160,7 +160,6 @@ from bench.provenance import write_result  # noqa: E402
 from kernels import lora, lora_paths  # noqa: E402
 from kernels.lora_layout import K, O, Q, V  # noqa: E402
 from kernels.lora_ref import make_lora_tokens  # noqa: E402
-from kernels.tiles import num_sms  # noqa: E402
 
 CALLS = (kb.CALLS[0], kb.CALLS[1])  # q/k/v and o: S1's modules
 # tokens, adapters (drawn uniformly, as S1's power law with alpha 1): the last three are the
@@ -286,7 +285,7 @@ DELTA_DOT_POINTS = (
 )
 DELTA_STAGES = (3, 5)
 # --delta-split: --delta-dot's cases, each call alone (q/k/v, then o), writing the delta by
-# fused_config's own launch, on a grid of the step's own tiles, and striding over the tiles
+# fused_config's own launch and on a grid of the step's own tiles
 # --s2: S2's steps (ranks 8, 16, 32 and 64 cycled over n = 100 adapters, q/k/v/o), which take
 # the two launches at the engine's max_lora_rank (a fused step needs every rank <= 16): decode
 # steps at the saturating trace's batch and a mixed step; by the two launches' blocks (rank rows
@@ -489,11 +488,6 @@ def time_case(
             cfgs = fused_launches(t, max_rank, calls, stages=v["stages"])
         if v.get("parts"):
             cfgs = fused_launches(t, max_rank, calls, parts=v["parts"])
-        if v.get("stride"):  # stride x SMs programs, over the slices, stride over the tiles
-            cfgs = [
-                c._replace(tile_programs=max(1, v["stride"] * num_sms() // len(m)))
-                for c, (m, _, _) in zip(fused_launches(t, max_rank, calls), calls, strict=True)
-            ]
         if v.get("no_gemv"):  # the fused launch without its GEMV body: every tile on the dot body
             cfgs = fused_launches(t, max_rank, calls, gemv_max=0)
         if v.get("split_k"):
@@ -611,7 +605,7 @@ FLAGS = (
     ("--floor", "prompts alone, decode tokens alone and together, by parts"),
     ("--parts", "the engine's mixed steps writing the delta, by parts"),
     ("--delta-dot", "mixed steps writing the delta, by dot-body points"),
-    ("--delta-split", "--delta-dot's steps, each call alone, by the grid along the tiles"),
+    ("--delta-split", "--delta-dot's steps, each call alone, the engine's grid and their own"),
     ("--apart", "mixed steps, decode tokens' tiles by segment and apart"),
     ("--s2", "S2's steps by two-launch blocks"),
     ("--s2-steps", "S2's mixed steps, two launches against fused at 64 rows"),
@@ -685,8 +679,7 @@ def main() -> None:
         v = dict(max_rank=16, segments=514, fused=True, apart="engine")
         for only in range(len(CALLS)):
             delta = dict(v, delta=True, only=only)
-            variants += [delta, dict(delta, segments="own"), dict(delta, stride=3),
-                         dict(delta, stride=6)]  # fmt: skip
+            variants += [delta, dict(delta, segments="own")]
     elif args.apart:
         narrow = dict(max_rank=16, segments=514, fused=True, mlp=True)  # the engine's NARROW
         variants += [narrow, dict(narrow, apart=True), dict(narrow, no_gemv=True)]

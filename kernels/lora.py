@@ -165,9 +165,7 @@ class LoraLaunch(NamedTuple):
     pdl: bool = True  # overlap expand's prologue with shrink (Hopper and later)
     fused: bool = False  # one launch (kernels/lora_fused.py) instead of shrink + expand
     parts: int = 1  # fused: programs sharing one (tile, slice)'s output columns
-    # programs along the tiles, which they stride over: two launches (0: _tile_programs picks),
-    # fused (0: a program a tile)
-    tile_programs: int = 0
+    tile_programs: int = 0  # two launches: programs along the tiles (0: _tile_programs picks)
     gemv_max: int = 0  # fused: tiles of at most this many tokens take the GEMV body (0: none)
     gemv_k: int = 256  # fused: the GEMV body's d_in block
     gemv_n: int = 256  # fused: the GEMV body's column block
@@ -705,8 +703,7 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
             f"a fused call takes at most {_MAX_GRID_Y} tiles (a grid's y), this one "
             f"{tiles}: use the two launches (fused=False) for {call.num_tokens} tokens"
         )
-    stride = 0 < cfg.tile_programs < tiles  # programs stride over the tiles
-    grid = (len(modules) * cfg.parts, cfg.tile_programs if stride else tiles)
+    grid = (len(modules) * cfg.parts, tiles)
     lora_fused_kernel[grid](
         x, x.stride(0), y, y.stride(0),
         pool_layer, pool_layer.stride(0), pool_layer.stride(1),
@@ -721,7 +718,7 @@ def _fused(y, x, pool_layer, index, tokens, modules, out_widths, max_rank, cfg, 
         GEMV_MAX=cfg.gemv_max, GEMV_K=cfg.gemv_k, GEMV_N=cfg.gemv_n,
         GEMV_R=gemv_rows, GEMV_NARROW_R=cfg.gemv_narrow,
         GEMV_HOIST=gemv_hoists(cfg, call.d_in, call.width, out_widths),
-        GEMV_PAIR=cfg.gemv_pair, DELTA=delta, num_tiles=tiles, STRIDE=stride,
+        GEMV_PAIR=cfg.gemv_pair, DELTA=delta,
         num_warps=cfg.shrink_warps, num_stages=cfg.stages,
         **_slice_args(modules, out_widths), **lora_dependent(x.device),
     )  # fmt: skip

@@ -36,11 +36,6 @@ expand (for bf16 and fp16 outputs), y once.
 Slot lookups are hoisted out of both streaming loops (one per rank row and pool chunk), as in
 the two-launch kernels, so the loops are plain strided streams that software-pipeline.
 
-With STRIDE (LoraLaunch.tile_programs) the grid has fewer programs along the tiles than the
-table's rows, and each takes every num_programs(1)-th tile until the step's last, instead of a
-program a row, most of which find no tile in a step of few adapters (docs/kernels.md,
-bench/lora_engine_calls.py --delta-split).
-
 With PDL (a programmatic dependent launch: kernels/tiles.py lora_pdl_launch) a program reads
 before launch_gate only what existed before the kernel ahead of it in the stream started: its
 tile (the step's table), the index, and a hoisted body's slot rows; x, the weights and y after
@@ -91,50 +86,7 @@ def lora_fused_kernel(
     GEMV_PAIR: tl.constexpr = False,  # with GEMV_HOIST, two-token tiles take that body too
     DELTA: tl.constexpr = False,  # y = the delta (every token: ZERO_ROW tiles) rather than y +=
     PDL: tl.constexpr = False,  # a dependent launch: reads x and y, writes y, past launch_gate
-    num_tiles=0,  # with STRIDE: the tile table's rows
-    STRIDE: tl.constexpr = False,  # fewer programs along the tiles than the table's rows
 ):  # fmt: skip
-    if STRIDE:  # each program takes every num_programs(1)-th tile until the step's last
-        tile = tl.program_id(1)
-        while tile < num_tiles:
-            row = tl.load(tiles_ptr + tile * 3)
-            if row < 0 and row != _ZERO_ROW:  # past the step's last tile
-                tile = num_tiles
-            else:
-                _fused_tile(
-                    x_ptr, stride_xt, y_ptr, stride_yt, pool_ptr, stride_half, stride_slot,
-                    table_ptr, stride_table, ranks_ptr, a_off_ptr, b_off_ptr, scales_ptr,
-                    stride_idx, stride_scale, tiles_ptr, mods_ptr, MAX_RANK, PARTS, D_IN, W,
-                    IN_CHUNKS, M0, M1, M2, N0, N1, N2, BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_R, DOT_F32,
-                    MASKED, PART_N, GEMV_MAX, GEMV_K, GEMV_N, GEMV_R, GEMV_NARROW_R, GEMV_HOIST,
-                    GEMV_PAIR, DELTA, PDL,
-                    tile,
-                )  # fmt: skip
-                tile += tl.num_programs(1)
-    else:
-        _fused_tile(
-            x_ptr, stride_xt, y_ptr, stride_yt, pool_ptr, stride_half, stride_slot, table_ptr,
-            stride_table, ranks_ptr, a_off_ptr, b_off_ptr, scales_ptr, stride_idx, stride_scale,
-            tiles_ptr, mods_ptr, MAX_RANK, PARTS, D_IN, W, IN_CHUNKS, M0, M1, M2, N0, N1, N2,
-            BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_R, DOT_F32, MASKED, PART_N, GEMV_MAX, GEMV_K, GEMV_N,
-            GEMV_R, GEMV_NARROW_R, GEMV_HOIST, GEMV_PAIR, DELTA, PDL,
-            tl.program_id(1),
-        )  # fmt: skip
-
-
-@triton.jit
-def _fused_tile(
-    x_ptr, stride_xt, y_ptr, stride_yt, pool_ptr, stride_half, stride_slot, table_ptr, stride_table,
-    ranks_ptr, a_off_ptr, b_off_ptr, scales_ptr, stride_idx, stride_scale, tiles_ptr, mods_ptr,
-    MAX_RANK, PARTS, D_IN: tl.constexpr, W: tl.constexpr, IN_CHUNKS: tl.constexpr, M0: tl.constexpr,
-    M1: tl.constexpr, M2: tl.constexpr, N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    DOT_F32: tl.constexpr, MASKED: tl.constexpr, PART_N: tl.constexpr, GEMV_MAX: tl.constexpr,
-    GEMV_K: tl.constexpr, GEMV_N: tl.constexpr, GEMV_R: tl.constexpr, GEMV_NARROW_R: tl.constexpr,
-    GEMV_HOIST: tl.constexpr, GEMV_PAIR: tl.constexpr, DELTA: tl.constexpr, PDL: tl.constexpr, tile,
-):  # fmt: skip
-    """The kernel's work on the tile of its table's row ``tile`` (lora_fused_kernel's
-    arguments)."""
     q = tl.program_id(0)
     s = q // PARTS
     p = q % PARTS
@@ -143,7 +95,7 @@ def _fused_tile(
         if MASKED:
             if tl.load(mods_ptr + m) == 0:  # no adapter of the step has it
                 return
-    a, m_start, m_end = table_tile(tiles_ptr, tile)
+    a, m_start, m_end = table_tile(tiles_ptr, tl.program_id(1))
     if a < 0:
         if not DELTA:
             return

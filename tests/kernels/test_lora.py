@@ -469,23 +469,6 @@ def test_apply_delta_of_a_mixed_step_apart_and_padded(path):
                  entries=entries, delta=True)  # fmt: skip
 
 
-@pytest.mark.parametrize("tile_programs", [1, 3])
-@pytest.mark.parametrize("path", ("fused", "gemv"))
-@pytest.mark.parametrize("delta", [False, True])
-def test_fused_programs_stride_over_tiles(tile_programs, path, delta):
-    """A fused launch of fewer programs along the tiles than its table's rows (tile_programs):
-    each takes every tile_programs-th tile until the step's last, zero tiles included."""
-    i = tile_programs * 4 + ("fused", "gemv").index(path) * 2 + delta
-    gen = torch.Generator().manual_seed(800 + i)
-    shape = LORA_SHAPES[i % 2]
-    ranks = _ranks(4, shape.modules, RANKS, gen)
-    prompt = PREFILL_TOKENS // 2
-    rows = torch.tensor([2, 0, 1, 1, -1, 2] + [3] * prompt + [-1] * 3, dtype=torch.int32)
-    max_rank = max(max(r.values()) for r in ranks)
-    config = _config(path, shape, rows.numel(), max_rank)._replace(tile_programs=tile_programs)
-    _check_apply(shape, ranks, rows, DTYPES[i % len(DTYPES)], gen, config=config, delta=delta)
-
-
 def test_apply_delta_of_a_module_marked_unused_is_zero():
     """A module no adapter of the step has (LoraTokens.modules): its slice of the delta is
     zeros for every token, adapters or not."""
