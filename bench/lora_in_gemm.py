@@ -20,7 +20,8 @@ ONE_TOKEN_ROWS rank rows (``in_gemm_one_token``) or on the segments' tiles at 16
 Beside it the base GEMMs alone, the engine's addend path and in place, the extended GEMMs alone
 (``gemm_ext``: what the KX columns cost the GEMM), and the base GEMMs on weights stored with the
 KX columns but reading d_in of them (``base_padded``: what that layout would cost every step).
-The cases are bench/lora_addend.py's S1 mixed steps, Llama-2-7B shapes, bf16, µs a layer in a
+The cases are bench/lora_addend.py's S1 mixed steps, then its S1 decode steps (no prompts:
+there the figure is ``base_padded`` against ``base``), Llama-2-7B shapes, bf16, µs a layer in a
 CUDA graph over LAYERS copies; every variant's output is checked against the in-place path's.
 
     python bench/lora_in_gemm.py [--pads 16 64] [--out bench/results/lora_in_gemm.json]
@@ -163,8 +164,8 @@ def cpu_check() -> None:
     print("ok")
 
 
-def time_case(decode: int, n: int, prefill: tuple[int, ...], base: int, padded: int, gen,
-              pads: tuple[int, ...]) -> dict:  # fmt: skip
+def time_case(workload: str, decode: int, n: int, prefill: tuple[int, ...], base: int,
+              padded: int, gen, pads: tuple[int, ...]) -> dict:  # fmt: skip
     rows, starts = case_entries(decode, n, prefill, base, gen)
     real = rows.numel()
     rows = torch.cat([rows, torch.full((max(padded, real) - real,), -1, dtype=torch.int32)])
@@ -198,7 +199,7 @@ def time_case(decode: int, n: int, prefill: tuple[int, ...], base: int, padded: 
         tokens = make_lora_tokens(decode_rows, capacity=CAPACITY, one_token_tiles=one_token)
         contexts[name] = (lora, SimpleNamespace(lora_tokens=tokens))
     row = dict(
-        workload="S1", tokens=t, real_tokens=real, decode_tokens=decode, adapters=n,
+        workload=workload, tokens=t, real_tokens=real, decode_tokens=decode, adapters=n,
         used=int(torch.unique(rows[rows >= 0]).numel()), prefill=list(prefill), base_tokens=base,
         base_us=round(out["base"], 2), in_place_us=round(out["in_place"], 2),
         addend_us=round(out["addend"], 2), pads={},
@@ -284,9 +285,9 @@ def main() -> None:
     print(f"{'case':<44} {'base':>7} {'addend':>7} {'in place':>8} | pad "
           f"{'in GEMM':>8} {'1-token':>8} {'GEMM+KX':>8} {'padded':>7} {'cols':>5}")  # fmt: skip
     for workload, decode, n, prefill, base, padded in CASES:
-        if workload != "S1":
+        if workload not in ("S1", "S1 decode"):  # decode steps: what the padded layout costs
             continue
-        row = time_case(decode, n, prefill, base, padded, gen, tuple(args.pads))
+        row = time_case(workload, decode, n, prefill, base, padded, gen, tuple(args.pads))
         rows.append(row)
         name = f"{decode} dec/{n} + {'+'.join(map(str, prefill))} + {base} base ({padded})"
         for pad, r in row["pads"].items():
