@@ -132,11 +132,11 @@ def in_gemm(x_ext: torch.Tensor, w_ext: torch.Tensor, ops: SimpleNamespace) -> t
     return F.linear(x_ext, w_ext)
 
 
-def cpu_check() -> None:
-    """The operands on the CPU in float32 against kernels/lora_ref.py's lora_apply: y = x · Wᵀ
-    + the prompt tokens' LoRA (decode tokens' rows get x · Wᵀ alone here)."""
-    kb.DEV = torch.device("cpu")
-    kb.DT = torch.float32
+def reference_errors(pad: int = 16) -> list[tuple[tuple[int, ...], float, float]]:
+    """The operands against kernels/lora_ref.py's lora_apply, on kb.DEV in kb.DT (the CPU in
+    float32 for --check): for q/k/v and o of one layer, y = x · Wᵀ + the prompt tokens' LoRA
+    (decode tokens' rows get x · Wᵀ alone here), three prompts on adapters of ranks 8 and 16
+    beside decode and base-model tokens. Each call's (modules, max |error|, max |LoRA delta|)."""
     gen = torch.Generator().manual_seed(1)
     rows, starts = case_entries(6, 5, (9, 7, 12), 3, gen)
     t = rows.numel()
@@ -145,21 +145,27 @@ def cpu_check() -> None:
     prompt_rows = torch.full_like(rows, -1)
     for adapter, first, end in chunks:
         prompt_rows[first:end] = adapter
-    tokens = make_lora_tokens(prompt_rows)
-    for (modules, widths), d_in in ((QKV, H), (OUT, H)):
-        x = torch.randn(t, d_in, generator=gen)
-        w = torch.randn(sum(widths), d_in, generator=gen) * 0.02
-        ops = operands(case.pool[0], case.index, chunks, modules, widths, d_in, t, 16)
+    tokens = make_lora_tokens(prompt_rows.to(kb.DEV))
+    out = []
+    for modules, widths in (QKV, OUT):
+        x = torch.randn(t, H, generator=gen).to(kb.DEV, kb.DT)
+        w = (torch.randn(sum(widths), H, generator=gen) * 0.02).to(kb.DEV, kb.DT)
+        ops = operands(case.pool[0], case.index, chunks, modules, widths, H, t, pad)
         w_ext, x_ext = extend(w, x, ops)
-        w_ext[:, d_in:] = ops.b
+        w_ext[:, H:] = ops.b
         got = in_gemm(x_ext, w_ext, ops)
         want = F.linear(x, w)
         lora_apply(want, x, case.pool[0], case.index, tokens, modules, widths, 16)
         err = (got - want).abs().max().item()
-        base = (F.linear(x, w) - want).abs().max().item()
-        print(f"modules {modules}: KX {ops.kx} ({ops.used} used), max |error| {err:.2e}, "
-              f"max |LoRA delta| {base:.2e}")  # fmt: skip
-        if not (err <= 1e-4 and base > 1e-2):
+        out.append((modules, err, (F.linear(x, w) - want).abs().max().item()))
+    return out
+
+
+def cpu_check() -> None:
+    kb.DEV, kb.DT = torch.device("cpu"), torch.float32
+    for modules, err, delta in reference_errors():
+        print(f"modules {modules}: max |error| {err:.2e}, max |LoRA delta| {delta:.2e}")
+        if not (err <= 1e-4 and delta > 1e-2):
             raise AssertionError(f"in-GEMM LoRA differs from the reference by {err}")
     print("ok")
 
