@@ -24,7 +24,10 @@ nothing else count, each in the window that holds it whole. Goal (issue 5): step
 at most 1.05x of the p99 without.
 
     python bench/service_load.py                           # CUDA, Llama-7B shape, bf16
-    python bench/service_load.py --shape tiny --device cpu --batch 8 --rounds 4 --decode-len 16
+    python bench/service_load.py --shape tiny --device cpu --batch 8 --rounds 6 --decode-len 64
+
+A run whose windows hold no full-batch decode step (requests so short that a stream is always
+starting its next one) has no ratio to report: it says so, and exits 1.
 """
 
 from __future__ import annotations
@@ -324,10 +327,19 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"machine: {result['machine']}")
+    missing = []
     for engine, r in result["variants"].items():
         print(f"\n=== engine: {engine}")
+        if r["p99_ratio"] is None or not r["step_with_loads"]["steps"]:
+            missing.append(engine)
+            print(
+                f"  too few full-batch decode steps to compare: {r['step_no_loads']['steps']} "
+                f"in quiet windows, {r['step_with_loads']['steps']} in windows with loads "
+                "(more --rounds or a longer --decode-len)"
+            )
+            continue
         print(report_text(r))
-    return 0
+    return 1 if missing else 0
 
 
 if __name__ == "__main__":
