@@ -6,11 +6,17 @@ with timers, and writes what it recorded as JSON to the file named by LORAFLEET_
 when it ends.
 
 Times are time.perf_counter (CLOCK_MONOTONIC on Linux), so they compare with the client's.
+
+With LORAFLEET_BENCH_PROFILE=PATH (CUDA) the torch profiler records the device's work from the
+service's PROFILE_FROM-th load command to its PROFILE_LOADS-th after (the stream phase's load
+windows and the quiet windows between them: every kernel and copy with its stream), and writes
+it as a gzipped Chrome trace at PATH when it stops.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
 import sys
@@ -22,6 +28,8 @@ sys.path.insert(0, str(REPO))
 
 from bench.adapter_load import CollectionLog, StepTimer  # noqa: E402
 from services.inference import engine_process  # noqa: E402
+
+PROFILE_FROM, PROFILE_LOADS = 40, 4
 
 _timers: list[StepTimer] = []
 _spans: dict[str, list[tuple[float, float]]] = {}  # what -> (start, seconds)
@@ -52,12 +60,37 @@ class _TracedEngine(engine_process.ProcessEngine):
         adapters.begin_load = _timed("begin_load", adapters.begin_load)
         adapters.issue_loads = _timed("issue_loads", adapters.issue_loads)
 
+        self._loads = 0
+        self._profile = None
+
     def _apply(self, cmd: object) -> None:
         if not isinstance(cmd, engine_process._Command):
             super()._apply(cmd)
             return
+        if cmd.msg[0] == "load" and os.environ.get("LORAFLEET_BENCH_PROFILE"):
+            self._profiled_load()
         with _span(f"cmd_{cmd.msg[0]}"):
             super()._apply(cmd)
+
+    def _profiled_load(self) -> None:
+        import torch
+
+        self._loads += 1
+        if self._loads == PROFILE_FROM:
+            self._profile = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CUDA]
+            )
+            self._profile.start()
+        elif self._loads == PROFILE_FROM + PROFILE_LOADS and self._profile is not None:
+            torch.cuda.synchronize()
+            self._profile.stop()
+            path = Path(os.environ["LORAFLEET_BENCH_PROFILE"])
+            raw = path.with_suffix("")  # the trace, then gzipped at PATH
+            self._profile.export_chrome_trace(str(raw))
+            with open(raw, "rb") as f, gzip.open(path, "wb") as out:
+                out.write(f.read())
+            raw.unlink()
+            self._profile = None
 
 
 def main(argv: list[str]) -> int:
