@@ -60,8 +60,8 @@ class _TracedEngine(engine_process.ProcessEngine):
         adapters.begin_load = _timed("begin_load", adapters.begin_load)
         adapters.issue_loads = _timed("issue_loads", adapters.issue_loads)
 
-        self._loads = 0
-        self._profile = None
+        self._bench_loads = 0
+        self._bench_profile = None
 
     def _apply(self, cmd: object) -> None:
         if not isinstance(cmd, engine_process._Command):
@@ -75,22 +75,24 @@ class _TracedEngine(engine_process.ProcessEngine):
     def _profiled_load(self) -> None:
         import torch
 
-        self._loads += 1
-        if self._loads == PROFILE_FROM:
-            self._profile = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CUDA]
+        self._bench_loads += 1
+        if self._bench_loads == PROFILE_FROM:
+            act = torch.profiler.ProfilerActivity
+            self._bench_profile = torch.profiler.profile(
+                activities=[act.CUDA if torch.cuda.is_available() else act.CPU]
             )
-            self._profile.start()
-        elif self._loads == PROFILE_FROM + PROFILE_LOADS and self._profile is not None:
-            torch.cuda.synchronize()
-            self._profile.stop()
+            self._bench_profile.start()
+        elif self._bench_loads == PROFILE_FROM + PROFILE_LOADS and self._bench_profile is not None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self._bench_profile.stop()
             path = Path(os.environ["LORAFLEET_BENCH_PROFILE"])
             raw = path.with_suffix("")  # the trace, then gzipped at PATH
-            self._profile.export_chrome_trace(str(raw))
+            self._bench_profile.export_chrome_trace(str(raw))
             with open(raw, "rb") as f, gzip.open(path, "wb") as out:
                 out.write(f.read())
             raw.unlink()
-            self._profile = None
+            self._bench_profile = None
 
 
 def main(argv: list[str]) -> int:
