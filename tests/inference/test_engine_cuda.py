@@ -429,3 +429,42 @@ def _assert_tracks_hf(tiny_models, preset, model_dir, requests, results) -> None
             assert torch.isfinite(g).all()
             err = relative_error(g.float().cpu(), want[first + step])
             assert err <= BF16_RTOL, f"{req.request_id} step {step}: relative error {err:.2e}"
+
+
+def test_cuda_an_adapter_copied_in_parts_lands_as_a_whole_copy(tiny_models, monkeypatch):
+    """AdapterCopier.issue with a byte budget (the engine's per-launch budget, core.DMA_SHARE)
+    queues the file's transfer in parts over several calls, the write kernel and the end event
+    after the last: the pool then holds what one whole transfer writes, and the engine measured
+    a host -> device bandwidth to size the budgets with."""
+    from services.inference.engine import adapter_copy
+
+    monkeypatch.setattr(adapter_copy, "MIN_PART_BYTES", 1000)
+    key = AdapterKey("r16", 1)
+    written = []
+    for part in (None, 1000):
+        core = make_core(tiny_models.model("tiny-llama"), device="cuda", max_lora_rank=32,
+                         max_loras=4)  # fmt: skip
+        adapters = core.adapters
+        assert adapters.copier.h2d_bytes_per_s > 1e8
+        core.add_adapter_dir(key, tiny_models.adapter("tiny-llama", "r16"))
+        assert adapters.begin_load(key)
+        [ticket] = adapters._unissued
+        host = adapters._entries[key].host
+        n = host.raw.numel()
+        calls = 0
+        while not ticket.issued:
+            queued = adapters.copier.issue(ticket, part)
+            assert queued == (n if part is None else min(part, n - calls * part))
+            calls += 1
+            assert ticket.issued or not ticket.done()  # no end event before the last part
+        assert calls == (1 if part is None else -(-n // part)) and ticket.error is None
+        adapters._unissued.clear()
+        torch.cuda.synchronize()
+        adapters.poll_loads()
+        assert adapters.state(key) is AdapterState.IN_POOL
+        slots = adapters.index.slot_table[adapters.row(key), : host.plan.num_slots].long()
+        written.append(adapters.copier.pool[:, :, slots].cpu())
+        del core, adapters, ticket
+        gc.collect()
+    assert calls > 4  # the parts' case did cut the file
+    assert torch.equal(written[0], written[1])

@@ -98,13 +98,47 @@ def test_issued_copies_keep_to_the_budget_in_the_order_they_were_prepared(
     prepared = list(adapters._unissued)
     issued = []
     real = adapters.copier.issue
-    monkeypatch.setattr(adapters.copier, "issue", lambda t: (issued.append(t), real(t)))
+    monkeypatch.setattr(
+        adapters.copier, "issue", lambda t, b=None: (issued.append(t), real(t, b))[1]
+    )
     adapters.issue_loads(budget_s=0.0)
     assert issued == prepared[:1]
     adapters.issue_loads(budget_s=0.0)
     assert issued == prepared[:2]
     adapters.issue_loads()
     assert issued == prepared and not adapters._unissued
+
+
+def test_issued_copies_keep_to_the_byte_budget(core, tiny_models, monkeypatch):
+    """issue_loads(budget_bytes=B) queues about B bytes of the adapters' transfers: a transfer
+    the budget cuts stays first in the queue, its rest queued by the next calls, and the copies
+    after it wait; a copy is taken off the queue once all of it is queued (ticket.issued)."""
+    adapters = core.adapters
+    core.add_adapter_dir(AdapterKey("r8", 1), tiny_models.adapter("tiny-llama", "r8"))
+    for name in ("r32", "r16", "r8"):
+        assert adapters.begin_load(AdapterKey(name, 1))
+    prepared = list(adapters._unissued)
+    left = {id(t): 100 for t in prepared}  # bytes each transfer has still to queue
+    calls = []
+
+    def issue(ticket, max_bytes=None):  # AdapterCopier.issue's contract, without a device
+        n = left[id(ticket)] if max_bytes is None else min(left[id(ticket)], max_bytes)
+        left[id(ticket)] -= n
+        calls.append((prepared.index(ticket), n))
+        if not left[id(ticket)]:
+            ticket._job = None
+        else:
+            ticket._job = ticket._job or "part"
+        return n
+
+    monkeypatch.setattr(adapters.copier, "issue", issue)
+    adapters.issue_loads(budget_bytes=60)
+    assert calls == [(0, 60)] and adapters._unissued == prepared  # the first, cut at 60
+    adapters.issue_loads(budget_bytes=150)
+    assert calls[1:] == [(0, 40), (1, 100), (2, 10)]  # its rest, the second whole, then 10
+    assert adapters._unissued == prepared[2:]
+    adapters.issue_loads()  # no budget: the rest of everything
+    assert calls[4:] == [(2, 90)] and not adapters._unissued
 
 
 def test_runner_prefers_fused_for_many_distinct_adapters(core, monkeypatch):

@@ -26,7 +26,16 @@ scheduling stream, begin_load took 0.7 ms between steps, p99 1.1-1.4 ms:
 bench/results/service_load_engines_3/4.txt.) The row reaches the device before the copy's end
 event, and a step reads it only once that event has passed (the adapter is IN_POOL then). On the
 CPU the same function runs in place, synchronously, at prepare(), writing the index row and
-reading the host bytes directly."""
+reading the host bytes directly.
+
+The transfer may be queued in parts (issue(ticket, max_bytes)): the step's own inputs go to the
+device by copies queued on the step's stream behind the previous step, so they run at the step
+boundary, where a transfer of an adapter still in flight on the copy engine delays them and the
+whole next step with them. So the engine gives each launch a byte budget, a share of what the
+last step's GPU time moves at the host -> device bandwidth measured at start-up
+(h2d_bytes_per_s), and a transfer queued early in a step then ends before the step does; the
+rest of a large adapter goes at the next launches, and the write kernel and the end event once
+every byte is queued."""
 
 from __future__ import annotations
 
@@ -42,6 +51,9 @@ from services.inference.engine.host_adapter import HostAdapter, LoraPair, Tensor
 from services.inference.models.shard import lora_slices
 
 ALL = slice(None)
+# The least a budgeted issue() queues of a transfer: smaller parts cost more launches than they
+# save (a part of 4 MiB takes about 0.1-0.4 ms of a PCIe link).
+MIN_PART_BYTES = 4 << 20
 
 
 def _stacked(src: torch.Tensor, refs: list[TensorRef]) -> torch.Tensor:
@@ -158,7 +170,14 @@ class CopyTicket:
         self._end = torch.cuda.Event(enable_timing=True) if cuda else None
         self._after = torch.cuda.Event() if cuda else None  # the scheduling stream's work
         self._job: tuple[HostAdapter, int, int] | None = None  # prepared: (host, row, num_slots)
+        self._staged: torch.Tensor | None = None  # the device buffer of a transfer under way
+        self._sent = 0  # bytes of the file queued so far
         self._seconds = 0.0
+
+    @property
+    def issued(self) -> bool:
+        """Whether all of the copy is queued (or it needs no queueing: the CPU, or failed)."""
+        return self._job is None
 
     @property
     def error(self) -> BaseException | None:
@@ -203,6 +222,8 @@ class AdapterCopier:
             else index
         )
         warm_up(pool, index.slot_table[0])
+        # What a budgeted transfer moves in a given time (issue(); the engine's byte budgets).
+        self.h2d_bytes_per_s = h2d_bytes_per_s(pool.device) if self.cuda else None
 
     def prepare(self, host: HostAdapter, row: int, slots: torch.Tensor) -> CopyTicket:
         """A copy of ``host`` into ``slots`` (host tensor) and of its index ``row``, ordered after
@@ -224,26 +245,57 @@ class AdapterCopier:
             ticket._error = exc
         return ticket
 
-    def issue(self, ticket: CopyTicket) -> None:
-        """Queue a prepared copy on the side stream (no-op once issued, and on the CPU)."""
+    def issue(self, ticket: CopyTicket, max_bytes: int | None = None) -> int:
+        """Queue a prepared copy on the side stream: its index row and the file's bytes, at most
+        ``max_bytes`` of them this call (at least MIN_PART_BYTES; None: all that remain), then,
+        once every byte is queued, the write kernel and the end event (ticket.issued). Returns
+        the file's bytes queued (0 once issued, and on the CPU)."""
         if ticket._job is None:
-            return
+            return 0
         host, row, num_slots = ticket._job
+        side = self._stream
+        n = host.raw.numel()
         try:
-            side = self._stream
             with torch.cuda.device(self.pool.device), torch.cuda.stream(side):
-                side.wait_event(ticket._after)
-                ticket._start.record(side)
-                for dst, src in zip(self.index, self._staged, strict=True):
-                    dst[row].copy_(src[row], non_blocking=True)
-                slots = self.index.slot_table[row, :num_slots]
-                staged = to_device(host.raw, self.pool.device)  # pinned -> DMA
-                write_adapter(self.pool, host, slots, staged)
-                ticket._end.record(side)
+                if ticket._staged is None:
+                    side.wait_event(ticket._after)
+                    ticket._start.record(side)
+                    for dst, src in zip(self.index, self._staged, strict=True):
+                        dst[row].copy_(src[row], non_blocking=True)
+                    ticket._staged = torch.empty(-(-n // 4) * 4, dtype=torch.uint8,
+                                                 device=self.pool.device)  # fmt: skip
+                first = ticket._sent
+                end = n if max_bytes is None else min(n, first + max(max_bytes, MIN_PART_BYTES))
+                ticket._staged[first:end].copy_(host.raw[first:end], non_blocking=True)
+                ticket._sent = end
+                if end == n:
+                    slots = self.index.slot_table[row, :num_slots]
+                    write_adapter(self.pool, host, slots, ticket._staged)
+                    ticket._end.record(side)
+                    ticket._job = ticket._staged = None
+                return end - first
         except Exception as exc:  # reported to the step thread through ticket.error
             ticket._error = exc
             # done() once what was queued before the failure has run: then the pages may go
             # back to the pool. If even that fails the device is unusable: the step fails.
             ticket._end.record(self._stream)
-        finally:
-            ticket._job = None
+            ticket._job = ticket._staged = None
+            return 0
+
+
+def h2d_bytes_per_s(device: torch.device, size: int = 64 << 20, reps: int = 3) -> float:
+    """Host (pinned) -> device copy bandwidth, the best of ``reps`` copies of ``size`` bytes on
+    a side stream: what a budgeted adapter transfer moves in a given time (issue())."""
+    src = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(size, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device)
+    best = float("inf")
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            dst.copy_(src, non_blocking=True)
+            end.record(stream)
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+    return size / best

@@ -299,19 +299,27 @@ class AdapterManager:
         self._unissued.append(entry.ready)
         return True
 
-    def issue_loads(self, budget_s: float | None = None) -> None:
+    def issue_loads(self, budget_s: float | None = None, budget_bytes: int | None = None) -> None:
         """Queue the copies begin_load prepared (adapter_copy.py), in the order they were
         prepared (the queue's). The engine calls this once the step's GPU work is queued, so
         their host time passes while the GPU computes (and at once when no step runs). With
         ``budget_s``, it stops once that much time has passed, at least one issued: a burst of
         hundreds of loads (a saturating trace's adapters all wanted at once) must not keep the
-        step thread from launching the next step while the GPU idles."""
+        step thread from launching the next step while the GPU idles. With ``budget_bytes``, it
+        queues at most about that many bytes of the adapters' files (AdapterCopier.issue: a
+        transfer may end at the next calls), so that the transfers end before the step does
+        and its successor's input copies find the copy engine free."""
         start = time.perf_counter()
-        issued = 0
+        issued = sent = 0
         for ticket in self._unissued:
-            self.copier.issue(ticket)
+            left = None if budget_bytes is None else budget_bytes - sent
+            sent += self.copier.issue(ticket, left)
+            if not ticket.issued:  # the rest of its transfer goes at the next call
+                break
             issued += 1
             if budget_s is not None and time.perf_counter() - start >= budget_s:
+                break
+            if budget_bytes is not None and sent >= budget_bytes:
                 break
         del self._unissued[:issued]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -79,6 +80,11 @@ MAX_FAILED_STEPS = 3
 # the last step's GPU time, at least ISSUE_MIN_S. The step thread has the rest of the step for
 # the previous step's tokens and the next step's scheduling.
 ISSUE_SHARE, ISSUE_MIN_S = 0.25, 0.001
+# Adapter bytes a launch may queue for transfer (AdapterManager.issue_loads): what this share of
+# the last step's GPU time moves at the measured host -> device bandwidth, so that a transfer
+# queued early in a step ends before it, leaving the copy engine free for the next step's inputs
+# (adapter_copy.py). LORAFLEET_ADAPTER_DMA_SHARE=0: no byte budget (a transfer queued whole).
+DMA_SHARE = float(os.environ.get("LORAFLEET_ADAPTER_DMA_SHARE", "0.5"))
 # Called with (request_id, logits [vocab] float32) for every sampled token: a test hook.
 LogitsHook = Callable[[str, torch.Tensor], None]
 
@@ -138,6 +144,7 @@ class EngineCore:
         self.steps = self.computed_tokens = self.generated_tokens = 0
         self.last_step_ran = False
         self._issue_budget_s = ISSUE_MIN_S  # from the last finished step's GPU time (finish)
+        self._issue_bytes: int | None = None  # likewise (DMA_SHARE)
         log.info(
             "engine ready: %d pages of %d tokens (%.1f MiB), context %d, up to %d sequences "
             "per step and %d requests in flight, %d resident adapters (LoRA index %.1f MiB), "
@@ -426,7 +433,7 @@ class EngineCore:
         # The GPU computes meanwhile (the step's work is queued), so the adapter copies
         # prepared for this step are issued now (within the budget), and a collection due now
         # costs nothing; on CPU both simply run after the forward.
-        self.adapters.issue_loads(self._issue_budget_s)
+        self.adapters.issue_loads(self._issue_budget_s, self._issue_bytes)
         if during is not None:
             during()
         collect_if_due()
@@ -453,6 +460,9 @@ class EngineCore:
     def _ended(self, record: StepRecord) -> None:
         self.step_log.end(record)
         self._issue_budget_s = max(ISSUE_MIN_S, ISSUE_SHARE * record.gpu_ms / 1e3)
+        bandwidth = self.adapters.copier.h2d_bytes_per_s
+        if bandwidth and DMA_SHARE > 0:
+            self._issue_bytes = int(DMA_SHARE * record.gpu_ms / 1e3 * bandwidth)
 
     def _token_logprobs(self, launched: LaunchedStep, tokens: list[int]) -> dict:
         """Row -> TokenLogprob for the rows that asked, from the step's copies (ticket.extras:
