@@ -99,7 +99,7 @@ def test_issued_copies_keep_to_the_budget_in_the_order_they_were_prepared(
     issued = []
     real = adapters.copier.issue
     monkeypatch.setattr(
-        adapters.copier, "issue", lambda t, b=None: (issued.append(t), real(t, b))[1]
+        adapters.copier, "issue", lambda t, b=None, a=None: (issued.append(t), real(t, b, a))[1]
     )
     adapters.issue_loads(budget_s=0.0)
     assert issued == prepared[:1]
@@ -121,7 +121,7 @@ def test_issued_copies_keep_to_the_byte_budget(core, tiny_models, monkeypatch):
     left = {id(t): 100 for t in prepared}  # bytes each transfer has still to queue
     calls = []
 
-    def issue(ticket, max_bytes=None):  # AdapterCopier.issue's contract, without a device
+    def issue(ticket, max_bytes=None, after=None):  # AdapterCopier.issue's, without a device
         n = left[id(ticket)] if max_bytes is None else min(left[id(ticket)], max_bytes)
         left[id(ticket)] -= n
         calls.append((prepared.index(ticket), n))

@@ -28,14 +28,16 @@ event, and a step reads it only once that event has passed (the adapter is IN_PO
 CPU the same function runs in place, synchronously, at prepare(), writing the index row and
 reading the host bytes directly.
 
-The transfer may be queued in parts (issue(ticket, max_bytes)): the step's own inputs go to the
-device by copies queued on the step's stream behind the previous step, so they run at the step
-boundary, where a transfer of an adapter still in flight on the copy engine delays them and the
-whole next step with them. So the engine gives each launch a byte budget, a share of what the
-last step's GPU time moves at the host -> device bandwidth measured at start-up
-(h2d_bytes_per_s), and a transfer queued early in a step then ends before the step does; the
-rest of a large adapter goes at the next launches, and the write kernel and the end event once
-every byte is queued."""
+A step's own inputs reach the device by small copies on the step's stream, and the copy engine
+takes the copies of both streams in the order they come: an adapter's transfer queued while a
+step's input copies are still pending holds them back, and the step with them, for the whole
+transfer (an H100, 80 MB: 1.45 ms, the step's p99 1.2x of the steps without loads;
+bench/service_load.py with LORAFLEET_BENCH_PROFILE). So a transfer waits for the step's input
+copies (issue(after=StepBatch.copied)) and is queued in parts (issue(ticket, max_bytes)): the
+engine gives each launch a byte budget, a share of what the last step's GPU time moves at the
+host -> device bandwidth measured at start-up (h2d_bytes_per_s), so that a part ends before the
+step's last copies (the sampler's) and the next step's inputs; the rest of a large adapter goes
+at the next launches, and the write kernel and the end event once every byte is queued."""
 
 from __future__ import annotations
 
@@ -245,11 +247,17 @@ class AdapterCopier:
             ticket._error = exc
         return ticket
 
-    def issue(self, ticket: CopyTicket, max_bytes: int | None = None) -> int:
+    def issue(
+        self,
+        ticket: CopyTicket,
+        max_bytes: int | None = None,
+        after: torch.cuda.Event | None = None,
+    ) -> int:
         """Queue a prepared copy on the side stream: its index row and the file's bytes, at most
         ``max_bytes`` of them this call (at least MIN_PART_BYTES; None: all that remain), then,
-        once every byte is queued, the write kernel and the end event (ticket.issued). Returns
-        the file's bytes queued (0 once issued, and on the CPU)."""
+        once every byte is queued, the write kernel and the end event (ticket.issued). With
+        ``after`` (the step's input copies: StepBatch.copied) the bytes wait for that event.
+        Returns the file's bytes queued (0 once issued, and on the CPU)."""
         if ticket._job is None:
             return 0
         host, row, num_slots = ticket._job
@@ -264,6 +272,8 @@ class AdapterCopier:
                         dst[row].copy_(src[row], non_blocking=True)
                     ticket._staged = torch.empty(-(-n // 4) * 4, dtype=torch.uint8,
                                                  device=self.pool.device)  # fmt: skip
+                if after is not None:
+                    side.wait_event(after)
                 first = ticket._sent
                 end = n if max_bytes is None else min(n, first + max(max_bytes, MIN_PART_BYTES))
                 ticket._staged[first:end].copy_(host.raw[first:end], non_blocking=True)

@@ -299,7 +299,12 @@ class AdapterManager:
         self._unissued.append(entry.ready)
         return True
 
-    def issue_loads(self, budget_s: float | None = None, budget_bytes: int | None = None) -> None:
+    def issue_loads(
+        self,
+        budget_s: float | None = None,
+        budget_bytes: int | None = None,
+        after: torch.cuda.Event | None = None,
+    ) -> None:
         """Queue the copies begin_load prepared (adapter_copy.py), in the order they were
         prepared (the queue's). The engine calls this once the step's GPU work is queued, so
         their host time passes while the GPU computes (and at once when no step runs). With
@@ -308,12 +313,13 @@ class AdapterManager:
         step thread from launching the next step while the GPU idles. With ``budget_bytes``, it
         queues at most about that many bytes of the adapters' files (AdapterCopier.issue: a
         transfer may end at the next calls), so that the transfers end before the step does
-        and its successor's input copies find the copy engine free."""
+        and its successor's input copies find the copy engine free; ``after`` (the step's input
+        copies) the transfers wait for."""
         start = time.perf_counter()
         issued = sent = 0
         for ticket in self._unissued:
             left = None if budget_bytes is None else budget_bytes - sent
-            sent += self.copier.issue(ticket, left)
+            sent += self.copier.issue(ticket, left, after)
             if not ticket.issued:  # the rest of its transfer goes at the next call
                 break
             issued += 1

@@ -267,6 +267,12 @@ class StepBatch:
         the whole buffer, 524 KB of it block tables): a tensor-parallel step sends this."""
         return self.packed[: self._tables_at + num_seqs * self.max_pages_per_seq * 4]
 
+    @property
+    def copied(self) -> torch.cuda.Event | None:
+        """Recorded on the step's stream behind the latest step's input copies (None on the CPU
+        and before the first): adapter transfers wait for it (AdapterCopier.issue)."""
+        return self._copied
+
     def wait_staging(self) -> None:
         """Block until the host tensors may be written (the previous copy has read them)."""
         if self._copied is not None:

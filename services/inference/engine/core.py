@@ -433,7 +433,9 @@ class EngineCore:
         # The GPU computes meanwhile (the step's work is queued), so the adapter copies
         # prepared for this step are issued now (within the budget), and a collection due now
         # costs nothing; on CPU both simply run after the forward.
-        self.adapters.issue_loads(self._issue_budget_s, self._issue_bytes)
+        self.adapters.issue_loads(
+            self._issue_budget_s, self._issue_bytes, after=self.runner.batch.copied
+        )
         if during is not None:
             during()
         collect_if_due()
