@@ -179,6 +179,7 @@ async def run_variant(args, setup, engine: str) -> dict:
             max_num_seqs=args.batch + 8, max_loras=n_adapters + 4, max_lora_rank=RANK,
             host_cache_mb=int((n_adapters + 2) * mb), max_queue=4 * args.batch,
             pool_memory_mb=None if device.type == "cuda" else 512, engine=engine,
+            preload_adapters="off",  # the cold adapters must come from the store when asked
         )
     )  # fmt: skip
     try:
