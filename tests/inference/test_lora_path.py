@@ -141,6 +141,31 @@ def test_issued_copies_keep_to_the_byte_budget(core, tiny_models, monkeypatch):
     assert calls[4:] == [(2, 90)] and not adapters._unissued
 
 
+def test_a_launch_gives_the_copies_a_byte_budget_from_the_last_step(core, monkeypatch):
+    """Each launch issues the prepared copies with the time budget and the byte budget the last
+    finished step set (core.DMA_SHARE of its GPU time at the copier's measured bandwidth) and
+    the step's input-copy event; without a measured bandwidth (the CPU) no byte budget."""
+    from services.inference.engine import core as core_module
+
+    calls = []
+    monkeypatch.setattr(
+        core.adapters, "issue_loads", lambda s=None, b=None, after=None: calls.append((s, b))
+    )
+    sampling = SamplingParams(max_new_tokens=8, ignore_eos=True)  # a step at each call below
+    core.add_request(GenerationRequest("r", prompt_token_ids=[3, 4, 5], sampling=sampling))
+    core.step()
+    core.step()
+    assert calls[0][1] is None and calls[1][1] is None  # no bandwidth measured on the CPU
+    core.adapters.copier.h2d_bytes_per_s = 1e9
+    core.step()  # the step before it set the budgets with no bandwidth
+    core.step()
+    gpu_s = core.step_log.recent[-2].gpu_ms / 1e3  # the step finished before the last launch
+    assert calls[-1] == (
+        max(core_module.ISSUE_MIN_S, core_module.ISSUE_SHARE * gpu_s),
+        int(core_module.DMA_SHARE * gpu_s * 1e9),
+    )
+
+
 def test_runner_prefers_fused_for_many_distinct_adapters(core, monkeypatch):
     """Fused steps are those of (mostly) distinct adapters whose ranks fit the engine's fused
     launch (FUSED_DECODE_ROWS = 16), whatever the engine's max_lora_rank (32 here)."""
