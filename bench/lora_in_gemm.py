@@ -28,6 +28,9 @@ CUDA graph over LAYERS copies; every variant's output is checked against the in-
 
 ``--check`` runs the operands' construction on the CPU (float32, a few adapters, one layer)
 against the reference LoRA (kernels/lora_ref.py) and exits: no GPU needed.
+
+Measured on an H100 (bench/results/lora_in_gemm_b1d91ea_h100.json) and not built into the
+engine: docs/inference_service.md says why.
 """
 
 from __future__ import annotations
