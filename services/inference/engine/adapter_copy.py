@@ -38,7 +38,9 @@ copies (issue(after=StepBatch.copied)) and is queued in parts (issue(ticket, max
 engine gives each launch a byte budget, a share of what the last step's GPU time moves at the
 host -> device bandwidth measured at start-up (h2d_bytes_per_s), so that a part ends before the
 step's last copies (the sampler's) and the next step's inputs; the rest of a large adapter goes
-at the next launches, and the write kernel and the end event once every byte is queued."""
+at the next launches, and the write kernel and the end event once every byte is queued. The
+price: with steps launched ahead, a launch's input copies run when the step before it ends, so
+a transfer issued at that launch starts then, up to a step later than it would unordered."""
 
 from __future__ import annotations
 
