@@ -171,6 +171,18 @@ def make_layers(n: int, ranks: tuple[int, ...], rows: torch.Tensor) -> SimpleNam
     )
 
 
+def engine_variant(workload: str, case, ranks: tuple[int, ...], variant: str):
+    """A variant's step batch (its LoraTokens) and LoRA context as the engine makes them for the
+    workload's steps: "base" (no context), "in_place" or "addend"."""
+    batch = SimpleNamespace(lora_tokens=case_tokens(workload, case.rows, variant == "addend"))
+    if variant == "base":
+        return batch, None
+    lora = LoraContext(case.index, max(ranks))
+    lora.fused, lora.rows, lora.modules = True, ROWS[workload], None
+    lora.one_token, lora.addend = workload in ONE_TOKEN, variant == "addend"
+    return batch, lora
+
+
 def time_projections(layers, batch, lora, results: dict, name: str) -> float:
     """µs a layer of the layers' q/k/v and o projections with their LoRA calls through the
     engine's hook (models/llama.py linear_lora; ``lora`` None: the GEMMs alone) in a CUDA
@@ -211,14 +223,8 @@ def time_case(
     case, wqkv, wo, xs, os_ = layers.case, layers.wqkv, layers.wo, layers.xs, layers.os_
     out: dict[str, float] = {}
     results: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
-    one_token = workload in ONE_TOKEN
     for variant in ("base", "in_place", "addend"):  # the addend's context stays for --parts
-        batch = SimpleNamespace(lora_tokens=case_tokens(workload, case.rows, variant == "addend"))
-        lora = None
-        if variant != "base":
-            lora = LoraContext(case.index, max(ranks))
-            lora.fused, lora.rows, lora.modules = True, ROWS[workload], None
-            lora.one_token, lora.addend = one_token, variant == "addend"
+        batch, lora = engine_variant(workload, case, ranks, variant)
         out[variant] = time_projections(layers, batch, lora, results, variant)
     if parts:  # the addend's two halves apart: its GEMMs onto a written output, its delta calls
         ys = [(torch.randn(t, 3 * H, dtype=kb.DT, device=kb.DEV),

@@ -53,6 +53,7 @@ from bench.lora_addend import (  # noqa: E402
     LAYERS,
     case_entries,
     check_same,
+    engine_variant,
     make_layers,
     time_projections,
 )
@@ -183,15 +184,8 @@ def time_case(workload: str, decode: int, n: int, prefill: tuple[int, ...], base
     case = layers.case
     out: dict[str, float] = {}
     results: dict = {}
-    for variant in ("base", "in_place", "addend"):
-        batch = SimpleNamespace(
-            lora_tokens=make_lora_tokens(case.rows, capacity=CAPACITY, zeros=variant == "addend")
-        )
-        lora = None
-        if variant != "base":
-            lora = LoraContext(case.index, 8)
-            lora.fused, lora.rows, lora.modules = True, lora_paths.FUSED_PREFILL_MAX_ROWS, None
-            lora.addend = variant == "addend"
+    for variant in ("base", "in_place", "addend"):  # the engine's paths (lora_addend's)
+        batch, lora = engine_variant(workload, case, (8,), variant)
         out[variant] = time_projections(layers, batch, lora, results, variant)
     check_same(results, "in_place", "addend")
 
