@@ -37,7 +37,8 @@ bench/results/service_load_profile_8ee6990_h100.json). So a transfer waits for t
 copies (issue(after=StepBatch.copied)) and is queued in parts (issue(ticket, max_bytes)): the
 engine gives each launch a byte budget, a share of what the last step's GPU time moves at the
 host -> device bandwidth measured at start-up (h2d_bytes_per_s), so that a part ends before the
-step's last copies (the sampler's) and the next step's inputs; the rest of a large adapter goes
+copies that follow it (a sampling step's parameters, after its forward, and the next step's
+inputs); the rest of a large adapter goes
 at the next launches, and the write kernel and the end event once every byte is queued. The
 price: with steps launched ahead, a launch's input copies run when the step before it ends, so
 a transfer issued at that launch starts then, up to a step later than it would unordered."""
@@ -86,12 +87,16 @@ def _triton_writer() -> ModuleType:
     return adapter_write
 
 
+def staging_buffer(n: int, device: torch.device) -> torch.Tensor:
+    """A device buffer for a file of ``n`` bytes, its length a multiple of 4, as
+    kernels/adapter_write.py reads it."""
+    return torch.empty(-(-n // 4) * 4, dtype=torch.uint8, device=device)
+
+
 def to_device(raw: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The file's bytes on ``device`` (non-blocking from pinned memory), in a buffer whose
-    length is a multiple of 4, as kernels/adapter_write.py reads it."""
-    n = raw.numel()
-    staged = torch.empty(-(-n // 4) * 4, dtype=torch.uint8, device=device)
-    staged[:n].copy_(raw, non_blocking=True)
+    """The file's bytes on ``device`` (non-blocking from pinned memory), in a staging_buffer."""
+    staged = staging_buffer(raw.numel(), device)
+    staged[: raw.numel()].copy_(raw, non_blocking=True)
     return staged
 
 
@@ -273,8 +278,7 @@ class AdapterCopier:
                     ticket._start.record(side)
                     for dst, src in zip(self.index, self._staged, strict=True):
                         dst[row].copy_(src[row], non_blocking=True)
-                    ticket._staged = torch.empty(-(-n // 4) * 4, dtype=torch.uint8,
-                                                 device=self.pool.device)  # fmt: skip
+                    ticket._staged = staging_buffer(n, self.pool.device)
                 if after is not None:
                     side.wait_event(after)
                 first = ticket._sent
@@ -296,7 +300,7 @@ class AdapterCopier:
             return 0
 
 
-def h2d_bytes_per_s(device: torch.device, size: int = 64 << 20, reps: int = 3) -> float:
+def h2d_bytes_per_s(device: torch.device, size: int = 16 << 20, reps: int = 3) -> float:
     """Host (pinned) -> device copy bandwidth, the best of ``reps`` copies of ``size`` bytes on
     a side stream: what a budgeted adapter transfer moves in a given time (issue())."""
     src = torch.empty(size, dtype=torch.uint8, pin_memory=True)
