@@ -204,39 +204,66 @@ def build_host_adapter(
 
 def copy_pieces(host: HostAdapter) -> torch.Tensor | None:
     """HostAdapter.pieces: where each row of every (layer, module, half) comes from in the file
-    and goes to in the adapter's slots (kernels/adapter_write.py documents the columns). A's rows
-    are the file's rows (columns contiguous), Bᵀ's rows the file's B columns (stride r_l); a
-    shard's slice of A's columns or B's rows moves the start."""
-    table = []
-    rows = {(r[0], r[1]): r for r in host.pair_table.tolist()}  # (layer, module id) -> its row
-    for m, place in enumerate(host.plan.placements):
-        if place is None:
-            continue
+    and goes to in the adapter's slots (kernels/adapter_write.py documents the columns), by
+    module, then layer, then half. A's rows are the file's rows (columns contiguous), Bᵀ's rows
+    the file's B columns (stride r_l); a shard's slice of A's columns or B's rows moves the
+    start. Array operations over pair_table for all pieces at once: a 7B model's rank-16 file on
+    every module (448 pieces) took 0.4-0.6 ms built row by row in Python on the step thread."""
+    pairs = host.pair_table.numpy()
+    sizes = np.array([_CODE_DTYPE[c].itemsize for c in range(len(_CODE_DTYPE))], dtype=np.int64)
+    a_size, b_size = sizes[pairs[:, 3]], sizes[pairs[:, 7]]
+    if (pairs[:, 2] % a_size).any() or (pairs[:, 6] % b_size).any():
+        return None
+    placed = [(m, p) for m, p in enumerate(host.plan.placements) if p is not None]
+    num_layers = host.num_layers
+    if not placed:
+        return torch.zeros(0, PIECE_COLS, dtype=torch.int64)
+    # Per placed module: its slots' geometry and the part of A's columns / B's rows it writes.
+    geometry = []
+    for m, place in placed:
         d_in, d_out = host.dims[m]
         a_part, b_part = range(d_in), range(d_out)
         if host.shard is not None:
             a_cols, b_rows = lora_slices(m, d_in, d_out, host.shard)
             a_part, b_part = a_part[a_cols], b_part[b_rows]
-        for layer in range(host.num_layers):
-            row = rows.get((layer, m))
-            a_row = [layer, 0, place.a_offset, place.rank, place.in_chunks]
-            b_row = [layer, 1, place.b_offset, place.rank, place.out_chunks]
-            if row is None:  # a layer the module does not transform: zeros
-                table += [a_row + [0] * 6 + [_F32_ONE], b_row + [0] * 6 + [_F32_ONE]]
-                continue
-            _, _, a_off, a_dt, r_l, a_cols_n, b_off, b_dt, _, _, folds, bits = row
-            a_size, b_size = _CODE_DTYPE[a_dt].itemsize, _CODE_DTYPE[b_dt].itemsize
-            if a_off % a_size or b_off % b_size:
-                return None
-            a_start = a_off // a_size + a_part.start
-            b_start = b_off // b_size + b_part.start * r_l
-            fold = _fold(folds, bits)
-            fold = _F32_ONE if fold is None else _f32_bits(fold)
-            table.append(a_row + [a_start, a_cols_n, 1, r_l, len(a_part), a_dt, _F32_ONE])
-            table.append(b_row + [b_start, 1, r_l, r_l, len(b_part), b_dt, fold])
-    out = torch.from_numpy(np.asarray(table, dtype=np.int64).reshape(-1, PIECE_COLS))
+        geometry.append((place.a_offset, place.b_offset, place.rank, place.in_chunks,
+                         place.out_chunks, a_part.start, len(a_part), b_part.start,
+                         len(b_part)))  # fmt: skip
+    columns = np.array(geometry, dtype=np.int64).T[:, :, None]  # each [modules, 1]
+    a_slot, b_slot, rank, in_ch, out_ch, a_first, a_len, b_first, b_len = columns
+    grid = np.full((len(host.plan.placements), num_layers), -1, dtype=np.int64)
+    grid[pairs[:, 1], pairs[:, 0]] = np.arange(len(pairs))
+    at = grid[[m for m, _ in placed]]  # [modules, layers]: the pair_table row, -1: none
+    have = at >= 0
+    row = pairs[np.maximum(at, 0)]  # [modules, layers, PAIR_COLS]; masked where not have
+    r_l = row[..., 4]
+    # The pair's scale folded into B, as float32 bits (the index scale's pieces: 1.0).
+    fold_bits = row[..., 11].view(np.float64).astype(np.float32).view(np.int32).astype(np.int64)
+    fold = np.where(row[..., 10] != 0, fold_bits, _F32_ONE)
+    out = np.zeros((len(placed), num_layers, 2, PIECE_COLS), dtype=np.int64)
+    out[..., 0] = np.arange(num_layers)[None, :, None]
+    out[..., 1] = (0, 1)
+    for half, slot, chunks in ((0, a_slot, in_ch), (1, b_slot, out_ch)):
+        out[:, :, half, 2], out[:, :, half, 3], out[:, :, half, 4] = slot, rank, chunks
+    a, b = out[:, :, 0], out[:, :, 1]  # views
+    # A layer the module does not transform: no source, no valid rows (zeros written).
+    a[..., 5] = np.where(have, row[..., 2] // sizes[row[..., 3]] + a_first, 0)
+    a[..., 6] = np.where(have, row[..., 5], 0)
+    a[..., 7] = have
+    a[..., 8] = np.where(have, r_l, 0)
+    a[..., 9] = np.where(have, a_len, 0)
+    a[..., 10] = np.where(have, row[..., 3], 0)
+    a[..., 11] = _F32_ONE
+    b[..., 5] = np.where(have, row[..., 6] // sizes[row[..., 7]] + b_first * r_l, 0)
+    b[..., 6] = have
+    b[..., 7] = np.where(have, r_l, 0)
+    b[..., 8] = np.where(have, r_l, 0)
+    b[..., 9] = np.where(have, b_len, 0)
+    b[..., 10] = np.where(have, row[..., 7], 0)
+    b[..., 11] = np.where(have, fold, _F32_ONE)
+    table = torch.from_numpy(out.reshape(-1, PIECE_COLS))
     # Pinned beside pinned bytes: a copy from pageable memory would wait for the copy stream.
-    return out.pin_memory() if host.raw.is_pinned() else out
+    return table.pin_memory() if host.raw.is_pinned() else table
 
 
 def _f32_bits(value: float) -> int:
