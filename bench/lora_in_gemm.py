@@ -60,7 +60,7 @@ from bench.lora_addend import (  # noqa: E402
 from bench.provenance import write_result  # noqa: E402
 from kernels import lora_paths  # noqa: E402
 from kernels.lora_layout import K, O, Q, V  # noqa: E402
-from kernels.lora_ref import LoraIndex, _gather, lora_apply, make_lora_tokens  # noqa: E402
+from kernels.lora_ref import LoraIndex, gather_matrix, lora_apply, make_lora_tokens  # noqa: E402
 from services.inference.models.llama import LoraContext, add_lora  # noqa: E402
 
 H = kb.H
@@ -108,8 +108,9 @@ def operands(
     out_starts = [sum(widths[:s]) for s in range(len(widths))]
     for j, s, adapter, m, r, c in blocks:
         table = index.slot_table[adapter]
-        a[c : c + r] = _gather(pool_layer, 0, table, int(index.a_offsets[adapter, m]), r, d_in)
-        bt = _gather(pool_layer, 1, table, int(index.b_offsets[adapter, m]), r, widths[s])
+        a_at, b_at = int(index.a_offsets[adapter, m]), int(index.b_offsets[adapter, m])
+        a[c : c + r] = gather_matrix(pool_layer, 0, table, a_at, r, d_in)
+        bt = gather_matrix(pool_layer, 1, table, b_at, r, widths[s])
         scale = index.scales[adapter, m].to(torch.float32)
         o0 = out_starts[s]
         b[o0 : o0 + widths[s], c : c + r] = (bt.float().t() * scale).to(dt)

@@ -127,9 +127,11 @@ def make_lora_tokens(
     )
 
 
-def _gather(
+def gather_matrix(
     pool_layer: torch.Tensor, half: int, table: torch.Tensor, off: int, rank: int, dim: int
-):
+) -> torch.Tensor:
+    """An adapter's A (``half`` 0, [rank, d_in]) or Bᵀ (1, [rank, d_out]) of one module, read
+    from ``pool_layer`` [2, slots, W] through its slot ``table`` from offset ``off``."""
     width = pool_layer.shape[-1]
     n = chunks(dim, width)
     slots = table[off : off + rank * n].long()
@@ -163,7 +165,7 @@ def lora_shrink(
             r = int(index.ranks[a, m])
             if r == 0:
                 continue
-            w_a = _gather(pool_layer, 0, table, int(index.a_offsets[a, m]), r, d_in)
+            w_a = gather_matrix(pool_layer, 0, table, int(index.a_offsets[a, m]), r, d_in)
             h[idx, s, :r] = x[idx] @ w_a.to(x.dtype).t()
     return h
 
@@ -187,7 +189,7 @@ def lora_expand(
             d_out = out_widths[s]
             r = int(index.ranks[a, m])
             if r:
-                w_bt = _gather(pool_layer, 1, table, int(index.b_offsets[a, m]), r, d_out)
+                w_bt = gather_matrix(pool_layer, 1, table, int(index.b_offsets[a, m]), r, d_out)
                 delta = (h[idx, s, :r] @ w_bt.to(h.dtype)) * index.scales[a, m].to(h.dtype)
                 y[idx, col : col + d_out] += delta.to(y.dtype)
             col += d_out
