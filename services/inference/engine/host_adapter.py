@@ -208,7 +208,8 @@ def copy_pieces(host: HostAdapter) -> torch.Tensor | None:
     module, then layer, then half. A's rows are the file's rows (columns contiguous), Bᵀ's rows
     the file's B columns (stride r_l); a shard's slice of A's columns or B's rows moves the
     start. Array operations over pair_table for all pieces at once: a 7B model's rank-16 file on
-    every module (448 pieces) took 0.4-0.6 ms built row by row in Python on the step thread."""
+    every module (448 pieces) took 0.35-0.63 ms built row by row in Python, on the step thread at
+    the adapter's first copy (docs/kernels.md)."""
     pairs = host.pair_table.numpy()
     sizes = np.array([_CODE_DTYPE[c].itemsize for c in range(len(_CODE_DTYPE))], dtype=np.int64)
     a_size, b_size = sizes[pairs[:, 3]], sizes[pairs[:, 7]]
