@@ -235,33 +235,25 @@ def copy_pieces(host: HostAdapter) -> torch.Tensor | None:
     grid = np.full((len(host.plan.placements), num_layers), -1, dtype=np.int64)
     grid[pairs[:, 1], pairs[:, 0]] = np.arange(len(pairs))
     at = grid[[m for m, _ in placed]]  # [modules, layers]: the pair_table row, -1: none
-    have = at >= 0
-    row = pairs[np.maximum(at, 0)]  # [modules, layers, PAIR_COLS]; masked where not have
+    src = np.maximum(at, 0)  # a row for every piece; those of no pair are cleared below
+    row = pairs[src]  # [modules, layers, PAIR_COLS]
     r_l = row[..., 4]
     # The pair's scale folded into B, as float32 bits (the index scale's pieces: 1.0).
     fold_bits = row[..., 11].view(np.float64).astype(np.float32).view(np.int32).astype(np.int64)
-    fold = np.where(row[..., 10] != 0, fold_bits, _F32_ONE)
     out = np.zeros((len(placed), num_layers, 2, PIECE_COLS), dtype=np.int64)
     out[..., 0] = np.arange(num_layers)[None, :, None]
     out[..., 1] = (0, 1)
     for half, slot, chunks in ((0, a_slot, in_ch), (1, b_slot, out_ch)):
         out[:, :, half, 2], out[:, :, half, 3], out[:, :, half, 4] = slot, rank, chunks
     a, b = out[:, :, 0], out[:, :, 1]  # views
-    # A layer the module does not transform: no source, no valid rows (zeros written).
-    a[..., 5] = np.where(have, row[..., 2] // sizes[row[..., 3]] + a_first, 0)
-    a[..., 6] = np.where(have, row[..., 5], 0)
-    a[..., 7] = have
-    a[..., 8] = np.where(have, r_l, 0)
-    a[..., 9] = np.where(have, a_len, 0)
-    a[..., 10] = np.where(have, row[..., 3], 0)
+    a[..., 5] = row[..., 2] // a_size[src] + a_first
+    a[..., 6], a[..., 7], a[..., 8], a[..., 9], a[..., 10] = row[..., 5], 1, r_l, a_len, row[..., 3]
     a[..., 11] = _F32_ONE
-    b[..., 5] = np.where(have, row[..., 6] // sizes[row[..., 7]] + b_first * r_l, 0)
-    b[..., 6] = have
-    b[..., 7] = np.where(have, r_l, 0)
-    b[..., 8] = np.where(have, r_l, 0)
-    b[..., 9] = np.where(have, b_len, 0)
-    b[..., 10] = np.where(have, row[..., 7], 0)
-    b[..., 11] = np.where(have, fold, _F32_ONE)
+    b[..., 5] = row[..., 6] // b_size[src] + b_first * r_l
+    b[..., 6], b[..., 7], b[..., 8], b[..., 9], b[..., 10] = 1, r_l, r_l, b_len, row[..., 7]
+    b[..., 11] = np.where(row[..., 10] != 0, fold_bits, _F32_ONE)
+    # A layer the module does not transform: no source, no valid rows (zeros written).
+    out[at < 0, :, 5:] = (0, 0, 0, 0, 0, 0, _F32_ONE)
     table = torch.from_numpy(out.reshape(-1, PIECE_COLS))
     # Pinned beside pinned bytes: a copy from pageable memory would wait for the copy stream.
     return table.pin_memory() if host.raw.is_pinned() else table
