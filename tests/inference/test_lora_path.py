@@ -407,3 +407,18 @@ def test_the_addend_takes_steps_whose_calls_all_fuse(tiny_models, monkeypatch, c
     on.batch.fill([BatchEntry(tuple(range(big)), 0, tuple(range(big // 4 + 1)), None, True)])
     assert on._lora_for(LoraMode.ONE_TOKEN, None).addend
     assert not on._lora_for(LoraMode.TWO, None).addend
+
+
+def test_the_byte_budget_share_is_read_from_the_environment_with_a_clear_error(monkeypatch):
+    """LORAFLEET_ADAPTER_DMA_SHARE: 0.5 unset, 0 turns the byte budget off, and a value that is
+    not a share of a step (0 to 1) is refused naming the variable."""
+    from services.inference.engine import core as core_module
+
+    monkeypatch.delenv(core_module.DMA_SHARE_ENV, raising=False)
+    assert core_module._dma_share() == 0.5
+    monkeypatch.setenv(core_module.DMA_SHARE_ENV, "0")
+    assert core_module._dma_share() == 0.0
+    for bad in ("half", "1.5", "-0.1", "nan"):
+        monkeypatch.setenv(core_module.DMA_SHARE_ENV, bad)
+        with pytest.raises(ValueError, match="LORAFLEET_ADAPTER_DMA_SHARE must be a number"):
+            core_module._dma_share()

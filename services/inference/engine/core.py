@@ -84,7 +84,21 @@ ISSUE_SHARE, ISSUE_MIN_S = 0.25, 0.001
 # the last step's GPU time moves at the measured host -> device bandwidth, so that a transfer
 # queued early in a step ends before it, leaving the copy engine free for the next step's inputs
 # (adapter_copy.py). LORAFLEET_ADAPTER_DMA_SHARE=0: no byte budget (a transfer queued whole).
-DMA_SHARE = float(os.environ.get("LORAFLEET_ADAPTER_DMA_SHARE", "0.5"))
+DMA_SHARE_ENV = "LORAFLEET_ADAPTER_DMA_SHARE"
+
+
+def _dma_share() -> float:
+    text = os.environ.get(DMA_SHARE_ENV, "0.5")
+    try:
+        share = float(text)
+    except ValueError:
+        share = -1.0
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"{DMA_SHARE_ENV} must be a number from 0 to 1, got {text!r}")
+    return share
+
+
+DMA_SHARE = _dma_share()
 # Called with (request_id, logits [vocab] float32) for every sampled token: a test hook.
 LogitsHook = Callable[[str, torch.Tensor], None]
 
