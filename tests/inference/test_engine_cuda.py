@@ -468,3 +468,36 @@ def test_cuda_an_adapter_copied_in_parts_lands_as_a_whole_copy(tiny_models, monk
         gc.collect()
     assert calls > 4  # the parts' case did cut the file
     assert torch.equal(written[0], written[1])
+
+
+def test_cuda_step_batch_device_views_hold_each_step_after_one_copy():
+    """StepBatch copies a step's prefix of its packed staging (wire()) to the device in one
+    copy: after steps of more and fewer sequences, tokens and tiles, padded for graphs or not,
+    every device view of the step equals the host's (the block tables' rows of the step's
+    sequences), and the device tensors keep their addresses."""
+    from services.inference.engine.batch import BatchEntry, StepBatch
+
+    b = StepBatch(max_tokens=64, max_seqs=8, max_pages_per_seq=6, max_segments=6, page_size=4,
+                  device=torch.device("cuda"))  # fmt: skip
+    ptrs = {name: t.data_ptr() for name, t in b._dev.items()}
+    steps = [
+        ([BatchEntry([1] * 9, 0, [0, 1, 2], 0, True), BatchEntry([2], 20, [3, 4, 5, 6, 7, 8], 1,
+          True)] + [BatchEntry([3], 5, [9 + k, 20 + k], None, True) for k in range(5)],
+         {"pad_tokens": 24, "pad_seqs": 8}),
+        ([BatchEntry([4], 7, [5, 6], 2, True)], {}),
+        ([BatchEntry([5] * 22, 0, list(range(6)), 0, False), BatchEntry([6], 3, [9], 0, True)],
+         {"one_token_tiles": True, "zero_tiles": True}),
+        ([BatchEntry([7], 9, [1, 2, 3], k // 2, True) for k in range(6)],
+         {"one_token_tiles": True, "pair_tiles": True}),
+    ]  # fmt: skip
+    for entries, kw in steps:
+        b.fill(entries, **kw)
+        torch.cuda.synchronize()
+        for name, host in b._host.items():
+            dev = b._dev[name]
+            if name == "block_tables":
+                host, dev = host[: b.num_seqs], dev[: b.num_seqs]
+            assert torch.equal(dev.cpu(), host), name
+        assert b.block_tables.cpu().tolist()[0][: len(entries[0].pages)] == list(entries[0].pages)
+    assert {name: t.data_ptr() for name, t in b._dev.items()} == ptrs
+    assert all(t.data_ptr() % 16 == 0 for t in b._dev.values())

@@ -2,12 +2,13 @@
 
 The tensors are allocated once with the engine's limits (tokens, sequences, pages per sequence,
 LoRA segments) so that a later CUDA-graph capture sees stable addresses; each step writes the
-live prefix and the model reads views of it. On CUDA the host side is a pinned staging copy and
-the device side is filled with one non-blocking copy per tensor; the staging buffers are written
-again only after an event recorded behind those copies has completed. The host tensors are views
-of one flat byte buffer (``packed``), of which a tensor-parallel step sends what it wrote
-(wire()) to the other ranks in one broadcast (engine/tensor_parallel.py); a rank that receives
-it calls adopt().
+live prefix and the model reads views of it. The tensors are views of one flat byte buffer
+(``packed``), laid out so that what a step wrote is a prefix of it (wire()). On CUDA ``packed`` is
+a pinned staging copy and the device tensors are views of a device buffer of the same layout,
+filled by one non-blocking copy of that prefix a step (rather than one copy a tensor: the host
+spends about 10 us issuing each); the staging is written again only after an event recorded
+behind that copy has completed. A tensor-parallel step sends the same prefix to the other ranks
+in one broadcast (engine/tensor_parallel.py); a rank that receives it calls adopt().
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ from kernels.tile_table import (
     query_tiles,
     table_rows,
 )
+
+# Each tensor's offset in the packed buffers: 16 bytes, what Triton's pointer specialization
+# and vectorized loads want of the kernels' tables.
+_ALIGN = 16
 
 
 class BatchEntry(NamedTuple):
@@ -94,18 +99,20 @@ class StepBatch:
         offsets, total = {}, 0
         for k, (s, d) in shapes.items():
             offsets[k] = total
-            total += -(-math.prod(s) * d.itemsize // 8) * 8  # each view 8-byte aligned
+            total += -(-math.prod(s) * d.itemsize // _ALIGN) * _ALIGN
         self.packed = torch.zeros(total, dtype=torch.uint8, pin_memory=pin)  # every host tensor
         self._tables_at = offsets["block_tables"]
-        self._host = {
-            k: self.packed[offsets[k] : offsets[k] + math.prod(s) * d.itemsize].view(d).view(s)
-            for k, (s, d) in shapes.items()
-        }
-        self._dev = (
-            {k: torch.zeros(s, dtype=d, device=device) for k, (s, d) in shapes.items()}
-            if pin
-            else self._host
-        )
+
+        def views(flat: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {
+                k: flat[offsets[k] : offsets[k] + math.prod(s) * d.itemsize].view(d).view(s)
+                for k, (s, d) in shapes.items()
+            }
+
+        self._host = views(self.packed)
+        # The device tensors: views of one buffer of the same layout (the host's on the CPU).
+        self._dev_packed = torch.zeros(total, dtype=torch.uint8, device=device) if pin else None
+        self._dev = self._host if self._dev_packed is None else views(self._dev_packed)
         # The tokens the latest launched step sampled, in its sampling order: the next step's
         # inputs whose ids the host does not know yet are read from here (resolve_inputs).
         self.prev_tokens = torch.zeros(max_seqs, dtype=torch.int64, device=device)
@@ -113,7 +120,8 @@ class StepBatch:
         self._zeros = (0,) * max_pages_per_seq  # pads block-table rows to the step's widest
         for name in ("lora_tiles", "attn_tiles"):  # no tiles yet
             self._host[name][..., 0] = -1
-            self._dev[name].copy_(self._host[name])
+        if self._dev_packed is not None:
+            self._dev_packed.copy_(self.packed)
         # Rows of each table the last step wrote: the LoRA tables', then attention's.
         self._tiles_used = [0] * (len(TILE_BLOCKS) + 1)
         self.num_tokens = self.num_seqs = self.num_logits = self.num_sampled = 0
@@ -264,7 +272,8 @@ class StepBatch:
         """What a step of ``num_seqs`` sequences (padding included) wrote of ``packed``: every
         host tensor but the block tables whole, then those sequences' rows of the block tables,
         laid out last (at the service's defaults 115 KB and 1 KB a sequence, against 640 KB for
-        the whole buffer, 524 KB of it block tables): a tensor-parallel step sends this."""
+        the whole buffer, 524 KB of it block tables): the device's copy of the step and what a
+        tensor-parallel step sends."""
         return self.packed[: self._tables_at + num_seqs * self.max_pages_per_seq * 4]
 
     @property
@@ -285,9 +294,11 @@ class StepBatch:
         self._to_device()
 
     def _to_device(self) -> None:
-        if self._dev is not self._host:
-            for name, src in self._host.items():
-                self._dev[name].copy_(src, non_blocking=True)
+        """One copy of what the step wrote (wire()); the device rows of the block tables past
+        the step's sequences keep older bytes, which no view of this step reads."""
+        if self._dev_packed is not None:
+            n = self.wire(self.num_seqs).numel()
+            self._dev_packed[:n].copy_(self.packed[:n], non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
 
