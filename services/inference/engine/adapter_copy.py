@@ -28,13 +28,14 @@ event, and a step reads it only once that event has passed (the adapter is IN_PO
 CPU the same function runs in place, synchronously, at prepare(), writing the index row and
 reading the host bytes directly.
 
-A step's own inputs reach the device by small copies on the step's stream, which share the copy
-engine with the side stream's: an adapter's transfer that starts while a step's input copies
-are still pending holds back those not yet begun, and the step with them, for the whole
-transfer (an H100, 80 MB: 1.45 ms, the last three of a step's copies waiting for its end; the
-decode step's p99 under loads 1.15-1.19x of the p99 without:
+A step's own inputs reach the device by a copy on the step's stream (StepBatch), which shares
+the copy engine with the side stream's: an adapter's transfer that starts while a step's input
+copies are still pending holds back those not yet begun, and the step with them, for the whole
+transfer (an H100, 80 MB: 1.45 ms, the last three of a step's then 14 copies waiting for its end;
+the decode step's p99 under loads 1.15-1.19x of the p99 without:
 bench/results/service_load_profile_8ee6990_h100.json). So a transfer waits for the step's input
-copies (issue(after=StepBatch.copied)) and is queued in parts (issue(ticket, max_bytes)): the
+copies (issue(after=StepBatch.copied); since then 1.029-1.031x on an H100,
+bench/results/service_load_1bf6a4c_h100.json) and is queued in parts (issue(ticket, max_bytes)): the
 engine gives each launch a byte budget, a share of what the last step's GPU time moves at the
 host -> device bandwidth measured at start-up (h2d_bytes_per_s), so that a part ends before the
 copies that follow it (a sampling step's parameters, after its forward, and the next step's
