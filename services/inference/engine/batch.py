@@ -274,7 +274,10 @@ class StepBatch:
         laid out last (at the service's defaults 115 KB and 1 KB a sequence, against 640 KB for
         the whole buffer, 524 KB of it block tables): the device's copy of the step and what a
         tensor-parallel step sends."""
-        return self.packed[: self._tables_at + num_seqs * self.max_pages_per_seq * 4]
+        return self.packed[: self._wire_bytes(num_seqs)]
+
+    def _wire_bytes(self, num_seqs: int) -> int:
+        return self._tables_at + num_seqs * self.max_pages_per_seq * 4
 
     @property
     def copied(self) -> torch.cuda.Event | None:
@@ -297,7 +300,7 @@ class StepBatch:
         """One copy of what the step wrote (wire()); the device rows of the block tables past
         the step's sequences keep older bytes, which no view of this step reads."""
         if self._dev_packed is not None:
-            n = self.wire(self.num_seqs).numel()
+            n = self._wire_bytes(self.num_seqs)
             self._dev_packed[:n].copy_(self.packed[:n], non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()

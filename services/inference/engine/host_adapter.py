@@ -67,6 +67,8 @@ class LoraPair(NamedTuple):
 # that scale's float64 bits
 PAIR_COLS = 12
 _CODE_DTYPE = {code: dtype for dtype, code in PIECE_DTYPES.items()}
+# Each dtype code's element size, indexed by code (the codes are 0, 1, ...).
+_CODE_SIZES = np.array([_CODE_DTYPE[c].itemsize for c in range(len(_CODE_DTYPE))], dtype=np.int64)
 
 
 def _pair_table(rows) -> torch.Tensor:
@@ -211,8 +213,7 @@ def copy_pieces(host: HostAdapter) -> torch.Tensor | None:
     every module (448 pieces) took 0.35-0.63 ms built row by row in Python, on the step thread at
     the adapter's first copy (docs/kernels.md)."""
     pairs = host.pair_table.numpy()
-    sizes = np.array([_CODE_DTYPE[c].itemsize for c in range(len(_CODE_DTYPE))], dtype=np.int64)
-    a_size, b_size = sizes[pairs[:, 3]], sizes[pairs[:, 7]]
+    a_size, b_size = _CODE_SIZES[pairs[:, 3]], _CODE_SIZES[pairs[:, 7]]
     if (pairs[:, 2] % a_size).any() or (pairs[:, 6] % b_size).any():
         return None
     placed = [(m, p) for m, p in enumerate(host.plan.placements) if p is not None]
@@ -259,12 +260,8 @@ def copy_pieces(host: HostAdapter) -> torch.Tensor | None:
     return table.pin_memory() if host.raw.is_pinned() else table
 
 
-def _f32_bits(value: float) -> int:
-    """``value`` as float32, its bits as an int (a pieces column: kernels/adapter_write.py)."""
-    return int(np.float32(value).view(np.int32))
-
-
-_F32_ONE = _f32_bits(1.0)
+# 1.0 as float32, its bits as an int (a pieces column: kernels/adapter_write.py).
+_F32_ONE = int(np.float32(1.0).view(np.int32))
 
 
 def plan_for(spec: AdapterSpec, base: BaseModelShape, width: int) -> AdapterPlan:
