@@ -206,11 +206,11 @@ def wait_preloaded(
     }
 
 
-def place_adapters(address: str, names: list[str]) -> int:
+def place_adapters(address: str, names: list[str]) -> set[str]:
     """Loads into the page pool those of ``names`` that are not there, one after the other,
     while the pool has room for them (it stops at the first load that leaves the pool's count of
-    adapters where it was: that load evicted another); returns how many of ``names`` are in the
-    pool then. The preload waits for n adapters in the pool, not for these n: after a trace of
+    adapters where it was: that load evicted another); returns those of ``names`` in the pool
+    then. The preload waits for n adapters in the pool, not for these n: after a trace of
     more adapters the pool holds what that trace left in it."""
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.InferenceStub(channel)
@@ -229,7 +229,7 @@ def place_adapters(address: str, names: list[str]) -> int:
             if now <= count:
                 break
             count = now
-        return len(in_pool() & set(names))
+        return in_pool() & set(names)
 
 
 def wait_idle(address: str, timeout: float = 600.0) -> pb.GetStatsResponse:
@@ -445,7 +445,8 @@ def main() -> None:
             in_pool = None
             if n and mode == "pool":  # KV took adapters' pages in the last trace: back?
                 in_pool = wait_preloaded(address, n, pool=True)["in_pool"]
-                trace_in_pool = place_adapters(address, names[:n])
+                placed = place_adapters(address, names[:n])
+                used = {names[r.adapter] for r in trace if r.adapter is not None}
             for via in args.via:  # the same trace through each front, one after the other
                 log.info("run %s pass %d, %d adapters, via %s: %d requests", run, pas, n, via,
                          len(trace))  # fmt: skip
@@ -458,7 +459,9 @@ def main() -> None:
                        **analyse(results, steps, roof)}  # fmt: skip
                 if in_pool is not None:
                     row["in_pool_at_start"] = in_pool
-                    row["trace_adapters_in_pool_at_start"] = trace_in_pool
+                    row["trace_adapters_in_pool_at_start"] = len(placed)
+                    row["trace_used_adapters"] = len(used)
+                    row["trace_used_adapters_in_pool_at_start"] = len(placed & used)
                 row["device_memory"] = device_memory(idle)
                 key = run, pas, via
                 if n == 0:
